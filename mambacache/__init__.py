@@ -1,0 +1,53 @@
+"""mambacache: an event-driven asynchronous manager for hybrid models' recurrent state."""
+
+from ._errors import DistributedError as DistributedError
+from ._errors import ExecutorError as ExecutorError
+from ._errors import InvalidArgumentError as InvalidArgumentError
+from ._errors import InvalidEventError as InvalidEventError
+from ._errors import InvalidSlotError as InvalidSlotError
+from ._errors import MambaCacheError as MambaCacheError
+from ._errors import ManagerClosedError as ManagerClosedError
+from ._errors import PoolExhaustedError as PoolExhaustedError
+from ._errors import SlotStateError as SlotStateError
+from ._errors import UnknownExecutorError as UnknownExecutorError
+from ._events import Alloc as Alloc
+from ._events import Clear as Clear
+from ._events import CopyOnWrite as CopyOnWrite
+from ._events import Release as Release
+from ._events import StepReport as StepReport
+from ._executors import Executor as Executor
+from ._executors import known_executors as known_executors
+from ._executors import register_executor as register_executor
+from ._manager import CacheManager as CacheManager
+from ._planner import Plan as Plan
+from ._planner import plan_step as plan_step
+from ._pool import StatePool as StatePool
+from ._spec import StateSpec as StateSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Alloc",
+    "CacheManager",
+    "Clear",
+    "CopyOnWrite",
+    "DistributedError",
+    "Executor",
+    "ExecutorError",
+    "InvalidArgumentError",
+    "InvalidEventError",
+    "InvalidSlotError",
+    "MambaCacheError",
+    "ManagerClosedError",
+    "Plan",
+    "PoolExhaustedError",
+    "Release",
+    "SlotStateError",
+    "StatePool",
+    "StateSpec",
+    "StepReport",
+    "UnknownExecutorError",
+    "known_executors",
+    "plan_step",
+    "register_executor",
+]

@@ -1,0 +1,68 @@
+"""Events a scheduler submits, and the report of a flush. All frozen values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Alloc", "Clear", "CopyOnWrite", "Event", "Release", "StepReport"]
+
+
+@dataclass(frozen=True, slots=True)
+class Alloc:
+    """``slot`` was handed to a request; it reads as zeros after the next flush.
+
+    Produced by ``CacheManager.alloc``; not submittable by hand.
+    """
+
+    slot: int
+    request_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Clear:
+    """Zero ``slot`` at this point of the event order."""
+
+    slot: int
+    request_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CopyOnWrite:
+    """``dst`` gets ``src``'s state as of this point of the event order."""
+
+    src: int
+    dst: int
+    request_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """``slot`` is free from this point; earlier events still see the old tenant."""
+
+    slot: int
+    request_id: str | None = None
+
+
+Event = Alloc | Clear | CopyOnWrite | Release
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """What one flush did.
+
+    ``events`` counts every event the step took; ``zeroed`` and ``copied`` count
+    slots written; ``elided`` counts clear, alloc and copy events that needed no
+    device work of their own (dead, overwritten, self-copies, duplicates).
+    """
+
+    step: int
+    events: int
+    zeroed: int
+    copied: int
+    elided: int
+    bytes_zeroed: int
+    bytes_copied: int
+    stages: int = 0
+    plan_s: float = 0.0
+    execute_s: float = 0.0
+    resumed_stages: int = 0

@@ -1,0 +1,94 @@
+"""What every executor shares: the protocol, stream scoping, host-built indices."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from .._planner import CopyStage, RotateStage, Stage
+
+__all__ = ["Executor", "IndexBuilder", "on_stream", "stage_pairs"]
+
+
+@runtime_checkable
+class Executor(Protocol):
+    """Applies one planned stage to one pool tensor, on the current stream.
+
+    ``tensor`` is ``[num_layers, num_slots + 1, *state]``. The manager calls
+    ``execute`` for each stage and, inside it, for each pool tensor in order, and
+    resumes at the failed (stage, tensor) pair after an error, so one call must
+    either finish or raise before writing (allocate first, then write). Copy
+    stages are idempotent; rotate stages read every member before writing any.
+    Device work is only enqueued: no call may wait for the device.
+    """
+
+    name: str
+
+    def execute(self, stage: Stage, tensor: torch.Tensor) -> None: ...
+
+
+@contextlib.contextmanager
+def on_stream(device: torch.device, stream: Any | None) -> Iterator[Any | None]:
+    """Make ``stream`` (default: the device's current stream) current for the block."""
+    if device.type == "cpu":
+        yield None
+        return
+    module = torch.get_device_module(device.type)
+    stream = stream if stream is not None else module.current_stream(device)
+    with module.stream(stream):
+        yield stream
+
+
+def stage_pairs(stage: CopyStage | RotateStage) -> tuple[list[int], list[int]]:
+    """Sources and destinations of a copy or rotate stage, as parallel lists."""
+    if isinstance(stage, CopyStage):
+        return [s for s, _ in stage.pairs], [d for _, d in stage.pairs]
+    srcs: list[int] = []
+    dsts: list[int] = []
+    for cycle in stage.cycles:
+        srcs.extend(cycle)
+        dsts.extend(cycle[1:] + cycle[:1])
+    return srcs, dsts
+
+
+class IndexBuilder:
+    """Builds index tensors on the host and moves them to the device without waiting.
+
+    On accelerators the host tensor is pinned and copied non-blocking on the
+    current stream; the pinned buffer is held, with an event recorded after the
+    copy, until the event has completed (checked by ``query``, which never
+    waits). The device copy may be dropped once the work using it is enqueued:
+    the caching allocators only reuse memory in stream order. Indices are cached for the stage being executed, because the
+    manager calls the executor once per pool tensor with the same stage.
+    """
+
+    def __init__(self) -> None:
+        self._stage: Stage | None = None
+        self._device: torch.device | None = None
+        self._cached: tuple[torch.Tensor, ...] = ()
+        self._in_flight: collections.deque[tuple[Any, tuple[torch.Tensor, ...]]] = collections.deque()
+
+    def get(self, stage: Stage, device: torch.device, *lists: Sequence[int]) -> tuple[torch.Tensor, ...]:
+        if stage is self._stage and device == self._device:
+            return self._cached
+        self._release_done()
+        if device.type == "cpu":
+            out = tuple(torch.tensor(v, dtype=torch.int64) for v in lists)
+        else:
+            flat = [x for v in lists for x in v]
+            host = torch.tensor(flat, dtype=torch.int64).pin_memory()
+            dev = host.to(device, non_blocking=True)
+            out = tuple(torch.split(dev, [len(v) for v in lists]))
+            event = torch.Event(device=device)
+            event.record()
+            self._in_flight.append((event, (host,)))
+        self._stage, self._device, self._cached = stage, device, out
+        return out
+
+    def _release_done(self) -> None:
+        while self._in_flight and self._in_flight[0][0].query():
+            self._in_flight.popleft()

@@ -1,0 +1,116 @@
+"""The NPU executor: scalar zeroing and bounded-workspace copies.
+
+Ascend op adapters copy a non-contiguous input into a contiguous temporary, and
+a broadcast (expanded) value is such an input: zeroing with
+``torch.zeros(1).expand(L, n, ...)`` therefore materialised ``n`` whole slots
+and ran servers out of memory. This executor only feeds contiguous tensors:
+
+* zero: ``t[:, idx] = 0``, an ``index_put_`` with a 0-dim value, per tensor;
+* copy and rotate: gather into a workspace of at most ``copy_workspace_bytes``
+  with ``index_select(..., out=ws)``, then ``index_copy_`` from it. The gather
+  is chunked by slots, then by layers (``t[l0:l1]`` is contiguous), and for
+  states too big for the workspace even one layer at a time, by rows
+  (``t[l, s]`` is contiguous)::
+
+      t.view(L, S + 1, inner)      ws (<= copy_workspace_bytes)
+      [l0:l1, src chunk, :]  --index_select-->  [l1 - l0, chunk, inner]
+      [l0:l1, dst chunk, :]  <--index_copy_---
+
+It runs on any device, so its logic is tested on CPU tensors; ``torch_npu`` is
+imported only when a tensor really is on an NPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .._errors import InvalidArgumentError
+from .._planner import CopyStage, RotateStage, Stage, ZeroStage
+from ._base import IndexBuilder, stage_pairs
+
+__all__ = ["NpuExecutor", "import_torch_npu"]
+
+_torch_npu_loaded = False
+
+
+def import_torch_npu() -> None:
+    """Import torch_npu once; it needs the Ascend toolkit, so only on a real NPU."""
+    global _torch_npu_loaded
+    if not _torch_npu_loaded:
+        import torch_npu  # noqa: F401
+
+        _torch_npu_loaded = True
+
+
+class NpuExecutor:
+    name = "npu"
+
+    def __init__(self, copy_workspace_bytes: int = 64 << 20) -> None:
+        if type(copy_workspace_bytes) is not int or copy_workspace_bytes < 1:
+            raise InvalidArgumentError(f"copy_workspace_bytes must be a positive int, got {copy_workspace_bytes!r}")
+        self.copy_workspace_bytes = copy_workspace_bytes
+        self._indices = IndexBuilder()
+
+    def execute(self, stage: Stage, tensor: torch.Tensor) -> None:
+        if tensor.device.type == "npu":
+            import_torch_npu()
+        if isinstance(stage, ZeroStage):
+            (idx,) = self._indices.get(stage, tensor.device, stage.slots)
+            tensor[:, idx] = 0
+        elif isinstance(stage, (CopyStage, RotateStage)):
+            srcs, dsts = stage_pairs(stage)
+            idx = self._indices.get(stage, tensor.device, srcs, dsts)
+            self._gather_scatter(tensor, srcs, dsts, idx[0], idx[1], rotate=isinstance(stage, RotateStage))
+        else:
+            raise TypeError(f"unknown stage {stage!r}")
+
+    def _gather_scatter(
+        self,
+        tensor: torch.Tensor,
+        srcs: Sequence[int],
+        dsts: Sequence[int],
+        src_idx: torch.Tensor,
+        dst_idx: torch.Tensor,
+        *,
+        rotate: bool,
+    ) -> None:
+        layers, n = tensor.shape[0], len(srcs)
+        t3 = tensor.view(layers, tensor.shape[1], -1)
+        inner = t3.shape[2]
+        budget = self.copy_workspace_bytes // tensor.element_size()  # elements
+        # A rotate must read every member before writing any, so it cannot be
+        # split by slots; a copy stage (disjoint) can.
+        chunk = n if rotate else max(1, min(n, budget // (layers * inner)))
+        group = min(layers, budget // (chunk * inner))
+        if group == 0:
+            self._by_rows(t3, srcs, dsts, budget, rotate=rotate)
+            return
+        # Allocated before any write, so a failure here leaves the tensor untouched.
+        ws = torch.empty(group * chunk * inner, dtype=tensor.dtype, device=tensor.device)
+        for l0 in range(0, layers, group):
+            block = t3[l0 : l0 + group]  # a dim-0 slice: contiguous
+            for c0 in range(0, n, chunk):
+                out = ws[: block.shape[0] * min(chunk, n - c0) * inner].view(block.shape[0], -1, inner)
+                torch.index_select(block, 1, src_idx[c0 : c0 + chunk], out=out)
+                block.index_copy_(1, dst_idx[c0 : c0 + chunk], out)
+
+    @staticmethod
+    def _by_rows(t3: torch.Tensor, srcs: Sequence[int], dsts: Sequence[int], budget: int, *, rotate: bool) -> None:
+        """States larger than the workspace: contiguous row slices only."""
+        layers, _, inner = t3.shape
+        if not rotate:
+            for layer in range(layers):
+                for s, d in zip(srcs, dsts, strict=True):
+                    t3[layer, d].copy_(t3[layer, s])  # disjoint: no workspace needed
+            return
+        width = max(1, min(inner, budget // len(srcs)))
+        ws = torch.empty(len(srcs), width, dtype=t3.dtype, device=t3.device)
+        for layer in range(layers):
+            for e0 in range(0, inner, width):
+                e1 = min(inner, e0 + width)
+                for i, s in enumerate(srcs):
+                    ws[i, : e1 - e0].copy_(t3[layer, s, e0:e1])
+                for i, d in enumerate(dsts):
+                    t3[layer, d, e0:e1].copy_(ws[i, : e1 - e0])

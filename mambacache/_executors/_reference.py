@@ -1,0 +1,31 @@
+"""The reference executor: one slot at a time, obviously correct; the tests' oracle."""
+
+from __future__ import annotations
+
+import torch
+
+from .._planner import CopyStage, RotateStage, Stage, ZeroStage
+
+__all__ = ["ReferenceExecutor"]
+
+
+class ReferenceExecutor:
+    name = "reference"
+
+    def __init__(self, copy_workspace_bytes: int = 0) -> None:
+        del copy_workspace_bytes  # one slot at a time needs no workspace bound
+
+    def execute(self, stage: Stage, tensor: torch.Tensor) -> None:
+        if isinstance(stage, ZeroStage):
+            for s in stage.slots:
+                tensor[:, s].zero_()
+        elif isinstance(stage, CopyStage):
+            for s, d in stage.pairs:
+                tensor[:, d].copy_(tensor[:, s])
+        elif isinstance(stage, RotateStage):
+            for cycle in stage.cycles:
+                saved = [tensor[:, c].clone() for c in cycle]
+                for i, c in enumerate(cycle):
+                    tensor[:, cycle[(i + 1) % len(cycle)]].copy_(saved[i])
+        else:
+            raise TypeError(f"unknown stage {stage!r}")

@@ -1,0 +1,64 @@
+"""The torch executor: CPU and CUDA.
+
+Two strategies, picked per stage and tensor:
+
+* runs: one slice op per run of consecutive slots, ``t[:, a:b].zero_()`` or
+  ``t[:, d:d+n].copy_(t[:, s:s+n])``. Each op streams ``num_layers`` contiguous
+  chunks with no index tensor and no temporary, which reaches memset/memcpy speed
+  when the chunks are large (CPU), but costs one launch per run;
+* index: one ``index_fill_`` (zero) or ``index_select`` + ``index_copy_`` (copy,
+  rotate) per tensor, with host-built indices: one launch whatever the slot count,
+  the better choice for many small runs and on GPUs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._planner import CopyStage, RotateStage, Stage, ZeroStage
+from ._base import IndexBuilder, stage_pairs
+
+__all__ = ["TorchExecutor"]
+
+
+class TorchExecutor:
+    name = "torch"
+
+    def __init__(
+        self, copy_workspace_bytes: int = 64 << 20, *, min_run_bytes: int = 64 << 10, max_runs: int = 4
+    ) -> None:
+        # Runs are used when each slice op moves at least `min_run_bytes` (CPU:
+        # per-op overhead is then a few percent) or there are few of them.
+        self.copy_workspace_bytes = copy_workspace_bytes
+        self.min_run_bytes = min_run_bytes
+        self.max_runs = max_runs
+        self._indices = IndexBuilder()
+
+    def _use_runs(self, tensor: torch.Tensor, slots: int, runs: int) -> bool:
+        if runs <= self.max_runs:
+            return True
+        if tensor.device.type != "cpu":
+            return False
+        slot_bytes = tensor[:, 0].numel() * tensor.element_size()
+        return slots * slot_bytes >= runs * self.min_run_bytes
+
+    def execute(self, stage: Stage, tensor: torch.Tensor) -> None:
+        if isinstance(stage, ZeroStage):
+            if self._use_runs(tensor, len(stage.slots), len(stage.runs)):
+                for r in stage.runs:
+                    tensor[:, r.start : r.start + r.length].zero_()
+            else:
+                (idx,) = self._indices.get(stage, tensor.device, stage.slots)
+                tensor.index_fill_(1, idx, 0)
+        elif isinstance(stage, CopyStage) and self._use_runs(tensor, len(stage.pairs), len(stage.runs)):
+            # Sources and destinations of a copy stage are disjoint: runs never overlap.
+            for c in stage.runs:
+                tensor[:, c.dst : c.dst + c.length].copy_(tensor[:, c.src : c.src + c.length])
+        elif isinstance(stage, (CopyStage, RotateStage)):
+            srcs, dsts = stage_pairs(stage)
+            src_idx, dst_idx = self._indices.get(stage, tensor.device, srcs, dsts)
+            # index_select gathers into a new tensor before index_copy_ writes:
+            # that is what makes a rotate (sources == destinations) exact.
+            tensor.index_copy_(1, dst_idx, tensor.index_select(1, src_idx))
+        else:
+            raise TypeError(f"unknown stage {stage!r}")

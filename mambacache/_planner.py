@@ -1,0 +1,200 @@
+"""The step planner: a step's event log in, the fewest device stages out.
+
+Pure Python (no torch), so it can be tested alone and costs microseconds.
+
+How it works: the log is executed symbolically. Each slot's value is tracked as
+either ``ZERO`` or "slot s's content at the start of the step". At the end, every
+live slot whose value is not itself needs one write: a zero or a copy from a
+start-of-step source. Every copy therefore reads the start-of-step state, which
+is what makes any event order (chains, overlaps, swaps, reads of slots cleared
+later) exact. The copies are then ordered so that no slot is overwritten while a
+later copy still needs its old content:
+
+* copy stages ("waves"), leaves first: a wave holds copies whose destinations no
+  pending copy reads, so inside a wave sources and destinations are disjoint and
+  the wave may run in any order, or all at once, and re-running it is harmless;
+* what is left after the waves is a set of disjoint cycles (swaps, rotations),
+  run as one rotate stage that reads every member before writing any;
+* one zero stage last (a zeroed slot may still be a copy source).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ._events import Alloc, Clear, CopyOnWrite, Event, Release
+
+__all__ = ["CopyRun", "CopyStage", "Plan", "RotateStage", "Run", "Stage", "ZeroStage", "plan_step"]
+
+_ZERO = 0  # slot 0 is the padding slot, never a source, so 0 can mean "zeros"
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Slots ``start .. start + length - 1``."""
+
+    start: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class CopyRun:
+    """Slots ``dst + i`` get ``src + i`` for ``i < length``."""
+
+    src: int
+    dst: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class ZeroStage:
+    """Zero ``slots`` (sorted, unique); ``runs`` is the same set coalesced."""
+
+    slots: tuple[int, ...]
+    runs: tuple[Run, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CopyStage:
+    """``dst`` gets ``src`` for each pair; sources and destinations are disjoint.
+
+    ``pairs`` is sorted by destination; ``runs`` is the same set coalesced.
+    """
+
+    pairs: tuple[tuple[int, int], ...]
+    runs: tuple[CopyRun, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RotateStage:
+    """For each cycle ``(c0, .., ck-1)``: ``c(i+1 mod k)`` gets ``ci``, all read first."""
+
+    cycles: tuple[tuple[int, ...], ...]
+
+
+Stage = ZeroStage | CopyStage | RotateStage
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The device work of one step, in execution order, and what was elided."""
+
+    stages: tuple[Stage, ...]
+    events: int
+    zeroed: int
+    copied: int
+    elided: int
+
+
+def zero_runs(slots: Sequence[int]) -> tuple[Run, ...]:
+    """Coalesce sorted unique slots into runs of consecutive slots."""
+    runs: list[Run] = []
+    start = prev = -2
+    for s in slots:
+        if s != prev + 1:
+            if prev >= 0:
+                runs.append(Run(start, prev - start + 1))
+            start = s
+        prev = s
+    if prev >= 0:
+        runs.append(Run(start, prev - start + 1))
+    return tuple(runs)
+
+
+def copy_runs(pairs: Sequence[tuple[int, int]]) -> tuple[CopyRun, ...]:
+    """Coalesce pairs sorted by destination into runs where both sides advance by one."""
+    runs: list[CopyRun] = []
+    for src, dst in pairs:
+        if runs:
+            last = runs[-1]
+            if src == last.src + last.length and dst == last.dst + last.length:
+                runs[-1] = CopyRun(last.src, last.dst, last.length + 1)
+                continue
+        runs.append(CopyRun(src, dst, 1))
+    return tuple(runs)
+
+
+def _order_copies(src_of: dict[int, int]) -> tuple[list[CopyStage], RotateStage | None]:
+    """Waves of copies, leaves first, then the cycles that remain."""
+    readers: dict[int, int] = {}
+    for s in src_of.values():
+        readers[s] = readers.get(s, 0) + 1
+    pending = dict(src_of)
+    ready = [d for d in pending if d not in readers]
+    waves: list[CopyStage] = []
+    while ready:
+        ready.sort()
+        pairs = tuple((pending.pop(d), d) for d in ready)
+        waves.append(CopyStage(pairs, copy_runs(pairs)))
+        ready = []
+        for s, _ in pairs:
+            readers[s] -= 1
+            if readers[s] == 0 and s in pending:
+                ready.append(s)
+    if not pending:
+        return waves, None
+    # Every remaining slot has one source and one reader left: disjoint cycles.
+    cycles: list[tuple[int, ...]] = []
+    for first in sorted(pending):
+        if first not in pending:
+            continue
+        backwards = [first]
+        s = pending.pop(first)
+        while s != first:
+            backwards.append(s)
+            s = pending.pop(s)
+        backwards.reverse()  # now c(i+1) gets c(i)
+        cycles.append(tuple(backwards[-1:] + backwards[:-1]))
+    return waves, RotateStage(tuple(cycles))
+
+
+def final_writes(events: Iterable[Event]) -> tuple[list[int], dict[int, int], int, int]:
+    """Symbolically execute ``events``.
+
+    Returns the slots to zero (sorted), the copies (dst -> start-of-step src), the
+    number of events, and the number of events that write a slot.
+    """
+    value: dict[int, int] = {}
+    dead: set[int] = set()
+    n = writes = 0
+    for ev in events:
+        n += 1
+        t = type(ev)
+        if t is CopyOnWrite:
+            writes += 1
+            value[ev.dst] = value.get(ev.src, ev.src)  # type: ignore[union-attr]
+        elif t is Clear:
+            writes += 1
+            value[ev.slot] = _ZERO  # type: ignore[union-attr]
+        elif t is Alloc:
+            writes += 1
+            value[ev.slot] = _ZERO  # type: ignore[union-attr]
+            dead.discard(ev.slot)  # type: ignore[union-attr]
+        elif t is Release:
+            dead.add(ev.slot)  # type: ignore[union-attr]
+        else:
+            raise TypeError(f"not an event: {ev!r}")
+    zero: list[int] = []
+    src_of: dict[int, int] = {}
+    for d, v in value.items():
+        if v == d or d in dead:
+            continue  # unchanged, or nobody may read it: a free slot is cleared on alloc
+        if v == _ZERO:
+            zero.append(d)
+        else:
+            src_of[d] = v
+    zero.sort()
+    return zero, src_of, n, writes
+
+
+def plan_step(events: Iterable[Event]) -> Plan:
+    """Plan one step: see the module docstring for the guarantees."""
+    zero, src_of, n, writes = final_writes(events)
+    waves, rotate = _order_copies(src_of)
+    stages: list[Stage] = list(waves)
+    if rotate is not None:
+        stages.append(rotate)
+    if zero:
+        stages.append(ZeroStage(tuple(zero), zero_runs(zero)))
+    return Plan(tuple(stages), n, len(zero), len(src_of), writes - len(zero) - len(src_of))

@@ -1,0 +1,76 @@
+"""StateSpec: the per-slot shape of a model's recurrent state."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ._errors import InvalidArgumentError
+
+__all__ = ["StateSpec"]
+
+
+def _shape(value: Sequence[int], what: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(value)
+    except TypeError:
+        raise InvalidArgumentError(f"{what} must be a sequence of ints, got {value!r}") from None
+    if not shape or any(type(d) is not int or d <= 0 for d in shape):
+        raise InvalidArgumentError(f"{what} must be non-empty positive ints, got {value!r}")
+    return shape
+
+
+@dataclass(frozen=True, slots=True)
+class StateSpec:
+    """Shapes and dtypes of one slot's state, identical for every layer.
+
+    Invariants: ``num_layers >= 1``; every shape is a non-empty tuple of positive
+    ints; ``conv_shapes`` may be empty (a model with only a temporal state).
+    """
+
+    num_layers: int
+    conv_shapes: tuple[tuple[int, ...], ...]
+    temporal_shape: tuple[int, ...]
+    conv_dtype: torch.dtype = torch.bfloat16
+    temporal_dtype: torch.dtype = torch.float32
+    # Derived once: planning and reporting read it per step.
+    slot_bytes: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if type(self.num_layers) is not int or self.num_layers < 1:
+            raise InvalidArgumentError(f"num_layers must be a positive int, got {self.num_layers!r}")
+        if isinstance(self.conv_shapes, (str, bytes)) or not isinstance(self.conv_shapes, Sequence):
+            raise InvalidArgumentError(f"conv_shapes must be a sequence of shapes, got {self.conv_shapes!r}")
+        conv = tuple(_shape(s, f"conv_shapes[{i}]") for i, s in enumerate(self.conv_shapes))
+        temporal = _shape(self.temporal_shape, "temporal_shape")
+        for name in ("conv_dtype", "temporal_dtype"):
+            if not isinstance(getattr(self, name), torch.dtype):
+                raise InvalidArgumentError(f"{name} must be a torch.dtype, got {getattr(self, name)!r}")
+        object.__setattr__(self, "conv_shapes", conv)
+        object.__setattr__(self, "temporal_shape", temporal)
+        object.__setattr__(self, "slot_bytes", self.num_layers * sum(self.layer_bytes()))
+
+    def shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of each pool tensor's per-slot, per-layer block: convs, then temporal."""
+        return [(s, self.conv_dtype) for s in self.conv_shapes] + [(self.temporal_shape, self.temporal_dtype)]
+
+    def layer_bytes(self) -> list[int]:
+        """Bytes of one slot in one layer, for each pool tensor (convs, then temporal)."""
+        return [math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in self.shapes()]
+
+    @classmethod
+    def from_hf_config(cls, config: Any, **overrides: Any) -> StateSpec:
+        """A spec whose shapes match the linear-attention cache of a transformers model.
+
+        Supports Mamba2 (and Mamba2-style mixers: Nemotron-H, Falcon-H1) and
+        Qwen3-Next / Qwen3.5 GatedDeltaNet layers. See :mod:`mambacache._hf`.
+        """
+        from ._hf import spec_kwargs_from_config
+
+        kwargs = spec_kwargs_from_config(config)
+        kwargs.update(overrides)
+        return cls(**kwargs)

@@ -53,9 +53,7 @@ class StatePool:
         self._allocated = bytearray(num_slots + 1)
 
     @classmethod
-    def from_memory_budget(
-        cls, spec: StateSpec, budget_bytes: int, device: str | torch.device = "cpu"
-    ) -> StatePool:
+    def from_memory_budget(cls, spec: StateSpec, budget_bytes: int, device: str | torch.device = "cpu") -> StatePool:
         """As many slots as fit in ``budget_bytes``, the padding slot included."""
         if type(budget_bytes) is not int or budget_bytes < 0:
             raise InvalidArgumentError(f"budget_bytes must be a non-negative int, got {budget_bytes!r}")

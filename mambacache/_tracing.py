@@ -16,7 +16,7 @@ logger = structlog.get_logger("mambacache")
 
 
 class _State:
-    __slots__ = ("slot_log", "step_log", "close")
+    __slots__ = ("close", "slot_log", "step_log")
 
     def __init__(self) -> None:
         self.slot_log: Any | None = None  # per-slot events (debug level)

@@ -38,9 +38,7 @@ def register_executor(name: str, factory: ExecutorFactory, *, device_types: tupl
 
 def known_executors() -> dict[str, list[str]]:
     """Executor names, and the device types that default to each."""
-    return {
-        name: sorted(d for d, n in _device_defaults.items() if n == name) for name in sorted(_factories)
-    }
+    return {name: sorted(d for d, n in _device_defaults.items() if n == name) for name in sorted(_factories)}
 
 
 def _factory(name: str) -> ExecutorFactory:

@@ -62,8 +62,9 @@ class IndexBuilder:
     current stream; the pinned buffer is held, with an event recorded after the
     copy, until the event has completed (checked by ``query``, which never
     waits). The device copy may be dropped once the work using it is enqueued:
-    the caching allocators only reuse memory in stream order. Indices are cached for the stage being executed, because the
-    manager calls the executor once per pool tensor with the same stage.
+    the caching allocators only reuse memory in stream order. Indices are
+    cached for the stage being executed, because the manager calls the
+    executor once per pool tensor with the same stage.
     """
 
     def __init__(self) -> None:

@@ -39,7 +39,7 @@ def import_torch_npu() -> None:
     """Import torch_npu once; it needs the Ascend toolkit, so only on a real NPU."""
     global _torch_npu_loaded
     if not _torch_npu_loaded:
-        import torch_npu  # noqa: F401
+        import torch_npu  # type: ignore[import-not-found]  # noqa: F401
 
         _torch_npu_loaded = True
 
@@ -57,12 +57,12 @@ class NpuExecutor:
         if tensor.device.type == "npu":
             import_torch_npu()
         if isinstance(stage, ZeroStage):
-            (idx,) = self._indices.get(stage, tensor.device, stage.slots)
-            tensor[:, idx] = 0
+            (zero_idx,) = self._indices.get(stage, tensor.device, stage.slots)
+            tensor[:, zero_idx] = 0
         elif isinstance(stage, (CopyStage, RotateStage)):
             srcs, dsts = stage_pairs(stage)
-            idx = self._indices.get(stage, tensor.device, srcs, dsts)
-            self._gather_scatter(tensor, srcs, dsts, idx[0], idx[1], rotate=isinstance(stage, RotateStage))
+            src_idx, dst_idx = self._indices.get(stage, tensor.device, srcs, dsts)
+            self._gather_scatter(tensor, srcs, dsts, src_idx, dst_idx, rotate=isinstance(stage, RotateStage))
         else:
             raise TypeError(f"unknown stage {stage!r}")
 

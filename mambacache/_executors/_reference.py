@@ -25,7 +25,7 @@ class ReferenceExecutor:
         elif isinstance(stage, RotateStage):
             for cycle in stage.cycles:
                 saved = [tensor[:, c].clone() for c in cycle]
-                for i, c in enumerate(cycle):
-                    tensor[:, cycle[(i + 1) % len(cycle)]].copy_(saved[i])
+                for i, old in enumerate(saved):
+                    tensor[:, cycle[(i + 1) % len(cycle)]].copy_(old)
         else:
             raise TypeError(f"unknown stage {stage!r}")

@@ -1,0 +1,89 @@
+"""Many tasks and threads submitting; asyncio and trio."""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+import mambacache as mc
+
+from .conftest import small_spec
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_many_tasks_submit_while_a_scheduler_flushes() -> None:
+    pool = mc.StatePool(small_spec(), 64)
+    owners: dict[int, str] = {}
+    async with mc.CacheManager(pool) as mgr:
+
+        async def request(i: int) -> None:
+            rid = f"r{i}"
+            for _ in range(5):
+                (slot,) = mgr.alloc(1, request_id=rid)
+                owners[slot] = rid
+                await anyio.lowlevel.checkpoint()
+                for t in pool.tensors:
+                    t[:, slot] = i + 1  # the request's "forward" writes
+                mgr.copy_on_write(slot, slot, request_id=rid)
+                await anyio.lowlevel.checkpoint()
+                mgr.release(slot, request_id=rid)
+
+        async def scheduler(stop: anyio.Event) -> None:
+            while not stop.is_set():
+                await mgr.flush()
+                await anyio.lowlevel.checkpoint()
+
+        stop = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(scheduler, stop)
+            async with anyio.create_task_group() as requests:
+                for i in range(32):
+                    requests.start_soon(request, i)
+            stop.set()
+        assert pool.num_free == 64
+        assert mgr.pending == 0
+
+
+async def test_concurrent_flushes_are_serialised() -> None:
+    pool = mc.StatePool(small_spec(), 16)
+    steps: list[int] = []
+    async with mc.CacheManager(pool) as mgr:
+
+        async def flusher() -> None:
+            mgr.alloc(1)
+            steps.append((await mgr.flush()).step)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(8):
+                tg.start_soon(flusher)
+    assert sorted(steps) == list(range(8))
+
+
+async def test_submit_from_worker_threads() -> None:
+    pool = mc.StatePool(small_spec(), 200)
+    async with mc.CacheManager(pool) as mgr:
+        mine: list[list[int]] = [[] for _ in range(4)]
+        barrier = threading.Barrier(4)
+
+        def worker(k: int) -> None:
+            for _ in range(50):
+                mine[k].extend(mgr.alloc(1, request_id=f"t{k}"))
+            barrier.wait()  # releases only after every alloc, so no slot is reused
+            for s in mine[k][::2]:
+                mgr.release(s)
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            await anyio.to_thread.run_sync(th.join)
+        all_slots = [s for m in mine for s in m]
+        assert len(set(all_slots)) == 200  # no slot handed out twice
+        report = await mgr.flush()
+        assert report.events == 300 and pool.num_free == 100
+        kept = [s for m in mine for s in m[1::2]]
+        assert all(bool((t[:, kept] == 0).all()) for t in pool.tensors)

@@ -9,13 +9,14 @@ __all__ = ["Alloc", "Clear", "CopyOnWrite", "Event", "Release", "StepReport"]
 
 @dataclass(frozen=True, slots=True)
 class Alloc:
-    """``slot`` was handed to a request; it reads as zeros after the next flush.
+    """``slot`` was handed to a request; with ``clear`` it reads as zeros after the next flush.
 
     Produced by ``CacheManager.alloc``; not submittable by hand.
     """
 
     slot: int
     request_id: str | None = None
+    clear: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,12 +58,14 @@ class CacheManager:
         group: Any = None,
         src_rank: int = 0,
         timeout: float = 300.0,
+        clear_on_alloc: bool = True,
     ) -> None:
         if not isinstance(pool, StatePool):
             raise InvalidArgumentError(f"pool must be a StatePool, got {type(pool).__name__}")
         if type(copy_workspace_bytes) is not int or copy_workspace_bytes < 1:
             raise InvalidArgumentError(f"copy_workspace_bytes must be a positive int, got {copy_workspace_bytes!r}")
         self._pool = pool
+        self._clear_on_alloc = bool(clear_on_alloc)
         self._executor: Executor = resolve_executor(executor, pool.device, copy_workspace_bytes)
         self._lock = threading.Lock()  # guards the queue, the step number and the pool's free list
         self._events: list[Event] = []
@@ -124,9 +126,15 @@ class CacheManager:
         return len(self._events)
 
     # -- submitting ------------------------------------------------------
-    def alloc(self, n: int, request_id: str | None = None) -> list[int]:
-        """Allocate ``n`` slots; each reads as zeros after the next flush (unless a later copy targets it)."""
+    def alloc(self, n: int, request_id: str | None = None, *, clear: bool | None = None) -> list[int]:
+        """Allocate ``n`` slots; each reads as zeros after the next flush (unless a later copy targets it).
+
+        ``clear=False`` (default: the manager's ``clear_on_alloc``) skips the zeroing, for
+        a scheduler that always forks or clears a new slot itself.
+        """
         self._check_open()
+        if clear is None:
+            clear = self._clear_on_alloc
         if type(n) is not int or n < 0:
             raise InvalidArgumentError(f"alloc count must be a non-negative int, got {n!r}")
         if self._tp is not None:
@@ -134,11 +142,11 @@ class CacheManager:
         _check_request_id(request_id)
         with self._lock:
             slots = self._pool._take(n)
-            self._events.extend([Alloc(s, request_id) for s in slots])
+            self._events.extend([Alloc(s, request_id, clear) for s in slots])
             log, step = _tracing.state.slot_log, self._step
         if log is not None:
             for s in slots:
-                log.debug("slot.alloc", slot=s, request_id=request_id, step=step)
+                log.debug("slot.alloc", slot=s, request_id=request_id, step=step, cleared=clear)
         return slots
 
     def clear(self, slot: int, request_id: str | None = None) -> None:

@@ -168,8 +168,9 @@ def final_writes(events: Iterable[Event]) -> tuple[list[int], dict[int, int], in
             writes += 1
             value[ev.slot] = _ZERO  # type: ignore[union-attr]
         elif t is Alloc:
-            writes += 1
-            value[ev.slot] = _ZERO  # type: ignore[union-attr]
+            if ev.clear:  # type: ignore[union-attr]
+                writes += 1
+                value[ev.slot] = _ZERO  # type: ignore[union-attr]
             dead.discard(ev.slot)  # type: ignore[union-attr]
         elif t is Release:
             dead.add(ev.slot)  # type: ignore[union-attr]

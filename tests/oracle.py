@@ -10,31 +10,44 @@ import mambacache as mc
 
 
 class SequentialOracle:
+    """Tracks which slots have a defined value: a free slot's content is unspecified,
+    and so is that of a slot allocated with ``clear=False`` until a clear or a copy
+    of a defined slot writes it."""
+
     def __init__(self, pool: mc.StatePool) -> None:
         self.tensors = [t.clone() for t in pool.tensors]
         self.allocated: set[int] = set(pool.allocated_slots())
+        self.defined: set[int] = set(self.allocated)
 
     def apply(self, events: Iterable[mc.Alloc | mc.Clear | mc.CopyOnWrite | mc.Release]) -> None:
         for ev in events:
-            if isinstance(ev, (mc.Alloc, mc.Clear)):
+            if isinstance(ev, mc.Clear) or (isinstance(ev, mc.Alloc) and ev.clear):
                 for t in self.tensors:
                     t[:, ev.slot] = 0
-                if isinstance(ev, mc.Alloc):
-                    self.allocated.add(ev.slot)
+                self.defined.add(ev.slot)
+            if isinstance(ev, mc.Alloc):
+                self.allocated.add(ev.slot)
             elif isinstance(ev, mc.CopyOnWrite):
                 for t in self.tensors:
                     t[:, ev.dst] = t[:, ev.src].clone()
+                if ev.src in self.defined:
+                    self.defined.add(ev.dst)
+                else:
+                    self.defined.discard(ev.dst)
             elif isinstance(ev, mc.Release):
                 self.allocated.discard(ev.slot)
+                self.defined.discard(ev.slot)
 
     def write(self, slot: int, value: float) -> None:
+        """A forward step writes every live slot: afterwards it is defined."""
         for t in self.tensors:
             t[:, slot] = value
+        self.defined.add(slot)
 
     def assert_matches(self, pool: mc.StatePool) -> None:
         assert set(pool.allocated_slots()) == self.allocated
         for i, (want, got) in enumerate(zip(self.tensors, pool.tensors, strict=True)):
-            for s in sorted(self.allocated):
+            for s in sorted(self.allocated & self.defined):
                 assert torch.equal(want[:, s], got[:, s]), f"tensor {i} slot {s} differs"
             # The padding slot is never written.
             assert torch.equal(want[:, 0], got[:, 0]), f"tensor {i} padding slot written"

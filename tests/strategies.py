@@ -31,7 +31,7 @@ def events_from_ops(
         elif kind == "alloc" and free:
             slot = free.pop(a % len(free))
             allocated.add(slot)
-            steps[-1].append(mc.Alloc(slot))
+            steps[-1].append(mc.Alloc(slot, clear=b % 4 != 0))
         elif kind == "clear" and live:
             steps[-1].append(mc.Clear(live[a % len(live)]))
         elif kind == "cow" and live:

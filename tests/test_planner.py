@@ -16,7 +16,7 @@ N = 12
 def sequential(events: list[object], start: dict[int, object]) -> dict[int, object]:
     state = dict(start)
     for ev in events:
-        if isinstance(ev, (mc.Alloc, mc.Clear)):
+        if isinstance(ev, mc.Clear) or (isinstance(ev, mc.Alloc) and ev.clear):
             state[ev.slot] = "Z"
         elif isinstance(ev, mc.CopyOnWrite):
             state[ev.dst] = state[ev.src]
@@ -63,7 +63,9 @@ def test_plan_equals_sequential_execution(raw: list[tuple[str, int, int]], initi
         writes = plan.zeroed + plan.copied
         assert writes == len(changed)
         assert plan.events == len(events)
-        writers = sum(isinstance(e, (mc.Alloc, mc.Clear, mc.CopyOnWrite)) for e in events)
+        writers = sum(
+            isinstance(e, (mc.Clear, mc.CopyOnWrite)) or (isinstance(e, mc.Alloc) and e.clear) for e in events
+        )
         assert plan.elided == writers - writes >= 0
         kinds = [type(st_) for st_ in plan.stages]
         assert kinds.count(ZeroStage) <= 1 and kinds.count(RotateStage) <= 1

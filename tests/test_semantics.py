@@ -49,8 +49,8 @@ async def run_steps(executor: object, raw: list[tuple[str, int, int]], initially
             for ev in events:
                 if isinstance(ev, mc.Alloc):
                     # Reproduce the chosen slot: alloc hands out the lowest free slot.
-                    got = mgr.alloc(1)
-                    ev = mc.Alloc(got[0])
+                    got = mgr.alloc(1, clear=ev.clear)
+                    ev = mc.Alloc(got[0], clear=ev.clear)
                 else:
                     mgr.submit(ev)  # type: ignore[arg-type]
                 oracle.apply([ev])

@@ -1,0 +1,135 @@
+"""``mambacache trace``: the analysis as text, JSON or an occupancy plot."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ._console import table, write_json
+from ._trace_analyze import Analysis, Entry, analyze, read_trace
+
+__all__ = ["add_parser", "render_text"]
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "trace",
+        help="analyse a JSON-lines lifecycle trace",
+        description="Per-slot timelines of tenants, clears, forks and releases; exits 1 if an anomaly is found.",
+    )
+    p.add_argument("file", type=Path, help="trace written by mambacache.tracing.configure(path, level='debug')")
+    p.add_argument("--slot", type=int, action="append", help="only this slot (repeatable)")
+    p.add_argument("--request", action="append", help="only slots this request id touched (repeatable)")
+    p.add_argument("--json", metavar="PATH", help="write the analysis as JSON to PATH ('-' for stdout)")
+    p.add_argument("--plot", metavar="PNG", help="draw slot occupancy over steps (needs matplotlib)")
+    p.add_argument("--max-entries", type=int, default=50, help="timeline lines shown per slot (default 50)")
+    p.set_defaults(func=run)
+
+
+def _selected(analysis: Analysis, slots: list[int] | None, requests: list[str] | None) -> list[int]:
+    chosen = set(analysis.timelines)
+    if slots:
+        chosen &= set(slots)
+    if requests:
+        wanted = set(requests)
+        chosen = {s for s in chosen if any(e.request_id in wanted for e in analysis.timelines[s])}
+    return sorted(chosen)
+
+
+def _describe(e: Entry) -> str:
+    if e.action == "alloc":
+        return "" if e.cleared else "NOT cleared"
+    if e.action == "fork-in":
+        return f"<- slot {e.other}"
+    if e.action == "fork-out":
+        return f"-> slot {e.other}"
+    return ""
+
+
+def render_text(analysis: Analysis, slots: list[int], max_entries: int = 50) -> str:
+    out: list[str] = []
+    for s in slots:
+        entries = analysis.timelines[s]
+        tenants = [e.request_id for e in entries if e.action == "alloc"]
+        out.append(f"slot {s}: {len(tenants)} tenant(s): {', '.join(str(t) for t in tenants[:8])}")
+        for e in entries[:max_entries]:
+            step = "-" if e.step is None else e.step
+            out.append(f"  step {step:>5}  {e.action:<9} {e.request_id or '-':<12} {_describe(e)}".rstrip())
+        if len(entries) > max_entries:
+            out.append(f"  ... {len(entries) - max_entries} more")
+    out.append("")
+    out.append(table(["figure", "value"], list(analysis.summary.items()), title="summary"))
+    shown = [a for a in analysis.anomalies if a.slot in set(slots)]
+    out.append("")
+    if shown:
+        out.append(f"anomalies ({len(shown)}):")
+        out += [f"  line {a.line}  step {a.step}  slot {a.slot}  {a.kind}: {a.message}" for a in shown]
+    else:
+        out.append("no anomalies")
+    return "\n".join(out)
+
+
+def plot(analysis: Analysis, path: str) -> None:
+    """Slot occupancy over steps: one row per slot, a bar per tenancy, coloured by tenant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    last = max((e.step or 0 for es in analysis.timelines.values() for e in es), default=0) + 1
+    slots = sorted(analysis.timelines)
+    fig, ax = plt.subplots(figsize=(10, max(2.5, 0.22 * len(slots) + 1.2)))
+    cmap = plt.get_cmap("tab20")
+    colours: dict[str | None, object] = {}  # by first appearance, so neighbours differ
+    for row, s in enumerate(slots):
+        start: tuple[int, str | None] | None = None
+        for e in analysis.timelines[s]:
+            step = e.step or 0
+            if e.action == "alloc":
+                start = (step, e.request_id)
+            elif e.action == "release" and start is not None:
+                _bar(ax, cmap, colours, row, start, step)
+                start = None
+            elif e.action == "fork-in":
+                ax.plot(step, row, marker=">", color="black", markersize=4)
+            elif e.action == "clear":
+                ax.plot(step, row, marker="x", color="black", markersize=4)
+        if start is not None:
+            _bar(ax, cmap, colours, row, start, last)
+    for a in analysis.anomalies:
+        if a.slot in slots:
+            ax.plot(a.step or 0, slots.index(a.slot), marker="o", color="red", fillstyle="none", markersize=9)
+    ax.set_yticks(range(len(slots)), [str(s) for s in slots], fontsize=7)
+    ax.set_xlabel("step")
+    ax.set_ylabel("slot")
+    ax.set_title("slot occupancy (colour: tenant; > fork in; x clear; red o anomaly)")
+    ax.set_xlim(0, last)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _bar(
+    ax: object, cmap: object, colours: dict[str | None, object], row: int, start: tuple[int, str | None], end: int
+) -> None:
+    step, tenant = start
+    colour = colours.setdefault(tenant, cmap(len(colours) % 20))  # type: ignore[operator]
+    ax.broken_barh([(step, max(end - step, 0.6))], (row - 0.4, 0.8), facecolors=colour)  # type: ignore[attr-defined]
+
+
+def run(args: argparse.Namespace) -> int:
+    with open(args.file, encoding="utf-8") as f:
+        analysis = analyze(read_trace(f))
+    slots = _selected(analysis, args.slot, args.request)
+    if args.json:
+        write_json(args.json, analysis.to_json(slots))
+    if args.json != "-":
+        sys.stdout.write(render_text(analysis, slots, args.max_entries) + "\n")
+    if args.plot:
+        try:
+            plot(analysis, args.plot)
+        except ImportError:
+            sys.stderr.write("--plot needs matplotlib: pip install 'mambacache[plot]'\n")
+            return 2
+    return 1 if analysis.anomalies else 0

@@ -1,0 +1,97 @@
+"""Slot-lifecycle tracing with structlog.
+
+Events (``event`` key), all with ``step`` (the flush that will run or ran them)
+and, from :func:`configure`'s own pipeline, ``timestamp`` and ``level``:
+
+=================  =====  =====================================================
+``slot.alloc``     debug  ``slot``, ``request_id``, ``cleared``
+``slot.clear``     debug  ``slot``, ``request_id``
+``slot.cow``       debug  ``src``, ``dst``, ``request_id``
+``slot.release``   debug  ``slot``, ``request_id``
+``step.flush``     info   the StepReport figures, ``plan_us``, ``execute_us``
+``step.error``     error  ``stage``, ``error``: an executor failed; work kept
+=================  =====  =====================================================
+
+Tracing is off until :func:`configure` is called; off, it costs one attribute
+read per submit. Nothing here configures structlog on import, and
+:func:`configure` leaves the application's structlog and logging set-up alone
+unless ``use_structlog_config=True`` asks to log through it instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import IO, Any
+
+import structlog
+
+from . import _tracing
+
+__all__ = ["configure", "disable", "is_enabled", "processors"]
+
+
+def processors() -> list[Any]:
+    """The pipeline of :func:`configure`: level, ISO timestamp, JSON."""
+    return [
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.JSONRenderer(),
+    ]
+
+
+def _level(level: str | int) -> int:
+    if isinstance(level, int):
+        return level
+    value = logging.getLevelName(level.upper())
+    if not isinstance(value, int):
+        raise ValueError(f"unknown log level {level!r}")
+    return value
+
+
+def configure(path: str | Path | None = None, level: str | int = "info", *, use_structlog_config: bool = False) -> None:
+    """Turn tracing on: JSON lines appended to ``path`` (or written to stderr).
+
+    ``level="debug"`` traces every slot event; ``"info"`` only flush summaries.
+    With ``use_structlog_config=True`` the events go through the application's
+    own structlog configuration (``structlog.get_logger("mambacache")``), which
+    decides format and destination; ``path`` must then be None.
+    """
+    numeric = _level(level)
+    disable()
+    if use_structlog_config:
+        if path is not None:
+            raise ValueError("path and use_structlog_config=True exclude each other")
+        logger: Any = _tracing.logger
+    else:
+        stream: IO[str]
+        if path is None:
+            stream = sys.stderr
+        else:
+            stream = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by disable()
+            _tracing.state.close = stream.close
+        logger = structlog.wrap_logger(
+            structlog.WriteLogger(stream),
+            processors=processors(),
+            wrapper_class=structlog.make_filtering_bound_logger(numeric),
+            context_class=dict,
+            cache_logger_on_first_use=True,
+        )
+    # Flush summaries and errors are filtered by the logger itself; per-slot events
+    # are skipped before their arguments are even built when debug is off.
+    _tracing.state.step_log = logger
+    _tracing.state.slot_log = logger if numeric <= logging.DEBUG else None
+
+
+def disable() -> None:
+    """Turn tracing off and close the file :func:`configure` opened."""
+    state = _tracing.state
+    state.slot_log = state.step_log = None
+    if state.close is not None:
+        state.close()
+        state.close = None
+
+
+def is_enabled() -> bool:
+    return _tracing.state.step_log is not None or _tracing.state.slot_log is not None

@@ -1,0 +1,159 @@
+"""Lifecycle tracing: event keys, the analyzer, the trace command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import structlog
+from structlog.testing import capture_logs
+
+import mambacache as mc
+from mambacache import tracing
+from mambacache._cli import main
+from mambacache._trace_analyze import analyze, read_trace
+
+from .conftest import small_spec
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(autouse=True)
+def _tracing_off() -> object:
+    yield
+    tracing.disable()
+
+
+async def scenario(clear_new: bool = True) -> None:
+    pool = mc.StatePool(small_spec(), 6)
+    async with mc.CacheManager(pool) as mgr:
+        a, b = mgr.alloc(2, "r1")
+        await mgr.flush()
+        (c,) = mgr.alloc(1, "r2", clear=clear_new)
+        mgr.copy_on_write(a, c, "r2")
+        mgr.clear(b, "r1")
+        mgr.release(a, "r1")
+        await mgr.flush()
+        mgr.release(b, "r1")
+        mgr.release(c, "r2")
+
+
+async def test_event_keys_through_the_applications_structlog() -> None:
+    tracing.configure(level="debug", use_structlog_config=True)
+    with capture_logs() as logs:
+        await scenario()
+    events = [e["event"] for e in logs]
+    assert events == [
+        "slot.alloc", "slot.alloc", "step.flush",
+        "slot.alloc", "slot.cow", "slot.clear", "slot.release", "step.flush",
+        "slot.release", "slot.release", "step.flush",
+    ]  # fmt: skip
+    alloc, cow, clear, release = logs[0], logs[4], logs[5], logs[6]
+    assert alloc == {"event": "slot.alloc", "slot": 1, "request_id": "r1", "step": 0, "cleared": True,
+                     "log_level": "debug"}  # fmt: skip
+    assert cow == {"event": "slot.cow", "src": 1, "dst": 3, "request_id": "r2", "step": 1, "log_level": "debug"}
+    assert clear["slot"] == 2 and clear["step"] == 1
+    assert release == {"event": "slot.release", "slot": 1, "request_id": "r1", "step": 1, "log_level": "debug"}
+    flush = logs[7]
+    assert flush["log_level"] == "info" and flush["step"] == 1
+    assert (flush["events"], flush["zeroed"], flush["copied"], flush["elided"]) == (4, 1, 1, 1)
+    assert flush["bytes_copied"] == small_spec().slot_bytes
+    assert {"plan_us", "execute_us"} <= set(flush)
+
+
+async def test_info_level_traces_only_flushes_and_off_traces_nothing() -> None:
+    tracing.configure(level="info", use_structlog_config=True)
+    with capture_logs() as logs:
+        await scenario()
+    assert {e["event"] for e in logs} == {"step.flush"}
+    tracing.disable()
+    with capture_logs() as logs:
+        await scenario()
+    assert logs == []
+
+
+async def test_configure_writes_json_lines_and_leaves_structlog_alone(tmp_path: Path) -> None:
+    before = structlog.get_config()
+    path = tmp_path / "trace.jsonl"
+    tracing.configure(path, level="debug")
+    await scenario()
+    tracing.disable()
+    assert structlog.get_config() == before
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(records) == 11
+    assert all({"event", "step", "timestamp", "level"} <= set(r) for r in records)
+    assert records[0]["timestamp"].endswith("Z")
+
+
+async def test_analyzer_on_a_clean_trace(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    tracing.configure(path, level="debug")
+    await scenario()
+    tracing.disable()
+    analysis = analyze(read_trace(path.read_text().splitlines()))
+    assert analysis.anomalies == []
+    s = analysis.summary
+    assert (s["steps"], s["allocs"], s["forks"], s["clears"], s["releases"], s["slots_used"]) == (3, 3, 1, 1, 3, 3)
+    assert s["clears_elided"] == 1
+    assert [e.action for e in analysis.timelines[1]] == ["alloc", "fork-out", "release"]
+    assert [e.action for e in analysis.timelines[3]] == ["alloc", "fork-in", "release"]
+    assert main(["trace", str(path)]) == 0
+
+
+def line(event: str, step: int, **kw: object) -> str:
+    return json.dumps({"event": event, "step": step, **kw})
+
+
+CLEAN = [
+    line("slot.alloc", 0, slot=1, request_id="a", cleared=True),
+    line("step.flush", 0, events=1, elided=0),
+    line("slot.release", 1, slot=1, request_id="a"),
+    line("slot.alloc", 1, slot=1, request_id="b", cleared=True),
+    line("step.flush", 1, events=2, elided=0),
+]
+BROKEN = {
+    "double-release": [*CLEAN, line("slot.release", 2, slot=1), line("slot.release", 2, slot=1)],
+    "use-after-release": [*CLEAN, line("slot.release", 2, slot=1), line("slot.clear", 2, slot=1)],
+    "copy-from-released": [
+        *CLEAN,
+        line("slot.alloc", 2, slot=2, cleared=True),
+        line("slot.release", 2, slot=1),
+        line("slot.cow", 2, src=1, dst=2),
+    ],
+    "uncleared-reuse": [*CLEAN, line("slot.alloc", 2, slot=2, cleared=False), line("step.flush", 2, events=1)],
+    "double-alloc": [*CLEAN, line("slot.alloc", 2, slot=1, request_id="c", cleared=True)],
+}
+
+
+def test_analyzer_clean_hand_trace() -> None:
+    assert analyze(read_trace(CLEAN)).anomalies == []
+    # A fork into an uncleared slot initialises it: no anomaly.
+    forked = [*CLEAN, line("slot.alloc", 2, slot=2, cleared=False), line("slot.cow", 2, src=1, dst=2),
+              line("step.flush", 2)]  # fmt: skip
+    assert analyze(read_trace(forked)).anomalies == []
+
+
+@pytest.mark.parametrize("kind", list(BROKEN))
+def test_analyzer_flags_each_anomaly(kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    analysis = analyze(read_trace(BROKEN[kind]))
+    assert [a.kind for a in analysis.anomalies] == [kind]
+    path = tmp_path / "broken.jsonl"
+    path.write_text("\n".join(["not json", *BROKEN[kind]]) + "\n")
+    assert main(["trace", str(path)]) == 1
+    assert kind in capsys.readouterr().out
+
+
+def test_trace_json_filters_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(BROKEN["copy-from-released"]) + "\n")
+    assert main(["trace", str(path), "--json", "-", "--slot", "2"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert list(data["slots"]) == ["2"]
+    assert data["anomalies"] == []  # the anomaly is on slot 1, filtered out
+    assert main(["trace", str(path), "--json", "-", "--request", "b"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert list(data["slots"]) == ["1"] and data["anomalies"][0]["kind"] == "copy-from-released"
+    png = tmp_path / "occupancy.png"
+    main(["trace", str(path), "--plot", str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -75,6 +75,7 @@ class _Slot:
     released_at: int | None = None  # line of the release that freed it
     tenant: str | None = None
     flagged_uncleared: bool = False
+    taint: str = ""  # why an uninitialised slot is so, for the message
 
 
 def analyze(records: Iterable[tuple[int, dict[str, Any]]]) -> Analysis:
@@ -102,11 +103,9 @@ def analyze(records: Iterable[tuple[int, dict[str, Any]]]) -> Analysis:
             for s, st in slots.items():
                 if st.allocated and not st.initialized and not st.flagged_uncleared:
                     st.flagged_uncleared = True
-                    flag(
-                        "uncleared-reuse", s, line, step, st.tenant,
-                        f"slot {s} (tenant {st.tenant}) was used by step {step} with neither a clear nor a fork"
-                        " into it since its alloc: it holds the previous tenant's state",
-                    )  # fmt: skip
+                    why = st.taint or "with neither a clear nor a fork into it since its alloc"
+                    message = f"slot {s} (tenant {st.tenant}) was used by step {step} {why}: it holds stale state"
+                    flag("uncleared-reuse", s, line, step, st.tenant, message)
             continue
         if event == "slot.cow":
             src, dst = int(r["src"]), int(r["dst"])
@@ -117,6 +116,7 @@ def analyze(records: Iterable[tuple[int, dict[str, Any]]]) -> Analysis:
             if not s_dst.allocated:
                 flag("use-after-release", dst, line, step, rid, f"fork {src} -> {dst} writes slot {dst}, which is free")
             s_dst.initialized = s_src.initialized
+            s_dst.taint = "" if s_src.initialized else f"forked from slot {src}, itself never cleared"
             entry(src, Entry(line, step, "fork-out", rid, other=dst))
             entry(dst, Entry(line, step, "fork-in", rid, other=src))
             continue
@@ -130,12 +130,13 @@ def analyze(records: Iterable[tuple[int, dict[str, Any]]]) -> Analysis:
                 message = f"slot {slot} allocated to {rid} while {st.tenant} holds it"
                 flag("double-alloc", slot, line, step, rid, message)
             st.allocated, st.initialized, st.tenant, st.flagged_uncleared = True, cleared, rid, False
+            st.taint = ""
             entry(slot, Entry(line, step, "alloc", rid, cleared=cleared))
         elif event == "slot.clear":
             counts["clears"] += 1
             if not st.allocated:
                 flag("use-after-release", slot, line, step, rid, f"clear of slot {slot}, which is free")
-            st.initialized = True
+            st.initialized, st.taint = True, ""
             entry(slot, Entry(line, step, "clear", rid))
         elif event == "slot.release":
             counts["releases"] += 1

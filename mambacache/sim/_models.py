@@ -1,0 +1,203 @@
+"""Models the simulator drives: a pure-torch toy, and transformers' Mamba2 and Qwen3-Next.
+
+Each request's linear-attention state lives in its pool slot: the model's cache
+layers are bound to *views* of that slot, so a forward reads and writes the
+pool in place, with no gather or scatter. Attention layers' KV cache (Qwen3-Next)
+stays in the request's own transformers cache object.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import torch
+
+from .._pool import StatePool
+from .._spec import StateSpec
+
+__all__ = ["HFModel", "SimModel", "ToyModel", "build_model", "MODELS"]
+
+MODELS = ("toy", "mamba2", "qwen3-next")
+
+
+class SimModel(abc.ABC):
+    """What the scheduler needs from a model. ``ctx`` is a request's model-side cache."""
+
+    name: str
+    spec: StateSpec
+    vocab_size: int
+
+    @abc.abstractmethod
+    def new_context(self) -> Any: ...
+
+    @abc.abstractmethod
+    def bind(self, ctx: Any, pool: StatePool, slot: int) -> None:
+        """Point the request's state at ``slot`` of ``pool``."""
+
+    @abc.abstractmethod
+    def forward(self, ctx: Any, tokens: list[int]) -> int:
+        """Run ``tokens``; return the greedy next token."""
+
+    @abc.abstractmethod
+    def snapshot(self, ctx: Any) -> Any:
+        """What a prefix-cache entry keeps besides the pool slot (attention KV)."""
+
+    @abc.abstractmethod
+    def restore(self, snapshot: Any) -> Any:
+        """A new context that starts from ``snapshot``."""
+
+    @abc.abstractmethod
+    def generate(self, prompt: list[int], n: int) -> list[int]:
+        """The request alone: plain greedy generation with a fresh state."""
+
+
+class ToyModel(SimModel):
+    """A tiny recurrent LM in plain torch: a causal conv and a decaying outer-product state per layer."""
+
+    name = "toy"
+
+    def __init__(self, seed: int = 0, vocab: int = 97, dim: int = 16, layers: int = 2, kernel: int = 3) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.vocab_size = vocab
+        self.emb = torch.randn(vocab, dim, generator=g)
+        self.conv_w = torch.randn(layers, dim, kernel, generator=g) * 0.5
+        self.mix = torch.randn(layers, dim, dim, generator=g) / dim**0.5
+        self.spec = StateSpec(
+            num_layers=layers,
+            conv_shapes=[(dim, kernel)],
+            temporal_shape=(dim, dim),
+            conv_dtype=torch.float32,
+            temporal_dtype=torch.float32,
+        )
+
+    def new_context(self) -> dict[str, list[torch.Tensor]]:
+        layers = self.spec.num_layers
+        conv, temporal = self.spec.conv_shapes[0], self.spec.temporal_shape
+        return {
+            "conv": [torch.zeros(conv) for _ in range(layers)],
+            "state": [torch.zeros(temporal) for _ in range(layers)],
+        }
+
+    def bind(self, ctx: Any, pool: StatePool, slot: int) -> None:
+        ctx["conv"] = [pool.conv[0][layer, slot] for layer in range(self.spec.num_layers)]
+        ctx["state"] = [pool.temporal[layer, slot] for layer in range(self.spec.num_layers)]
+
+    def forward(self, ctx: Any, tokens: list[int]) -> int:
+        x = self.emb[0]
+        for token in tokens:
+            x = self.emb[token]
+            for layer in range(self.spec.num_layers):
+                conv, state = ctx["conv"][layer], ctx["state"][layer]
+                conv.copy_(torch.cat([conv[:, 1:], x[:, None]], dim=1))
+                c = (conv * self.conv_w[layer]).sum(-1)
+                state.mul_(0.9).add_(torch.outer(c, torch.tanh(self.mix[layer] @ c)))
+                x = torch.tanh(state @ c) + x
+        return int((self.emb @ x).argmax())
+
+    def snapshot(self, ctx: Any) -> None:
+        return None
+
+    def restore(self, snapshot: Any) -> Any:
+        return self.new_context()
+
+    def generate(self, prompt: list[int], n: int) -> list[int]:
+        ctx = self.new_context()
+        out = [self.forward(ctx, prompt)]
+        while len(out) < n:
+            out.append(self.forward(ctx, [out[-1]]))
+        return out
+
+
+def _hf_config(kind: str) -> Any:
+    import transformers
+
+    common = {"vocab_size": 128, "hidden_size": 64, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": None}
+    if kind == "mamba2":
+        return transformers.Mamba2Config(
+            state_size=16, num_heads=8, head_dim=16, n_groups=1, expand=2, conv_kernel=4,
+            num_hidden_layers=2, chunk_size=8, **common,
+        )  # fmt: skip
+    return transformers.Qwen3NextConfig(
+        intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+        shared_expert_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4, full_attention_interval=2, **common,
+    )  # fmt: skip
+
+
+class HFModel(SimModel):
+    """A transformers model with a small random config built locally (nothing is downloaded)."""
+
+    def __init__(self, kind: str, seed: int = 0) -> None:
+        import transformers
+
+        from .._hf import linear_layer_indices
+
+        self.name = kind
+        self.config = _hf_config(kind)
+        cls = transformers.Mamba2ForCausalLM if kind == "mamba2" else transformers.Qwen3NextForCausalLM
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.model = cls(self.config).float().eval()
+        self.vocab_size = self.config.vocab_size
+        self.linear = linear_layer_indices(self.config)
+        self.spec = StateSpec.from_hf_config(self.config, conv_dtype=torch.float32, temporal_dtype=torch.float32)
+        self._cache_cls = transformers.DynamicCache
+
+    def new_context(self) -> Any:
+        return self._cache_cls(config=self.config)
+
+    def bind(self, ctx: Any, pool: StatePool, slot: int) -> None:
+        kernel = self.spec.conv_shapes[0][-1]
+        for j, index in enumerate(self.linear):
+            layer = ctx.layers[index]
+            # Views of the slot, [1, *state]: the model updates them in place.
+            layer.conv_states[0] = pool.conv[0][j, slot : slot + 1]
+            layer.recurrent_states[0] = pool.temporal[j, slot : slot + 1]
+            layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
+            layer.has_previous_state[0] = True  # read the slot, even on the first chunk
+            layer.conv_kernel_size[0] = kernel
+            layer.dtype, layer.device = pool.temporal.dtype, pool.device
+
+    def forward(self, ctx: Any, tokens: list[int]) -> int:
+        with torch.no_grad():
+            out = self.model(input_ids=torch.tensor([tokens]), cache=ctx, use_cache=True)
+        return int(out.logits[0, -1].argmax())
+
+    def snapshot(self, ctx: Any) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        linear = set(self.linear)
+        return [
+            (i, layer.keys.clone(), layer.values.clone())
+            for i, layer in enumerate(ctx.layers)
+            if i not in linear and getattr(layer, "is_initialized", False)
+        ]
+
+    def restore(self, snapshot: Any) -> Any:
+        ctx = self.new_context()
+        for i, keys, values in snapshot:
+            layer = ctx.layers[i]
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys.clone(), values.clone()
+        return ctx
+
+    def generate(self, prompt: list[int], n: int) -> list[int]:
+        with torch.no_grad():
+            out = self.model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=n,
+                do_sample=False,
+            )
+        return [int(t) for t in out[0, len(prompt) :]]
+
+
+def build_model(name: str, seed: int = 0) -> SimModel:
+    if name == "toy":
+        return ToyModel(seed)
+    if name in ("mamba2", "qwen3-next"):
+        try:
+            return HFModel(name, seed)
+        except ImportError as exc:
+            raise ImportError(f"--model {name} needs transformers: pip install 'mambacache[hf]'") from exc
+    raise ValueError(f"unknown model {name!r}; choose from {MODELS}")

@@ -1,0 +1,119 @@
+"""The simulator on the toy model and on real transformers models."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+import mambacache as mc
+from mambacache._cli import main
+from mambacache.sim import SimConfig, build_model, simulate
+
+transformers = pytest.importorskip("transformers")
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def run(**kw: object) -> mc.sim.SimReport:
+    return anyio.run(simulate, SimConfig(**kw))  # type: ignore[arg-type]
+
+
+def test_toy_is_lossless_and_reuses_slots() -> None:
+    r = run(model="toy", requests=40)
+    assert (r.completed, r.mismatches) == (40, 0)
+    assert r.prefix_hits > 0 and r.forks > r.prefix_hits  # hits fork in, new prefixes fork out
+    assert r.evictions > 0  # slots are reused dirty
+    assert r.clears_elided == r.prefix_hits  # the alloc's zero under a fork is elided
+    assert r.peak_slots_in_use == r.num_slots
+    assert 0 < r.manager_overhead_fraction < 1
+
+
+@pytest.mark.parametrize("fault", ["skip-clear", "skip-fork"])
+def test_faults_are_caught(fault: str) -> None:
+    assert run(model="toy", requests=40, fault=fault).mismatches > 0
+
+
+@pytest.mark.parametrize("model", ["mamba2", "qwen3-next"])
+def test_real_models_lossless_and_fault_caught(model: str) -> None:
+    m = build_model(model)
+    good = anyio.run(simulate, SimConfig(model=model, requests=16), m)
+    assert (good.completed, good.mismatches) == (16, 0)
+    assert good.prefix_hits > 0
+    bad = anyio.run(simulate, SimConfig(model=model, requests=16, fault="skip-clear"), m)
+    assert bad.mismatches > 0
+
+
+def test_simulate_cli_json_and_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, trace = tmp_path / "r.json", tmp_path / "t.jsonl"
+    assert main(["simulate", "--model", "toy", "--requests", "12", "--json", str(out), "--trace", str(trace)]) == 0
+    text = capsys.readouterr().out
+    assert "mismatch" in text and "toy" in text
+    (report,) = json.loads(out.read_text())
+    assert {"requests", "completed", "mismatches", "forks", "clears", "clears_elided", "peak_slots_in_use",
+            "steps", "tokens_per_s", "manager_overhead_fraction"} <= set(report)  # fmt: skip
+    assert report["mismatches"] == 0
+    assert main(["trace", str(trace)]) == 0  # a clean run's trace has no anomaly
+    assert main(["simulate", "--model", "toy", "--requests", "12", "--fault", "skip-clear"]) == 0  # found them
+    assert main(["trace", str(trace), "--json", "-"]) == 0
+
+
+def _cache_shapes(model: object, config: object) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    cache = transformers.DynamicCache(config=config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7]]), cache=cache, use_cache=True)  # type: ignore[operator]
+    convs, temporals = [], []
+    for layer in cache.layers:
+        conv = getattr(layer, "conv_states", {}).get(0)
+        if conv is not None:
+            convs.append(tuple(conv.shape[1:]))
+            temporals.append(tuple(layer.recurrent_states[0].shape[1:]))
+    return convs, temporals
+
+
+def _tiny(kind: str) -> tuple[object, object]:
+    t = transformers
+    common = {"vocab_size": 64, "hidden_size": 32, "pad_token_id": 0, "eos_token_id": None}
+    if kind == "mamba2":
+        cfg = t.Mamba2Config(state_size=8, num_heads=4, head_dim=16, n_groups=2, expand=2, conv_kernel=3,
+                             num_hidden_layers=3, chunk_size=8, **common)  # fmt: skip
+        return t.Mamba2ForCausalLM(cfg), cfg
+    if kind == "qwen3_next":
+        cfg = t.Qwen3NextConfig(intermediate_size=32, moe_intermediate_size=16, num_experts=2, num_experts_per_tok=1,
+                                shared_expert_intermediate_size=16, num_hidden_layers=3, num_attention_heads=2,
+                                num_key_value_heads=1, head_dim=16, linear_conv_kernel_dim=3, linear_key_head_dim=8,
+                                linear_value_head_dim=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                                full_attention_interval=3, **common)  # fmt: skip
+        return t.Qwen3NextForCausalLM(cfg), cfg
+    if kind == "qwen3_5":
+        cfg = t.Qwen3_5TextConfig(intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+                                  num_key_value_heads=1, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+                                  linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2,
+                                  **common)  # fmt: skip
+        return t.Qwen3_5ForCausalLM(cfg), cfg
+    cfg = t.NemotronHConfig(layers_block_type=["mamba", "attention", "mamba", "mlp"], mamba_num_heads=4,
+                            mamba_head_dim=8, ssm_state_size=8, n_groups=2, conv_kernel=4, expand=2,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=32,
+                            **common)  # fmt: skip
+    return t.NemotronHForCausalLM(cfg), cfg
+
+
+@pytest.mark.parametrize("kind", ["mamba2", "qwen3_next", "qwen3_5", "nemotron_h"])
+def test_spec_from_hf_config_matches_the_models_cache(kind: str) -> None:
+    try:
+        model, config = _tiny(kind)
+    except (AttributeError, TypeError, ValueError) as exc:  # a transformers without this model or field
+        pytest.skip(f"{kind}: {exc}")
+    spec = mc.StateSpec.from_hf_config(config)
+    convs, temporals = _cache_shapes(model.eval(), config)  # type: ignore[attr-defined]
+    assert len(convs) == spec.num_layers
+    assert set(convs) == {spec.conv_shapes[0]}
+    assert set(temporals) == {spec.temporal_shape}
+
+
+def test_spec_from_unsupported_config() -> None:
+    with pytest.raises(mc.InvalidArgumentError, match="unsupported"):
+        mc.StateSpec.from_hf_config(transformers.LlamaConfig())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from . import __version__
 
@@ -21,11 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _command_modules() -> list[object]:
+def _command_modules() -> list[Any]:
     import importlib
 
-    out = []
-    for name in ("mambacache.sim._cli", "mambacache.bench"):
+    out: list[Any] = []
+    for name in ("mambacache.sim._cli", "mambacache.bench._cli"):
         try:
             out.append(importlib.import_module(name))
         except ModuleNotFoundError as exc:  # pragma: no cover - until those land

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 from types import TracebackType
@@ -28,6 +29,7 @@ from ._pool import StatePool
 __all__ = ["CacheManager"]
 
 _NEW, _OPEN, _CLOSED = range(3)
+_NO_STREAM = contextlib.nullcontext()
 _SUBMITTABLE = (Clear, CopyOnWrite, Release)
 
 
@@ -150,46 +152,64 @@ class CacheManager:
         return slots
 
     def clear(self, slot: int, request_id: str | None = None) -> None:
-        self.submit(Clear(slot, request_id))
+        self._check_open()
+        self._submit((Clear(slot, request_id),))
 
     def release(self, slot: int, request_id: str | None = None) -> None:
-        self.submit(Release(slot, request_id))
+        self._check_open()
+        self._submit((Release(slot, request_id),))
 
     def copy_on_write(self, src: int, dst: int, request_id: str | None = None) -> None:
-        self.submit(CopyOnWrite(src, dst, request_id))
+        self._check_open()
+        self._submit((CopyOnWrite(src, dst, request_id),))
 
     def submit(self, *events: Clear | CopyOnWrite | Release) -> None:
         """Queue ``events`` in order, all or none: any invalid event raises and queues nothing."""
         self._check_open()
+        self._submit(events)
+
+    def _submit(self, events: tuple[Any, ...]) -> None:
+        # One pass validates everything before anything changes; the hot path of
+        # every submit, so checks are inlined.
         if self._tp is not None:
             self._tp.check_source("submit")
         pool = self._pool
-        for ev in events:
-            if type(ev) not in _SUBMITTABLE:
-                raise InvalidEventError(
-                    f"submit takes Clear, CopyOnWrite and Release events, got {ev!r}"
-                    + ("; allocate with CacheManager.alloc" if isinstance(ev, Alloc) else "")
-                )
-            _check_request_id(ev.request_id)
-            if type(ev) is CopyOnWrite:
-                _check_slot(ev.src, pool.num_slots)
-                _check_slot(ev.dst, pool.num_slots)
-            else:
-                _check_slot(ev.slot, pool.num_slots)  # type: ignore[union-attr]
+        n = pool.num_slots
         with self._lock:
             allocated = pool._allocated
-            released: dict[int, None] = {}  # ordered: slots go back to the free list in release order
+            released: dict[int, None] | None = None  # ordered: freed in release order
             for ev in events:
-                for slot, role in _slots_of(ev):
-                    if not allocated[slot] or slot in released:
-                        raise SlotStateError(
-                            f"{type(ev).__name__}: {role} slot {slot} is not allocated at this point"
-                            " of the event order (released, or never allocated)"
-                        )
-                if type(ev) is Release:
-                    released[ev.slot] = None
+                t = type(ev)
+                if t is CopyOnWrite:
+                    a, b = ev.src, ev.dst
+                    if type(a) is not int or not 0 < a <= n:
+                        raise _bad_slot(a, n)
+                    if type(b) is not int or not 0 < b <= n:
+                        raise _bad_slot(b, n)
+                    for slot, role in ((a, "source"), (b, "destination")):
+                        if not allocated[slot] or (released is not None and slot in released):
+                            raise _not_allocated(ev, role, slot)
+                elif t is Clear or t is Release:
+                    slot = ev.slot
+                    if type(slot) is not int or not 0 < slot <= n:
+                        raise _bad_slot(slot, n)
+                    if not allocated[slot] or (released is not None and slot in released):
+                        raise _not_allocated(ev, "the", slot)
+                    if t is Release:
+                        if released is None:
+                            released = {}
+                        released[slot] = None
+                else:
+                    raise InvalidEventError(
+                        f"submit takes Clear, CopyOnWrite and Release events, got {ev!r}"
+                        + ("; allocate with CacheManager.alloc" if isinstance(ev, Alloc) else "")
+                    )
+                rid = ev.request_id
+                if rid is not None and type(rid) is not str:
+                    raise InvalidArgumentError(f"request_id must be a str or None, got {rid!r}")
             self._events.extend(events)
-            pool._give_back(released)
+            if released is not None:
+                pool._give_back(released)
             log, step = _tracing.state.slot_log, self._step
         if log is not None:
             _trace_events(log, events, step)
@@ -202,11 +222,19 @@ class CacheManager:
         raises :class:`ExecutorError` and the next flush finishes the work first.
         """
         self._check_open()
-        assert self._flush_lock is not None
-        async with self._flush_lock:
+        lock = self._flush_lock
+        assert lock is not None
+        # No checkpoint when uncontended: a flush is a few microseconds of host work.
+        try:
+            lock.acquire_nowait()
+        except anyio.WouldBlock:
+            await lock.acquire()
+        try:
             if self._tp is not None:
                 return await self._tp.flush(self, stream)
             return self._flush_local(stream)
+        finally:
+            lock.release()
 
     def _take_events(self) -> tuple[list[Event], int]:
         """Swap the queue out (vLLM's take_events) and advance the step."""
@@ -268,7 +296,7 @@ class CacheManager:
             return 0
         done = 0
         tensors = self._pool.tensors
-        with on_stream(self._pool.device, stream):
+        with on_stream(self._pool.device, stream) if self._pool.device.type != "cpu" else _NO_STREAM:
             while self._unfinished:
                 stage = self._unfinished[0]
                 while self._next_tensor < len(tensors):
@@ -290,24 +318,24 @@ class CacheManager:
         return done
 
 
-def _check_slot(slot: Any, num_slots: int) -> None:
+def _bad_slot(slot: Any, num_slots: int) -> InvalidSlotError:
     if type(slot) is not int:  # bool is a subclass of int: excluded on purpose
-        raise InvalidSlotError(f"slot must be an int, got {type(slot).__name__} {slot!r}")
-    if not 0 < slot <= num_slots:
-        raise InvalidSlotError(
-            f"slot {slot} is out of range 1..{num_slots}" + (" (0 is the padding slot)" if slot == 0 else "")
-        )
+        return InvalidSlotError(f"slot must be an int, got {type(slot).__name__} {slot!r}")
+    return InvalidSlotError(
+        f"slot {slot} is out of range 1..{num_slots}" + (" (0 is the padding slot)" if slot == 0 else "")
+    )
+
+
+def _not_allocated(ev: Any, role: str, slot: int) -> SlotStateError:
+    return SlotStateError(
+        f"{type(ev).__name__}: {role} slot {slot} is not allocated at this point"
+        " of the event order (released, or never allocated)"
+    )
 
 
 def _check_request_id(request_id: Any) -> None:
     if request_id is not None and type(request_id) is not str:
         raise InvalidArgumentError(f"request_id must be a str or None, got {request_id!r}")
-
-
-def _slots_of(ev: Event) -> tuple[tuple[int, str], ...]:
-    if type(ev) is CopyOnWrite:
-        return ((ev.src, "source"), (ev.dst, "destination"))
-    return ((ev.slot, "the"),)  # type: ignore[union-attr]
 
 
 def _trace_events(log: Any, events: tuple[Event, ...], step: int) -> None:

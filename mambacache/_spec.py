@@ -33,8 +33,8 @@ class StateSpec:
     """
 
     num_layers: int
-    conv_shapes: tuple[tuple[int, ...], ...]
-    temporal_shape: tuple[int, ...]
+    conv_shapes: Sequence[Sequence[int]]  # stored as a tuple of tuples
+    temporal_shape: Sequence[int]  # stored as a tuple
     conv_dtype: torch.dtype = torch.bfloat16
     temporal_dtype: torch.dtype = torch.float32
     # Derived once: planning and reporting read it per step.
@@ -56,7 +56,8 @@ class StateSpec:
 
     def shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """(shape, dtype) of each pool tensor's per-slot, per-layer block: convs, then temporal."""
-        return [(s, self.conv_dtype) for s in self.conv_shapes] + [(self.temporal_shape, self.temporal_dtype)]
+        convs = [(tuple(s), self.conv_dtype) for s in self.conv_shapes]
+        return [*convs, (tuple(self.temporal_shape), self.temporal_dtype)]
 
     def layer_bytes(self) -> list[int]:
         """Bytes of one slot in one layer, for each pool tensor (convs, then temporal)."""

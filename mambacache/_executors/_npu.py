@@ -5,7 +5,8 @@ a broadcast (expanded) value is such an input: zeroing with
 ``torch.zeros(1).expand(L, n, ...)`` therefore materialised ``n`` whole slots
 and ran servers out of memory. This executor only feeds contiguous tensors:
 
-* zero: ``t[:, idx] = 0``, an ``index_put_`` with a 0-dim value, per tensor;
+* zero: ``t.index_fill_(1, idx, 0)`` per tensor: a scalar fill, as in SGLang's
+  fix (``t[:, idx] = 0``), one op, nothing the size of the slots;
 * copy and rotate: gather into a workspace of at most ``copy_workspace_bytes``
   with ``index_select(..., out=ws)``, then ``index_copy_`` from it. The gather
   is chunked by slots, then by layers (``t[l0:l1]`` is contiguous), and for
@@ -52,13 +53,25 @@ class NpuExecutor:
             raise InvalidArgumentError(f"copy_workspace_bytes must be a positive int, got {copy_workspace_bytes!r}")
         self.copy_workspace_bytes = copy_workspace_bytes
         self._indices = IndexBuilder()
+        # One byte buffer, grown on demand up to the bound and kept: a fresh
+        # allocation per step costs page faults on CPU and allocator churn elsewhere.
+        self._workspace: torch.Tensor | None = None
+
+    def _ws(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A contiguous ``numel``-element view of the workspace; never more than the bound in all."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        ws = self._workspace
+        if ws is None or ws.device != device or ws.numel() < nbytes:
+            self._workspace = None  # let the old one go first: the bound holds across the swap
+            ws = self._workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return ws[:nbytes].view(dtype)
 
     def execute(self, stage: Stage, tensor: torch.Tensor) -> None:
         if tensor.device.type == "npu":
             import_torch_npu()
         if isinstance(stage, ZeroStage):
             (zero_idx,) = self._indices.get(stage, tensor.device, stage.slots)
-            tensor[:, zero_idx] = 0
+            tensor.index_fill_(1, zero_idx, 0)
         elif isinstance(stage, (CopyStage, RotateStage)):
             srcs, dsts = stage_pairs(stage)
             src_idx, dst_idx = self._indices.get(stage, tensor.device, srcs, dsts)
@@ -87,8 +100,8 @@ class NpuExecutor:
         if group == 0:
             self._by_rows(t3, srcs, dsts, budget, rotate=rotate)
             return
-        # Allocated before any write, so a failure here leaves the tensor untouched.
-        ws = torch.empty(group * chunk * inner, dtype=tensor.dtype, device=tensor.device)
+        # Taken before any write, so a failure here leaves the tensor untouched.
+        ws = self._ws(group * chunk * inner, tensor.dtype, tensor.device)
         for l0 in range(0, layers, group):
             block = t3[l0 : l0 + group]  # a dim-0 slice: contiguous
             for c0 in range(0, n, chunk):
@@ -96,8 +109,9 @@ class NpuExecutor:
                 torch.index_select(block, 1, src_idx[c0 : c0 + chunk], out=out)
                 block.index_copy_(1, dst_idx[c0 : c0 + chunk], out)
 
-    @staticmethod
-    def _by_rows(t3: torch.Tensor, srcs: Sequence[int], dsts: Sequence[int], budget: int, *, rotate: bool) -> None:
+    def _by_rows(
+        self, t3: torch.Tensor, srcs: Sequence[int], dsts: Sequence[int], budget: int, *, rotate: bool
+    ) -> None:
         """States larger than the workspace: contiguous row slices only."""
         layers, _, inner = t3.shape
         if not rotate:
@@ -106,7 +120,7 @@ class NpuExecutor:
                     t3[layer, d].copy_(t3[layer, s])  # disjoint: no workspace needed
             return
         width = max(1, min(inner, budget // len(srcs)))
-        ws = torch.empty(len(srcs), width, dtype=t3.dtype, device=t3.device)
+        ws = self._ws(len(srcs) * width, t3.dtype, t3.device).view(len(srcs), width)
         for layer in range(layers):
             for e0 in range(0, inner, width):
                 e1 = min(inner, e0 + width)

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import transformers
 
-        transformers.logging.set_verbosity_error()  # the "falling back to PyTorch" notices
+        transformers.logging.set_verbosity_error()  # type: ignore[no-untyped-call]  # the "falling back to PyTorch" notices
     except ImportError:
         pass
     progress = Progress(args.requests * len(models), "simulate")

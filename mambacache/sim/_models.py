@@ -112,7 +112,13 @@ class ToyModel(SimModel):
 def _hf_config(kind: str) -> Any:
     import transformers
 
-    common = {"vocab_size": 128, "hidden_size": 64, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": None}
+    common: dict[str, Any] = {
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": None,
+    }
     if kind == "mamba2":
         return transformers.Mamba2Config(
             state_size=16, num_heads=8, head_dim=16, n_groups=1, expand=2, conv_kernel=4,
@@ -122,7 +128,8 @@ def _hf_config(kind: str) -> Any:
         intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
         shared_expert_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
-        linear_num_key_heads=2, linear_num_value_heads=4, full_attention_interval=2, **common,
+        linear_num_key_heads=2, linear_num_value_heads=4,
+        layer_types=["linear_attention", "full_attention"] * 2, **common,
     )  # fmt: skip
 
 
@@ -139,7 +146,7 @@ class HFModel(SimModel):
         cls = transformers.Mamba2ForCausalLM if kind == "mamba2" else transformers.Qwen3NextForCausalLM
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            self.model = cls(self.config).float().eval()
+            self.model = cls(self.config).float().eval()  # type: ignore[no-untyped-call]
         self.vocab_size = self.config.vocab_size
         self.linear = linear_layer_indices(self.config)
         self.spec = StateSpec.from_hf_config(self.config, conv_dtype=torch.float32, temporal_dtype=torch.float32)

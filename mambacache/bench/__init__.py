@@ -1,0 +1,10 @@
+"""``mambacache bench``: clear and copy paths against the bandwidth bound and the seed's code."""
+
+from ._cli import add_parser as add_parser
+from ._presets import PRESETS as PRESETS
+from ._run import Result as Result
+from ._run import host_overhead as host_overhead
+from ._run import run_preset as run_preset
+from ._run import tracing_overhead as tracing_overhead
+
+__all__ = ["PRESETS", "Result", "add_parser", "host_overhead", "run_preset", "tracing_overhead"]

@@ -1,0 +1,162 @@
+"""``mambacache bench``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from typing import Any
+
+import torch
+
+from .._console import Progress, table, write_json
+from ._presets import PRESETS
+from ._run import Result, host_overhead, run_preset, tracing_overhead
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="clear/copy speed, workspace and host overhead against the bandwidth bound and the seed path",
+        description="Medians of repeated runs after warm-up; ratios are measured in the same run.",
+    )
+    p.add_argument("--device", default="cpu", help="cpu, cuda or npu (default cpu)")
+    p.add_argument("--executor", action="append", help="repeatable (default: torch, npu, reference)")
+    p.add_argument("--preset", action="append", choices=sorted(PRESETS), help="repeatable (default: all real models)")
+    p.add_argument("--sizes", default=None, help="slots per step, comma-separated (default 1,8,64,256)")
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--budget-gb", type=float, default=2.0, help="pool memory per preset; layers are cut to fit")
+    p.add_argument("--workspace-mb", type=float, default=64.0, help="copy workspace bound of the npu executor")
+    p.add_argument("--quick", action="store_true", help="the small preset, sizes 1,8,64: under a minute")
+    p.add_argument("--plot", metavar="PNG", help="ratio to the bandwidth bound per path and size (matplotlib)")
+    p.add_argument("--json", metavar="PATH", help="write every figure as JSON ('-' for stdout)")
+    p.set_defaults(func=run)
+
+
+def machine(device: torch.device) -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    info: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__,
+                            "torch_threads": torch.get_num_threads(), "device": str(device)}  # fmt: skip
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.3f}"
+
+
+def _bytes(x: int | None) -> str:
+    if x is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if x < 1024 or unit == "GiB":
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
+        x /= 1024  # type: ignore[assignment]
+    return str(x)
+
+
+def render(results: list[Result]) -> str:
+    out = []
+    for preset in dict.fromkeys(r.preset for r in results):
+        rows = [
+            [r.slots, r.op, r.path, _ms(r.median_s), f"{_ms(r.min_s)}-{_ms(r.max_s)}", r.gb_s, f"{r.vs_bound:.2f}",
+             f"{r.vs_seed:.2f}", _bytes(r.peak_temp_bytes), _bytes(r.noncontiguous_input_bytes),
+             "-" if r.host_syncs is None else r.host_syncs]
+            for r in results if r.preset == preset
+        ]  # fmt: skip
+        layers = next(r.layers for r in results if r.preset == preset)
+        spec = PRESETS[preset].spec
+        mib = spec.slot_bytes * layers / spec.num_layers / 2**20
+        title = f"{preset}: {layers}/{spec.num_layers} layers, {mib:.2f} MiB per slot as benchmarked"
+        headers = [
+            "slots",
+            "op",
+            "path",
+            "ms",
+            "min-max",
+            "GB/s",
+            "x bound",
+            "x seed",
+            "peak temp",
+            "non-contig",
+            "syncs",
+        ]
+        out.append(table(headers, rows, title=title))
+    return "\n\n".join(out)
+
+
+def plot(results: list[Result], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    presets = list(dict.fromkeys(r.preset for r in results))
+    fig, axes = plt.subplots(len(presets), 2, figsize=(11, 3.2 * len(presets)), squeeze=False)
+    for row, preset in enumerate(presets):
+        for col, op in enumerate(("clear", "copy")):
+            ax = axes[row][col]
+            sel = [r for r in results if r.preset == preset and r.op == op and r.path not in ("memset", "memcpy")]
+            for path in dict.fromkeys(r.path for r in sel):
+                pts = [(r.slots, r.vs_bound) for r in sel if r.path == path]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=path)
+            ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{preset}: {op} (1.0 = {'memset' if op == 'clear' else 'memcpy'})", fontsize=9)
+            ax.set_xlabel("slots per step")
+            ax.set_ylabel("fraction of bandwidth bound")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    device = torch.device(args.device)
+    if device.type == "npu":
+        from .._executors._npu import import_torch_npu
+
+        import_torch_npu()
+    presets = args.preset or (["small"] if args.quick else [p for p in PRESETS if p != "small"])
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else ([1, 8, 64] if args.quick else [1, 8, 64, 256])
+    repeats = args.repeats or (5 if args.quick else 9)
+    executors = args.executor or ["torch", "npu", "reference"]
+    started = time.perf_counter()
+    results: list[Result] = []
+    progress = Progress(len(presets) * len(sizes) * 2 * (len(executors) + 2), "bench")
+    for preset in presets:
+        for r in run_preset(preset, sizes, executors, device, repeats, int(args.budget_gb * 2**30),
+                            int(args.workspace_mb * 2**20)):  # fmt: skip
+            results.append(r)
+            progress.advance(1, f"{preset} {r.op} {r.path} n={r.slots}")
+    progress.close()
+    host = host_overhead([10, 100, 1000], repeats)
+    trace = tracing_overhead(1000, repeats)
+    info = machine(device)
+    if args.json != "-":
+        lines = [f"machine: {info}", "", render(results), "",
+                 table(["events/flush", "us/event", "min", "max"],
+                       [[h["events_per_flush"], h["us_per_event"], h["min_us"], h["max_us"]] for h in host],
+                       title="host overhead: submit + plan + bookkeeping"),
+                 "",
+                 f"tracing off: {trace['checks']} checks x {trace['check_ns']:.0f} ns in a"
+                 f" {trace['flush_us_tracing_off']:.0f} us flush of {trace['events']} events"
+                 f" = {100 * trace['overhead_fraction']:.2f}% overhead",
+                 f"({time.perf_counter() - started:.1f} s)"]  # fmt: skip
+        sys.stdout.write("\n".join(lines) + "\n")
+    if args.json:
+        write_json(args.json, {"machine": info, "results": [r.to_json() for r in results], "host_overhead": host,
+                               "tracing_overhead": trace})  # fmt: skip
+    if args.plot:
+        plot(results, args.plot)
+    return 0

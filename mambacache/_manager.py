@@ -7,7 +7,7 @@ import contextlib
 import threading
 import time
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -25,6 +25,9 @@ from ._executors import Executor, resolve_executor
 from ._executors._base import on_stream
 from ._planner import Plan, Stage, plan_step
 from ._pool import StatePool
+
+if TYPE_CHECKING:
+    from ._distributed import PlanChannel
 
 __all__ = ["CacheManager"]
 
@@ -77,7 +80,7 @@ class CacheManager:
         # Work of a failed flush: stages still to run, and the first tensor of the head stage.
         self._unfinished: collections.deque[Stage] = collections.deque()
         self._next_tensor = 0
-        self._tp: Any = None
+        self._tp: PlanChannel | None = None
         if group is not None:
             from ._distributed import PlanChannel
 
@@ -95,11 +98,10 @@ class CacheManager:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         try:
+            # In tensor-parallel mode every rank flushes on exit, so the ranks stay in step.
             if self._tp is not None or self._events or self._unfinished:
                 with anyio.CancelScope(shield=True):
                     await self.flush()
-                if self._tp is not None:
-                    self._tp.close()
         finally:
             self._state = _CLOSED
 
@@ -245,18 +247,18 @@ class CacheManager:
         return events, step
 
     def _flush_local(self, stream: Any | None) -> StepReport:
-        resumed = self._run_unfinished(stream)
         events, step = self._take_events()
         t0 = time.perf_counter()
         plan = plan_step(events)
-        t1 = time.perf_counter()
-        return self._execute(plan, step, stream, t1 - t0, resumed)
+        return self._execute(plan, step, stream, time.perf_counter() - t0)
 
-    def _execute(self, plan: Plan, step: int, stream: Any | None, plan_s: float, resumed: int) -> StepReport:
+    def _execute(self, plan: Plan, step: int, stream: Any | None, plan_s: float) -> StepReport:
+        """Queue the plan behind any unfinished work and run it all, oldest first."""
         t1 = time.perf_counter()
+        resumed = len(self._unfinished)  # stages of earlier, failed flushes
         self._unfinished.extend(plan.stages)
-        self._next_tensor = 0
-        self._run_unfinished(stream, step)
+        done = self._run_unfinished(stream, step)
+        resumed = min(resumed, done)
         t2 = time.perf_counter()
         slot_bytes = self._pool.spec.slot_bytes
         report = StepReport(

@@ -25,7 +25,18 @@ from dataclasses import dataclass
 
 from ._events import Alloc, Clear, CopyOnWrite, Event, Release
 
-__all__ = ["CopyRun", "CopyStage", "Plan", "RotateStage", "Run", "Stage", "ZeroStage", "plan_step"]
+__all__ = [
+    "CopyRun",
+    "CopyStage",
+    "Plan",
+    "RotateStage",
+    "Run",
+    "Stage",
+    "ZeroStage",
+    "decode_plan",
+    "encode_plan",
+    "plan_step",
+]
 
 _ZERO = 0  # slot 0 is the padding slot, never a source, so 0 can mean "zeros"
 
@@ -199,3 +210,69 @@ def plan_step(events: Iterable[Event]) -> Plan:
     if zero:
         stages.append(ZeroStage(tuple(zero), zero_runs(zero)))
     return Plan(tuple(stages), n, len(zero), len(src_of), writes - len(zero) - len(src_of))
+
+
+# -- wire format -------------------------------------------------------------
+# A plan as a flat list of ints, for one int64 tensor message per step:
+#   [MAGIC, step, events, zeroed, copied, elided, n_stages, stage...]
+#   zero stage:   [1, n, slot * n]
+#   copy stage:   [2, n, (src, dst) * n]
+#   rotate stage: [3, n_cycles, (len, member * len) * n_cycles]
+MAGIC = 0x6D63_0001
+_ZERO_KIND, _COPY_KIND, _ROTATE_KIND = 1, 2, 3
+
+
+def encode_plan(plan: Plan, step: int) -> list[int]:
+    out = [MAGIC, step, plan.events, plan.zeroed, plan.copied, plan.elided, len(plan.stages)]
+    for stage in plan.stages:
+        if isinstance(stage, ZeroStage):
+            out += [_ZERO_KIND, len(stage.slots), *stage.slots]
+        elif isinstance(stage, CopyStage):
+            out += [_COPY_KIND, len(stage.pairs)]
+            for src, dst in stage.pairs:
+                out += [src, dst]
+        else:
+            out += [_ROTATE_KIND, len(stage.cycles)]
+            for cycle in stage.cycles:
+                out += [len(cycle), *cycle]
+    return out
+
+
+def decode_plan(data: Sequence[int]) -> tuple[int, Plan]:
+    """Inverse of :func:`encode_plan`; raises ValueError on a malformed message."""
+    if len(data) < 7 or data[0] != MAGIC:
+        raise ValueError("not a mambacache plan message")
+    try:
+        return _decode(data)
+    except IndexError:
+        raise ValueError("truncated plan message") from None
+
+
+def _decode(data: Sequence[int]) -> tuple[int, Plan]:
+    step, events, zeroed, copied, elided, n_stages = data[1:7]
+    pos = 7
+    stages: list[Stage] = []
+    for _ in range(n_stages):
+        kind, n = data[pos], data[pos + 1]
+        pos += 2
+        if kind == _ZERO_KIND:
+            slots = tuple(data[pos : pos + n])
+            pos += n
+            stages.append(ZeroStage(slots, zero_runs(slots)))
+        elif kind == _COPY_KIND:
+            flat = data[pos : pos + 2 * n]
+            pos += 2 * n
+            pairs = tuple(zip(flat[0::2], flat[1::2], strict=True))
+            stages.append(CopyStage(pairs, copy_runs(pairs)))
+        elif kind == _ROTATE_KIND:
+            cycles = []
+            for _ in range(n):
+                length = data[pos]
+                cycles.append(tuple(data[pos + 1 : pos + 1 + length]))
+                pos += 1 + length
+            stages.append(RotateStage(tuple(cycles)))
+        else:
+            raise ValueError(f"unknown stage kind {kind} in plan message")
+    if pos != len(data):
+        raise ValueError("trailing data in plan message")
+    return step, Plan(tuple(stages), events, zeroed, copied, elided)

@@ -142,3 +142,23 @@ def test_planner_does_not_import_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "1"
+
+
+@given(ops, st.sets(st.integers(1, N)), st.integers(0, 2**40))
+def test_plan_wire_format_round_trips(raw: list[tuple[str, int, int]], initially: set[int], step: int) -> None:
+    from mambacache._planner import decode_plan, encode_plan
+
+    for events, _ in events_from_ops(raw, N, set(initially)):
+        plan = plan_step(events)  # type: ignore[arg-type]
+        assert decode_plan(encode_plan(plan, step)) == (step, plan)
+
+
+def test_plan_wire_format_rejects_garbage() -> None:
+    import pytest
+
+    from mambacache._planner import decode_plan, encode_plan
+
+    good = encode_plan(plan_step([mc.Clear(1), mc.CopyOnWrite(2, 3)]), 5)
+    for bad in ([], [1, 2, 3, 4, 5, 6, 7], [*good, 0], [*good[:-1]], [*good[:7], 9, 0]):
+        with pytest.raises(ValueError):
+            decode_plan(bad)

@@ -1,0 +1,110 @@
+"""Tensor-parallel mode: one scheduler (the source rank) plans, every rank applies.
+
+Each rank's pool holds its own shard of every state (heads or channels split),
+with the same ``num_slots``. Per flush, the source rank plans the step and
+broadcasts the plan as one int64 tensor message (the planner's wire format: no
+pickling); every other rank decodes it and runs the same stages on its shard.
+Slot bookkeeping lives on the source rank only.
+
+The plan is host data of a few bytes per event, so it travels on a CPU (gloo)
+group: the given group when it is gloo, else a gloo group over the same ranks.
+Device data never crosses ranks. The wait runs in a worker thread, so the event
+loop is never blocked, and it has a timeout: a dead or silent peer surfaces as
+:class:`DistributedError` on every live rank instead of a hang.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import torch
+
+from ._errors import DistributedError
+from ._planner import decode_plan, encode_plan, plan_step
+
+if TYPE_CHECKING:
+    from ._events import StepReport
+    from ._manager import CacheManager
+    from ._pool import StatePool
+
+__all__ = ["PlanChannel"]
+
+CAPACITY = 1024  # int64s in the first message; a larger plan sends its tail in a second one
+
+
+class PlanChannel:
+    def __init__(self, group: Any, src_rank: int, pool: StatePool, timeout: float) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise DistributedError("torch.distributed is not initialized: call init_process_group first")
+        self._dist = dist
+        self.rank = dist.get_rank()
+        self.src_rank = src_rank
+        ranks = dist.get_process_group_ranks(group)
+        if src_rank not in ranks:
+            raise DistributedError(f"src_rank {src_rank} is not in the group (ranks {ranks})")
+        self.is_source = self.rank == src_rank
+        self.group = group if dist.get_backend(group) == "gloo" else dist.new_group(ranks, backend="gloo")
+        self.timeout = timedelta(seconds=timeout)
+        self._buf = torch.zeros(CAPACITY, dtype=torch.int64)
+        self._broken: str | None = None
+        del pool  # same num_slots on every rank is the caller's contract
+
+    def check_source(self, what: str) -> None:
+        if not self.is_source:
+            raise DistributedError(
+                f"{what} on rank {self.rank}: in tensor-parallel mode only the source rank {self.src_rank} submits"
+                " events; the other ranks only flush"
+            )
+
+    async def _exchange(self, tensor: torch.Tensor) -> None:
+        work = self._dist.broadcast(tensor, src=self.src_rank, group=self.group, async_op=True)
+        await anyio.to_thread.run_sync(work.wait, self.timeout)
+
+    async def _transfer(self, message: list[int] | None) -> list[int]:
+        """Broadcast ``message`` from the source; receive it elsewhere."""
+        if self._broken is not None:
+            raise DistributedError(f"the plan channel failed earlier: {self._broken}")
+        buf, head = self._buf, CAPACITY - 1  # the last cell carries the total length
+        try:
+            if message is not None:
+                n = min(len(message), head)
+                buf.zero_()
+                buf[:n] = torch.tensor(message[:n], dtype=torch.int64)
+                buf[head] = len(message)
+            await self._exchange(buf)
+            total = int(buf[head])
+            data: list[int] = buf[: min(total, head)].tolist()
+            if total > head:
+                if message is not None:
+                    tail = torch.tensor(message[head:], dtype=torch.int64)
+                else:
+                    tail = torch.zeros(total - head, dtype=torch.int64)
+                await self._exchange(tail)
+                data += tail.tolist()
+            return data
+        except Exception as exc:
+            self._broken = repr(exc)
+            raise DistributedError(
+                f"rank {self.rank}: plan broadcast from rank {self.src_rank} failed or timed out after"
+                f" {self.timeout.total_seconds():g}s (a peer died or stopped flushing): {exc}"
+            ) from exc
+
+    async def flush(self, mgr: CacheManager, stream: Any | None) -> StepReport:
+        if self.is_source:
+            events, step = mgr._take_events()
+            t0 = time.perf_counter()
+            plan = plan_step(events)
+            plan_s = time.perf_counter() - t0
+            await self._transfer(encode_plan(plan, step))
+        else:
+            t0 = time.perf_counter()
+            step, plan = decode_plan(await self._transfer(None))
+            plan_s = 0.0
+            with mgr._lock:
+                mgr._step = step + 1
+        return mgr._execute(plan, step, stream, plan_s)

@@ -1,0 +1,36 @@
+"""Tensor-parallel mode on real torch.distributed (gloo on 127.0.0.1), in spawned processes."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch.multiprocessing as mp
+
+import mambacache as mc
+
+from ._dist_worker import worker
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize(("world", "seed"), [(2, 1), (3, 2)])
+def test_every_shard_matches_sequential_execution(world: int, seed: int) -> None:
+    mp.spawn(worker, args=(world, free_port(), seed, "ok"), nprocs=world, join=True)
+
+
+@pytest.mark.parametrize("mode", ["kill-peer", "kill-source"])
+def test_a_dead_rank_is_reported_not_hung_on(mode: str) -> None:
+    mp.spawn(worker, args=(2, free_port(), 3, mode), nprocs=2, join=True)
+
+
+def test_group_requires_initialized_distributed() -> None:
+    spec = mc.StateSpec(num_layers=1, conv_shapes=[], temporal_shape=(2,))
+    with pytest.raises(mc.DistributedError, match="not initialized"):
+        mc.CacheManager(mc.StatePool(spec, 2), group=object())

@@ -83,3 +83,19 @@ def test_audit_peak_tracks_live_temporaries() -> None:
     report = audit.report()
     assert report.peak_temp_bytes == 8000
     assert report.total_temp_bytes == 12000 and report.max_temp_bytes == 4000
+
+
+async def test_npu_workspace_grows_without_two_buffers_alive() -> None:
+    # The conv tensor needs a small workspace, the temporal one a larger one: the
+    # buffer grows between them, and the old one must be gone before the new one.
+    pool = mc.StatePool(SPEC, 8)
+    async with mc.CacheManager(pool, executor="npu", copy_workspace_bytes=1 << 20) as mgr:
+        a, b, c, d = mgr.alloc(4)
+        await mgr.flush()
+        mgr.submit(mc.CopyOnWrite(a, c), mc.CopyOnWrite(b, d))
+        with OpAudit() as audit:
+            await mgr.flush()
+    report = audit.report()
+    temporal_need = 2 * SPEC.num_layers * SPEC.layer_bytes()[-1]
+    assert report.max_temp_bytes == temporal_need
+    assert report.peak_temp_bytes == temporal_need  # not conv_need + temporal_need

@@ -62,9 +62,11 @@ class NpuExecutor:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         ws = self._workspace
         if ws is None or ws.device != device or ws.numel() < nbytes:
-            self._workspace = None  # let the old one go first: the bound holds across the swap
-            ws = self._workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return ws[:nbytes].view(dtype)
+            # Drop the old buffer before taking the new one, so two never live at once.
+            del ws
+            self._workspace = None
+            self._workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self._workspace[:nbytes].view(dtype)
 
     def execute(self, stage: Stage, tensor: torch.Tensor) -> None:
         if tensor.device.type == "npu":

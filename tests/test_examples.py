@@ -1,0 +1,27 @@
+"""The examples run as a user would run them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+@pytest.mark.parametrize(
+    ("name", "expect"),
+    [
+        ("asyncio_scheduler.py", "16 requests finished"),
+        ("trio_scheduler.py", "done: 16/16 slots free"),
+        ("worker_thread.py", "served 30 requests through 8 slots; 8 free"),
+        pytest.param("tensor_parallel.py", "every rank: [True, True]", marks=pytest.mark.slow),
+    ],
+)
+def test_example(name: str, expect: str) -> None:
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert expect in out.stdout, out.stdout + out.stderr

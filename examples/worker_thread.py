@@ -30,7 +30,7 @@ async def main() -> None:
         thread = threading.Thread(target=detokenizer, args=(mgr, finished))
         thread.start()
         served = 0
-        for step in range(40):
+        for _ in range(40):
             while served < 30 and pool.num_free:
                 (slot,) = mgr.alloc(1, request_id=f"r{served}")
                 finished.put((f"r{served}", slot))  # "finishes" a few steps later, in the thread

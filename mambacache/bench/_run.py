@@ -66,13 +66,18 @@ def _sync(device: torch.device) -> None:
 
 
 def measure(
-    fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2
+    fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2, min_total_s: float = 0.2
 ) -> tuple[float, float, float]:
+    """Median, min and max seconds of ``fn``, after warm-up.
+
+    Short runs are repeated until ``min_total_s`` is measured (at most 200 times):
+    on a shared machine a handful of sub-millisecond samples is mostly noise.
+    """
     for _ in range(warmup):
         fn()
     _sync(device)
-    times = []
-    for _ in range(repeats):
+    times: list[float] = []
+    while len(times) < repeats or (sum(times) < min_total_s and len(times) < 200):
         t0 = time.perf_counter()
         fn()
         _sync(device)

@@ -125,6 +125,11 @@ class CacheManager:
         return self._step
 
     @property
+    def clear_on_alloc(self) -> bool:
+        """Whether ``alloc`` zeroes new slots by default."""
+        return self._clear_on_alloc
+
+    @property
     def pending(self) -> int:
         """Events queued for the next flush."""
         return len(self._events)

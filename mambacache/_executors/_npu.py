@@ -65,8 +65,8 @@ class NpuExecutor:
             # Drop the old buffer before taking the new one, so two never live at once.
             del ws
             self._workspace = None
-            self._workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return self._workspace[:nbytes].view(dtype)
+            ws = self._workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return ws[:nbytes].view(dtype)
 
     def execute(self, stage: Stage, tensor: torch.Tensor) -> None:
         if tensor.device.type == "npu":

@@ -65,24 +65,46 @@ def _sync(device: torch.device) -> None:
         torch.get_device_module(device.type).synchronize()
 
 
-def measure(
-    fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2, min_total_s: float = 0.2
-) -> tuple[float, float, float]:
-    """Median, min and max seconds of ``fn``, after warm-up.
-
-    Short runs are repeated until ``min_total_s`` is measured (at most 200 times):
-    on a shared machine a handful of sub-millisecond samples is mostly noise.
-    """
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times: list[float] = []
-    while len(times) < repeats or (sum(times) < min_total_s and len(times) < 200):
+def _time_once(fn: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cpu":
         t0 = time.perf_counter()
         fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), min(times), max(times)
+        return time.perf_counter() - t0
+    # Device time: events recorded on the current stream around the enqueued work.
+    start = torch.Event(device=device, enable_timing=True)
+    end = torch.Event(device=device, enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return float(start.elapsed_time(end)) / 1e3
+
+
+def measure(
+    fns: dict[str, Callable[[], object]],
+    device: torch.device,
+    repeats: int,
+    warmup: int = 2,
+    min_total_s: float = 0.2,
+) -> dict[str, tuple[float, float, float]]:
+    """Median, min and max seconds of each function, after warm-up.
+
+    The functions run round-robin, one call each per round, so a slow spell of a
+    shared machine hits every path alike and the ratios stay fair. Rounds go on
+    until each path has ``repeats`` samples and the slowest ``min_total_s``
+    measured (at most 200 rounds).
+    """
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    _sync(device)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    rounds = 0
+    while rounds < repeats or (max(sum(v) for v in times.values()) < min_total_s and rounds < 200):
+        for key, fn in fns.items():
+            times[key].append(_time_once(fn, device))
+        rounds += 1
+    return {k: (statistics.median(v), min(v), max(v)) for k, v in times.items()}
 
 
 def _zero_all(bufs: list[torch.Tensor]) -> None:
@@ -157,43 +179,29 @@ def run_preset(
         # The bandwidth bound: contiguous buffers holding the same bytes, warm.
         bufs = [torch.empty(t.shape[0], n, *t.shape[2:], dtype=t.dtype, device=device) for t in pool.tensors]
         bufs2 = [torch.empty_like(b) for b in bufs]
-        memset = measure(partial(_zero_all, bufs), device, repeats)
-        memcpy = measure(partial(_copy_all, bufs, bufs2), device, repeats)
-        del bufs, bufs2
         zidx = torch.tensor(zero_slots, device=device)
         sidx, didx = torch.tensor(src, device=device), torch.tensor(dst, device=device)
-        seed_z = measure(partial(_seed_clear, pool, zidx), device, repeats)
-        seed_c = measure(partial(_seed_copy, pool, sidx, didx), device, repeats)
         (zstage,) = plan_step([Clear(s) for s in zero_slots]).stages
         (cstage,) = plan_step([CopyOnWrite(s, d) for s, d in zip(src, dst, strict=True)]).stages
-
-        def result(
-            op: str,
-            path: str,
-            t: tuple[float, float, float],
-            bound: float,
-            seed_t: float,
-            audit: Any = None,
-            n: int = n,
-            nbytes: int = nbytes,
-        ) -> Result:
-            return Result(name, spec.num_layers, n, op, path, *t, nbytes, nbytes / t[0] / 1e9, bound / t[0],
-                          seed_t / t[0], *(audit or (None, None, None)))  # fmt: skip
-
-        yield result("clear", "memset", memset, memset[0], seed_z[0], None)
-        yield result("clear", "seed", seed_z, memset[0], seed_z[0], _audit(partial(_seed_clear, pool, zidx), device))
-        for ename, ex in impls.items():
-            timing = measure(_run_stage(ex, zstage, pool), device, repeats)
-            fresh = resolve_executor(ename, device, workspace_bytes)  # its first step shows its workspace
-            yield result("clear", ename, timing, memset[0], seed_z[0], _audit(_run_stage(fresh, zstage, pool), device))
-        yield result("copy", "memcpy", memcpy, memcpy[0], seed_c[0], None)
-        yield result(
-            "copy", "seed", seed_c, memcpy[0], seed_c[0], _audit(partial(_seed_copy, pool, sidx, didx), device)
-        )
-        for ename, ex in impls.items():
-            timing = measure(_run_stage(ex, cstage, pool), device, repeats)
-            fresh = resolve_executor(ename, device, workspace_bytes)
-            yield result("copy", ename, timing, memcpy[0], seed_c[0], _audit(_run_stage(fresh, cstage, pool), device))
+        for op, bound, stage, seed_fn in (
+            ("clear", "memset", zstage, partial(_seed_clear, pool, zidx)),
+            ("copy", "memcpy", cstage, partial(_seed_copy, pool, sidx, didx)),
+        ):
+            fns: dict[str, Callable[[], object]] = {
+                bound: partial(_zero_all, bufs) if op == "clear" else partial(_copy_all, bufs, bufs2),
+                "seed": seed_fn,
+            }
+            fns.update({e: _run_stage(ex, stage, pool) for e, ex in impls.items()})
+            timings = measure(fns, device, repeats)
+            for path, (median, low, high) in timings.items():
+                audit: tuple[int | None, int | None, int | None] = (None, None, None)
+                if path == "seed":
+                    audit = _audit(seed_fn, device)
+                elif path in impls:  # a fresh executor: its first step shows its workspace
+                    audit = _audit(_run_stage(resolve_executor(path, device, workspace_bytes), stage, pool), device)
+                yield Result(name, spec.num_layers, n, op, path, median, low, high, nbytes, nbytes / median / 1e9,
+                             timings[bound][0] / median, timings["seed"][0] / median, *audit)  # fmt: skip
+        del bufs, bufs2
 
 
 class _NullExecutor:

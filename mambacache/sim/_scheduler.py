@@ -20,6 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from .. import tracing
 from .._manager import CacheManager
 from .._pool import StatePool
@@ -137,7 +139,7 @@ class _Scheduler:
         key = tuple(req.prompt[: cfg.prefix_len])
         entry = self.prefix_cache.get(key)
         (req.slot,) = self._timed(self.mgr.alloc, 1, request_id=req.rid)
-        self.clears += self.mgr._clear_on_alloc
+        self.clears += self.mgr.clear_on_alloc
         if entry is not None:
             self.prefix_cache.move_to_end(key)
             if cfg.fault != "skip-fork":
@@ -207,8 +209,9 @@ async def simulate(
         raise ValueError(f"slots ({num_slots}) must exceed max_running ({cfg.max_running})")
     pool = StatePool(model.spec, num_slots)
     # Dirty from the start, as a pool reused across server restarts would be.
+    generator = torch.Generator().manual_seed(cfg.seed)
     for t in pool.tensors:
-        t[:, 1:].normal_(generator=__import__("torch").Generator().manual_seed(cfg.seed))
+        t[:, 1:].normal_(generator=generator)
     if cfg.trace:
         tracing.configure(cfg.trace, level="debug")
     done: list[_Request] = []

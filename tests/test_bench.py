@@ -12,8 +12,9 @@ from mambacache._cli import main
 
 @pytest.mark.slow
 def test_bench_quick_emits_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "bench.json"
-    assert main(["bench", "--quick", "--sizes", "1,8", "--repeats", "2", "--json", str(out)]) == 0
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    assert main(["bench", "--quick", "--sizes", "1,8", "--repeats", "2", "--json", str(out), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = capsys.readouterr().out
     assert "x bound" in text and "host overhead" in text and "tracing off" in text
     data = json.loads(out.read_text())

@@ -95,7 +95,7 @@ def render(results: list[Result]) -> str:
     return "\n\n".join(out)
 
 
-def plot(results: list[Result], path: str) -> None:
+def plot(results: list[Result], out: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -107,9 +107,9 @@ def plot(results: list[Result], path: str) -> None:
         for col, op in enumerate(("clear", "copy")):
             ax = axes[row][col]
             sel = [r for r in results if r.preset == preset and r.op == op and r.path not in ("memset", "memcpy")]
-            for path in dict.fromkeys(r.path for r in sel):
-                pts = [(r.slots, r.vs_bound) for r in sel if r.path == path]
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=path)
+            for name in dict.fromkeys(r.path for r in sel):
+                pts = [(r.slots, r.vs_bound) for r in sel if r.path == name]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
             ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
             ax.set_xscale("log", base=2)
             ax.set_title(f"{preset}: {op} (1.0 = {'memset' if op == 'clear' else 'memcpy'})", fontsize=9)
@@ -117,7 +117,7 @@ def plot(results: list[Result], path: str) -> None:
             ax.set_ylabel("fraction of bandwidth bound")
             ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(out, dpi=110)
     plt.close(fig)
 
 

@@ -114,3 +114,16 @@ def test_npu_executor_does_not_import_torch_npu_on_cpu() -> None:
     spec = mc.StateSpec(num_layers=1, conv_shapes=[], temporal_shape=(4,))
     mc.CacheManager(mc.StatePool(spec, 2), executor="npu")
     assert "torch_npu" not in sys.modules
+
+
+def test_ci_runs_exactly_the_readme_test_command() -> None:
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    readme = (root / "README.md").read_text()
+    blocks = [b.split("```", 1)[0].strip() for b in readme.split("```bash\n")[1:3]]
+    install_and_run, test = blocks
+    assert "mambacache simulate" in install_and_run
+    assert "pytest" in test
+    ci = [line.strip() for line in (root / ".ci" / "run").read_text().splitlines()]
+    assert test in ci

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import threading
 import time
 from types import TracebackType
@@ -33,7 +34,7 @@ __all__ = ["CacheManager"]
 
 _NEW, _OPEN, _CLOSED = range(3)
 _NO_STREAM = contextlib.nullcontext()
-_SUBMITTABLE = (Clear, CopyOnWrite, Release)
+_REPORT_FIELDS = tuple(f.name for f in dataclasses.fields(StepReport) if not f.name.endswith("_s"))
 
 
 class CacheManager:
@@ -211,9 +212,7 @@ class CacheManager:
                         f"submit takes Clear, CopyOnWrite and Release events, got {ev!r}"
                         + ("; allocate with CacheManager.alloc" if isinstance(ev, Alloc) else "")
                     )
-                rid = ev.request_id
-                if rid is not None and type(rid) is not str:
-                    raise InvalidArgumentError(f"request_id must be a str or None, got {rid!r}")
+                _check_request_id(ev.request_id)
             self._events.extend(events)
             if released is not None:
                 pool._give_back(released)
@@ -281,19 +280,9 @@ class CacheManager:
         )
         log = _tracing.state.step_log
         if log is not None:
+            figures = {name: getattr(report, name) for name in _REPORT_FIELDS}
             log.info(
-                "step.flush",
-                step=step,
-                events=report.events,
-                zeroed=report.zeroed,
-                copied=report.copied,
-                elided=report.elided,
-                bytes_zeroed=report.bytes_zeroed,
-                bytes_copied=report.bytes_copied,
-                stages=report.stages,
-                plan_us=round(plan_s * 1e6, 1),
-                execute_us=round(report.execute_s * 1e6, 1),
-                resumed_stages=resumed,
+                "step.flush", **figures, plan_us=round(plan_s * 1e6, 1), execute_us=round(report.execute_s * 1e6, 1)
             )
         return report
 

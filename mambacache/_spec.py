@@ -61,7 +61,7 @@ class StateSpec:
 
     def layer_bytes(self) -> list[int]:
         """Bytes of one slot in one layer, for each pool tensor (convs, then temporal)."""
-        return [math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in self.shapes()]
+        return [math.prod(s) * d.itemsize for s, d in self.shapes()]
 
     @classmethod
     def from_hf_config(cls, config: Any, **overrides: Any) -> StateSpec:

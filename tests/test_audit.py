@@ -99,3 +99,13 @@ async def test_npu_workspace_grows_without_two_buffers_alive() -> None:
     temporal_need = 2 * SPEC.num_layers * SPEC.layer_bytes()[-1]
     assert report.max_temp_bytes == temporal_need
     assert report.peak_temp_bytes == temporal_need  # not conv_need + temporal_need
+
+
+async def test_torch_index_path_copies_stay_in_workspace() -> None:
+    from mambacache._executors._torch import TorchExecutor
+
+    bound = 3 * SPEC.num_layers * max(SPEC.layer_bytes())  # three slots of the largest tensor
+    executor = TorchExecutor(bound, min_run_bytes=1 << 40, max_runs=0)  # force the index path
+    report = await audited_flush(executor, 0, n_copy=40)
+    assert 0 < report.max_temp_bytes <= bound
+    assert report.peak_state_temp_bytes <= bound

@@ -44,7 +44,8 @@ async def test_many_tasks_submit_while_a_scheduler_flushes() -> None:
                 for i in range(32):
                     requests.start_soon(request, i)
             stop.set()
-        assert pool.num_free == 64
+        assert pool.num_free == 64  # every release is booked at submit time
+        await mgr.flush()  # the scheduler may have stopped before the last releases
         assert mgr.pending == 0
 
 

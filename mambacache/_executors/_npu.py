@@ -59,7 +59,7 @@ class NpuExecutor:
 
     def _ws(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A contiguous ``numel``-element view of the workspace; never more than the bound in all."""
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         ws = self._workspace
         if ws is None or ws.device != device or ws.numel() < nbytes:
             # Drop the old buffer before taking the new one, so two never live at once.

@@ -8,7 +8,8 @@ Two strategies, picked per stage and tensor:
   when the chunks are large (CPU), but costs one launch per run;
 * index: one ``index_fill_`` (zero) or ``index_select`` + ``index_copy_`` (copy,
   rotate) per tensor, with host-built indices: one launch whatever the slot count,
-  the better choice for many small runs and on GPUs.
+  the better choice for many small runs and on GPUs. Copy gathers are chunked to
+  ``copy_workspace_bytes`` (at least one slot); a rotate is gathered whole.
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ from .._planner import CopyStage, RotateStage, Stage, ZeroStage
 from ._base import IndexBuilder, stage_pairs
 
 __all__ = ["TorchExecutor"]
+
+
+def _slot_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of one slot of a ``[layers, slots, ...]`` pool tensor, all layers."""
+    return tensor.numel() // tensor.shape[1] * tensor.element_size()
 
 
 class TorchExecutor:
@@ -39,8 +45,7 @@ class TorchExecutor:
             return True
         if tensor.device.type != "cpu":
             return False
-        slot_bytes = tensor[:, 0].numel() * tensor.element_size()
-        return slots * slot_bytes >= runs * self.min_run_bytes
+        return slots * _slot_bytes(tensor) >= runs * self.min_run_bytes
 
     def execute(self, stage: Stage, tensor: torch.Tensor) -> None:
         if isinstance(stage, ZeroStage):
@@ -58,7 +63,13 @@ class TorchExecutor:
             srcs, dsts = stage_pairs(stage)
             src_idx, dst_idx = self._indices.get(stage, tensor.device, srcs, dsts)
             # index_select gathers into a new tensor before index_copy_ writes:
-            # that is what makes a rotate (sources == destinations) exact.
-            tensor.index_copy_(1, dst_idx, tensor.index_select(1, src_idx))
+            # that is what makes a rotate (sources == destinations) exact, and why
+            # a rotate is one gather. A copy stage is disjoint, so its gathers are
+            # chunked to stay within copy_workspace_bytes.
+            n = len(srcs)
+            chunk = n if isinstance(stage, RotateStage) else max(1, self.copy_workspace_bytes // _slot_bytes(tensor))
+            for c0 in range(0, n, chunk):
+                part = slice(c0, c0 + chunk)
+                tensor.index_copy_(1, dst_idx[part], tensor.index_select(1, src_idx[part]))
         else:
             raise TypeError(f"unknown stage {stage!r}")

@@ -52,7 +52,7 @@ class PlanChannel:
         self.timeout = timedelta(seconds=timeout)
         self._buf = torch.zeros(CAPACITY, dtype=torch.int64)
         self._broken: str | None = None
-        del pool  # same num_slots on every rank is the caller's contract
+        self._num_slots = pool.num_slots  # sent with every plan, checked on every rank
 
     def check_source(self, what: str) -> None:
         if not self.is_source:
@@ -100,10 +100,13 @@ class PlanChannel:
             t0 = time.perf_counter()
             plan = plan_step(events)
             plan_s = time.perf_counter() - t0
-            await self._transfer(encode_plan(plan, step))
+            await self._transfer([self._num_slots, *encode_plan(plan, step)])
         else:
-            t0 = time.perf_counter()
-            step, plan = decode_plan(await self._transfer(None))
+            num_slots, *message = await self._transfer(None)
+            if num_slots != self._num_slots:
+                self._broken = f"num_slots {num_slots} on rank {self.src_rank}, {self._num_slots} here"
+                raise DistributedError(f"rank {self.rank}: pools differ: {self._broken}; every rank needs the same")
+            step, plan = decode_plan(message)
             plan_s = 0.0
             with mgr._lock:
                 mgr._step = step + 1

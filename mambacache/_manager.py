@@ -18,6 +18,7 @@ from ._errors import (
     InvalidArgumentError,
     InvalidEventError,
     InvalidSlotError,
+    MambaCacheError,
     ManagerClosedError,
     SlotStateError,
 )
@@ -103,6 +104,12 @@ class CacheManager:
             if self._tp is not None or self._events or self._unfinished:
                 with anyio.CancelScope(shield=True):
                     await self.flush()
+        except MambaCacheError as flush_error:
+            if exc is None:
+                raise
+            # The block is already failing: its error is the one to see, not this echo of it.
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"mambacache: the flush on leaving the block failed too: {flush_error!r}")
         finally:
             self._state = _CLOSED
 

@@ -35,6 +35,10 @@ def worker(rank: int, world: int, port: int, seed: int, mode: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=30)
     )
+    if mode in ("big", "mismatch"):
+        anyio.run(_big_or_mismatch, rank, mode)
+        dist.destroy_process_group()
+        return
     pool = mc.StatePool(spec(), N)
     fill_random(pool, 1000 * seed + rank)  # each rank its own shard content
     oracle = SequentialOracle(pool)
@@ -80,3 +84,26 @@ def worker(rank: int, world: int, port: int, seed: int, mode: str) -> None:
         assert time.monotonic() - t0 < 25
         os._exit(0)  # skip a teardown that would wait on the dead peer
     raise AssertionError(f"rank {rank}: no DistributedError after the peer died")
+
+
+async def _big_or_mismatch(rank: int, mode: str) -> None:
+    """A plan longer than one message (1,500 zeroed slots), or pools of different sizes."""
+    num_slots = 1500 if mode == "big" or rank == 0 else 1499
+    pool = mc.StatePool(mc.StateSpec(num_layers=1, conv_shapes=(), temporal_shape=(2,)), num_slots)
+    pool.temporal.fill_(7.0)
+    try:
+        async with mc.CacheManager(pool, group=dist.group.WORLD, src_rank=0, timeout=20) as mgr:
+            if rank == 0:
+                mgr.alloc(1500)
+            report = await mgr.flush()
+            assert report.zeroed == 1500
+            assert bool((pool.temporal[:, 1:] == 0).all()) and bool((pool.temporal[:, 0] == 7).all())
+    except mc.DistributedError as exc:
+        assert mode == "mismatch", exc
+        # Rank 1 finds the mismatch and leaves; rank 0 then finds its peer gone.
+        assert ("pools differ" if rank == 1 else "failed or timed out") in str(exc), exc
+        os._exit(0)
+    if mode == "mismatch" and rank == 1:
+        raise AssertionError("a pool of another size was accepted")
+    if mode == "mismatch":
+        os._exit(0)  # rank 1 has gone: skip the teardown

@@ -30,6 +30,11 @@ def test_a_dead_rank_is_reported_not_hung_on(mode: str) -> None:
     mp.spawn(worker, args=(2, free_port(), 3, mode), nprocs=2, join=True)
 
 
+@pytest.mark.parametrize("mode", ["big", "mismatch"])
+def test_long_plans_and_mismatched_pools(mode: str) -> None:
+    mp.spawn(worker, args=(2, free_port(), 0, mode), nprocs=2, join=True)
+
+
 def test_group_requires_initialized_distributed() -> None:
     spec = mc.StateSpec(num_layers=1, conv_shapes=[], temporal_shape=(2,))
     with pytest.raises(mc.DistributedError, match="not initialized"):

@@ -89,3 +89,18 @@ async def test_failed_flush_raises_then_next_flush_completes() -> None:
         assert report.resumed_stages == 1 and report.events == 1 and report.zeroed == 1
         assert all(bool((t[:, [a, b, c]] == 0).all()) for t in pool.tensors)
         assert flaky.calls == 2 + 2 + 3  # tensor 0 was not done twice
+
+
+@pytest.mark.anyio
+async def test_exit_flush_failure_does_not_mask_the_blocks_error() -> None:
+    pool = mc.StatePool(small_spec(), 4)
+    with pytest.raises(KeyError, match="the body's own error") as info:
+        async with mc.CacheManager(pool, executor=Flaky("torch", {1})) as mgr:
+            mgr.alloc(1)
+            raise KeyError("the body's own error")
+    notes = getattr(info.value, "__notes__", [""])
+    assert "flush on leaving the block failed" in notes[0]
+    # Without an error in the block, the exit flush's failure is raised.
+    with pytest.raises(mc.ExecutorError):
+        async with mc.CacheManager(mc.StatePool(small_spec(), 4), executor=Flaky("torch", {1})) as mgr:
+            mgr.alloc(1)

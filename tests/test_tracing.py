@@ -157,3 +157,18 @@ def test_trace_json_filters_and_plot(tmp_path: Path, capsys: pytest.CaptureFixtu
     png = tmp_path / "occupancy.png"
     main(["trace", str(path), "--plot", str(png)])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulator_trace_names_the_same_tenant_at_alloc_and_release(tmp_path: Path) -> None:
+    path = tmp_path / "sim.jsonl"
+    assert main(["simulate", "--model", "toy", "--requests", "30", "--trace", str(path)]) == 0
+    analysis = analyze(read_trace(path.read_text().splitlines()))
+    assert analysis.anomalies == []
+    assert analysis.summary["releases"] > 0
+    for entries in analysis.timelines.values():
+        tenant = None
+        for e in entries:
+            if e.action == "alloc":
+                tenant = e.request_id
+            elif e.action == "release":
+                assert e.request_id == tenant

@@ -89,6 +89,7 @@ class _Request:
 class _Entry:
     slot: int
     kv: Any
+    rid: str  # the entry's tenant id in the trace
 
 
 def make_workload(cfg: SimConfig, vocab: int) -> list[_Request]:
@@ -129,8 +130,8 @@ class _Scheduler:
             return True
         if not self.prefix_cache:
             return False
-        key, entry = self.prefix_cache.popitem(last=False)
-        self._timed(self.mgr.release, entry.slot, request_id=f"prefix:{hash(key) & 0xFFFF:04x}")
+        _, entry = self.prefix_cache.popitem(last=False)
+        self._timed(self.mgr.release, entry.slot, request_id=entry.rid)
         self.evictions += 1
         return True
 
@@ -163,10 +164,11 @@ class _Scheduler:
             key = tuple(req.prompt[: cfg.prefix_len])
             if key not in self.prefix_cache and self._free_one():
                 self._entries += 1
-                (slot,) = self._timed(self.mgr.alloc, 1, request_id=f"prefix:{self._entries}", clear=False)
-                self._timed(self.mgr.copy_on_write, req.slot, slot, request_id=f"prefix:{self._entries}")
+                rid = f"prefix:{self._entries}"
+                (slot,) = self._timed(self.mgr.alloc, 1, request_id=rid, clear=False)
+                self._timed(self.mgr.copy_on_write, req.slot, slot, request_id=rid)
                 self.forks += 1
-                self.prefix_cache[key] = _Entry(slot, model.snapshot(req.ctx))
+                self.prefix_cache[key] = _Entry(slot, model.snapshot(req.ctx), rid)
             return False
         if req.pos < len(req.prompt):
             req.out.append(model.forward(req.ctx, req.prompt[req.pos :]))
@@ -202,6 +204,8 @@ async def simulate(
     """Run the workload through a CacheManager; with ``verify``, compare every request to ``generate``."""
     if cfg.fault not in FAULTS:
         raise ValueError(f"unknown fault {cfg.fault!r}; choose from {FAULTS}")
+    if cfg.suffix_len[0] < 1 or cfg.new_tokens[0] < 1:
+        raise ValueError("prompts need a suffix after the prefix, and requests at least one new token")
     model = model if model is not None else build_model(cfg.model, cfg.seed)
     workload = make_workload(cfg, model.vocab_size)
     num_slots = cfg.slots if cfg.slots is not None else cfg.max_running + max(2, cfg.max_running // 2)

@@ -64,17 +64,20 @@ class IndexBuilder:
     waits). The device copy may be dropped once the work using it is enqueued:
     the caching allocators only reuse memory in stream order. Indices are
     cached for the stage being executed, because the manager calls the
-    executor once per pool tensor with the same stage.
+    executor once per pool tensor with the same stage; the cache is keyed by
+    stage, device and stream, so a stage resumed on another stream gets indices
+    made on that stream.
     """
 
     def __init__(self) -> None:
-        self._stage: Stage | None = None
-        self._device: torch.device | None = None
+        self._key: tuple[Any, ...] = ()
         self._cached: tuple[torch.Tensor, ...] = ()
         self._in_flight: collections.deque[tuple[Any, tuple[torch.Tensor, ...]]] = collections.deque()
 
     def get(self, stage: Stage, device: torch.device, *lists: Sequence[int]) -> tuple[torch.Tensor, ...]:
-        if stage is self._stage and device == self._device:
+        stream = None if device.type == "cpu" else torch.get_device_module(device.type).current_stream(device)
+        key = (stage, device, stream)
+        if self._key and self._key[0] is stage and self._key[1:] == key[1:]:
             return self._cached
         self._release_done()
         if device.type == "cpu":
@@ -87,7 +90,7 @@ class IndexBuilder:
             event = torch.Event(device=device)
             event.record()
             self._in_flight.append((event, (host,)))
-        self._stage, self._device, self._cached = stage, device, out
+        self._key, self._cached = key, out
         return out
 
     def _release_done(self) -> None:

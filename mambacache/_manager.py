@@ -92,6 +92,9 @@ class CacheManager:
     async def __aenter__(self) -> CacheManager:
         if self._state != _NEW:
             raise ManagerClosedError("a CacheManager can be entered once")
+        if self._pool._manager is not None:
+            raise InvalidArgumentError("this pool is already managed by another open CacheManager")
+        self._pool._manager = self
         self._flush_lock = anyio.Lock()
         self._state = _OPEN
         return self
@@ -112,6 +115,7 @@ class CacheManager:
                 exc.add_note(f"mambacache: the flush on leaving the block failed too: {flush_error!r}")
         finally:
             self._state = _CLOSED
+            self._pool._manager = None
 
     def _check_open(self) -> None:
         if self._state != _OPEN:

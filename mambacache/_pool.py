@@ -51,6 +51,7 @@ class StatePool:
         )
         self._free: list[int] = list(range(1, num_slots + 1))  # a heap; sorted is a valid heap
         self._allocated = bytearray(num_slots + 1)
+        self._manager: object | None = None  # the open CacheManager driving this pool, if any
 
     @classmethod
     def from_memory_budget(cls, spec: StateSpec, budget_bytes: int, device: str | torch.device = "cpu") -> StatePool:

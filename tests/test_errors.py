@@ -142,3 +142,16 @@ async def test_exit_flushes_pending() -> None:
     assert all(bool((t[:, a] == 0).all()) for t in pool.tensors)
     # The padding slot is never written.
     assert all(bool((t[:, 0] != 0).any()) for t in pool.tensors)
+
+
+async def test_one_open_manager_per_pool() -> None:
+    pool = mc.StatePool(small_spec(), 4)
+    async with mc.CacheManager(pool) as mgr:
+        mgr.alloc(1)
+        with pytest.raises(mc.InvalidArgumentError, match="already managed"):
+            async with mc.CacheManager(pool):
+                pass
+        assert mgr.pending == 1  # the refused one changed nothing
+    async with mc.CacheManager(pool) as again:  # free once the first has closed
+        assert pool.num_free == 3
+        again.alloc(1)

@@ -7,6 +7,8 @@ model_type        conv state per layer         temporal state per layer
 ================  ===========================  ====================================
 mamba2            (I + 2*G*N, conv_kernel)     (heads, head_dim, N)
 nemotron_h        (I + 2*G*N, conv_kernel)     (mamba_num_heads, mamba_head_dim, N)
+falcon_h1         (I + 2*G*N, mamba_d_conv)    (mamba_n_heads, mamba_d_head, N)
+jamba (Mamba1)    (I, mamba_d_conv)            (I, N)
 qwen3_next,       (2*Hk*Dk + Hv*Dv, kernel)    (Hv, Dk, Dv)
 qwen3_5(_moe)
 ================  ===========================  ====================================
@@ -40,16 +42,21 @@ def linear_layer_indices(config: Any) -> list[int]:
     types = getattr(config, "layer_types", None)
     if kind in _QWEN and types is not None:
         return [i for i, t in enumerate(types) if t == "linear_attention"]
-    if kind == "nemotron_h" and types is not None:
+    if kind in ("nemotron_h", "jamba") and types is not None:
         # Older configs say "mamba"; transformers 5 remaps it to "linear_attention".
         return [i for i, t in enumerate(types) if t in ("mamba", "linear_attention")]
-    raise InvalidArgumentError(f"unsupported config model_type {kind!r}: supported are mamba2, nemotron_h, {_QWEN}")
+    if kind == "falcon_h1":
+        return list(range(config.num_hidden_layers))  # every layer runs attention and Mamba2 side by side
+    raise InvalidArgumentError(
+        f"unsupported config model_type {kind!r}: supported are mamba2, nemotron_h, falcon_h1, jamba, {_QWEN}"
+    )
 
 
 def spec_kwargs_from_config(config: Any) -> dict[str, Any]:
     text = _text(config)
     kind = getattr(text, "model_type", None)
     layers = len(linear_layer_indices(text))
+    temporal: tuple[int, ...]
     if kind == "mamba2":
         inner = int(text.expand * text.hidden_size)
         conv = (inner + 2 * text.n_groups * text.state_size, text.conv_kernel)
@@ -58,6 +65,14 @@ def spec_kwargs_from_config(config: Any) -> dict[str, Any]:
         inner = text.mamba_num_heads * text.mamba_head_dim
         conv = (inner + 2 * text.n_groups * text.ssm_state_size, text.conv_kernel)
         temporal = (text.mamba_num_heads, text.mamba_head_dim, text.ssm_state_size)
+    elif kind == "falcon_h1":
+        inner = text.mamba_d_ssm if text.mamba_d_ssm is not None else int(text.mamba_expand * text.hidden_size)
+        conv = (inner + 2 * text.mamba_n_groups * text.mamba_d_state, text.mamba_d_conv)
+        temporal = (text.mamba_n_heads, text.mamba_d_head, text.mamba_d_state)
+    elif kind == "jamba":
+        inner = int(text.mamba_expand * text.hidden_size)
+        conv = (inner, text.mamba_d_conv)
+        temporal = (inner, text.mamba_d_state)
     else:
         key_dim = text.linear_num_key_heads * text.linear_key_head_dim
         value_dim = text.linear_num_value_heads * text.linear_value_head_dim

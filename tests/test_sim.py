@@ -94,6 +94,18 @@ def _tiny(kind: str) -> tuple[object, object]:
                                   linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2,
                                   **common)  # fmt: skip
         return t.Qwen3_5ForCausalLM(cfg), cfg
+    if kind == "falcon_h1":
+        cfg = t.FalconH1Config(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                               intermediate_size=32, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
+                               mamba_d_state=8, mamba_n_groups=2, mamba_d_conv=4, mamba_expand=2,
+                               **common)  # fmt: skip
+        return t.FalconH1ForCausalLM(cfg), cfg
+    if kind == "jamba":
+        cfg = t.JambaConfig(num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, intermediate_size=32,
+                            mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, attn_layer_period=2,
+                            attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=2,
+                            **common)  # fmt: skip
+        return t.JambaForCausalLM(cfg), cfg
     cfg = t.NemotronHConfig(layers_block_type=["mamba", "attention", "mamba", "mlp"], mamba_num_heads=4,
                             mamba_head_dim=8, ssm_state_size=8, n_groups=2, conv_kernel=4, expand=2,
                             num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=32,
@@ -101,7 +113,7 @@ def _tiny(kind: str) -> tuple[object, object]:
     return t.NemotronHForCausalLM(cfg), cfg
 
 
-@pytest.mark.parametrize("kind", ["mamba2", "qwen3_next", "qwen3_5", "nemotron_h"])
+@pytest.mark.parametrize("kind", ["mamba2", "qwen3_next", "qwen3_5", "nemotron_h", "falcon_h1", "jamba"])
 def test_spec_from_hf_config_matches_the_models_cache(kind: str) -> None:
     try:
         model, config = _tiny(kind)

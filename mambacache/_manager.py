@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import threading
 import time
@@ -34,7 +33,6 @@ if TYPE_CHECKING:
 __all__ = ["CacheManager"]
 
 _NEW, _OPEN, _CLOSED = range(3)
-_NO_STREAM = contextlib.nullcontext()
 _REPORT_FIELDS = tuple(f.name for f in dataclasses.fields(StepReport) if not f.name.endswith("_s"))
 
 
@@ -303,7 +301,7 @@ class CacheManager:
             return 0
         done = 0
         tensors = self._pool.tensors
-        with on_stream(self._pool.device, stream) if self._pool.device.type != "cpu" else _NO_STREAM:
+        with on_stream(self._pool.device, stream):
             while self._unfinished:
                 stage = self._unfinished[0]
                 while self._next_tensor < len(tensors):

@@ -31,12 +31,21 @@ class Executor(Protocol):
     def execute(self, stage: Stage, tensor: torch.Tensor) -> None: ...
 
 
-@contextlib.contextmanager
-def on_stream(device: torch.device, stream: Any | None) -> Iterator[Any | None]:
-    """Make ``stream`` (default: the device's current stream) current for the block."""
+_NO_STREAM: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+
+
+def on_stream(device: torch.device, stream: Any | None) -> contextlib.AbstractContextManager[Any]:
+    """Make ``stream`` (default: the device's current stream) current for the block.
+
+    On CPU there is no stream: a shared no-op context, since this runs on every flush.
+    """
     if device.type == "cpu":
-        yield None
-        return
+        return _NO_STREAM
+    return _device_stream(device, stream)
+
+
+@contextlib.contextmanager
+def _device_stream(device: torch.device, stream: Any | None) -> Iterator[Any]:
     module = torch.get_device_module(device.type)
     stream = stream if stream is not None else module.current_stream(device)
     with module.stream(stream):

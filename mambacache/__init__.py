@@ -6,10 +6,14 @@ from ._errors import InvalidArgumentError as InvalidArgumentError
 from ._errors import InvalidEventError as InvalidEventError
 from ._errors import InvalidSlotError as InvalidSlotError
 from ._errors import MambaCacheError as MambaCacheError
+from ._errors import ManagerBrokenError as ManagerBrokenError
 from ._errors import ManagerClosedError as ManagerClosedError
+from ._errors import PoolAllocationError as PoolAllocationError
 from ._errors import PoolExhaustedError as PoolExhaustedError
+from ._errors import SlotLeakError as SlotLeakError
 from ._errors import SlotStateError as SlotStateError
 from ._errors import UnknownExecutorError as UnknownExecutorError
+from ._errors import UnsupportedDtypeError as UnsupportedDtypeError
 from ._events import Alloc as Alloc
 from ._events import Clear as Clear
 from ._events import CopyOnWrite as CopyOnWrite
@@ -27,6 +31,10 @@ from ._spec import StateSpec as StateSpec
 __version__ = "0.1.0"
 
 __all__ = [
+    "UnsupportedDtypeError",
+    "SlotLeakError",
+    "PoolAllocationError",
+    "ManagerBrokenError",
     "Alloc",
     "CacheManager",
     "Clear",

@@ -23,10 +23,9 @@ import anyio
 import torch
 
 from ._errors import DistributedError
-from ._planner import decode_plan, encode_plan, plan_step
+from ._planner import Plan, decode_plan, encode_plan, plan_step
 
 if TYPE_CHECKING:
-    from ._events import StepReport
     from ._manager import CacheManager
     from ._pool import StatePool
 
@@ -50,7 +49,6 @@ class PlanChannel:
         self.is_source = self.rank == src_rank
         self.group = group if dist.get_backend(group) == "gloo" else dist.new_group(ranks, backend="gloo")
         self.timeout = timedelta(seconds=timeout)
-        self._buf = torch.zeros(CAPACITY, dtype=torch.int64)
         self._broken: str | None = None
         self._num_slots = pool.num_slots  # sent with every plan, checked on every rank
 
@@ -61,22 +59,27 @@ class PlanChannel:
                 " events; the other ranks only flush"
             )
 
-    async def _exchange(self, tensor: torch.Tensor) -> None:
+    def _broadcast(self, tensor: torch.Tensor) -> None:
         work = self._dist.broadcast(tensor, src=self.src_rank, group=self.group, async_op=True)
-        await anyio.to_thread.run_sync(work.wait, self.timeout)
+        work.wait(self.timeout)
 
-    async def _transfer(self, message: list[int] | None) -> list[int]:
-        """Broadcast ``message`` from the source; receive it elsewhere."""
+    def _transfer(self, message: list[int] | None) -> list[int]:
+        """Broadcast ``message`` from the source; receive it elsewhere. Blocking, bounded by the timeout.
+
+        Every message gets fresh buffers, so a send still in flight (after a
+        timeout) can never be overwritten by the next plan; after any failure
+        the channel is broken for good on this rank.
+        """
         if self._broken is not None:
             raise DistributedError(f"the plan channel failed earlier: {self._broken}")
-        buf, head = self._buf, CAPACITY - 1  # the last cell carries the total length
+        head = CAPACITY - 1  # the last cell carries the total length
         try:
+            buf = torch.zeros(CAPACITY, dtype=torch.int64)
             if message is not None:
                 n = min(len(message), head)
-                buf.zero_()
                 buf[:n] = torch.tensor(message[:n], dtype=torch.int64)
                 buf[head] = len(message)
-            await self._exchange(buf)
+            self._broadcast(buf)
             total = int(buf[head])
             data: list[int] = buf[: min(total, head)].tolist()
             if total > head:
@@ -84,30 +87,53 @@ class PlanChannel:
                     tail = torch.tensor(message[head:], dtype=torch.int64)
                 else:
                     tail = torch.zeros(total - head, dtype=torch.int64)
-                await self._exchange(tail)
+                self._broadcast(tail)
                 data += tail.tolist()
             return data
-        except Exception as exc:
+        except BaseException as exc:
             self._broken = repr(exc)
+            if not isinstance(exc, Exception):
+                raise
             raise DistributedError(
                 f"rank {self.rank}: plan broadcast from rank {self.src_rank} failed or timed out after"
                 f" {self.timeout.total_seconds():g}s (a peer died or stopped flushing): {exc}"
             ) from exc
 
-    async def flush(self, mgr: CacheManager, stream: Any | None) -> StepReport:
+    def _take_plan(self, mgr: CacheManager) -> tuple[list[int], int, Plan, float]:
+        events, step = mgr._take_events()
+        t0 = time.perf_counter()
+        plan = plan_step(events)
+        plan_s = time.perf_counter() - t0
+        return [self._num_slots, *encode_plan(plan, step)], step, plan, plan_s
+
+    def _received(self, mgr: CacheManager, data: list[int]) -> tuple[int, Plan, float]:
+        num_slots, *message = data
+        if num_slots != self._num_slots:
+            self._broken = f"num_slots {num_slots} on rank {self.src_rank}, {self._num_slots} here"
+            raise DistributedError(f"rank {self.rank}: pools differ: {self._broken}; every rank needs the same")
+        step, plan = decode_plan(message)
+        with mgr._lock:
+            mgr._step = step + 1
+        return step, plan, 0.0
+
+    def exchange_blocking(self, mgr: CacheManager) -> tuple[int, Plan, float]:
+        """The step's plan on every rank: planned and sent on the source, received elsewhere."""
         if self.is_source:
-            events, step = mgr._take_events()
-            t0 = time.perf_counter()
-            plan = plan_step(events)
-            plan_s = time.perf_counter() - t0
-            await self._transfer([self._num_slots, *encode_plan(plan, step)])
-        else:
-            num_slots, *message = await self._transfer(None)
-            if num_slots != self._num_slots:
-                self._broken = f"num_slots {num_slots} on rank {self.src_rank}, {self._num_slots} here"
-                raise DistributedError(f"rank {self.rank}: pools differ: {self._broken}; every rank needs the same")
-            step, plan = decode_plan(message)
-            plan_s = 0.0
-            with mgr._lock:
-                mgr._step = step + 1
-        return mgr._execute(plan, step, stream, plan_s)
+            message, step, plan, plan_s = self._take_plan(mgr)
+            self._transfer(message)
+            return step, plan, plan_s
+        return self._received(mgr, self._transfer(None))
+
+    async def exchange(self, mgr: CacheManager) -> tuple[int, Plan, float]:
+        """As :meth:`exchange_blocking`, with the wait in a worker thread; the caller shields it.
+
+        Once the source has taken the events, the broadcast and the local apply
+        must both happen, or the ranks part: so the whole exchange runs shielded
+        from cancellation, bounded by the channel's timeout instead.
+        """
+        if self.is_source:
+            message, step, plan, plan_s = self._take_plan(mgr)
+            await anyio.to_thread.run_sync(self._transfer, message)
+            return step, plan, plan_s
+        data = await anyio.to_thread.run_sync(self._transfer, None)
+        return self._received(mgr, data)

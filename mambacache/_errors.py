@@ -43,5 +43,25 @@ class ExecutorError(MambaCacheError, RuntimeError):
     """An executor raised during a flush; the events are kept for the next flush."""
 
 
+class ManagerBrokenError(ExecutorError):
+    """Too many flushes in a row failed; the manager refuses work (the pool keeps what is unfinished)."""
+
+
+class UnsupportedDtypeError(MambaCacheError, TypeError):
+    """The executor cannot run every stage kind on a dtype of the pool; found when the manager is made."""
+
+
+class PoolAllocationError(MambaCacheError, MemoryError):
+    """The pool's tensors could not be allocated (too large for the device, or for torch's size limits)."""
+
+
 class DistributedError(MambaCacheError, RuntimeError):
     """A tensor-parallel peer failed, timed out, or was used the wrong way."""
+
+
+class SlotLeakError(MambaCacheError, RuntimeError):
+    """Slots are still held where none should be (``CacheManager.check_idle``); ``held`` maps them to tenants."""
+
+    def __init__(self, message: str, held: dict[int, str | None] | None = None) -> None:
+        super().__init__(message)
+        self.held: dict[int, str | None] = dict(held or {})

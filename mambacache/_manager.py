@@ -1,11 +1,11 @@
-"""CacheManager: queues slot events from any task and runs them once per step."""
+"""CacheManager: queues slot events from any task or thread and runs them once per step."""
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import threading
 import time
+from collections.abc import Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -15,24 +15,26 @@ from . import _tracing
 from ._errors import (
     ExecutorError,
     InvalidArgumentError,
-    InvalidEventError,
     InvalidSlotError,
     MambaCacheError,
+    ManagerBrokenError,
     ManagerClosedError,
+    SlotLeakError,
     SlotStateError,
 )
 from ._events import Alloc, Clear, CopyOnWrite, Event, Release, StepReport
-from ._executors import Executor, resolve_executor
+from ._executors import Executor, check_executor, resolve_executor
 from ._executors._base import on_stream
-from ._planner import Plan, Stage, plan_step
+from ._planner import Plan, plan_step
 from ._pool import StatePool
+from ._validate import check_request_id, normalised, slot_list
 
 if TYPE_CHECKING:
     from ._distributed import PlanChannel
 
 __all__ = ["CacheManager"]
 
-_NEW, _OPEN, _CLOSED = range(3)
+_NEW, _OPEN, _CLOSING, _CLOSED = range(4)
 _REPORT_FIELDS = tuple(f.name for f in dataclasses.fields(StepReport) if not f.name.endswith("_s"))
 
 
@@ -41,17 +43,23 @@ class CacheManager:
 
     Invariants:
 
-    * the pool's allocated set is the allocation state at the *end* of the event
-      queue: ``alloc`` and ``release`` update it at once, and every event is
-      validated against the state at its own point of the order;
+    * the pool's allocated set (and each slot's tenant) is the state at the
+      *end* of the event queue: ``alloc`` and ``release`` update it at once, and
+      every event is validated against the state at its own point of the order;
     * a flush leaves every allocated slot as running all queued events one at a
       time, in submission order, would (see ``docs/semantics.md``);
     * nothing is lost: a submit that fails changes nothing; a flush whose
-      executor fails keeps the unfinished (stage, tensor) work, and the next flush
-      runs it before anything newer.
+      executor fails keeps the unfinished work in the pool's backlog, and the
+      next flush (of this manager, or of the next one opened on the pool) runs
+      it before anything newer; a submit either is taken by a flush or raises
+      ``ManagerClosedError``, never both nor neither;
+    * kept work is bounded: while the backlog fails, new events stay queued and
+      are not planned, and after ``max_failed_flushes`` failures in a row the
+      manager is broken and refuses work (``ManagerBrokenError``).
 
-    Submitting (``alloc``, ``clear``, ``copy_on_write``, ``release``, ``submit``)
-    is synchronous and thread-safe; ``flush`` is awaited by one task at a time.
+    Submitting (``alloc``, ``clear``, ``copy_on_write``, ``release``, ``submit``
+    and the bulk forms) is synchronous and thread-safe; flushes (``await
+    flush()`` or ``flush_nowait()``) run one at a time.
     """
 
     def __init__(
@@ -64,22 +72,31 @@ class CacheManager:
         src_rank: int = 0,
         timeout: float = 300.0,
         clear_on_alloc: bool = True,
+        max_failed_flushes: int = 8,
     ) -> None:
         if not isinstance(pool, StatePool):
             raise InvalidArgumentError(f"pool must be a StatePool, got {type(pool).__name__}")
         if type(copy_workspace_bytes) is not int or copy_workspace_bytes < 1:
             raise InvalidArgumentError(f"copy_workspace_bytes must be a positive int, got {copy_workspace_bytes!r}")
+        if type(clear_on_alloc) is not bool:
+            raise InvalidArgumentError(f"clear_on_alloc must be a bool, got {clear_on_alloc!r}")
+        if type(max_failed_flushes) is not int or max_failed_flushes < 1:
+            raise InvalidArgumentError(f"max_failed_flushes must be a positive int, got {max_failed_flushes!r}")
         self._pool = pool
-        self._clear_on_alloc = bool(clear_on_alloc)
+        self._clear_on_alloc = clear_on_alloc
         self._executor: Executor = resolve_executor(executor, pool.device, copy_workspace_bytes)
-        self._lock = threading.Lock()  # guards the queue, the step number and the pool's free list
+        check_executor(self._executor, pool._exec_tensors)
+        self._lock = threading.Lock()  # guards the queue, the step number, the state and the pool's slots
+        self._mutex = threading.Lock()  # one flush at a time, async or sync, from any thread
+        self._flusher: int | None = None  # thread holding _mutex
         self._events: list[Event] = []
         self._step = 0
         self._state = _NEW
-        self._flush_lock: anyio.Lock | None = None
-        # Work of a failed flush: stages still to run, and the first tensor of the head stage.
-        self._unfinished: collections.deque[Stage] = collections.deque()
-        self._next_tensor = 0
+        self._failures = 0  # flushes failed in a row
+        self._max_failures = max_failed_flushes
+        self._broken: str | None = None
+        self._waiters: list[int] = []  # alloc_wait tickets, first come first served
+        self._ticket = 0
         self._tp: PlanChannel | None = None
         if group is not None:
             from ._distributed import PlanChannel
@@ -87,46 +104,85 @@ class CacheManager:
             self._tp = PlanChannel(group, src_rank, pool, timeout)
 
     # -- lifecycle -------------------------------------------------------
-    async def __aenter__(self) -> CacheManager:
+    def _open(self) -> None:
         if self._state != _NEW:
             raise ManagerClosedError("a CacheManager can be entered once")
-        if self._pool._manager is not None:
-            raise InvalidArgumentError("this pool is already managed by another open CacheManager")
-        self._pool._manager = self
-        self._flush_lock = anyio.Lock()
-        self._state = _OPEN
+        with self._lock:
+            if self._pool._manager is not None:
+                raise InvalidArgumentError("this pool is already managed by another open CacheManager")
+            self._pool._manager = self
+            self._state = _OPEN
+
+    def _begin_close(self) -> bool:
+        """Refuse new submits from here on; True when a final flush has work to do."""
+        with self._lock:
+            if self._state == _OPEN:
+                self._state = _CLOSING
+            return self._tp is not None or bool(self._events) or bool(self._pool._backlog)
+
+    def _finish_close(self) -> None:
+        # What no flush took (the manager was broken, or the backlog failed) is planned
+        # into the pool's backlog, so the next manager on this pool runs it first.
+        with self._lock:
+            events, self._events = self._events, []
+            self._state = _CLOSED
+        if events:
+            self._pool._backlog.push(plan_step(events).stages, self._executor)
+        self._pool._manager = None
+
+    async def __aenter__(self) -> CacheManager:
+        self._open()
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         try:
-            # In tensor-parallel mode every rank flushes on exit, so the ranks stay in step.
-            if self._tp is not None or self._events or self._unfinished:
+            if self._begin_close():
+                # In tensor-parallel mode every rank flushes on exit, so the ranks stay in step.
                 with anyio.CancelScope(shield=True):
-                    await self.flush()
+                    await self._flush_async(None)
         except MambaCacheError as flush_error:
-            if exc is None:
-                raise
-            # The block is already failing: its error is the one to see, not this echo of it.
-            if hasattr(exc, "add_note"):
-                exc.add_note(f"mambacache: the flush on leaving the block failed too: {flush_error!r}")
+            _raise_unless_masking(exc, flush_error)
         finally:
-            self._state = _CLOSED
-            self._pool._manager = None
+            self._finish_close()
+
+    def __enter__(self) -> CacheManager:
+        self._open()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            if self._begin_close():
+                self._flush_sync(None)
+        except MambaCacheError as flush_error:
+            _raise_unless_masking(exc, flush_error)
+        finally:
+            self._finish_close()
 
     def _check_open(self) -> None:
+        # Read without the lock for the common case; submits re-check under it.
         if self._state != _OPEN:
-            what = "closed" if self._state == _CLOSED else "not entered (use `async with`)"
-            raise ManagerClosedError(f"CacheManager is {what}")
+            raise self._closed_error()
+        if self._broken is not None:
+            raise ManagerBrokenError(self._broken)
+
+    def _closed_error(self) -> ManagerClosedError:
+        if self._state == _NEW:
+            return ManagerClosedError("CacheManager is not entered (use `with` or `async with`)")
+        return ManagerClosedError("CacheManager is closed" + (" (closing)" if self._state == _CLOSING else ""))
 
     # -- properties ------------------------------------------------------
     @property
     def executor(self) -> Executor:
+        """The executor that runs this manager's new work."""
         return self._executor
 
     @property
     def pool(self) -> StatePool:
+        """The pool this manager drives."""
         return self._pool
 
     @property
@@ -144,39 +200,144 @@ class CacheManager:
         """Events queued for the next flush."""
         return len(self._events)
 
-    # -- submitting ------------------------------------------------------
-    def alloc(self, n: int, request_id: str | None = None, *, clear: bool | None = None) -> list[int]:
-        """Allocate ``n`` slots; each reads as zeros after the next flush (unless a later copy targets it).
+    @property
+    def unfinished(self) -> int:
+        """Stages of failed flushes that the next flush runs first (the pool's backlog)."""
+        return len(self._pool._backlog)
 
-        ``clear=False`` (default: the manager's ``clear_on_alloc``) skips the zeroing, for
-        a scheduler that always forks or clears a new slot itself.
+    @property
+    def broken(self) -> str | None:
+        """Why the manager refuses work after too many failed flushes in a row, or None."""
+        return self._broken
+
+    def held(self) -> dict[int, str | None]:
+        """Allocated slots and their tenants (the ``request_id`` they were allocated with)."""
+        with self._lock:
+            allocated, tenants = self._pool._allocated, self._pool._tenants
+            return {s: tenants[s] for s in range(1, self._pool.num_slots + 1) if allocated[s]}
+
+    def check_idle(self) -> None:
+        """Raise :class:`SlotLeakError` naming every held slot and its tenant, if any is held.
+
+        For an engine's idle check: with no request running, no slot should be held.
+        """
+        held = self.held()
+        if held:
+            shown = ", ".join(f"{s} ({t!r})" for s, t in list(held.items())[:20])
+            more = f" and {len(held) - 20} more" if len(held) > 20 else ""
+            raise SlotLeakError(f"{len(held)} slot(s) held while idle: {shown}{more}", held)
+
+    # -- allocating ------------------------------------------------------
+    def alloc(self, n: int, request_id: str | None = None, *, clear: bool | None = None) -> list[int]:
+        """Allocate the ``n`` lowest free slots to ``request_id``; returns them.
+
+        Each reads as zeros after the next flush (unless a later copy targets it).
+        ``clear=False`` (default: the manager's ``clear_on_alloc``) skips the zeroing,
+        for a scheduler that always forks or clears a new slot itself. Raises
+        :class:`PoolExhaustedError` (nothing allocated) when fewer than ``n`` are free.
         """
         self._check_open()
-        if clear is None:
-            clear = self._clear_on_alloc
         if type(n) is not int or n < 0:
             raise InvalidArgumentError(f"alloc count must be a non-negative int, got {n!r}")
-        if self._tp is not None:
-            self._tp.check_source("alloc")
-        _check_request_id(request_id)
+        clear = self._check_alloc_args(request_id, clear)
         with self._lock:
+            self._check_submittable()
             slots = self._pool._take(n)
-            self._events.extend([Alloc(s, request_id, clear) for s in slots])
-            log, step = _tracing.state.slot_log, self._step
-        if log is not None:
-            for s in slots:
-                log.debug("slot.alloc", slot=s, request_id=request_id, step=step, cleared=clear)
+            self._record_alloc(slots, request_id, clear)
         return slots
 
+    def alloc_slots(self, slots: Any, request_id: str | None = None, *, clear: bool | None = None) -> list[int]:
+        """Allocate exactly ``slots`` (for engines that pick slot ids); returns them as ints.
+
+        All or nothing: a slot that is out of range or repeated raises
+        :class:`InvalidSlotError`, one already held raises :class:`SlotStateError`.
+        """
+        self._check_open()
+        wanted = slot_list(slots, self._pool.num_slots)
+        clear = self._check_alloc_args(request_id, clear)
+        if len(set(wanted)) != len(wanted):
+            raise InvalidSlotError(f"alloc_slots: a slot is repeated in {wanted[:20]}")
+        with self._lock:
+            self._check_submittable()
+            allocated = self._pool._allocated
+            taken = [s for s in wanted if allocated[s]]
+            if taken:
+                tenants = [self._pool._tenants[s] for s in taken[:20]]
+                raise SlotStateError(f"alloc_slots: slot(s) {taken[:20]} already held (tenants {tenants})")
+            self._pool._take_exact(wanted)
+            self._record_alloc(wanted, request_id, clear)
+        return wanted
+
+    async def alloc_wait(self, n: int, request_id: str | None = None, *, clear: bool | None = None) -> list[int]:
+        """Like :meth:`alloc`, but wait until ``n`` slots are free instead of raising: backpressure.
+
+        Waiters are served first come, first served; a count larger than the pool
+        raises :class:`InvalidArgumentError` at once, since it could never be met.
+        Cancelling the wait allocates nothing.
+        """
+        self._check_open()
+        if type(n) is not int or n < 0:
+            raise InvalidArgumentError(f"alloc count must be a non-negative int, got {n!r}")
+        if n > self._pool.num_slots:
+            raise InvalidArgumentError(f"alloc_wait({n}) can never be met: the pool has {self._pool.num_slots} slots")
+        self._check_alloc_args(request_id, clear)
+        with self._lock:
+            ticket = self._ticket
+            self._ticket += 1
+            self._waiters.append(ticket)
+        try:
+            delay = 0.0
+            while True:
+                with self._lock:
+                    if self._waiters[0] == ticket and self._pool.num_free >= n:
+                        break
+                self._check_open()
+                # Releases come from any thread, so this polls (briefly, then every ms).
+                await anyio.sleep(delay)
+                delay = min(0.001, delay + 0.0001)
+            return self.alloc(n, request_id, clear=clear)
+        finally:
+            with self._lock:
+                self._waiters.remove(ticket)
+
+    def _check_alloc_args(self, request_id: Any, clear: Any) -> bool:
+        check_request_id(request_id)
+        if clear is None:
+            return self._clear_on_alloc
+        if type(clear) is not bool:
+            raise InvalidArgumentError(f"clear must be a bool or None, got {clear!r}")
+        return bool(clear)
+
+    def _check_submittable(self) -> None:
+        """Under the lock: the authoritative check, so no submit lands after the final flush's take."""
+        if self._state != _OPEN:
+            raise self._closed_error()
+        if self._tp is not None:
+            self._tp.check_source("submit")
+
+    def _record_alloc(self, slots: list[int], request_id: str | None, clear: bool) -> None:
+        tenants = self._pool._tenants
+        for s in slots:
+            tenants[s] = request_id
+        self._events.extend([Alloc(s, request_id, clear) for s in slots])
+        log = _tracing.state.slot_log
+        if log is not None:
+            for s in slots:
+                log.debug("slot.alloc", slot=s, request_id=request_id, step=self._step, cleared=clear)
+
+    # -- submitting ------------------------------------------------------
     def clear(self, slot: int, request_id: str | None = None) -> None:
+        """Zero ``slot`` at this point of the event order (on the next flush)."""
         self._check_open()
         self._submit((Clear(slot, request_id),))
 
     def release(self, slot: int, request_id: str | None = None) -> None:
+        """Free ``slot`` from this point; events queued before still see its content."""
         self._check_open()
         self._submit((Release(slot, request_id),))
 
     def copy_on_write(self, src: int, dst: int, request_id: str | None = None) -> None:
+        """``dst`` gets ``src``'s state as of this point of the event order (a fork)."""
         self._check_open()
         self._submit((CopyOnWrite(src, dst, request_id),))
 
@@ -185,46 +346,64 @@ class CacheManager:
         self._check_open()
         self._submit(events)
 
-    def _submit(self, events: tuple[Any, ...]) -> None:
-        # One pass validates everything before anything changes; the hot path of
-        # every submit, so checks are inlined.
-        if self._tp is not None:
-            self._tp.check_source("submit")
-        pool = self._pool
-        n = pool.num_slots
+    def clear_many(self, slots: Any, request_id: str | None = None) -> None:
+        """``clear`` for each of ``slots`` (a list, numpy array or 1-D CPU int tensor), all or none."""
+        self._check_open()
+        check_request_id(request_id)
+        self._submit([Clear(s, request_id) for s in slot_list(slots, self._pool.num_slots)], checked=True)
+
+    def release_many(self, slots: Any, request_id: str | None = None) -> None:
+        """``release`` for each of ``slots``, in order, all or none."""
+        self._check_open()
+        check_request_id(request_id)
+        self._submit([Release(s, request_id) for s in slot_list(slots, self._pool.num_slots)], checked=True)
+
+    def copy_many(self, srcs: Any, dsts: Any, request_id: str | None = None) -> None:
+        """``copy_on_write(srcs[i], dsts[i])`` for each ``i``, in order, all or none."""
+        self._check_open()
+        check_request_id(request_id)
+        n = self._pool.num_slots
+        a, b = slot_list(srcs, n), slot_list(dsts, n)
+        if len(a) != len(b):
+            raise InvalidArgumentError(f"copy_many: {len(a)} sources but {len(b)} destinations")
+        self._submit([CopyOnWrite(s, d, request_id) for s, d in zip(a, b, strict=True)], checked=True)
+
+    def _submit(self, events: Any, checked: bool = False) -> None:
+        # One pass validates everything before anything changes. The hot path of
+        # every submit, so the checks are inlined. `checked`: slots and request
+        # ids were already validated (the bulk forms).
+        n = self._pool.num_slots
+        if not checked:
+            events = normalised(events, n)
         with self._lock:
-            allocated = pool._allocated
+            self._check_submittable()
+            allocated, tenants = self._pool._allocated, self._pool._tenants
             released: dict[int, None] | None = None  # ordered: freed in release order
             for ev in events:
                 t = type(ev)
+                rid = ev.request_id
                 if t is CopyOnWrite:
                     a, b = ev.src, ev.dst
-                    if type(a) is not int or not 0 < a <= n:
-                        raise _bad_slot(a, n)
-                    if type(b) is not int or not 0 < b <= n:
-                        raise _bad_slot(b, n)
                     for slot, role in ((a, "source"), (b, "destination")):
                         if not allocated[slot] or (released is not None and slot in released):
                             raise _not_allocated(ev, role, slot)
-                elif t is Clear or t is Release:
+                    if rid is not None and tenants[b] != rid:
+                        raise _wrong_tenant(ev, b, tenants[b])
+                else:
                     slot = ev.slot
-                    if type(slot) is not int or not 0 < slot <= n:
-                        raise _bad_slot(slot, n)
                     if not allocated[slot] or (released is not None and slot in released):
                         raise _not_allocated(ev, "the", slot)
+                    if rid is not None and tenants[slot] != rid:
+                        raise _wrong_tenant(ev, slot, tenants[slot])
                     if t is Release:
                         if released is None:
                             released = {}
                         released[slot] = None
-                else:
-                    raise InvalidEventError(
-                        f"submit takes Clear, CopyOnWrite and Release events, got {ev!r}"
-                        + ("; allocate with CacheManager.alloc" if isinstance(ev, Alloc) else "")
-                    )
-                _check_request_id(ev.request_id)
             self._events.extend(events)
             if released is not None:
-                pool._give_back(released)
+                for s in released:
+                    tenants[s] = None
+                self._pool._give_back(released)
             log, step = _tracing.state.slot_log, self._step
         if log is not None:
             _trace_events(log, events, step)
@@ -234,25 +413,71 @@ class CacheManager:
         """Run everything queued so far on ``stream``; returns what the step did.
 
         The device work is enqueued, not waited for. If the executor raises, this
-        raises :class:`ExecutorError` and the next flush finishes the work first.
+        raises :class:`ExecutorError`; the work is kept and the next flush runs it
+        first. Cancellation: before the step's events are taken, a cancelled flush
+        takes nothing; once taken (at once when uncontended), the step runs to the
+        end, shielded. In tensor-parallel mode the broadcast is shielded too, so a
+        cancelled flush never leaves ranks apart.
         """
         self._check_open()
-        lock = self._flush_lock
-        assert lock is not None
+        return await self._flush_async(stream)
+
+    def flush_nowait(self, stream: Any | None = None) -> StepReport:
+        """The synchronous flush, for schedulers without an event loop; same semantics and report.
+
+        Safe against a concurrent async flush or one in another thread: one runs at
+        a time (this blocks while another thread flushes). In tensor-parallel mode
+        it blocks on the plan broadcast (up to ``timeout``).
+        """
+        self._check_open()
+        return self._flush_sync(stream)
+
+    async def _flush_async(self, stream: Any | None) -> StepReport:
+        mutex = self._mutex
         # No checkpoint when uncontended: a flush is a few microseconds of host work.
+        # Contended (another thread flushes, or a tensor-parallel flush awaits its
+        # broadcast): poll, so that cancelling the wait is clean.
+        delay = 0.0
+        while not mutex.acquire(blocking=False):
+            await anyio.sleep(delay)
+            delay = min(0.001, delay + 0.0001)
+        self._flusher = threading.get_ident()
         try:
-            lock.acquire_nowait()
-        except anyio.WouldBlock:
-            await lock.acquire()
-        try:
-            if self._tp is not None:
-                return await self._tp.flush(self, stream)
-            return self._flush_local(stream)
+            if self._tp is None:
+                return self._flush_local(stream)
+            with anyio.CancelScope(shield=True):
+                resumed = self._pre_flush()
+                step, plan, plan_s = await self._tp.exchange(self)
+                report = self._apply(plan, step, stream, plan_s, resumed)
+            return report
         finally:
-            lock.release()
+            self._flusher = None
+            mutex.release()
+
+    def _flush_sync(self, stream: Any | None) -> StepReport:
+        if self._flusher == threading.get_ident():
+            raise InvalidArgumentError(
+                "flush_nowait() while a flush of this thread is awaiting (a tensor-parallel broadcast):"
+                " it would deadlock; await that flush instead"
+            )
+        with self._mutex:
+            self._flusher = threading.get_ident()
+            try:
+                if self._tp is None:
+                    return self._flush_local(stream)
+                resumed = self._pre_flush()
+                step, plan, plan_s = self._tp.exchange_blocking(self)
+                return self._apply(plan, step, stream, plan_s, resumed)
+            finally:
+                self._flusher = None
+
+    def _pre_flush(self) -> int:
+        if self._broken is not None:
+            raise ManagerBrokenError(self._broken)
+        return 0
 
     def _take_events(self) -> tuple[list[Event], int]:
-        """Swap the queue out (vLLM's take_events) and advance the step."""
+        """Swap the queue out (vLLM's ``take_events``) and advance the step: ``(events, step)``."""
         with self._lock:
             events, self._events = self._events, []
             step = self._step
@@ -260,18 +485,25 @@ class CacheManager:
         return events, step
 
     def _flush_local(self, stream: Any | None) -> StepReport:
+        if self._broken is not None:
+            raise ManagerBrokenError(self._broken)
+        resumed = 0
+        if self._pool._backlog:
+            # Earlier work first; if it fails again the new events stay queued,
+            # unplanned, so kept work never grows past one step's plan.
+            resumed = self._run_backlog(stream, self._step)
         events, step = self._take_events()
         t0 = time.perf_counter()
         plan = plan_step(events)
-        return self._execute(plan, step, stream, time.perf_counter() - t0)
+        return self._apply(plan, step, stream, time.perf_counter() - t0, resumed)
 
-    def _execute(self, plan: Plan, step: int, stream: Any | None, plan_s: float) -> StepReport:
+    def _apply(self, plan: Plan, step: int, stream: Any | None, plan_s: float, resumed: int) -> StepReport:
         """Queue the plan behind any unfinished work and run it all, oldest first."""
         t1 = time.perf_counter()
-        resumed = len(self._unfinished)  # stages of earlier, failed flushes
-        self._unfinished.extend(plan.stages)
-        done = self._run_unfinished(stream, step)
-        resumed = min(resumed, done)
+        backlog = self._pool._backlog
+        resumed += len(backlog)
+        backlog.push(plan.stages, self._executor)
+        self._run_backlog(stream, step)
         t2 = time.perf_counter()
         slot_bytes = self._pool.spec.slot_bytes
         report = StepReport(
@@ -295,40 +527,50 @@ class CacheManager:
             )
         return report
 
-    def _run_unfinished(self, stream: Any | None, step: int | None = None) -> int:
-        """Run queued stages; on failure keep the failed (stage, tensor) and raise."""
-        if not self._unfinished:
-            return 0
+    def _run_backlog(self, stream: Any | None, step: int) -> int:
+        """Run the pool's backlog, oldest first; on failure keep the failed (stage, tensor) and raise."""
+        backlog = self._pool._backlog
+        tensors = self._pool._exec_tensors
         done = 0
-        tensors = self._pool.tensors
         with on_stream(self._pool.device, stream):
-            while self._unfinished:
-                stage = self._unfinished[0]
-                while self._next_tensor < len(tensors):
+            while backlog.stages:
+                stage, executor = backlog.stages[0]
+                while backlog.next_tensor < len(tensors):
                     try:
-                        self._executor.execute(stage, tensors[self._next_tensor])
+                        executor.execute(stage, tensors[backlog.next_tensor])
                     except Exception as exc:
-                        left = len(self._unfinished)
-                        log = _tracing.state.step_log
-                        if log is not None:
-                            log.error("step.error", step=step, stage=type(stage).__name__, error=repr(exc))
-                        raise ExecutorError(
-                            f"executor {self._executor.name!r} failed on {type(stage).__name__} (tensor"
-                            f" {self._next_tensor}); {left} stage(s) are kept and run first by the next flush"
-                        ) from exc
-                    self._next_tensor += 1
-                self._unfinished.popleft()
-                self._next_tensor = 0
+                        raise self._failed(exc, executor, stage, step) from exc
+                    backlog.next_tensor += 1
+                backlog.stages.popleft()
+                backlog.next_tensor = 0
                 done += 1
+        self._failures = 0
         return done
 
+    def _failed(self, exc: Exception, executor: Executor, stage: Any, step: int) -> ExecutorError:
+        left = len(self._pool._backlog)
+        self._failures += 1
+        where = (
+            f"executor {executor.name!r} failed on {type(stage).__name__} (tensor {self._pool._backlog.next_tensor})"
+        )
+        log = _tracing.state.step_log
+        if log is not None:
+            log.error("step.error", step=step, stage=type(stage).__name__, error=repr(exc), failures=self._failures)
+        if self._failures >= self._max_failures:
+            self._broken = (
+                f"CacheManager is broken: {self._failures} flushes in a row failed (last: {where}: {exc!r});"
+                f" the pool keeps {left} unfinished stage(s) for the next manager opened on it"
+            )
+            return ManagerBrokenError(self._broken)
+        return ExecutorError(f"{where}; {left} stage(s) are kept and run first by the next flush")
 
-def _bad_slot(slot: Any, num_slots: int) -> InvalidSlotError:
-    if type(slot) is not int:  # bool is a subclass of int: excluded on purpose
-        return InvalidSlotError(f"slot must be an int, got {type(slot).__name__} {slot!r}")
-    return InvalidSlotError(
-        f"slot {slot} is out of range 1..{num_slots}" + (" (0 is the padding slot)" if slot == 0 else "")
-    )
+
+def _raise_unless_masking(exc: BaseException | None, flush_error: MambaCacheError) -> None:
+    if exc is None:
+        raise flush_error
+    # The block is already failing: its error is the one to see, not this echo of it.
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"mambacache: the flush on leaving the block failed too: {flush_error!r}")
 
 
 def _not_allocated(ev: Any, role: str, slot: int) -> SlotStateError:
@@ -338,12 +580,14 @@ def _not_allocated(ev: Any, role: str, slot: int) -> SlotStateError:
     )
 
 
-def _check_request_id(request_id: Any) -> None:
-    if request_id is not None and type(request_id) is not str:
-        raise InvalidArgumentError(f"request_id must be a str or None, got {request_id!r}")
+def _wrong_tenant(ev: Any, slot: int, tenant: str | None) -> SlotStateError:
+    return SlotStateError(
+        f"{type(ev).__name__}: slot {slot} belongs to {tenant!r}, not {ev.request_id!r} (pass request_id=None"
+        " to skip the check)"
+    )
 
 
-def _trace_events(log: Any, events: tuple[Event, ...], step: int) -> None:
+def _trace_events(log: Any, events: Iterable[Event], step: int) -> None:
     for ev in events:
         if type(ev) is CopyOnWrite:
             log.debug("slot.cow", src=ev.src, dst=ev.dst, request_id=ev.request_id, step=step)

@@ -20,10 +20,42 @@ from collections.abc import Iterable
 
 import torch
 
-from ._errors import InvalidArgumentError, PoolExhaustedError
+from ._backlog import Backlog
+from ._errors import InvalidArgumentError, PoolAllocationError, PoolExhaustedError
 from ._spec import StateSpec
 
 __all__ = ["StatePool"]
+
+# Bit-exact integer stand-ins for dtypes that torch has no index kernels for
+# (index_fill_, index_copy_): executors see these views, so every stage kind runs.
+# All-zero bits are zero in each of them, so zeroing the view zeroes the state.
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _executor_view(t: torch.Tensor) -> torch.Tensor:
+    name = str(t.dtype)
+    if name.startswith(("torch.float8", "torch.float4", "torch.bits")) or name in (
+        "torch.uint16",
+        "torch.uint32",
+        "torch.uint64",
+    ):
+        return t.view(_INT_OF_SIZE[t.element_size()])
+    return t
+
+
+def _as_device(device: object) -> torch.device:
+    try:
+        dev: torch.device = torch.device(device)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError):
+        raise InvalidArgumentError(f"device must be a torch.device or a device string, got {device!r}") from None
+    if dev.type not in ("cpu", "meta"):
+        try:
+            available = bool(torch.get_device_module(dev.type).is_available())
+        except Exception:  # a backend module that is missing or fails to load
+            available = False
+        if not available:
+            raise InvalidArgumentError(f"device {dev} is not available on this machine")
+    return dev
 
 
 class StatePool:
@@ -39,23 +71,39 @@ class StatePool:
             raise InvalidArgumentError(f"spec must be a StateSpec, got {type(spec).__name__}")
         if type(num_slots) is not int or num_slots < 1:
             raise InvalidArgumentError(f"num_slots must be a positive int, got {num_slots!r}")
-        self.spec = spec
-        self.num_slots = num_slots
-        self.device = torch.device(device)
+        dev = _as_device(device)
         rows = (spec.num_layers, num_slots + 1)
-        self.conv: list[torch.Tensor] = [
-            torch.zeros(*rows, *shape, dtype=spec.conv_dtype, device=self.device) for shape in spec.conv_shapes
-        ]
-        self.temporal: torch.Tensor = torch.zeros(
-            *rows, *spec.temporal_shape, dtype=spec.temporal_dtype, device=self.device
-        )
-        self._free: list[int] = list(range(1, num_slots + 1))  # a heap; sorted is a valid heap
-        self._allocated = bytearray(num_slots + 1)
+        total = spec.slot_bytes * (num_slots + 1)
+        try:
+            conv = [torch.zeros(*rows, *shape, dtype=spec.conv_dtype, device=dev) for shape in spec.conv_shapes]
+            temporal = torch.zeros(*rows, *spec.temporal_shape, dtype=spec.temporal_dtype, device=dev)
+        except (RuntimeError, MemoryError) as exc:  # torch reports out-of-memory and size overflow as these
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise PoolAllocationError(
+                f"could not allocate a pool of {num_slots} slots ({total:,} bytes) on {dev}: {reason}"
+            ) from None
+        self._init(spec, conv, temporal)
+
+    def _init(self, spec: StateSpec, conv: list[torch.Tensor], temporal: torch.Tensor) -> None:
+        self.spec = spec
+        self.num_slots = temporal.shape[1] - 1
+        self.device = temporal.device
+        self.conv: list[torch.Tensor] = conv
+        self.temporal: torch.Tensor = temporal
+        # What executors are handed: the same storage, as integer views where needed.
+        self._exec_tensors = [_executor_view(t) for t in (*conv, temporal)]
+        self._free: list[int] = list(range(1, self.num_slots + 1))  # a heap; sorted is a valid heap
+        self._allocated = bytearray(self.num_slots + 1)
+        self._num_free = self.num_slots
+        self._tenants: list[str | None] = [None] * (self.num_slots + 1)  # request_id of each held slot
         self._manager: object | None = None  # the open CacheManager driving this pool, if any
+        self._backlog = Backlog()
 
     @classmethod
     def from_memory_budget(cls, spec: StateSpec, budget_bytes: int, device: str | torch.device = "cpu") -> StatePool:
         """As many slots as fit in ``budget_bytes``, the padding slot included."""
+        if not isinstance(spec, StateSpec):
+            raise InvalidArgumentError(f"spec must be a StateSpec, got {type(spec).__name__}")
         if type(budget_bytes) is not int or budget_bytes < 0:
             raise InvalidArgumentError(f"budget_bytes must be a non-negative int, got {budget_bytes!r}")
         num_slots = budget_bytes // spec.slot_bytes - 1
@@ -73,7 +121,7 @@ class StatePool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     def is_allocated(self, slot: int) -> bool:
         return 0 < slot <= self.num_slots and bool(self._allocated[slot])
@@ -81,19 +129,50 @@ class StatePool:
     def allocated_slots(self) -> list[int]:
         return [s for s in range(1, self.num_slots + 1) if self._allocated[s]]
 
+    @property
+    def unfinished(self) -> int:
+        """Stages of device work a failed flush left for the next flush (or the next manager) to run first."""
+        return len(self._backlog)
+
+    def discard_unfinished(self) -> int:
+        """Drop the unfinished work; returns how many stages were dropped.
+
+        The last resort when the executor that started the work can never finish
+        it: the slots it would have written hold unspecified content afterwards,
+        so release them, or clear them before use. Refused while a manager is open.
+        """
+        if self._manager is not None:
+            raise InvalidArgumentError("discard_unfinished() while a CacheManager is open on this pool")
+        return self._backlog.clear()
+
     # Bookkeeping below is driven by the CacheManager, which validates first.
+    # The free heap may hold stale entries (slots taken by _take_exact, or pushed
+    # twice): `_allocated` is the truth, and _take skips entries it marks taken.
     def _take(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise PoolExhaustedError(f"asked for {n} slots, {len(self._free)} of {self.num_slots} are free")
-        slots = [heapq.heappop(self._free) for _ in range(n)]
+        if n > self._num_free:
+            raise PoolExhaustedError(f"asked for {n} slots, {self._num_free} of {self.num_slots} are free")
+        free, allocated = self._free, self._allocated
+        slots: list[int] = []
+        while len(slots) < n:
+            s = heapq.heappop(free)
+            if not allocated[s]:
+                allocated[s] = 1
+                slots.append(s)
+        self._num_free -= n
+        return slots
+
+    def _take_exact(self, slots: list[int]) -> None:
         for s in slots:
             self._allocated[s] = 1
-        return slots
+        self._num_free -= len(slots)
 
     def _give_back(self, slots: Iterable[int]) -> None:
         for s in slots:
             self._allocated[s] = 0
             heapq.heappush(self._free, s)
+            self._num_free += 1
+        if len(self._free) > 2 * self.num_slots:  # stale entries: rebuild, amortised O(1) per release
+            self._free = [s for s in range(1, self.num_slots + 1) if not self._allocated[s]]
 
     def __repr__(self) -> str:
         return (

@@ -13,6 +13,10 @@ from ._errors import InvalidArgumentError
 
 __all__ = ["StateSpec"]
 
+_QUANTIZED = frozenset(
+    getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4") if hasattr(torch, n)
+)
+
 
 def _shape(value: Sequence[int], what: str) -> tuple[int, ...]:
     try:
@@ -48,8 +52,13 @@ class StateSpec:
         conv = tuple(_shape(s, f"conv_shapes[{i}]") for i, s in enumerate(self.conv_shapes))
         temporal = _shape(self.temporal_shape, "temporal_shape")
         for name in ("conv_dtype", "temporal_dtype"):
-            if not isinstance(getattr(self, name), torch.dtype):
-                raise InvalidArgumentError(f"{name} must be a torch.dtype, got {getattr(self, name)!r}")
+            dtype = getattr(self, name)
+            if not isinstance(dtype, torch.dtype):
+                raise InvalidArgumentError(f"{name} must be a torch.dtype, got {dtype!r}")
+            if dtype in _QUANTIZED:
+                # Quantized tensors carry a scale and zero point per tensor: a slot
+                # copy between two such tensors is not a plain byte copy.
+                raise InvalidArgumentError(f"{name} {dtype} is a quantized dtype; store the state as a plain dtype")
         object.__setattr__(self, "conv_shapes", conv)
         object.__setattr__(self, "temporal_shape", temporal)
         object.__setattr__(self, "slot_bytes", self.num_layers * sum(self.layer_bytes()))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,7 +24,24 @@ def assert_unchanged(mgr: mc.CacheManager, before: tuple[object, ...]) -> None:
     assert all(torch.equal(a, b) for a, b in zip(after[3], before[3], strict=True))  # type: ignore[call-overload]
 
 
-BAD_SLOTS = [0, -1, 9, 10**9, 1.0, True, False, "1", None, torch.tensor(1)]
+BAD_SLOTS = [
+    0,
+    -1,
+    9,
+    10**9,
+    1.0,
+    True,
+    False,
+    "1",
+    None,
+    torch.tensor(1.0),
+    torch.tensor([1]),
+    torch.tensor(True),
+    torch.tensor(1, device="meta"),  # a device tensor: reading it would sync
+    np.float64(1),
+    np.True_,
+    np.int64(0),
+]
 
 
 @pytest.mark.parametrize("bad", BAD_SLOTS, ids=repr)

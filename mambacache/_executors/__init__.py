@@ -13,10 +13,18 @@ from typing import Any
 
 import torch
 
-from .._errors import UnknownExecutorError
+from .._errors import UnknownExecutorError, UnsupportedDtypeError
+from .._planner import CopyStage, RotateStage, Stage, ZeroStage, copy_runs, zero_runs
 from ._base import Executor
 
-__all__ = ["Executor", "ExecutorFactory", "known_executors", "register_executor", "resolve_executor"]
+__all__ = [
+    "Executor",
+    "ExecutorFactory",
+    "check_executor",
+    "known_executors",
+    "register_executor",
+    "resolve_executor",
+]
 
 ExecutorFactory = Callable[[int], Executor]
 """Called with ``copy_workspace_bytes``; returns an executor."""
@@ -71,3 +79,46 @@ def resolve_executor(executor: Any, device: torch.device, copy_workspace_bytes: 
         f"executor must be None, a name in {sorted(_factories)}, or an object with"
         f" `name` and `execute(stage, tensor)`; got {executor!r}"
     )
+
+
+def _probe_stages() -> list[Stage]:
+    # One of each stage kind, few runs and many, so that every code path an
+    # executor picks by run count is taken: 11 slots + padding.
+    def zero(*slots: int) -> ZeroStage:
+        return ZeroStage(slots, zero_runs(slots))
+
+    def copy(*pairs: tuple[int, int]) -> CopyStage:
+        return CopyStage(pairs, copy_runs(pairs))
+
+    return [
+        zero(1, 2),
+        zero(1, 3, 5, 7, 9, 11),
+        copy((1, 2)),
+        copy((1, 2), (3, 4), (5, 6), (7, 8), (9, 10)),
+        RotateStage(((1, 2), (3, 4, 5))),
+    ]
+
+
+def check_executor(executor: Executor, tensors: list[torch.Tensor]) -> None:
+    """Run every stage kind once on a small scratch tensor of each dtype in ``tensors``.
+
+    Raises :class:`UnsupportedDtypeError` naming the dtype and executor when one
+    fails, so a pool that could zero and copy but never swap is refused when the
+    manager is made, not on the first swap with work piling up behind it.
+    """
+    seen: set[tuple[torch.dtype, tuple[int, ...]]] = set()
+    for t in tensors:
+        key = (t.dtype, tuple(t.shape[2:3]))
+        if key in seen:
+            continue
+        seen.add(key)
+        # Keep the state's leading dim (rows), so a workspace bound is probed on real row sizes.
+        scratch = torch.zeros((2, 12, *t.shape[2:3]), dtype=t.dtype, device=t.device)
+        for stage in _probe_stages():
+            try:
+                executor.execute(stage, scratch)
+            except Exception as exc:
+                raise UnsupportedDtypeError(
+                    f"executor {executor.name!r} cannot run a {type(stage).__name__} on {t.dtype} tensors on"
+                    f" {t.device}: {exc}"
+                ) from exc

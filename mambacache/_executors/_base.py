@@ -11,7 +11,7 @@ import torch
 
 from .._planner import CopyStage, RotateStage, Stage
 
-__all__ = ["Executor", "IndexBuilder", "on_stream", "stage_pairs"]
+__all__ = ["Executor", "IndexBuilder", "Progress", "on_stream", "stage_pairs"]
 
 
 @runtime_checkable
@@ -19,16 +19,54 @@ class Executor(Protocol):
     """Applies one planned stage to one pool tensor, on the current stream.
 
     ``tensor`` is ``[num_layers, num_slots + 1, *state]``. The manager calls
-    ``execute`` for each stage and, inside it, for each pool tensor in order, and
-    resumes at the failed (stage, tensor) pair after an error, so one call must
-    either finish or raise before writing (allocate first, then write). Copy
-    stages are idempotent; rotate stages read every member before writing any.
+    ``execute`` for each stage and, inside it, for each pool tensor in order.
+
+    Resume contract: a call may raise at any point, even between two of its own
+    device ops (a fault, ``MemoryError``, ``KeyboardInterrupt``). The manager then
+    calls ``execute`` again with the same ``stage`` and ``tensor`` objects on the
+    same executor, until one call returns; the tensor must then hold exactly what
+    one uninterrupted call would have left. Zero and copy stages satisfy this by
+    being idempotent (a copy stage's sources and destinations are disjoint). A
+    rotate is not: once a member is overwritten its old value exists only where
+    the executor saved it, so rotating executors keep a :class:`Progress`.
     Device work is only enqueued: no call may wait for the device.
     """
 
     name: str
 
     def execute(self, stage: Stage, tensor: torch.Tensor) -> None: ...
+
+
+class Progress:
+    """How far a rotate on one (stage, tensor) got, so that a repeated call resumes it exactly.
+
+    The executor splits the rotate into units (cycles, layer groups, single row
+    copies); each unit either reads before it writes, keeping what it read in
+    ``saved``, or is one op whose repetition is harmless. The whole record is
+    ``(stage, tensor, first unit not known done, saved reads or None)`` and is
+    replaced by one attribute store, so an interrupt between two bytecodes leaves
+    the old record or the new one, and both resume correctly. A finished call
+    keeps its record with every unit done, so a repeat (an interrupt that hit
+    between the last op and the caller's bookkeeping) is a no-op, not a second
+    rotate.
+    """
+
+    __slots__ = ("_state",)
+
+    def __init__(self) -> None:
+        self._state: tuple[object, object, int, Any] = (None, None, 0, None)
+
+    def resume(self, stage: Stage, tensor: torch.Tensor) -> tuple[int, Any]:
+        """``(unit, saved)`` to start from: saved progress for this very (stage, tensor), else ``(0, None)``."""
+        st = self._state
+        if st[0] is not stage or st[1] is not tensor:
+            st = self._state = (stage, tensor, 0, None)
+        return st[2], st[3]
+
+    def mark(self, unit: int, saved: Any = None) -> None:
+        """Units before ``unit`` are done; ``saved`` holds what unit ``unit`` has read so far."""
+        st = self._state
+        self._state = (st[0], st[1], unit, saved)
 
 
 _NO_STREAM: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()

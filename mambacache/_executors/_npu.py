@@ -11,7 +11,8 @@ and ran servers out of memory. This executor only feeds contiguous tensors:
   with ``index_select(..., out=ws)``, then ``index_copy_`` from it. The gather
   is chunked by slots, then by layers (``t[l0:l1]`` is contiguous), and for
   states too big for the workspace even one layer at a time, by rows
-  (``t[l, s]`` is contiguous)::
+  (``t[l, s]`` is contiguous), where a rotate goes cycle by cycle through one
+  row chunk of scratch (``_rotate_by_rows``)::
 
       t.view(L, S + 1, inner)      ws (<= copy_workspace_bytes)
       [l0:l1, src chunk, :]  --index_select-->  [l1 - l0, chunk, inner]
@@ -29,7 +30,7 @@ import torch
 
 from .._errors import InvalidArgumentError
 from .._planner import CopyStage, RotateStage, Stage, ZeroStage
-from ._base import IndexBuilder, stage_pairs
+from ._base import IndexBuilder, Progress, stage_pairs
 
 __all__ = ["NpuExecutor", "import_torch_npu"]
 
@@ -56,6 +57,7 @@ class NpuExecutor:
         # One byte buffer, grown on demand up to the bound and kept: a fresh
         # allocation per step costs page faults on CPU and allocator churn elsewhere.
         self._workspace: torch.Tensor | None = None
+        self._progress = Progress()
 
     def _ws(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A contiguous ``numel``-element view of the workspace; never more than the bound in all."""
@@ -77,56 +79,98 @@ class NpuExecutor:
         elif isinstance(stage, (CopyStage, RotateStage)):
             srcs, dsts = stage_pairs(stage)
             src_idx, dst_idx = self._indices.get(stage, tensor.device, srcs, dsts)
-            self._gather_scatter(tensor, srcs, dsts, src_idx, dst_idx, rotate=isinstance(stage, RotateStage))
+            self._gather_scatter(stage, tensor, srcs, dsts, src_idx, dst_idx)
         else:
             raise TypeError(f"unknown stage {stage!r}")
 
     def _gather_scatter(
         self,
+        stage: CopyStage | RotateStage,
         tensor: torch.Tensor,
         srcs: Sequence[int],
         dsts: Sequence[int],
         src_idx: torch.Tensor,
         dst_idx: torch.Tensor,
-        *,
-        rotate: bool,
     ) -> None:
         layers, n = tensor.shape[0], len(srcs)
         t3 = tensor.view(layers, tensor.shape[1], -1)
         inner = t3.shape[2]
         budget = self.copy_workspace_bytes // tensor.element_size()  # elements
+        rotate = isinstance(stage, RotateStage)
         # A rotate must read every member before writing any, so it cannot be
         # split by slots; a copy stage (disjoint) can.
         chunk = n if rotate else max(1, min(n, budget // (layers * inner)))
         group = min(layers, budget // (chunk * inner))
         if group == 0:
-            self._by_rows(t3, srcs, dsts, budget, rotate=rotate)
+            if rotate:
+                self._rotate_by_rows(stage, tensor, t3, budget)  # type: ignore[arg-type]
+            else:
+                for layer in range(layers):
+                    for s, d in zip(srcs, dsts, strict=True):
+                        t3[layer, d].copy_(t3[layer, s])  # disjoint: no workspace needed
             return
-        # Taken before any write, so a failure here leaves the tensor untouched.
-        ws = self._ws(group * chunk * inner, tensor.dtype, tensor.device)
-        for l0 in range(0, layers, group):
-            block = t3[l0 : l0 + group]  # a dim-0 slice: contiguous
-            for c0 in range(0, n, chunk):
-                out = ws[: block.shape[0] * min(chunk, n - c0) * inner].view(block.shape[0], -1, inner)
-                torch.index_select(block, 1, src_idx[c0 : c0 + chunk], out=out)
-                block.index_copy_(1, dst_idx[c0 : c0 + chunk], out)
-
-    def _by_rows(
-        self, t3: torch.Tensor, srcs: Sequence[int], dsts: Sequence[int], budget: int, *, rotate: bool
-    ) -> None:
-        """States larger than the workspace: contiguous row slices only."""
-        layers, _, inner = t3.shape
         if not rotate:
-            for layer in range(layers):
-                for s, d in zip(srcs, dsts, strict=True):
-                    t3[layer, d].copy_(t3[layer, s])  # disjoint: no workspace needed
+            # Taken before any write; and re-running a disjoint copy is harmless.
+            ws = self._ws(group * chunk * inner, tensor.dtype, tensor.device)
+            for l0 in range(0, layers, group):
+                block = t3[l0 : l0 + group]  # a dim-0 slice: contiguous
+                for c0 in range(0, n, chunk):
+                    out = ws[: block.shape[0] * min(chunk, n - c0) * inner].view(block.shape[0], -1, inner)
+                    torch.index_select(block, 1, src_idx[c0 : c0 + chunk], out=out)
+                    block.index_copy_(1, dst_idx[c0 : c0 + chunk], out)
             return
-        width = max(1, min(inner, budget // len(srcs)))
-        ws = self._ws(len(srcs) * width, t3.dtype, t3.device).view(len(srcs), width)
+        # Rotate, one unit per layer group: gather every member into the workspace,
+        # then scatter. The gathered block is kept in the progress record until its
+        # scatter is done, so a repeat resumes at the group that failed.
+        unit, saved = self._progress.resume(stage, tensor)
+        groups = range(0, layers, group)
+        for k in range(unit, len(groups)):
+            block = t3[groups[k] : groups[k] + group]
+            if saved is None:
+                ws = self._ws(group * n * inner, tensor.dtype, tensor.device)
+                saved = ws[: block.shape[0] * n * inner].view(block.shape[0], n, inner)
+                torch.index_select(block, 1, src_idx, out=saved)
+                self._progress.mark(k, saved)
+            block.index_copy_(1, dst_idx, saved)
+            saved = None
+            self._progress.mark(k + 1)
+
+    def _rotate_by_rows(self, stage: RotateStage, tensor: torch.Tensor, t3: torch.Tensor, budget: int) -> None:
+        """A rotate whose members do not fit the workspace even one layer at a time.
+
+        Each cycle ``c0 -> c1 -> .. -> c(k-1) -> c0`` is rotated in place through
+        one row chunk of scratch (``width`` elements, within the bound)::
+
+            tmp <- c(k-1);  c(k-1) <- c(k-2);  ..;  c1 <- c0;  c0 <- tmp
+
+        Every op reads a row no earlier op of the chain wrote, so repeating the op
+        that was interrupted is harmless; the progress record counts ops.
+        """
+        if budget < 1:
+            raise InvalidArgumentError(
+                f"copy_workspace_bytes={self.copy_workspace_bytes} is smaller than one {tensor.dtype} element"
+                f" ({tensor.element_size()} bytes): a rotate needs room for at least one"
+            )
+        layers, _, inner = t3.shape
+        width = min(inner, budget)
+        unit, saved = self._progress.resume(stage, tensor)
+        tmp = saved if saved is not None else self._ws(width, t3.dtype, t3.device)
+        op = 0
         for layer in range(layers):
+            row = t3[layer]
             for e0 in range(0, inner, width):
                 e1 = min(inner, e0 + width)
-                for i, s in enumerate(srcs):
-                    ws[i, : e1 - e0].copy_(t3[layer, s, e0:e1])
-                for i, d in enumerate(dsts):
-                    t3[layer, d, e0:e1].copy_(ws[i, : e1 - e0])
+                scratch = tmp[: e1 - e0]
+                for cycle in stage.cycles:
+                    k = len(cycle)
+                    if op + k + 1 <= unit:  # this whole chain is done
+                        op += k + 1
+                        continue
+                    chain = [(scratch, row[cycle[-1], e0:e1])]
+                    chain += [(row[cycle[i], e0:e1], row[cycle[i - 1], e0:e1]) for i in range(k - 1, 0, -1)]
+                    chain.append((row[cycle[0], e0:e1], scratch))
+                    for dst, src in chain:
+                        if op >= unit:
+                            dst.copy_(src)
+                            self._progress.mark(op + 1, tmp)
+                        op += 1

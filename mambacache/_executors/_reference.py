@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._planner import CopyStage, RotateStage, Stage, ZeroStage
+from ._base import Progress
 
 __all__ = ["ReferenceExecutor"]
 
@@ -14,6 +15,7 @@ class ReferenceExecutor:
 
     def __init__(self, copy_workspace_bytes: int = 0) -> None:
         del copy_workspace_bytes  # one slot at a time needs no workspace bound
+        self._progress = Progress()
 
     def execute(self, stage: Stage, tensor: torch.Tensor) -> None:
         if isinstance(stage, ZeroStage):
@@ -23,9 +25,18 @@ class ReferenceExecutor:
             for s, d in stage.pairs:
                 tensor[:, d].copy_(tensor[:, s])
         elif isinstance(stage, RotateStage):
-            for cycle in stage.cycles:
-                saved = [tensor[:, c].clone() for c in cycle]
+            # One unit per cycle: clone every member, then write; a repeat after a
+            # fault in the writes writes the same clones again.
+            progress = self._progress
+            unit, saved = progress.resume(stage, tensor)
+            for k in range(unit, len(stage.cycles)):
+                cycle = stage.cycles[k]
+                if saved is None:
+                    saved = [tensor[:, c].clone() for c in cycle]
+                    progress.mark(k, saved)
                 for i, old in enumerate(saved):
                     tensor[:, cycle[(i + 1) % len(cycle)]].copy_(old)
+                saved = None
+                progress.mark(k + 1)
         else:
             raise TypeError(f"unknown stage {stage!r}")

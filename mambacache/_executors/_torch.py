@@ -9,7 +9,8 @@ Two strategies, picked per stage and tensor:
 * index: one ``index_fill_`` (zero) or ``index_select`` + ``index_copy_`` (copy,
   rotate) per tensor, with host-built indices: one launch whatever the slot count,
   the better choice for many small runs and on GPUs. Copy gathers are chunked to
-  ``copy_workspace_bytes`` (at least one slot); a rotate is gathered whole.
+  ``copy_workspace_bytes`` (at least one slot); a rotate is gathered whole, and
+  the gather is kept until its scatter is done (see ``Progress``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .._planner import CopyStage, RotateStage, Stage, ZeroStage
-from ._base import IndexBuilder, stage_pairs
+from ._base import IndexBuilder, Progress, stage_pairs
 
 __all__ = ["TorchExecutor"]
 
@@ -39,6 +40,7 @@ class TorchExecutor:
         self.min_run_bytes = min_run_bytes
         self.max_runs = max_runs
         self._indices = IndexBuilder()
+        self._progress = Progress()
 
     def _use_runs(self, tensor: torch.Tensor, slots: int, runs: int) -> bool:
         if runs <= self.max_runs:
@@ -59,17 +61,28 @@ class TorchExecutor:
             # Sources and destinations of a copy stage are disjoint: runs never overlap.
             for c in stage.runs:
                 tensor[:, c.dst : c.dst + c.length].copy_(tensor[:, c.src : c.src + c.length])
-        elif isinstance(stage, (CopyStage, RotateStage)):
+        elif isinstance(stage, CopyStage):
             srcs, dsts = stage_pairs(stage)
             src_idx, dst_idx = self._indices.get(stage, tensor.device, srcs, dsts)
-            # index_select gathers into a new tensor before index_copy_ writes:
-            # that is what makes a rotate (sources == destinations) exact, and why
-            # a rotate is one gather. A copy stage is disjoint, so its gathers are
-            # chunked to stay within copy_workspace_bytes.
+            # Disjoint sources and destinations: gathers are chunked to stay within
+            # copy_workspace_bytes, and a repeat after a fault is harmless.
             n = len(srcs)
-            chunk = n if isinstance(stage, RotateStage) else max(1, self.copy_workspace_bytes // _slot_bytes(tensor))
+            chunk = max(1, self.copy_workspace_bytes // _slot_bytes(tensor))
             for c0 in range(0, n, chunk):
                 part = slice(c0, c0 + chunk)
                 tensor.index_copy_(1, dst_idx[part], tensor.index_select(1, src_idx[part]))
+        elif isinstance(stage, RotateStage):
+            # One gather of every member, then one scatter: read before write. The
+            # gather is kept until the scatter is done, so a repeat after a fault
+            # in between scatters the same values instead of rotating twice.
+            unit, saved = self._progress.resume(stage, tensor)
+            if unit == 0:
+                srcs, dsts = stage_pairs(stage)
+                src_idx, dst_idx = self._indices.get(stage, tensor.device, srcs, dsts)
+                if saved is None:
+                    saved = tensor.index_select(1, src_idx)
+                    self._progress.mark(0, saved)
+                tensor.index_copy_(1, dst_idx, saved)
+                self._progress.mark(1)
         else:
             raise TypeError(f"unknown stage {stage!r}")

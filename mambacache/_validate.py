@@ -1,0 +1,99 @@
+"""Argument checks shared by every submit path: slots from real schedulers, request ids, events.
+
+Engines hold slot ids as Python ints, numpy integers, numpy arrays and CPU
+tensors; all are accepted (anything ``operator.index`` takes), bool and float
+never, and a device tensor is refused rather than read, since reading it would
+wait for the device.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ._errors import InvalidArgumentError, InvalidEventError, InvalidSlotError
+from ._events import Alloc, Clear, CopyOnWrite, Release
+
+__all__ = ["as_slot", "check_request_id", "normalised", "slot_list"]
+
+
+def as_slot(x: Any, num_slots: int) -> int:
+    """``x`` as a slot: anything ``operator.index`` takes (numpy ints, 0-d CPU int tensors), not bool or float."""
+    if type(x) is not int:
+        if isinstance(x, bool) or (type(x).__module__ == "numpy" and "bool" in type(x).__name__):
+            raise InvalidSlotError(f"slot must be an int, got bool {x!r}")
+        if isinstance(x, torch.Tensor):
+            if x.device.type != "cpu":
+                raise InvalidSlotError(
+                    f"slot is a {x.device.type} tensor: reading it would wait for the device; pass a host int"
+                )
+            if x.ndim != 0 or x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+                raise InvalidSlotError(f"slot must be an int or a 0-d integer tensor, got {x!r}")
+            x = int(x)
+        else:
+            try:
+                x = operator.index(x)
+            except TypeError:
+                raise InvalidSlotError(f"slot must be an int, got {type(x).__name__} {x!r}") from None
+    if not 0 < x <= num_slots:
+        raise InvalidSlotError(
+            f"slot {x} is out of range 1..{num_slots}" + (" (0 is the padding slot)" if x == 0 else "")
+        )
+    return x  # type: ignore[no-any-return]
+
+
+def slot_list(slots: Any, num_slots: int) -> list[int]:
+    """A list, tuple, numpy array or 1-D CPU integer tensor of slots as validated ints."""
+    if isinstance(slots, torch.Tensor):
+        if slots.device.type != "cpu":
+            raise InvalidSlotError(
+                f"slots are a {slots.device.type} tensor: reading it would wait for the device; pass host data"
+            )
+        if slots.ndim != 1 or slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype == torch.bool:
+            raise InvalidSlotError(f"slots must be a 1-D integer tensor, got {slots.dtype} {tuple(slots.shape)}")
+        values = slots.tolist()
+    elif type(slots).__module__ == "numpy" and hasattr(slots, "dtype"):
+        kind = slots.dtype.kind
+        if getattr(slots, "ndim", 1) != 1 or kind not in "iu":
+            raise InvalidSlotError(f"slots must be a 1-D integer array, got {slots.dtype} of shape {slots.shape}")
+        values = slots.tolist()
+    elif isinstance(slots, (str, bytes)) or not isinstance(slots, Iterable):
+        raise InvalidSlotError(f"slots must be a list, numpy array or 1-D CPU int tensor, got {type(slots).__name__}")
+    else:
+        values = list(slots)
+    for i, s in enumerate(values):
+        if type(s) is not int or not 0 < s <= num_slots:
+            values[i] = as_slot(s, num_slots)
+    return values
+
+
+def normalised(events: Iterable[Any], n: int) -> list[Any]:
+    """Events with int slots (converted from numpy or tensor scalars), request ids checked."""
+    out: list[Any] = []
+    for ev in events:
+        t = type(ev)
+        if t is CopyOnWrite:
+            a, b = ev.src, ev.dst
+            if type(a) is not int or type(b) is not int or not 0 < a <= n or not 0 < b <= n:
+                ev = CopyOnWrite(as_slot(a, n), as_slot(b, n), ev.request_id)
+        elif t is Clear or t is Release:
+            s = ev.slot
+            if type(s) is not int or not 0 < s <= n:
+                ev = t(as_slot(s, n), ev.request_id)
+        else:
+            raise InvalidEventError(
+                f"submit takes Clear, CopyOnWrite and Release events, got {ev!r}"
+                + ("; allocate with CacheManager.alloc" if isinstance(ev, Alloc) else "")
+            )
+        if ev.request_id is not None and type(ev.request_id) is not str:
+            check_request_id(ev.request_id)
+        out.append(ev)
+    return out
+
+
+def check_request_id(request_id: Any) -> None:
+    if request_id is not None and type(request_id) is not str:
+        raise InvalidArgumentError(f"request_id must be a str or None, got {request_id!r}")

@@ -107,3 +107,85 @@ async def _big_or_mismatch(rank: int, mode: str) -> None:
         raise AssertionError("a pool of another size was accepted")
     if mode == "mismatch":
         os._exit(0)  # rank 1 has gone: skip the teardown
+
+
+def cancel_worker(rank: int, world: int, port: int, seed: int, mode: str) -> None:
+    """Flushes cancelled at random points on random ranks: every shard still matches its oracle."""
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=30)
+    )
+    if mode == "big":
+        anyio.run(_big_cancelled, rank)
+        dist.destroy_process_group()
+        return
+    pool = mc.StatePool(spec(), N)
+    fill_random(pool, 1000 * seed + rank)
+    oracle = SequentialOracle(pool)
+    steps = plan_of_steps(seed, 120)
+    rng = random.Random(seed * 7919 + rank)
+
+    async def main() -> None:
+        async with mc.CacheManager(pool, group=dist.group.WORLD, src_rank=0, timeout=20) as mgr:
+            for events in steps:
+                if rank == 0:
+                    for ev in events:
+                        if isinstance(ev, mc.Alloc):
+                            assert mgr.alloc(1, clear=ev.clear) == [ev.slot]
+                        else:
+                            mgr.submit(ev)  # type: ignore[arg-type]
+                oracle.apply(events)  # type: ignore[arg-type]
+                before = mgr.step
+                how = rng.randrange(5)
+                if how == 0:
+                    await mgr.flush()
+                elif how == 1:  # cancelled before the flush is even called
+                    with anyio.CancelScope() as scope:
+                        scope.cancel()
+                        await mgr.flush()
+                elif how == 2:  # a deadline that may expire in the broadcast wait
+                    with anyio.move_on_after(rng.uniform(0, 0.01)):
+                        await mgr.flush()
+                elif how == 3:  # this rank comes late, so its peers wait in the broadcast
+                    await anyio.sleep(rng.uniform(0, 0.01))
+                    await mgr.flush()
+                else:  # cancelled by a sibling task while flushing
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(mgr.flush)
+                        await anyio.sleep(rng.uniform(0, 0.005))
+                        tg.cancel_scope.cancel()
+                if mgr.step == before:
+                    await mgr.flush()  # the cancelled flush took nothing: this rank still owes the step
+                assert mgr.step == before + 1
+                for t_want, t_got in zip(oracle.tensors, pool.tensors, strict=True):
+                    for s in oracle.allocated & oracle.defined:
+                        assert torch.equal(t_want[:, s], t_got[:, s]), (rank, mgr.step, s)
+                assert pool.unfinished == 0 and mgr.pending == 0
+
+    anyio.run(main)
+    dist.destroy_process_group()
+
+
+async def _big_cancelled(rank: int) -> None:
+    """A plan longer than one message, its flush under a deadline shorter than the peer's delay."""
+    pool = mc.StatePool(mc.StateSpec(num_layers=1, conv_shapes=(), temporal_shape=(2,)), 1500)
+    pool.temporal.fill_(7.0)
+    async with mc.CacheManager(pool, group=dist.group.WORLD, src_rank=0, timeout=20) as mgr:
+        for step in range(3):
+            if rank == 0:
+                if step == 0:
+                    mgr.alloc(1500)
+                else:
+                    mgr.copy_many(list(range(1, 751)), list(range(751, 1501)))
+                with anyio.move_on_after(0.001):
+                    await mgr.flush()
+            else:
+                await anyio.sleep(0.05)
+                with anyio.move_on_after(0.001):
+                    await mgr.flush()
+            assert mgr.step == step + 1
+            if step == 0:
+                assert bool((pool.temporal[:, 1:] == 0).all()), rank
+                pool.temporal[:, 1:751] = torch.arange(1, 751, dtype=torch.float32)[None, :, None]
+            else:
+                assert torch.equal(pool.temporal[:, 751:], pool.temporal[:, 1:751]), rank
+    assert bool((pool.temporal[:, 0] == 7).all())

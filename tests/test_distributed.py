@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 
 import mambacache as mc
 
-from ._dist_worker import worker
+from ._dist_worker import cancel_worker, worker
 
 pytestmark = pytest.mark.slow
 
@@ -39,3 +39,12 @@ def test_group_requires_initialized_distributed() -> None:
     spec = mc.StateSpec(num_layers=1, conv_shapes=[], temporal_shape=(2,))
     with pytest.raises(mc.DistributedError, match="not initialized"):
         mc.CacheManager(mc.StatePool(spec, 2), group=object())
+
+
+@pytest.mark.parametrize(("world", "seed"), [(2, 11), (3, 12), (2, 13)])
+def test_cancelled_flushes_never_part_the_ranks(world: int, seed: int) -> None:
+    mp.spawn(cancel_worker, args=(world, free_port(), seed, "random"), nprocs=world, join=True)
+
+
+def test_a_long_plan_under_a_deadline_reaches_every_rank_once() -> None:
+    mp.spawn(cancel_worker, args=(2, free_port(), 0, "big"), nprocs=2, join=True)

@@ -1,0 +1,213 @@
+"""The edges of the contract: exits under load, unusable dtypes, bad arguments, slot types of real schedulers."""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mambacache as mc
+from mambacache._executors._torch import TorchExecutor
+from mambacache._planner import RotateStage, Stage
+
+from .conftest import fill_random, small_spec
+from .oracle import SequentialOracle
+from .strategies import events_from_ops, ops
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_a_thread_submitting_while_the_block_exits_never_loses_an_event(sync: bool) -> None:
+    for seed in range(30):
+        pool = mc.StatePool(small_spec(), 16)
+        taken: list[int] = []
+        refused = threading.Event()
+        started = threading.Event()
+
+        def worker(mgr: mc.CacheManager) -> None:
+            started.set()
+            while True:
+                try:
+                    (s,) = mgr.alloc(1, clear=True)
+                    mgr.clear(s)
+                    taken.append(s)
+                    mgr.release(s)
+                except mc.ManagerClosedError:
+                    refused.set()
+                    return
+
+        async def body() -> mc.CacheManager:
+            async with mc.CacheManager(pool) as mgr:
+                thread = threading.Thread(target=worker, args=(mgr,))
+                thread.start()
+                started.wait()
+                await anyio.sleep(0.001 * (seed % 3))
+            thread.join()
+            return mgr
+
+        if sync:
+            with mc.CacheManager(pool) as mgr:
+                thread = threading.Thread(target=worker, args=(mgr,))
+                thread.start()
+                started.wait()
+            thread.join()
+        else:
+            mgr = anyio.run(body)
+        assert refused.is_set()
+        # Every accepted submit was taken by the exit flush: nothing is left queued or planned.
+        assert mgr.pending == 0 and pool.unfinished == 0 and pool._manager is None
+
+
+class NoRotateFor:
+    """A (custom) executor that cannot swap one dtype: the kind of combination to refuse up front."""
+
+    name = "no-rotate-f64"
+
+    def __init__(self) -> None:
+        self.inner = TorchExecutor()
+
+    def execute(self, stage: Stage, tensor: torch.Tensor) -> None:
+        if isinstance(stage, RotateStage) and tensor.dtype == torch.float64:
+            raise NotImplementedError("index_copy_ not implemented for 'Double'")
+        self.inner.execute(stage, tensor)
+
+
+def test_an_executor_that_cannot_run_every_stage_kind_is_refused_when_the_manager_is_made() -> None:
+    spec = mc.StateSpec(num_layers=2, conv_shapes=[(3, 2)], temporal_shape=(4,), temporal_dtype=torch.float64)
+    pool = mc.StatePool(spec, 4)
+    with pytest.raises(mc.UnsupportedDtypeError, match=r"no-rotate-f64.*RotateStage.*torch\.float64") as info:
+        mc.CacheManager(pool, executor=NoRotateFor())
+    assert isinstance(info.value, TypeError)
+    assert pool._manager is None
+    mc.CacheManager(mc.StatePool(small_spec(), 4), executor=NoRotateFor())  # no float64 there: accepted
+
+
+ODD_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.bits8, torch.bool]
+
+
+@pytest.mark.parametrize("executor", ["torch", "npu", "reference"])
+@pytest.mark.parametrize("dtype", ODD_DTYPES, ids=str)
+@given(raw=ops, seed=st.integers(0, 99))
+@settings(max_examples=15)
+def test_dtypes_without_index_kernels_run_every_stage_kind(
+    executor: str, dtype: torch.dtype, raw: list[tuple[str, int, int]], seed: int
+) -> None:
+    spec = mc.StateSpec(
+        num_layers=2, conv_shapes=[(3, 2)], temporal_shape=(2, 3), conv_dtype=dtype, temporal_dtype=dtype
+    )
+    pool = mc.StatePool(spec, 8)
+    g = torch.Generator().manual_seed(seed)
+    with mc.CacheManager(pool, executor=executor) as mgr:
+        for t in pool.tensors:  # random bytes, every bit pattern allowed
+            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, generator=g, dtype=torch.uint8))
+        oracle = BytesOracle(pool)
+        raw0 = [(k, 0 if k == "alloc" else a, b) for k, a, b in raw]  # alloc hands out the lowest free slot
+        for events, _ in events_from_ops(raw0, 8, set()):
+            for ev in events:
+                if isinstance(ev, mc.Alloc):
+                    ev = mc.Alloc(mgr.alloc(1, clear=ev.clear)[0], clear=ev.clear)
+                else:
+                    mgr.submit(ev)  # type: ignore[arg-type]
+                oracle.apply([ev])
+            mgr.flush_nowait()
+            oracle.assert_matches(pool)
+
+
+class BytesOracle(SequentialOracle):
+    """The sequential oracle on byte views: bit-exact for any dtype, NaN payloads included."""
+
+    def __init__(self, pool: mc.StatePool) -> None:
+        super().__init__(_Bytes(pool))  # type: ignore[arg-type]
+
+    def assert_matches(self, pool: mc.StatePool) -> None:
+        super().assert_matches(_Bytes(pool))  # type: ignore[arg-type]
+
+
+class _Bytes:
+    def __init__(self, pool: mc.StatePool) -> None:
+        self.tensors = [t.view(torch.uint8) for t in pool.tensors]
+        self._pool = pool
+
+    def allocated_slots(self) -> list[int]:
+        return self._pool.allocated_slots()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: mc.StatePool(small_spec(), 2**62),
+        lambda: mc.StatePool(small_spec(), 4, device="nonsense"),
+        lambda: mc.StatePool(small_spec(), 4, device=3.5),
+        lambda: mc.StatePool.from_memory_budget("spec", 1 << 20),  # type: ignore[arg-type]
+        lambda: mc.StatePool.from_memory_budget(small_spec(), 2**62),
+        lambda: mc.StateSpec(num_layers=1, conv_shapes=[], temporal_shape=(2,), temporal_dtype=torch.qint8),
+        lambda: mc.StateSpec(num_layers=1, conv_shapes=[], temporal_shape=(2,), conv_dtype=torch.quint8),
+        lambda: mc.CacheManager(mc.StatePool(small_spec(), 4), clear_on_alloc=1),  # type: ignore[arg-type]
+        lambda: mc.CacheManager(mc.StatePool(small_spec(), 4), clear_on_alloc="no"),  # type: ignore[arg-type]
+        lambda: mc.CacheManager(mc.StatePool(small_spec(), 4), max_failed_flushes=0),
+    ],
+    ids=[
+        "2**62 slots",
+        "device nonsense",
+        "device float",
+        "budget of a str spec",
+        "budget 2**62",
+        "qint8",
+        "quint8",
+        "clear_on_alloc=1",
+        "clear_on_alloc=str",
+        "max_failed_flushes=0",
+    ],
+)
+def test_bad_arguments_get_a_typed_one_line_error(make: object) -> None:
+    with pytest.raises(mc.MambaCacheError) as info:
+        make()  # type: ignore[operator]
+    assert "\n" not in str(info.value)
+
+
+def test_a_device_that_is_not_here_is_a_typed_error() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(mc.InvalidArgumentError, match="not available"):
+        mc.StatePool(small_spec(), 4, device="cuda")
+
+
+@pytest.mark.parametrize("clear", [1, 0, "yes", None.__class__])
+def test_alloc_clear_must_be_a_bool(clear: object) -> None:
+    pool = mc.StatePool(small_spec(), 4)
+    with mc.CacheManager(pool) as mgr:
+        with pytest.raises(mc.InvalidArgumentError, match="clear must be a bool"):
+            mgr.alloc(1, clear=clear)  # type: ignore[arg-type]
+        assert pool.num_free == 4 and mgr.pending == 0
+
+
+SLOT_FORMS = [
+    lambda s: np.int64(s),
+    lambda s: np.int32(s),
+    lambda s: np.uint8(s),
+    lambda s: torch.tensor(s),
+    lambda s: torch.tensor(s, dtype=torch.int32),
+]
+
+
+@pytest.mark.parametrize("form", range(len(SLOT_FORMS)))
+def test_slots_from_numpy_and_cpu_tensors_are_ints(form: int) -> None:
+    as_form = SLOT_FORMS[form]
+    pool = mc.StatePool(small_spec(), 6)
+    fill_random(pool, 2)
+    with mc.CacheManager(pool) as mgr:
+        a, b, c = mgr.alloc(3, clear=False)
+        oracle = SequentialOracle(pool)
+        mgr.copy_on_write(as_form(a), as_form(b))
+        mgr.submit(mc.Clear(as_form(c)), mc.CopyOnWrite(as_form(c), as_form(a)))  # type: ignore[arg-type]
+        queued = list(mgr._events)
+        assert all(type(x) is int for ev in queued for x in (getattr(ev, "slot", 1), getattr(ev, "src", 1)))
+        oracle.apply([mc.CopyOnWrite(a, b), mc.Clear(c), mc.CopyOnWrite(c, a)])
+        mgr.flush_nowait()
+        oracle.assert_matches(pool)
+        mgr.release(as_form(a))
+        assert not pool.is_allocated(a)

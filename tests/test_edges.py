@@ -20,46 +20,48 @@ from .oracle import SequentialOracle
 from .strategies import events_from_ops, ops
 
 
+def exit_under_load(seed: int, sync: bool) -> None:
+    pool = mc.StatePool(small_spec(), 16)
+    refused = threading.Event()
+    started = threading.Event()
+
+    def worker(mgr: mc.CacheManager) -> None:
+        started.set()
+        while True:
+            try:
+                (s,) = mgr.alloc(1, clear=True)
+                mgr.clear(s)
+                mgr.release(s)
+            except mc.ManagerClosedError:
+                refused.set()
+                return
+
+    async def body() -> mc.CacheManager:
+        async with mc.CacheManager(pool) as mgr:
+            thread = threading.Thread(target=worker, args=(mgr,))
+            thread.start()
+            started.wait()
+            await anyio.sleep(0.001 * (seed % 3))
+        thread.join()
+        return mgr
+
+    if sync:
+        with mc.CacheManager(pool) as mgr:
+            thread = threading.Thread(target=worker, args=(mgr,))
+            thread.start()
+            started.wait()
+        thread.join()
+    else:
+        mgr = anyio.run(body)
+    assert refused.is_set()
+    # Every accepted submit was taken by the exit flush: nothing is left queued or planned.
+    assert mgr.pending == 0 and pool.unfinished == 0 and pool._manager is None
+
+
 @pytest.mark.parametrize("sync", [False, True])
 def test_a_thread_submitting_while_the_block_exits_never_loses_an_event(sync: bool) -> None:
     for seed in range(30):
-        pool = mc.StatePool(small_spec(), 16)
-        taken: list[int] = []
-        refused = threading.Event()
-        started = threading.Event()
-
-        def worker(mgr: mc.CacheManager) -> None:
-            started.set()
-            while True:
-                try:
-                    (s,) = mgr.alloc(1, clear=True)
-                    mgr.clear(s)
-                    taken.append(s)
-                    mgr.release(s)
-                except mc.ManagerClosedError:
-                    refused.set()
-                    return
-
-        async def body() -> mc.CacheManager:
-            async with mc.CacheManager(pool) as mgr:
-                thread = threading.Thread(target=worker, args=(mgr,))
-                thread.start()
-                started.wait()
-                await anyio.sleep(0.001 * (seed % 3))
-            thread.join()
-            return mgr
-
-        if sync:
-            with mc.CacheManager(pool) as mgr:
-                thread = threading.Thread(target=worker, args=(mgr,))
-                thread.start()
-                started.wait()
-            thread.join()
-        else:
-            mgr = anyio.run(body)
-        assert refused.is_set()
-        # Every accepted submit was taken by the exit flush: nothing is left queued or planned.
-        assert mgr.pending == 0 and pool.unfinished == 0 and pool._manager is None
+        exit_under_load(seed, sync)
 
 
 class NoRotateFor:

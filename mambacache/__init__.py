@@ -22,6 +22,7 @@ from ._events import StepReport as StepReport
 from ._executors import Executor as Executor
 from ._executors import known_executors as known_executors
 from ._executors import register_executor as register_executor
+from ._indices import StateIndices as StateIndices
 from ._manager import CacheManager as CacheManager
 from ._planner import Plan as Plan
 from ._planner import plan_step as plan_step
@@ -51,6 +52,7 @@ __all__ = [
     "PoolExhaustedError",
     "Release",
     "SlotStateError",
+    "StateIndices",
     "StatePool",
     "StateSpec",
     "StepReport",

@@ -16,7 +16,8 @@ one per layer, which is what the executors coalesce runs of slots into.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+import itertools
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -98,6 +99,54 @@ class StatePool:
         self._tenants: list[str | None] = [None] * (self.num_slots + 1)  # request_id of each held slot
         self._manager: object | None = None  # the open CacheManager driving this pool, if any
         self._backlog = Backlog()
+
+    @classmethod
+    def from_tensors(cls, conv: Sequence[torch.Tensor], temporal: torch.Tensor) -> StatePool:
+        """Adopt engine-owned ``[num_layers, num_slots + 1, *state]`` tensors: same storage, no copy.
+
+        Validated: every tensor is a contiguous tensor of at least 3 dims on one
+        device, with the same ``num_layers`` and ``num_slots + 1`` (at least 2), the
+        conv tensors share one dtype, no two overlap in memory, and none requires
+        grad. Slot 0 of each is padding: mambacache never hands it out or writes
+        it, so an engine that indexes from 0 keeps 0 as its dummy slot.
+        """
+        if isinstance(conv, torch.Tensor) or not isinstance(conv, Sequence):
+            raise InvalidArgumentError(f"conv must be a sequence of tensors, got {type(conv).__name__}")
+        tensors = [*conv, temporal]
+        for i, t in enumerate(tensors):
+            what = f"conv[{i}]" if i < len(conv) else "temporal"
+            if not isinstance(t, torch.Tensor):
+                raise InvalidArgumentError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+            if t.ndim < 3:
+                raise InvalidArgumentError(f"{what} must be [num_layers, num_slots + 1, *state], got {tuple(t.shape)}")
+            if not t.is_contiguous():
+                raise InvalidArgumentError(f"{what} must be contiguous (a view with strides {t.stride()} is not)")
+            if t.requires_grad:
+                raise InvalidArgumentError(f"{what} requires grad: state tensors are written in place")
+            if t.device != temporal.device:
+                raise InvalidArgumentError(f"{what} is on {t.device}, temporal on {temporal.device}")
+            if t.shape[:2] != temporal.shape[:2]:
+                raise InvalidArgumentError(
+                    f"{what} has {tuple(t.shape[:2])} (layers, slots + 1), temporal {tuple(temporal.shape[:2])}"
+                )
+        if temporal.shape[1] < 2:
+            raise InvalidArgumentError("tensors need at least 2 slots along dim 1 (slot 0 is padding)")
+        if len({c.dtype for c in conv}) > 1:
+            raise InvalidArgumentError(f"conv tensors must share one dtype, got {[c.dtype for c in conv]}")
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i) for i, t in enumerate(tensors))
+        for (_, end, i), (start, _, j) in itertools.pairwise(spans):
+            if start < end:
+                raise InvalidArgumentError(f"pool tensors {min(i, j)} and {max(i, j)} overlap in memory")
+        spec = StateSpec(
+            num_layers=temporal.shape[0],
+            conv_shapes=[tuple(c.shape[2:]) for c in conv],
+            temporal_shape=tuple(temporal.shape[2:]),
+            conv_dtype=conv[0].dtype if conv else torch.bfloat16,
+            temporal_dtype=temporal.dtype,
+        )
+        pool = cls.__new__(cls)
+        pool._init(spec, list(conv), temporal)
+        return pool
 
     @classmethod
     def from_memory_budget(cls, spec: StateSpec, budget_bytes: int, device: str | torch.device = "cpu") -> StatePool:

@@ -20,7 +20,7 @@ from ._events import Alloc, Clear, CopyOnWrite, Release
 __all__ = ["as_slot", "check_request_id", "normalised", "slot_list"]
 
 
-def as_slot(x: Any, num_slots: int) -> int:
+def as_slot(x: Any, num_slots: int, allow_padding: bool = False) -> int:
     """``x`` as a slot: anything ``operator.index`` takes (numpy ints, 0-d CPU int tensors), not bool or float."""
     if type(x) is not int:
         if isinstance(x, bool) or (type(x).__module__ == "numpy" and "bool" in type(x).__name__):
@@ -38,14 +38,14 @@ def as_slot(x: Any, num_slots: int) -> int:
                 x = operator.index(x)
             except TypeError:
                 raise InvalidSlotError(f"slot must be an int, got {type(x).__name__} {x!r}") from None
-    if not 0 < x <= num_slots:
+    if not (0 if allow_padding else 1) <= x <= num_slots:
         raise InvalidSlotError(
             f"slot {x} is out of range 1..{num_slots}" + (" (0 is the padding slot)" if x == 0 else "")
         )
     return x  # type: ignore[no-any-return]
 
 
-def slot_list(slots: Any, num_slots: int) -> list[int]:
+def slot_list(slots: Any, num_slots: int, allow_padding: bool = False) -> list[int]:
     """A list, tuple, numpy array or 1-D CPU integer tensor of slots as validated ints."""
     if isinstance(slots, torch.Tensor):
         if slots.device.type != "cpu":
@@ -64,9 +64,10 @@ def slot_list(slots: Any, num_slots: int) -> list[int]:
         raise InvalidSlotError(f"slots must be a list, numpy array or 1-D CPU int tensor, got {type(slots).__name__}")
     else:
         values = list(slots)
+    low = 0 if allow_padding else 1
     for i, s in enumerate(values):
-        if type(s) is not int or not 0 < s <= num_slots:
-            values[i] = as_slot(s, num_slots)
+        if type(s) is not int or not low <= s <= num_slots:
+            values[i] = as_slot(s, num_slots, allow_padding)
     return values
 
 

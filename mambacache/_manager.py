@@ -312,6 +312,8 @@ class CacheManager:
         """Under the lock: the authoritative check, so no submit lands after the final flush's take."""
         if self._state != _OPEN:
             raise self._closed_error()
+        if self._broken is not None:
+            raise ManagerBrokenError(self._broken)
         if self._tp is not None:
             self._tp.check_source("submit")
 
@@ -326,24 +328,34 @@ class CacheManager:
                 log.debug("slot.alloc", slot=s, request_id=request_id, step=self._step, cleared=clear)
 
     # -- submitting ------------------------------------------------------
+    # The single-event forms are the decode-step hot path: plain int slots and str
+    # ids skip normalisation; the open/closed check happens under the lock.
     def clear(self, slot: int, request_id: str | None = None) -> None:
         """Zero ``slot`` at this point of the event order (on the next flush)."""
-        self._check_open()
-        self._submit((Clear(slot, request_id),))
+        n = self._pool.num_slots
+        plain = type(slot) is int and 0 < slot <= n and (request_id is None or type(request_id) is str)
+        self._submit((Clear(slot, request_id),), checked=plain)
 
     def release(self, slot: int, request_id: str | None = None) -> None:
         """Free ``slot`` from this point; events queued before still see its content."""
-        self._check_open()
-        self._submit((Release(slot, request_id),))
+        n = self._pool.num_slots
+        plain = type(slot) is int and 0 < slot <= n and (request_id is None or type(request_id) is str)
+        self._submit((Release(slot, request_id),), checked=plain)
 
     def copy_on_write(self, src: int, dst: int, request_id: str | None = None) -> None:
         """``dst`` gets ``src``'s state as of this point of the event order (a fork)."""
-        self._check_open()
-        self._submit((CopyOnWrite(src, dst, request_id),))
+        n = self._pool.num_slots
+        plain = (
+            type(src) is int
+            and type(dst) is int
+            and 0 < src <= n
+            and 0 < dst <= n
+            and (request_id is None or type(request_id) is str)
+        )
+        self._submit((CopyOnWrite(src, dst, request_id),), checked=plain)
 
     def submit(self, *events: Clear | CopyOnWrite | Release) -> None:
         """Queue ``events`` in order, all or none: any invalid event raises and queues nothing."""
-        self._check_open()
         self._submit(events)
 
     def clear_many(self, slots: Any, request_id: str | None = None) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ._events import Alloc, Clear, CopyOnWrite, Event, Release
 
@@ -41,16 +42,16 @@ __all__ = [
 _ZERO = 0  # slot 0 is the padding slot, never a source, so 0 can mean "zeros"
 
 
-@dataclass(frozen=True, slots=True)
-class Run:
+# Runs are named tuples, not frozen dataclasses: a plan makes one per run and a
+# frozen dataclass's __init__ costs several times a tuple's on the decode-step path.
+class Run(NamedTuple):
     """Slots ``start .. start + length - 1``."""
 
     start: int
     length: int
 
 
-@dataclass(frozen=True, slots=True)
-class CopyRun:
+class CopyRun(NamedTuple):
     """Slots ``dst + i`` get ``src + i`` for ``i < length``."""
 
     src: int
@@ -128,6 +129,9 @@ def copy_runs(pairs: Sequence[tuple[int, int]]) -> tuple[CopyRun, ...]:
 
 def _order_copies(src_of: dict[int, int]) -> tuple[list[CopyStage], RotateStage | None]:
     """Waves of copies, leaves first, then the cycles that remain."""
+    if src_of.keys().isdisjoint(src_of.values()):  # no destination is read: one wave (the decode-step case)
+        pairs = tuple(sorted(((s, d) for d, s in src_of.items()), key=lambda p: p[1]))
+        return ([CopyStage(pairs, copy_runs(pairs))] if pairs else []), None
     readers: dict[int, int] = {}
     for s in src_of.values():
         readers[s] = readers.get(s, 0) + 1

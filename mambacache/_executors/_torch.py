@@ -41,6 +41,8 @@ class TorchExecutor:
         self.max_runs = max_runs
         self._indices = IndexBuilder()
         self._progress = Progress()
+        # id(tensor) -> (tensor, its single-slot views); the tensor is held, so the id stays its own.
+        self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor | None]]] = {}
 
     def _use_runs(self, tensor: torch.Tensor, slots: int, runs: int) -> bool:
         if runs <= self.max_runs:
@@ -49,18 +51,37 @@ class TorchExecutor:
             return False
         return slots * _slot_bytes(tensor) >= runs * self.min_run_bytes
 
+    def _slot(self, tensor: torch.Tensor, slot: int) -> torch.Tensor:
+        """``tensor[:, slot]`` as a cached view: making a view costs about as much as a small op,
+        and decode steps are mostly single-slot runs. Built lazily, one per slot touched."""
+        entry = self._views.get(id(tensor))
+        if entry is None or entry[0] is not tensor:
+            if len(self._views) >= 16:  # a manager hands over a few pool tensors; scratch ones come and go
+                self._views.pop(next(iter(self._views)))
+            entry = self._views[id(tensor)] = (tensor, [None] * tensor.shape[1])
+        views = entry[1]
+        view = views[slot]
+        if view is None:
+            view = views[slot] = tensor[:, slot]
+        return view
+
+    def _run(self, tensor: torch.Tensor, start: int, length: int) -> torch.Tensor:
+        return self._slot(tensor, start) if length == 1 else tensor[:, start : start + length]
+
     def execute(self, stage: Stage, tensor: torch.Tensor) -> None:
         if isinstance(stage, ZeroStage):
             if self._use_runs(tensor, len(stage.slots), len(stage.runs)):
-                for r in stage.runs:
-                    tensor[:, r.start : r.start + r.length].zero_()
+                run = self._run
+                torch._foreach_zero_([run(tensor, r.start, r.length) for r in stage.runs])
             else:
                 (idx,) = self._indices.get(stage, tensor.device, stage.slots)
                 tensor.index_fill_(1, idx, 0)
         elif isinstance(stage, CopyStage) and self._use_runs(tensor, len(stage.pairs), len(stage.runs)):
             # Sources and destinations of a copy stage are disjoint: runs never overlap.
-            for c in stage.runs:
-                tensor[:, c.dst : c.dst + c.length].copy_(tensor[:, c.src : c.src + c.length])
+            run = self._run
+            torch._foreach_copy_(
+                [run(tensor, c.dst, c.length) for c in stage.runs], [run(tensor, c.src, c.length) for c in stage.runs]
+            )
         elif isinstance(stage, CopyStage):
             srcs, dsts = stage_pairs(stage)
             src_idx, dst_idx = self._indices.get(stage, tensor.device, srcs, dsts)

@@ -13,7 +13,7 @@ import torch
 
 from .._console import Progress, table, write_json
 from ._presets import PRESETS
-from ._run import Result, host_overhead, run_preset, tracing_overhead
+from ._run import Result, embedding_overhead, host_overhead, run_preset, tracing_overhead
 
 __all__ = ["add_parser", "run"]
 
@@ -142,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
     progress.close()
     host = host_overhead([10, 100, 1000], repeats)
     trace = tracing_overhead(1000, repeats)
+    embed = embedding_overhead(repeats)
     info = machine(device)
     if args.json != "-":
         lines = [f"machine: {info}", "", render(results), "",
@@ -152,11 +153,18 @@ def run(args: argparse.Namespace) -> int:
                  f"tracing off: {trace['checks']} checks x {trace['check_ns']:.0f} ns in a"
                  f" {trace['flush_us_tracing_off']:.0f} us flush of {trace['events']} events"
                  f" = {100 * trace['overhead_fraction']:.2f}% overhead",
+                 "",
+                 table(["call", "us/event"],
+                       [[f"{name}_many x {embed['bulk_events']:.0f}", embed[f"bulk_{name}_us_per_event"]]
+                        for name in ("clear", "copy", "release")],
+                       title="bulk submits (numpy arrays, tenant-checked)"),
+                 f"decode step (8 events: submit + plan + execute via flush_nowait): median"
+                 f" {embed['decode_step_us']:.1f} us, min {embed['decode_step_min_us']:.1f} us",
                  f"({time.perf_counter() - started:.1f} s)"]  # fmt: skip
         sys.stdout.write("\n".join(lines) + "\n")
     if args.json:
         write_json(args.json, {"machine": info, "results": [r.to_json() for r in results], "host_overhead": host,
-                               "tracing_overhead": trace})  # fmt: skip
+                               "tracing_overhead": trace, "embedding_overhead": embed})  # fmt: skip
     if args.plot:
         plot(results, args.plot)
     return 0

@@ -35,7 +35,7 @@ from .._spec import StateSpec
 from ..audit import OpAudit
 from ._presets import PRESETS, fit_layers
 
-__all__ = ["Result", "host_overhead", "run_preset", "tracing_overhead"]
+__all__ = ["Result", "embedding_overhead", "host_overhead", "run_preset", "tracing_overhead"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +241,64 @@ def host_overhead(events_per_flush: Sequence[int], repeats: int) -> list[dict[st
         times = anyio.run(main)
         out.append({"events_per_flush": k, "us_per_event": statistics.median(times) * 1e6,
                     "min_us": min(times) * 1e6, "max_us": max(times) * 1e6})  # fmt: skip
+    return out
+
+
+def embedding_overhead(repeats: int, bulk: int = 1000) -> dict[str, float]:
+    """What a synchronous engine pays on the host: bulk submits per event, and a decode step end to end.
+
+    * ``bulk_*_us_per_event``: ``clear_many`` / ``copy_many`` / ``release_many``
+      of ``bulk`` slots given as a numpy array (validation, tenant checks, queueing);
+    * ``decode_step_us``: one decode step of 8 events on a real ``torch`` executor,
+      submit + plan + execute, through ``flush_nowait``: 2 releases of finished
+      requests, 2 allocs (cleared) for new ones, 2 forks of a cached prefix into
+      them, 2 clears; the states are small, so the device work is a few memsets.
+    """
+    import numpy as np
+
+    spec = StateSpec(num_layers=1, conv_shapes=(), temporal_shape=(1,))
+    pool = StatePool(spec, 2 * bulk + 8)
+    times: dict[str, list[float]] = {"clear": [], "copy": [], "release": []}
+    with CacheManager(pool, executor=_NullExecutor()) as mgr:
+        for _ in range(repeats + 2):
+            live = np.array(mgr.alloc(2 * bulk, "r"))
+            mgr.flush_nowait()
+            srcs, dsts = live[:bulk], live[bulk:]
+            t0 = time.perf_counter()
+            mgr.clear_many(srcs, "r")
+            t1 = time.perf_counter()
+            mgr.copy_many(srcs, dsts, "r")
+            t2 = time.perf_counter()
+            mgr.release_many(live, "r")
+            t3 = time.perf_counter()
+            times["clear"].append((t1 - t0) / bulk)
+            times["copy"].append((t2 - t1) / bulk)
+            times["release"].append((t3 - t2) / (2 * bulk))
+            mgr.flush_nowait()
+    out: dict[str, float] = {"bulk_events": bulk}
+    for name, ts in times.items():
+        out[f"bulk_{name}_us_per_event"] = statistics.median(ts[2:]) * 1e6
+
+    decode = StatePool(StateSpec(num_layers=4, conv_shapes=[(4, 2)], temporal_shape=(2, 2)), 64)
+    steps: list[float] = []
+    with CacheManager(decode) as mgr:
+        (prefix,) = mgr.alloc(1, "prefix")
+        running = mgr.alloc(8)
+        mgr.flush_nowait()
+        for _ in range(repeats * 20 + 20):
+            t0 = time.perf_counter()
+            mgr.release_many(running[:2])
+            new = mgr.alloc(2)
+            mgr.copy_on_write(prefix, new[0])
+            mgr.copy_on_write(prefix, new[1])
+            mgr.clear(running[2])
+            mgr.clear(running[3])
+            mgr.flush_nowait()
+            steps.append(time.perf_counter() - t0)
+            running = running[2:] + new
+    out["decode_step_events"] = 8
+    out["decode_step_us"] = statistics.median(steps[20:]) * 1e6
+    out["decode_step_min_us"] = min(steps[20:]) * 1e6
     return out
 
 

@@ -17,6 +17,8 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
         ("asyncio_scheduler.py", "16 requests finished"),
         ("trio_scheduler.py", "done: 16/16 slots free"),
         ("worker_thread.py", "served 30 requests through 8 slots; 8 free"),
+        ("sync_engine_loop.py", "sync loop: 12 requests in 15 steps through 6 slots; outputs exact; 0 slots held"),
+        ("asyncio_backpressure.py", "19 requests through 4 slots, 1 gave up; served first come first served: True"),
         pytest.param("tensor_parallel.py", "every rank: [True, True]", marks=pytest.mark.slow),
     ],
 )

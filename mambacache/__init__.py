@@ -1,5 +1,7 @@
 """mambacache: an event-driven asynchronous manager for hybrid models' recurrent state."""
 
+from typing import Any
+
 from ._errors import DistributedError as DistributedError
 from ._errors import ExecutorError as ExecutorError
 from ._errors import InvalidArgumentError as InvalidArgumentError
@@ -12,6 +14,7 @@ from ._errors import PoolAllocationError as PoolAllocationError
 from ._errors import PoolExhaustedError as PoolExhaustedError
 from ._errors import SlotLeakError as SlotLeakError
 from ._errors import SlotStateError as SlotStateError
+from ._errors import TraceError as TraceError
 from ._errors import UnknownExecutorError as UnknownExecutorError
 from ._errors import UnsupportedDtypeError as UnsupportedDtypeError
 from ._events import Alloc as Alloc
@@ -30,6 +33,23 @@ from ._pool import StatePool as StatePool
 from ._spec import StateSpec as StateSpec
 
 __version__ = "0.1.0"
+
+# Public submodules, imported on first use (as `mc.tracing.configure(...)`), so that
+# `import mambacache` stays light: the tools pull in argparse, matplotlib, transformers.
+_SUBMODULES = frozenset({"audit", "bench", "hf", "sim", "tracing"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_SUBMODULES})
+
 
 __all__ = [
     "UnsupportedDtypeError",
@@ -56,6 +76,7 @@ __all__ = [
     "StatePool",
     "StateSpec",
     "StepReport",
+    "TraceError",
     "UnknownExecutorError",
     "known_executors",
     "plan_step",

@@ -1,8 +1,10 @@
-"""Terminal output shared by the CLI commands: a progress bar, tables, JSON."""
+"""Terminal output shared by the CLI commands: a progress bar, tables, JSON, usage checks."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -10,8 +12,31 @@ from pathlib import Path
 from typing import IO, Any
 
 
+class UsageError(Exception):
+    """Bad input to a command: reported as one line, exit 2, before any work starts."""
+
+
+def check_output_path(path: str | Path | None) -> None:
+    """Refuse, before minutes of work, an output path whose folder does not exist (``-`` is stdout)."""
+    if path is None or str(path) == "-":
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{p} is a directory; give a file path")
+    if not p.parent.exists():
+        raise UsageError(f"{p}: folder {p.parent} does not exist")
+
+
+def need_matplotlib(flag: str) -> None:
+    """Fail at once, with the install line, when a plot is asked for and matplotlib is missing."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UsageError(f"{flag} needs matplotlib: pip install 'mambacache[plot]'") from None
+
+
 class Progress:
-    """A one-line progress bar on a terminal; silent when the stream is not a tty."""
+    """A one-line progress bar on a terminal; off a terminal, :meth:`line` still reports milestones."""
 
     def __init__(self, total: int, label: str, stream: IO[str] | None = None, width: int = 30) -> None:
         self.total, self.label, self.width = max(total, 1), label, width
@@ -30,6 +55,13 @@ class Progress:
             bar = "#" * filled + "-" * (self.width - filled)
             elapsed = now - self._start
             self.stream.write(f"\r{self.label} [{bar}] {self.done}/{self.total} {elapsed:5.1f}s {note}\033[K")
+            self.stream.flush()
+
+    def line(self, text: str) -> None:
+        """A milestone line for logs (not a terminal), where a bar would be noise."""
+        if not self.enabled:
+            elapsed = time.perf_counter() - self._start
+            self.stream.write(f"{self.label}: {text} ({self.done}/{self.total}, {elapsed:.1f}s)\n")
             self.stream.flush()
 
     def close(self) -> None:
@@ -74,3 +106,37 @@ def write_json(path: str | Path, data: Any) -> None:
         sys.stdout.write(text + "\n")
     else:
         Path(path).write_text(text + "\n", encoding="utf-8")
+
+
+def int_at_least(low: int) -> Any:
+    """An argparse type: an int >= ``low`` (a bad value is argparse's one-line error, exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    parse.__name__ = f"int>={low}"
+    return parse
+
+
+def float_in(low: float, high: float | None = None, *, low_open: bool = False) -> Any:
+    """An argparse type: a finite float in ``[low, high]`` (``(low, high]`` with ``low_open``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        bad_low = value <= low if low_open else value < low
+        if not math.isfinite(value) or bad_low or (high is not None and value > high):
+            bound = f"{'(' if low_open else '['}{low:g}, {'inf)' if high is None else f'{high:g}]'}"
+            raise argparse.ArgumentTypeError(f"must be in {bound}, got {text}")
+        return value
+
+    parse.__name__ = "number"
+    return parse

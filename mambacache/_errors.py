@@ -65,3 +65,7 @@ class SlotLeakError(MambaCacheError, RuntimeError):
     def __init__(self, message: str, held: dict[int, str | None] | None = None) -> None:
         super().__init__(message)
         self.held: dict[int, str | None] = dict(held or {})
+
+
+class TraceError(MambaCacheError, ValueError):
+    """A trace file cannot be analysed: missing, not a trace, no slot events, or malformed under ``strict``."""

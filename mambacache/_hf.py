@@ -78,4 +78,29 @@ def spec_kwargs_from_config(config: Any) -> dict[str, Any]:
         value_dim = text.linear_num_value_heads * text.linear_value_head_dim
         conv = (2 * key_dim + value_dim, text.linear_conv_kernel_dim)
         temporal = (text.linear_num_value_heads, text.linear_key_head_dim, text.linear_value_head_dim)
-    return {"num_layers": layers, "conv_shapes": [conv], "temporal_shape": temporal}
+    out: dict[str, Any] = {"num_layers": layers, "conv_shapes": [conv], "temporal_shape": temporal}
+    # Dtypes: the model's dtype for the conv state, and for the temporal state too
+    # unless the config names an SSM state dtype of its own (as transformers and
+    # vLLM's "auto" do); with neither, StateSpec's defaults (bf16 conv, fp32 state).
+    model_dtype = _dtype(getattr(text, "dtype", None) or getattr(text, "torch_dtype", None))
+    ssm_dtype = _dtype(getattr(text, "mamba_ssm_dtype", None) or getattr(text, "ssm_state_dtype", None))
+    if model_dtype is not None:
+        out["conv_dtype"] = model_dtype
+    if ssm_dtype is not None or model_dtype is not None:
+        out["temporal_dtype"] = ssm_dtype if ssm_dtype is not None else model_dtype
+    return out
+
+
+def _dtype(value: Any) -> Any:
+    """A torch.dtype from a config field (a dtype, or a name like "bfloat16"); None if unset or unknown."""
+    import torch
+
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        candidate = getattr(torch, value.removeprefix("torch."), None)
+        if isinstance(candidate, torch.dtype):
+            return candidate
+        if value == "auto":
+            return None
+    raise InvalidArgumentError(f"config dtype {value!r} is not a torch dtype")

@@ -48,7 +48,10 @@ def _as_device(device: object) -> torch.device:
     try:
         dev: torch.device = torch.device(device)  # type: ignore[call-overload]
     except (RuntimeError, TypeError):
-        raise InvalidArgumentError(f"device must be a torch.device or a device string, got {device!r}") from None
+        raise InvalidArgumentError(
+            f"unknown device {device!r}: give a torch.device or a string such as 'cpu', 'cuda' or 'cuda:1'"
+            " ('npu' needs torch_npu)"
+        ) from None
     if dev.type not in ("cpu", "meta"):
         try:
             available = bool(torch.get_device_module(dev.type).is_available())

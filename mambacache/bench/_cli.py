@@ -11,7 +11,16 @@ from typing import Any
 
 import torch
 
-from .._console import Progress, table, write_json
+from .._console import (
+    Progress,
+    UsageError,
+    check_output_path,
+    float_in,
+    int_at_least,
+    need_matplotlib,
+    table,
+    write_json,
+)
 from ._presets import PRESETS
 from ._run import Result, embedding_overhead, host_overhead, run_preset, tracing_overhead
 
@@ -27,14 +36,66 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--device", default="cpu", help="cpu, cuda or npu (default cpu)")
     p.add_argument("--executor", action="append", help="repeatable (default: torch, npu, reference)")
     p.add_argument("--preset", action="append", choices=sorted(PRESETS), help="repeatable (default: all real models)")
-    p.add_argument("--sizes", default=None, help="slots per step, comma-separated (default 1,8,64,256)")
-    p.add_argument("--repeats", type=int, default=None)
-    p.add_argument("--budget-gb", type=float, default=2.0, help="pool memory per preset; layers are cut to fit")
-    p.add_argument("--workspace-mb", type=float, default=64.0, help="copy workspace bound of the npu executor")
+    p.add_argument("--sizes", type=_sizes, default=None, help="slots per step, comma-separated (default 1,8,64,256)")
+    p.add_argument("--repeats", type=int_at_least(1), default=None)
+    p.add_argument(
+        "--budget-gb",
+        type=float_in(0, low_open=True),
+        default=5.0,
+        help=f"peak memory of the run, pools and buffers together (default 5); the pool gets {POOL_SHARE:.0%} of it"
+        " and layers are cut to fit",
+    )
+    p.add_argument(
+        "--workspace-mb", type=float_in(0, low_open=True), default=64.0, help="copy workspace bound of the npu executor"
+    )
     p.add_argument("--quick", action="store_true", help="the small preset, sizes 1,8,64: under a minute")
     p.add_argument("--plot", metavar="PNG", help="ratio to the bandwidth bound per path and size (matplotlib)")
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON ('-' for stdout)")
     p.set_defaults(func=run)
+
+
+# Besides the pool, a run holds the bandwidth-bound buffers (two of n slots), the seed
+# path's expanded temporaries and the index path's gathers: measured peak RSS is about
+# 2.5x the pool on CPU, so the pool gets 40% of --budget-gb.
+POOL_SHARE = 0.4
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"sizes must be comma-separated integers, got {text!r}") from None
+    if not sizes or any(n < 1 for n in sizes):
+        raise argparse.ArgumentTypeError(f"sizes must be at least 1, got {text!r}")
+    return sizes
+
+
+def _check_args(args: argparse.Namespace) -> torch.device:
+    """Every argument checked before minutes of work: one line and exit 2 on the first bad one."""
+    from .._errors import MambaCacheError
+    from .._executors import known_executors
+    from .._pool import _as_device
+
+    if str(args.device).startswith("npu"):
+        from .._executors._npu import import_torch_npu
+
+        try:
+            import_torch_npu()  # registers the npu device type with torch
+        except Exception as exc:  # ImportError, or the toolkit's own failure to load
+            raise UsageError(f"--device npu needs torch_npu and the Ascend toolkit: {exc}") from None
+    try:
+        device = _as_device(args.device)
+    except MambaCacheError as exc:
+        raise UsageError(f"--device {args.device}: {exc}") from None
+    known = known_executors()
+    for name in args.executor or []:
+        if name not in known:
+            raise UsageError(f"--executor {name!r} is unknown; known: {', '.join(known)}")
+    check_output_path(args.json)
+    check_output_path(args.plot)
+    if args.plot:
+        need_matplotlib("--plot")
+    return device
 
 
 def machine(device: torch.device) -> dict[str, Any]:
@@ -122,23 +183,20 @@ def plot(results: list[Result], out: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    device = torch.device(args.device)
-    if device.type == "npu":
-        from .._executors._npu import import_torch_npu
-
-        import_torch_npu()
+    device = _check_args(args)
     presets = args.preset or (["small"] if args.quick else [p for p in PRESETS if p != "small"])
-    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else ([1, 8, 64] if args.quick else [1, 8, 64, 256])
+    sizes = args.sizes or ([1, 8, 64] if args.quick else [1, 8, 64, 256])
     repeats = args.repeats or (5 if args.quick else 9)
     executors = args.executor or ["torch", "npu", "reference"]
     started = time.perf_counter()
     results: list[Result] = []
     progress = Progress(len(presets) * len(sizes) * 2 * (len(executors) + 2), "bench")
     for preset in presets:
-        for r in run_preset(preset, sizes, executors, device, repeats, int(args.budget_gb * 2**30),
+        for r in run_preset(preset, sizes, executors, device, repeats, int(args.budget_gb * POOL_SHARE * 2**30),
                             int(args.workspace_mb * 2**20)):  # fmt: skip
             results.append(r)
             progress.advance(1, f"{preset} {r.op} {r.path} n={r.slots}")
+        progress.line(f"{preset} done")
     progress.close()
     host = host_overhead([10, 100, 1000], repeats)
     trace = tracing_overhead(1000, repeats)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import anyio
 
-from .._console import Progress, table, write_json
+from .._console import Progress, UsageError, check_output_path, float_in, int_at_least, table, write_json
 from ._models import MODELS, build_model
 from ._scheduler import FAULTS, SimConfig, SimReport, simulate
 
@@ -30,17 +30,24 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         ),
     )
     p.add_argument("--model", choices=[*MODELS, "all"], action="append", help="repeatable; default: all three")
-    p.add_argument("--requests", type=int, default=_D.requests)
-    p.add_argument("--max-running", type=int, default=_D.max_running)
-    p.add_argument("--prefix-share", type=float, default=_D.prefix_share, help="share of prompts with a common prefix")
-    p.add_argument("--slots", type=int, default=None, help="pool slots (default: max-running * 1.5)")
-    p.add_argument("--seed", type=int, default=_D.seed)
-    p.add_argument("--arrival-rate", type=float, default=_D.arrival_rate, help="requests per step")
+    p.add_argument("--requests", type=int_at_least(1), default=_D.requests)
+    p.add_argument("--max-running", type=int_at_least(1), default=_D.max_running)
+    p.add_argument(
+        "--prefix-share", type=float_in(0, 1), default=_D.prefix_share, help="share of prompts with a common prefix"
+    )
+    p.add_argument("--slots", type=int_at_least(2), default=None, help="pool slots (default: max-running * 1.5)")
+    p.add_argument("--seed", type=int_at_least(0), default=_D.seed)
+    p.add_argument(
+        "--arrival-rate", type=float_in(0, low_open=True), default=_D.arrival_rate, help="requests per step (> 0)"
+    )
     p.add_argument("--fault", choices=FAULTS, default="none", help="break the manager's use on purpose")
     p.add_argument("--executor", default=None, help="torch, npu or reference (default: by device)")
     p.add_argument("--no-verify", action="store_true", help="skip the isolated-generation check")
     p.add_argument("--json", metavar="PATH", help="write the reports as JSON ('-' for stdout)")
-    p.add_argument("--trace", metavar="PATH", help="write the slot lifecycle trace (JSON lines)")
+    p.add_argument(
+        "--trace", metavar="PATH", help="write the slot lifecycle trace (JSON lines; one file per model when several)"
+    )
+    p.add_argument("--append", action="store_true", help="append to an existing --trace file instead of refusing")
     p.set_defaults(func=run)
 
 
@@ -57,6 +64,19 @@ def run(args: argparse.Namespace) -> int:
             m for choice in (args.model or ["all"]) for m in (DEFAULT_MODELS if choice == "all" else [choice])
         )
     )
+    if args.slots is not None and args.slots <= args.max_running:
+        raise UsageError(f"--slots ({args.slots}) must exceed --max-running ({args.max_running})")
+    check_output_path(args.json)
+    traces = {name: _trace_path(args.trace, name, len(models) > 1) for name in models}
+    for path in traces.values():
+        check_output_path(path)
+        if path is not None and Path(path).exists() and not args.append:
+            raise UsageError(f"--trace {path} exists: a second run would read as double allocations; pass --append")
+    if any(m != "toy" for m in models):
+        try:
+            import transformers
+        except ImportError:
+            raise UsageError("--model mamba2/qwen3-next need transformers: pip install 'mambacache[hf]'") from None
     try:
         import transformers
 
@@ -77,13 +97,14 @@ def run(args: argparse.Namespace) -> int:
             fault=args.fault,
             executor=args.executor,
             verify=not args.no_verify,
-            trace=_trace_path(args.trace, name, len(models) > 1),
+            trace=traces[name],
         )
         model = build_model(name, args.seed)
         reports.append(anyio.run(simulate, cfg, model, lambda _r, n=name: progress.advance(1, n)))
     progress.close()
     rows = [
-        [r.model, r.completed, r.mismatches, r.forks, r.prefix_hits, r.clears, r.clears_elided, r.evictions,
+        [r.model, r.completed, "-" if args.no_verify else r.mismatches, r.forks, r.prefix_hits, r.clears,
+         r.clears_elided, r.evictions,
          f"{r.peak_slots_in_use}/{r.num_slots}", r.steps, r.tokens_per_s, f"{100 * r.manager_overhead_fraction:.1f}%"]
         for r in reports
     ]  # fmt: skip
@@ -104,8 +125,13 @@ def run(args: argparse.Namespace) -> int:
     title = f"mambacache simulate: {args.requests} requests, max running {args.max_running}, fault {args.fault}"
     if args.json != "-":
         sys.stdout.write(table(headers, rows, title=title) + "\n")
+        if args.no_verify:
+            sys.stdout.write("verification was off (--no-verify): outputs were not checked\n")
+        for name, path in traces.items():
+            if path is not None:
+                sys.stdout.write(f"trace of {name}: {path}\n")
     if args.json:
-        write_json(args.json, [dataclasses.asdict(r) for r in reports])
+        write_json(args.json, [{**dataclasses.asdict(r), "verified": not args.no_verify} for r in reports])
     bad = [r for r in reports if (r.mismatches > 0) == (args.fault == "none")]
     if args.no_verify:
         return 0

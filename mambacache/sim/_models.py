@@ -15,6 +15,7 @@ import torch
 
 from .._pool import StatePool
 from .._spec import StateSpec
+from ..hf import bind_cache
 
 __all__ = ["HFModel", "SimModel", "ToyModel", "build_model", "MODELS"]
 
@@ -156,16 +157,7 @@ class HFModel(SimModel):
         return self._cache_cls(config=self.config)
 
     def bind(self, ctx: Any, pool: StatePool, slot: int) -> None:
-        kernel = self.spec.conv_shapes[0][-1]
-        for j, index in enumerate(self.linear):
-            layer = ctx.layers[index]
-            # Views of the slot, [1, *state]: the model updates them in place.
-            layer.conv_states[0] = pool.conv[0][j, slot : slot + 1]
-            layer.recurrent_states[0] = pool.temporal[j, slot : slot + 1]
-            layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
-            layer.has_previous_state[0] = True  # read the slot, even on the first chunk
-            layer.conv_kernel_size[0] = kernel
-            layer.dtype, layer.device = pool.temporal.dtype, pool.device
+        bind_cache(ctx, pool, slot, self.config)
 
     def forward(self, ctx: Any, tokens: list[int]) -> int:
         with torch.no_grad():

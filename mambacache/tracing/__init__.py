@@ -13,7 +13,14 @@ and, from :func:`configure`'s own pipeline, ``timestamp`` and ``level``:
 =================  =====  =====================================================
 
 Tracing is off until :func:`configure` is called; off, it costs one attribute
-read per submit. Nothing here configures structlog on import, and
+read per submit. The default level, ``info``, writes only ``step.flush`` and
+``step.error``: to analyse slots (``mambacache trace``, :func:`analyze`), trace at
+``level="debug"``; an info-level trace is refused by the analyzer, with that hint.
+
+:func:`analyze` reads a trace back (timelines, summary, anomalies, slots held at
+the end) for tests and dashboards; ``mambacache trace`` is its command line.
+
+Nothing here configures structlog on import, and
 :func:`configure` leaves the application's structlog and logging set-up alone
 unless ``use_structlog_config=True`` asks to log through it instead.
 """
@@ -27,9 +34,27 @@ from typing import IO, Any
 
 import structlog
 
-from . import _tracing
+from .. import _tracing
+from .._errors import InvalidArgumentError
+from ._analyze import Anomaly as Anomaly
+from ._analyze import BadLine as BadLine
+from ._analyze import Entry as Entry
+from ._analyze import TraceAnalysis as TraceAnalysis
+from ._analyze import analyze as analyze
+from ._analyze import analyze_lines as analyze_lines
 
-__all__ = ["configure", "disable", "is_enabled", "processors"]
+__all__ = [
+    "Anomaly",
+    "BadLine",
+    "Entry",
+    "TraceAnalysis",
+    "analyze",
+    "analyze_lines",
+    "configure",
+    "disable",
+    "is_enabled",
+    "processors",
+]
 
 
 def processors() -> list[Any]:
@@ -46,14 +71,15 @@ def _level(level: str | int) -> int:
         return level
     value = logging.getLevelName(level.upper())
     if not isinstance(value, int):
-        raise ValueError(f"unknown log level {level!r}")
+        raise InvalidArgumentError(f"unknown log level {level!r}; use debug, info, warning or error")
     return value
 
 
 def configure(path: str | Path | None = None, level: str | int = "info", *, use_structlog_config: bool = False) -> None:
     """Turn tracing on: JSON lines appended to ``path`` (or written to stderr).
 
-    ``level="debug"`` traces every slot event; ``"info"`` only flush summaries.
+    ``level="debug"`` traces every slot event; ``"info"`` (the default) only flush
+    summaries and errors, which the analyzer cannot use: trace at debug to analyse.
     With ``use_structlog_config=True`` the events go through the application's
     own structlog configuration (``structlog.get_logger("mambacache")``), which
     decides format and destination; ``path`` must then be None.
@@ -62,7 +88,7 @@ def configure(path: str | Path | None = None, level: str | int = "info", *, use_
     disable()
     if use_structlog_config:
         if path is not None:
-            raise ValueError("path and use_structlog_config=True exclude each other")
+            raise InvalidArgumentError("path and use_structlog_config=True exclude each other")
         logger: Any = _tracing.logger
     else:
         stream: IO[str]
@@ -94,4 +120,5 @@ def disable() -> None:
 
 
 def is_enabled() -> bool:
+    """Whether :func:`configure` has turned tracing on."""
     return _tracing.state.step_log is not None or _tracing.state.slot_log is not None

@@ -6,8 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from ._console import table, write_json
-from ._trace_analyze import Analysis, Entry, analyze, read_trace
+from .._console import table, write_json
+from .._errors import TraceError
+from ._analyze import Entry, TraceAnalysis, analyze
 
 __all__ = ["add_parser", "render_text"]
 
@@ -16,25 +17,28 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser(
         "trace",
         help="analyse a JSON-lines lifecycle trace",
-        description="Per-slot timelines of tenants, clears, forks and releases; exits 1 if an anomaly is found.",
+        description="Per-slot timelines of tenants, clears, forks and releases, slots held at the end, anomalies."
+        " Exit codes: 0 clean, 1 anomalies found, 2 unusable input or a usage error.",
     )
     p.add_argument("file", type=Path, help="trace written by mambacache.tracing.configure(path, level='debug')")
     p.add_argument("--slot", type=int, action="append", help="only this slot (repeatable)")
     p.add_argument("--request", action="append", help="only slots this request id touched (repeatable)")
+    p.add_argument("--expect-idle", action="store_true", help="slots still held at the end are anomalies (leaks)")
+    p.add_argument("--strict", action="store_true", help="any malformed line makes the trace unusable (exit 2)")
     p.add_argument("--json", metavar="PATH", help="write the analysis as JSON to PATH ('-' for stdout)")
     p.add_argument("--plot", metavar="PNG", help="draw slot occupancy over steps (needs matplotlib)")
-    p.add_argument("--max-entries", type=int, default=50, help="timeline lines shown per slot (default 50)")
+    p.add_argument("--max-entries", type=_positive, default=50, help="timeline lines shown per slot (default 50)")
     p.set_defaults(func=run)
 
 
-def _selected(analysis: Analysis, slots: list[int] | None, requests: list[str] | None) -> list[int]:
-    chosen = set(analysis.timelines)
-    if slots:
-        chosen &= set(slots)
-    if requests:
-        wanted = set(requests)
-        chosen = {s for s in chosen if any(e.request_id in wanted for e in analysis.timelines[s])}
-    return sorted(chosen)
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _describe(e: Entry) -> str:
@@ -47,7 +51,7 @@ def _describe(e: Entry) -> str:
     return ""
 
 
-def render_text(analysis: Analysis, slots: list[int], max_entries: int = 50) -> str:
+def render_text(analysis: TraceAnalysis, slots: list[int], max_entries: int = 50) -> str:
     out: list[str] = []
     for s in slots:
         entries = analysis.timelines[s]
@@ -59,7 +63,21 @@ def render_text(analysis: Analysis, slots: list[int], max_entries: int = 50) -> 
         if len(entries) > max_entries:
             out.append(f"  ... {len(entries) - max_entries} more")
     out.append("")
-    out.append(table(["figure", "value"], list(analysis.summary.items()), title="summary"))
+    filtered = set(slots) != set(analysis.timelines)
+    summary = analysis.summary_for(slots) if filtered else analysis.summary
+    title = f"summary ({len(slots)} selected slot(s))" if filtered else "summary"
+    out.append(table(["figure", "value"], list(summary.items()), title=title))
+    held = {s: t for s, t in analysis.held.items() if s in set(slots)}
+    if held:
+        shown_held = ", ".join(f"{s} ({t!r})" for s, t in list(held.items())[:20])
+        more = f" and {len(held) - 20} more" if len(held) > 20 else ""
+        out.append(f"held at the end of the trace: {shown_held}{more}")
+    if analysis.bad_lines:
+        first = analysis.bad_lines[0]
+        out.append(
+            f"skipped {len(analysis.bad_lines)} malformed line(s) (--strict refuses them); first: line"
+            f" {first.line}: {first.reason}"
+        )
     shown = [a for a in analysis.anomalies if a.slot in set(slots)]
     out.append("")
     if shown:
@@ -70,7 +88,7 @@ def render_text(analysis: Analysis, slots: list[int], max_entries: int = 50) -> 
     return "\n".join(out)
 
 
-def plot(analysis: Analysis, path: str) -> None:
+def plot(analysis: TraceAnalysis, path: str) -> None:
     """Slot occupancy over steps: one row per slot, a bar per tenancy, coloured by tenant."""
     import matplotlib
 
@@ -119,17 +137,26 @@ def _bar(
 
 
 def run(args: argparse.Namespace) -> int:
-    with open(args.file, encoding="utf-8") as f:
-        analysis = analyze(read_trace(f))
-    slots = _selected(analysis, args.slot, args.request)
+    from .._console import check_output_path, need_matplotlib
+
+    for path in (args.json, args.plot):
+        check_output_path(path)
+    if args.plot:
+        need_matplotlib("--plot")
+    try:
+        analysis = analyze(args.file, expect_idle=args.expect_idle, strict=args.strict)
+    except TraceError as exc:
+        sys.stderr.write(f"mambacache trace: {exc}\n")
+        return 2
+    slots = analysis.select(args.slot, args.request)
+    if not slots:
+        asked = [f"--slot {s}" for s in args.slot or []] + [f"--request {r}" for r in args.request or []]
+        sys.stderr.write(f"mambacache trace: no slot in {args.file} matches {' '.join(asked)}\n")
+        return 2
     if args.json:
         write_json(args.json, analysis.to_json(slots))
     if args.json != "-":
         sys.stdout.write(render_text(analysis, slots, args.max_entries) + "\n")
     if args.plot:
-        try:
-            plot(analysis, args.plot)
-        except ImportError:
-            sys.stderr.write("--plot needs matplotlib: pip install 'mambacache[plot]'\n")
-            return 2
-    return 1 if analysis.anomalies else 0
+        plot(analysis, args.plot)
+    return 1 if any(a.slot in set(slots) for a in analysis.anomalies) else 0

@@ -1,0 +1,7 @@
+"""``python -m mambacache``: the same as the ``mambacache`` command."""
+
+import sys
+
+from ._cli import main
+
+sys.exit(main())

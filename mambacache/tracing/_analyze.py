@@ -1,0 +1,354 @@
+"""Reads a JSON-lines lifecycle trace back: per-slot timelines, a summary, anomalies, leaks.
+
+Pure Python, so traces from production can be analysed anywhere. Every line is
+checked before it is used: a malformed mambacache event (a missing or non-integer
+slot, NaN, a string where a bool belongs, an integer past the parser's digit
+limit, deep nesting, bytes that are not UTF-8) is named with its line number and
+skipped, never crashed on. A file with no slot lifecycle events at all is refused
+with the reason, never reported as clean.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .._errors import TraceError
+
+__all__ = ["Anomaly", "BadLine", "Entry", "TraceAnalysis", "analyze", "analyze_lines", "parse_lines"]
+
+SLOT_EVENTS = frozenset({"slot.alloc", "slot.release", "slot.clear", "slot.cow"})
+STEP_EVENTS = frozenset({"step.flush", "step.error"})
+ANOMALY_KINDS = (
+    "double-release",
+    "use-after-release",
+    "copy-from-released",
+    "uncleared-reuse",
+    "double-alloc",
+    "held-at-end",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One line of a slot's timeline."""
+
+    line: int
+    step: int | None
+    action: str  # alloc, clear, fork-in, fork-out, release
+    request_id: str | None
+    other: int | None = None  # the other slot of a fork
+    cleared: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Anomaly:
+    """Something the trace shows went wrong; ``kind`` is one of ``ANOMALY_KINDS``."""
+
+    kind: str
+    slot: int
+    step: int | None
+    line: int
+    request_id: str | None
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class BadLine:
+    """A line that was skipped, and why."""
+
+    line: int
+    reason: str
+
+
+@dataclass(slots=True)
+class TraceAnalysis:
+    """What :func:`analyze` found.
+
+    ``timelines``: per slot, its entries in trace order. ``held``: slots still
+    allocated at the end of the trace, with their tenants (a leak if the engine
+    was idle). ``bad_lines``: malformed mambacache events that were skipped.
+    ``summary``: counts over the whole trace (see :meth:`summary_for` for a subset).
+    """
+
+    timelines: dict[int, list[Entry]] = field(default_factory=dict)
+    anomalies: list[Anomaly] = field(default_factory=list)
+    summary: dict[str, int] = field(default_factory=dict)
+    held: dict[int, str | None] = field(default_factory=dict)
+    bad_lines: list[BadLine] = field(default_factory=list)
+    lines: int = 0
+    other_lines: int = 0  # lines that are not mambacache events (an application's own log lines)
+
+    def select(self, slots: Iterable[int] | None = None, requests: Iterable[str] | None = None) -> list[int]:
+        """Slots in the trace, narrowed to ``slots`` and to those any of ``requests`` touched."""
+        chosen = set(self.timelines)
+        if slots is not None:
+            chosen &= set(slots)
+        if requests is not None:
+            wanted = set(requests)
+            chosen = {s for s in chosen if any(e.request_id in wanted for e in self.timelines[s])}
+        return sorted(chosen)
+
+    def summary_for(self, slots: Iterable[int]) -> dict[str, int]:
+        """The summary counted over ``slots`` only (steps stay whole-trace)."""
+        keep = set(slots)
+        entries = [e for s in keep for e in self.timelines.get(s, [])]
+        count = {a: sum(e.action == a for e in entries) for a in ("alloc", "clear", "fork-in", "release")}
+        return {
+            "steps": self.summary.get("steps", 0),
+            "slots_used": len(keep & set(self.timelines)),
+            "requests": len({e.request_id for e in entries if e.request_id is not None}),
+            "allocs": count["alloc"],
+            "allocs_uncleared": sum(e.action == "alloc" and e.cleared is False for e in entries),
+            "clears": count["clear"],
+            "forks": count["fork-in"],
+            "releases": count["release"],
+            "held_at_end": len(keep & set(self.held)),
+            "anomalies": sum(a.slot in keep for a in self.anomalies),
+            "bad_lines": len(self.bad_lines),
+        }
+
+    def to_json(self, slots: Iterable[int] | None = None) -> dict[str, Any]:
+        keep = set(self.timelines) if slots is None else set(slots)
+        return {
+            "summary": self.summary if slots is None else self.summary_for(keep),
+            "slots": {str(s): [asdict(e) for e in self.timelines[s]] for s in sorted(keep) if s in self.timelines},
+            "held": {str(s): t for s, t in sorted(self.held.items()) if s in keep},
+            "anomalies": [asdict(a) for a in self.anomalies if a.slot in keep],
+            "bad_lines": [asdict(b) for b in self.bad_lines],
+        }
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _int(record: dict[str, Any], key: str, *, required: bool) -> int | None:
+    value = record.get(key)
+    if value is None and not required:
+        return None
+    if type(value) is not int:  # bool, float, str, list, dict, null: all refused
+        what = "missing" if key not in record else f"{type(value).__name__} {value!r}"[:60]
+        raise ValueError(f"{key!r} must be an integer, got {what}")
+    if value < 0:
+        raise ValueError(f"{key!r} must be >= 0, got {value}")
+    return value
+
+
+def _checked(record: dict[str, Any]) -> dict[str, Any]:
+    """The fields the analysis reads, type-checked; raises ValueError naming the first bad one."""
+    event = record["event"]
+    out: dict[str, Any] = {"event": event, "step": _int(record, "step", required=False)}
+    rid = record.get("request_id")
+    if rid is not None and type(rid) is not str:
+        raise ValueError(f"'request_id' must be a string or null, got {type(rid).__name__}")
+    out["request_id"] = rid
+    if event == "slot.cow":
+        out["src"], out["dst"] = _int(record, "src", required=True), _int(record, "dst", required=True)
+    elif event in SLOT_EVENTS:
+        out["slot"] = _int(record, "slot", required=True)
+        if event == "slot.alloc":
+            cleared = record.get("cleared", True)
+            if type(cleared) is not bool:
+                raise ValueError(f"'cleared' must be true or false, got {type(cleared).__name__} {cleared!r}"[:80])
+            out["cleared"] = cleared
+    elif event == "step.flush":
+        for key in ("events", "elided"):
+            out[key] = _int(record, key, required=False) or 0
+    return out
+
+
+def parse_lines(lines: Iterable[bytes | str]) -> tuple[list[tuple[int, dict[str, Any]]], list[BadLine], int, int]:
+    """Checked mambacache records with their line numbers, the bad lines, the line count, other lines."""
+    records: list[tuple[int, dict[str, Any]]] = []
+    bad: list[BadLine] = []
+    other = number = 0
+    for number, raw in enumerate(lines, start=1):
+        if isinstance(raw, bytes):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                bad.append(BadLine(number, f"not UTF-8 (byte {exc.start})"))
+                continue
+        else:
+            text = raw
+        if number == 1:
+            text = text.removeprefix("\ufeff")  # a UTF-8 BOM from an editor
+        text = text.strip()
+        if not text:
+            continue
+        try:
+            record = json.loads(text, parse_constant=_reject_constant)
+        except RecursionError:
+            bad.append(BadLine(number, "nested too deeply to be a trace record"))
+            continue
+        except ValueError as exc:  # JSONDecodeError, NaN/Infinity, an integer past the digit limit
+            if text.startswith("{"):
+                bad.append(BadLine(number, f"not valid JSON: {str(exc).splitlines()[0][:80]}"))
+            else:
+                other += 1
+            continue
+        event = record.get("event") if isinstance(record, dict) else None
+        if not isinstance(event, str) or not (event in SLOT_EVENTS or event in STEP_EVENTS):
+            if isinstance(event, str) and event.startswith(("slot.", "step.")):
+                bad.append(BadLine(number, f"unknown mambacache event {event!r}"[:80]))
+            else:
+                other += 1
+            continue
+        try:
+            records.append((number, _checked(record)))
+        except ValueError as exc:
+            bad.append(BadLine(number, f"{event}: {exc}"))
+    return records, bad, number, other
+
+
+def analyze(path: str | Path, *, expect_idle: bool = False, strict: bool = False) -> TraceAnalysis:
+    """Analyse the trace file at ``path``.
+
+    Raises :class:`TraceError` (a ``ValueError``) when the file cannot be used:
+    missing, a directory, unreadable, with no slot lifecycle events (empty,
+    truncated, not a trace, or traced at info level), or, with ``strict``, with
+    any malformed line. ``expect_idle`` makes every slot still held at the end an
+    anomaly (``held-at-end``), as an idle engine's leak check would.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise TraceError(f"{p}: no such file")
+    if p.is_dir():
+        raise TraceError(f"{p}: is a directory, not a trace file")
+    try:
+        with p.open("rb") as f:
+            analysis = analyze_lines(f, expect_idle=expect_idle, strict=strict, name=str(p))
+    except OSError as exc:
+        raise TraceError(f"{p}: cannot read: {exc.strerror or exc}") from None
+    return analysis
+
+
+def analyze_lines(
+    lines: Iterable[bytes | str], *, expect_idle: bool = False, strict: bool = False, name: str = "trace"
+) -> TraceAnalysis:
+    """:func:`analyze` on lines already read (bytes or str)."""
+    records, bad, count, other = parse_lines(lines)
+    if strict and bad:
+        first = bad[0]
+        raise TraceError(f"{name}: {len(bad)} malformed line(s) (--strict); line {first.line}: {first.reason}")
+    if not any(r["event"] in SLOT_EVENTS for _, r in records):
+        raise TraceError(f"{name}: {_why_unusable(records, bad, count, other)}")
+    out = _analyze_records(records, expect_idle)
+    out.bad_lines, out.lines, out.other_lines = bad, count, other
+    out.summary["bad_lines"] = len(bad)
+    return out
+
+
+def _why_unusable(records: list[tuple[int, dict[str, Any]]], bad: list[BadLine], count: int, other: int) -> str:
+    if count == 0:
+        return "empty: no slot lifecycle events to analyse"
+    flushes = sum(r["event"] == "step.flush" for _, r in records)
+    if flushes:
+        return (
+            f"no slot lifecycle events, only {flushes} step.flush summaries: the trace was written at info level;"
+            " trace at debug to record slots: tracing.configure(path, level='debug')"
+        )
+    if bad:
+        return (
+            f"no usable slot lifecycle events: all {len(bad)} mambacache line(s) are malformed"
+            f" (first: line {bad[0].line}: {bad[0].reason})"
+        )
+    return f"not a mambacache trace: none of its {count} line(s) is a slot lifecycle event"
+
+
+@dataclass(slots=True)
+class _Slot:
+    allocated: bool = False
+    initialized: bool = False
+    released_at: int | None = None  # line of the release that freed it
+    tenant: str | None = None
+    flagged_uncleared: bool = False
+    taint: str = ""  # why an uninitialised slot is so, for the message
+
+
+def _analyze_records(records: Iterable[tuple[int, dict[str, Any]]], expect_idle: bool = False) -> TraceAnalysis:
+    out = TraceAnalysis()
+    slots: dict[int, _Slot] = {}
+    counts = dict.fromkeys(
+        ("steps", "allocs", "allocs_uncleared", "clears", "forks", "releases", "clears_elided", "events_flushed"), 0
+    )
+    requests: set[str] = set()
+    last_line, last_step = 0, None
+
+    def flag(kind: str, slot: int, line: int, step: int | None, rid: str | None, message: str) -> None:
+        out.anomalies.append(Anomaly(kind, slot, step, line, rid, message))
+
+    def entry(slot: int, e: Entry) -> None:
+        out.timelines.setdefault(slot, []).append(e)
+
+    for line, r in records:
+        event, step, rid = r["event"], r["step"], r["request_id"]
+        last_line, last_step = line, step if step is not None else last_step
+        if rid is not None:
+            requests.add(rid)
+        if event == "step.error":
+            continue
+        if event == "step.flush":
+            counts["steps"] += 1
+            counts["clears_elided"] += r["elided"]
+            counts["events_flushed"] += r["events"]
+            for s, st in slots.items():
+                if st.allocated and not st.initialized and not st.flagged_uncleared:
+                    st.flagged_uncleared = True
+                    why = st.taint or "with neither a clear nor a fork into it since its alloc"
+                    message = f"slot {s} (tenant {st.tenant}) was used by step {step} {why}: it holds stale state"
+                    flag("uncleared-reuse", s, line, step, st.tenant, message)
+            continue
+        if event == "slot.cow":
+            src, dst = r["src"], r["dst"]
+            s_src, s_dst = slots.setdefault(src, _Slot()), slots.setdefault(dst, _Slot())
+            counts["forks"] += 1
+            if not s_src.allocated:
+                flag("copy-from-released", src, line, step, rid, f"fork {src} -> {dst} reads slot {src}, which is free")
+            if not s_dst.allocated:
+                flag("use-after-release", dst, line, step, rid, f"fork {src} -> {dst} writes slot {dst}, which is free")
+            s_dst.initialized = s_src.initialized
+            s_dst.taint = "" if s_src.initialized else f"forked from slot {src}, itself never cleared"
+            entry(src, Entry(line, step, "fork-out", rid, other=dst))
+            entry(dst, Entry(line, step, "fork-in", rid, other=src))
+            continue
+        slot = r["slot"]
+        st = slots.setdefault(slot, _Slot())
+        if event == "slot.alloc":
+            counts["allocs"] += 1
+            cleared = r["cleared"]
+            counts["allocs_uncleared"] += not cleared
+            if st.allocated:
+                message = f"slot {slot} allocated to {rid} while {st.tenant} holds it"
+                flag("double-alloc", slot, line, step, rid, message)
+            st.allocated, st.initialized, st.tenant, st.flagged_uncleared = True, cleared, rid, False
+            st.taint = ""
+            entry(slot, Entry(line, step, "alloc", rid, cleared=cleared))
+        elif event == "slot.clear":
+            counts["clears"] += 1
+            if not st.allocated:
+                flag("use-after-release", slot, line, step, rid, f"clear of slot {slot}, which is free")
+            st.initialized, st.taint = True, ""
+            entry(slot, Entry(line, step, "clear", rid))
+        elif event == "slot.release":
+            counts["releases"] += 1
+            if not st.allocated:
+                kind = "double-release" if st.released_at is not None else "use-after-release"
+                where = f" (first released on line {st.released_at})" if st.released_at is not None else ""
+                flag(kind, slot, line, step, rid, f"release of slot {slot}, which is already free{where}")
+            st.allocated, st.released_at = False, line
+            entry(slot, Entry(line, step, "release", rid))
+    out.held = {s: st.tenant for s, st in sorted(slots.items()) if st.allocated}
+    if expect_idle:
+        for s, tenant in out.held.items():
+            flag("held-at-end", s, last_line, last_step, tenant, f"slot {s} is still held by {tenant!r} at the end")
+    counts["slots_used"] = len(out.timelines)
+    counts["requests"] = len(requests)
+    counts["held_at_end"] = len(out.held)
+    counts["anomalies"] = len(out.anomalies)
+    out.summary = counts
+    return out

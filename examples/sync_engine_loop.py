@@ -94,8 +94,7 @@ def main() -> None:
         mgr.flush_nowait()
         mgr.check_idle()  # raises SlotLeakError naming any slot still held
     exact = all(
-        torch.allclose(torch.tensor(outputs[r]), torch.tensor(alone(prefix, requests[r])), atol=1e-5)
-        for r in requests
+        torch.allclose(torch.tensor(outputs[r]), torch.tensor(alone(prefix, requests[r])), atol=1e-5) for r in requests
     )
     print(f"sync loop: {len(requests)} requests in {steps} steps through {SLOTS} slots;"
           f" outputs {'exact' if exact else 'WRONG'}; 0 slots held")  # fmt: skip

@@ -1,6 +1,6 @@
 """mambacache: an event-driven asynchronous manager for hybrid models' recurrent state."""
 
-from typing import Any
+from typing import Any as _Any
 
 from ._errors import DistributedError as DistributedError
 from ._errors import ExecutorError as ExecutorError
@@ -39,7 +39,7 @@ __version__ = "0.1.0"
 _SUBMODULES = frozenset({"audit", "bench", "hf", "sim", "tracing"})
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     if name in _SUBMODULES:
         import importlib
 

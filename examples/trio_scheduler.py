@@ -5,7 +5,12 @@ python examples/trio_scheduler.py
 
 from __future__ import annotations
 
-import trio
+import sys
+
+try:
+    import trio
+except ImportError:
+    sys.exit("this example needs trio: pip install 'mambacache[trio]'")
 
 import mambacache as mc
 

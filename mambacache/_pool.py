@@ -68,6 +68,10 @@ class StatePool:
     Invariants: slot 0 is never handed out or written by mambacache; every slot in
     ``1..num_slots`` is either free or allocated, never both; the free list hands
     out the lowest free slots first, so allocations stay in coalescable runs.
+
+    Surface: O(1) figures are attributes and properties (``num_slots``,
+    ``num_free``, ``num_allocated``, ``unfinished``, ``device``, ``spec``); what
+    walks the slots is a method (``allocated_slots()``, ``is_allocated(slot)``).
     """
 
     def __init__(self, spec: StateSpec, num_slots: int, device: str | torch.device = "cpu") -> None:
@@ -173,12 +177,20 @@ class StatePool:
 
     @property
     def num_free(self) -> int:
+        """Slots free at the end of the event queue (O(1))."""
         return self._num_free
 
+    @property
+    def num_allocated(self) -> int:
+        """Slots held at the end of the event queue (O(1)); ``num_free + num_allocated == num_slots``."""
+        return self.num_slots - self._num_free
+
     def is_allocated(self, slot: int) -> bool:
+        """Whether ``slot`` is held at the end of the event queue."""
         return 0 < slot <= self.num_slots and bool(self._allocated[slot])
 
     def allocated_slots(self) -> list[int]:
+        """The held slots, ascending: a method, since it walks every slot (``CacheManager.held`` adds tenants)."""
         return [s for s in range(1, self.num_slots + 1) if self._allocated[s]]
 
     @property

@@ -135,6 +135,7 @@ class OpAudit(TorchDispatchMode):  # type: ignore[misc,no-untyped-call]
             self._live_state -= nbytes
 
     def report(self) -> AuditReport:
+        """The figures of the block audited so far (call it after the ``with`` block)."""
         return AuditReport(
             ops=sum(self._ops.values()),
             op_counts=dict(self._ops),

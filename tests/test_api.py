@@ -127,3 +127,31 @@ def test_ci_runs_exactly_the_readme_test_command() -> None:
     assert "pytest" in test
     ci = [line.strip() for line in (root / ".ci" / "run").read_text().splitlines()]
     assert test in ci
+
+
+def test_every_public_name_and_method_has_a_docstring() -> None:
+    import mambacache.audit
+    import mambacache.hf
+    import mambacache.tracing
+
+    missing = []
+    for mod in (mc, mambacache.tracing, mambacache.audit, mambacache.hf):
+        for name in mod.__all__:
+            obj = getattr(mod, name)
+            if not inspect.getdoc(obj):
+                missing.append(f"{mod.__name__}.{name}")
+            if inspect.isclass(obj) and obj.__module__.startswith("mambacache"):
+                for attr, value in vars(obj).items():
+                    func = getattr(value, "__func__", value)
+                    if attr.startswith("_") or not (isinstance(value, property) or inspect.isfunction(func)):
+                        continue
+                    if not (value.__doc__ if isinstance(value, property) else func.__doc__):
+                        missing.append(f"{name}.{attr}")
+    assert missing == []
+
+
+def test_public_submodules_are_attributes() -> None:
+    assert mc.tracing.configure and mc.audit.OpAudit and mc.hf.bind_cache
+    assert {"tracing", "audit", "hf", "sim", "bench"} <= set(dir(mc))
+    with pytest.raises(AttributeError):
+        _ = mc.no_such_thing  # type: ignore[attr-defined]

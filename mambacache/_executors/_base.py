@@ -34,7 +34,9 @@ class Executor(Protocol):
 
     name: str
 
-    def execute(self, stage: Stage, tensor: torch.Tensor) -> None: ...
+    def execute(self, stage: Stage, tensor: torch.Tensor) -> None:
+        """Enqueue ``stage`` on ``tensor`` (one pool tensor, ``[layers, slots + 1, *state]``)."""
+        ...
 
 
 class Progress:

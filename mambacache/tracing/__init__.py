@@ -36,6 +36,7 @@ import structlog
 
 from .. import _tracing
 from .._errors import InvalidArgumentError
+from .._errors import TraceError as TraceError
 from ._analyze import Anomaly as Anomaly
 from ._analyze import BadLine as BadLine
 from ._analyze import Entry as Entry
@@ -48,6 +49,7 @@ __all__ = [
     "BadLine",
     "Entry",
     "TraceAnalysis",
+    "TraceError",
     "analyze",
     "analyze_lines",
     "configure",

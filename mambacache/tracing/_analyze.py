@@ -112,6 +112,7 @@ class TraceAnalysis:
         }
 
     def to_json(self, slots: Iterable[int] | None = None) -> dict[str, Any]:
+        """The analysis as JSON-ready data, narrowed to ``slots`` (summary included) when given."""
         keep = set(self.timelines) if slots is None else set(slots)
         return {
             "summary": self.summary if slots is None else self.summary_for(keep),

@@ -38,7 +38,8 @@ def variants() -> dict[str, Callable[[], mc.Executor]]:
     return {
         "torch": lambda: TorchExecutor(),
         "torch-runs": lambda: TorchExecutor(min_run_bytes=0),
-        "torch-index": lambda: TorchExecutor(min_run_bytes=1 << 40, max_runs=0),
+        "torch-index": lambda: TorchExecutor(path="index"),
+        "torch-direct": lambda: TorchExecutor(path="direct"),
         "npu-whole": lambda: NpuExecutor(64 << 20),
         "npu-slot-chunks": lambda: NpuExecutor(SPEC.num_layers * ROW * 2),
         "npu-one-layer": lambda: NpuExecutor(ROW * 2),

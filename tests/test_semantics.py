@@ -24,7 +24,8 @@ def executors() -> dict[str, object]:
     return {
         "torch": "torch",
         "torch-runs": TorchExecutor(min_run_bytes=0),  # always one slice op per run
-        "torch-index": TorchExecutor(min_run_bytes=1 << 40, max_runs=0),  # always index ops
+        "torch-index": TorchExecutor(path="index"),  # always index ops
+        "torch-direct": TorchExecutor(path="direct"),  # the accelerator path: foreach over (layer, slot) rows
         "npu": "npu",
         # Workspaces that force each chunking level: slots, layers, rows.
         "npu-slot-chunks": NpuExecutor(spec.num_layers * slot_layer * 2),

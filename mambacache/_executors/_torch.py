@@ -1,26 +1,48 @@
-"""The torch executor: CPU and CUDA.
+"""The torch executor: CPU and CUDA (any device with torch's foreach and index kernels).
 
-Two strategies, picked per stage and tensor:
+Three paths for zero and copy stages, picked per stage and tensor (``path="auto"``),
+or forced (``path="runs" | "index" | "direct"``):
 
-* runs: one slice op per run of consecutive slots, ``t[:, a:b].zero_()`` or
-  ``t[:, d:d+n].copy_(t[:, s:s+n])``. Each op streams ``num_layers`` contiguous
-  chunks with no index tensor and no temporary, which reaches memset/memcpy speed
-  when the chunks are large (CPU), but costs one launch per run;
-* index: one ``index_fill_`` (zero) or ``index_select`` + ``index_copy_`` (copy,
-  rotate) per tensor, with host-built indices: one launch whatever the slot count,
-  the better choice for many small runs and on GPUs. Copy gathers are chunked to
-  ``copy_workspace_bytes`` (at least one slot); a rotate is gathered whole, and
-  the gather is kept until its scatter is done (see ``Progress``).
+* runs: one slice view per run of consecutive slots, ``t[:, a:b]``, zeroed or
+  copied by one ``_foreach_zero_`` / ``_foreach_copy_`` over them. Each view is
+  ``num_layers`` contiguous chunks, no index tensor, no temporary: memset/memcpy
+  speed when chunks are large (CPU). Single-slot views are cached;
+* index: one ``index_fill_`` (zero) or ``index_select`` + ``index_copy_`` (copy)
+  per tensor with host-built indices: one op whatever the slot count, but a
+  copy gathers into a temporary (chunked to ``copy_workspace_bytes``), so every
+  byte moves twice;
+* direct: one ``_foreach_zero_`` / ``_foreach_copy_`` over the contiguous
+  ``(layer, slot)`` rows of the stage, from a view table built once per tensor::
+
+      t.view(L * (S + 1), *state).unbind(0)   rows[l * (S + 1) + s] == t[l, s]
+      stage slots {a, b} -> [rows[a], rows[b], rows[S+1+a], rows[S+1+b], ...]
+      one _foreach_copy_(dst rows, src rows): no index tensor, no temporary
+
+  One aten op per stage and tensor whatever the slot and run count; on CUDA it
+  is a multi-tensor-apply kernel (a launch per ~100 rows), with no host-to-device
+  index copy at all.
+
+The auto rule, from the interleaved CPU measurements in docs/benchmarks.md:
+on CPU, runs when there are few runs (``max_runs``) or each moves at least
+``min_run_bytes``, else index (tiny states, many runs: one op beats many);
+elsewhere, direct (no temporary, constant op count; not yet timed on a GPU).
+
+Rotate stages (cycles) take the index path on every setting: one gather of all
+members, then one scatter, so every member is read before any is written; the
+gather is kept until its scatter is done (see ``Progress``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .._errors import InvalidArgumentError
 from .._planner import CopyStage, RotateStage, Stage, ZeroStage
 from ._base import IndexBuilder, Progress, stage_pairs
 
-__all__ = ["TorchExecutor"]
+__all__ = ["PATHS", "TorchExecutor"]
+
+PATHS = ("auto", "runs", "index", "direct")
 
 
 def _slot_bytes(tensor: torch.Tensor) -> int:
@@ -28,70 +50,110 @@ def _slot_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() // tensor.shape[1] * tensor.element_size()
 
 
+class _Views:
+    """Cached views of one pool tensor: single-slot ``t[:, s]`` (lazily) and the ``(layer, slot)`` rows."""
+
+    __slots__ = ("rows", "slots", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.slots: list[torch.Tensor | None] = [None] * tensor.shape[1]
+        self.rows: tuple[torch.Tensor, ...] | None = None
+
+
 class TorchExecutor:
     name = "torch"
 
     def __init__(
-        self, copy_workspace_bytes: int = 64 << 20, *, min_run_bytes: int = 64 << 10, max_runs: int = 4
+        self,
+        copy_workspace_bytes: int = 64 << 20,
+        *,
+        min_run_bytes: int = 64 << 10,
+        max_runs: int = 4,
+        path: str = "auto",
     ) -> None:
-        # Runs are used when each slice op moves at least `min_run_bytes` (CPU:
-        # per-op overhead is then a few percent) or there are few of them.
+        if path not in PATHS:
+            raise InvalidArgumentError(f"path must be one of {PATHS}, got {path!r}")
         self.copy_workspace_bytes = copy_workspace_bytes
         self.min_run_bytes = min_run_bytes
         self.max_runs = max_runs
+        self.path = path
         self._indices = IndexBuilder()
         self._progress = Progress()
-        # id(tensor) -> (tensor, its single-slot views); the tensor is held, so the id stays its own.
-        self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor | None]]] = {}
+        # id(tensor) -> its views; the entry holds the tensor, so the id stays its own.
+        self._views: dict[int, _Views] = {}
 
-    def _use_runs(self, tensor: torch.Tensor, slots: int, runs: int) -> bool:
-        if runs <= self.max_runs:
-            return True
-        if tensor.device.type != "cpu":
-            return False
-        return slots * _slot_bytes(tensor) >= runs * self.min_run_bytes
-
-    def _slot(self, tensor: torch.Tensor, slot: int) -> torch.Tensor:
-        """``tensor[:, slot]`` as a cached view: making a view costs about as much as a small op,
-        and decode steps are mostly single-slot runs. Built lazily, one per slot touched."""
+    # -- views ---------------------------------------------------------------
+    def _entry(self, tensor: torch.Tensor) -> _Views:
         entry = self._views.get(id(tensor))
-        if entry is None or entry[0] is not tensor:
+        if entry is None or entry.tensor is not tensor:
             if len(self._views) >= 16:  # a manager hands over a few pool tensors; scratch ones come and go
                 self._views.pop(next(iter(self._views)))
-            entry = self._views[id(tensor)] = (tensor, [None] * tensor.shape[1])
-        views = entry[1]
-        view = views[slot]
-        if view is None:
-            view = views[slot] = tensor[:, slot]
-        return view
+            entry = self._views[id(tensor)] = _Views(tensor)
+        return entry
 
     def _run(self, tensor: torch.Tensor, start: int, length: int) -> torch.Tensor:
-        return self._slot(tensor, start) if length == 1 else tensor[:, start : start + length]
+        """``tensor[:, start:start + length]``; single slots from the cache (a view costs about a small op)."""
+        if length != 1:
+            return tensor[:, start : start + length]
+        views = self._entry(tensor).slots
+        view = views[start]
+        if view is None:
+            view = views[start] = tensor[:, start]
+        return view
+
+    def _rows(self, tensor: torch.Tensor, slots: list[int] | tuple[int, ...]) -> list[torch.Tensor]:
+        """The contiguous ``tensor[l, s]`` rows of ``slots``, every layer."""
+        entry = self._entry(tensor)
+        if entry.rows is None:
+            entry.rows = tensor.view(-1, *tensor.shape[2:]).unbind(0)
+        rows, stride = entry.rows, tensor.shape[1]
+        return [rows[base + s] for base in range(0, len(rows), stride) for s in slots]
+
+    # -- the rule ------------------------------------------------------------
+    def _choose(self, tensor: torch.Tensor, slots: int, runs: int) -> str:
+        if self.path != "auto":
+            if self.path == "direct" and not tensor.is_contiguous():
+                return "runs"  # rows need a contiguous tensor; pool tensors always are
+            return self.path
+        if tensor.device.type != "cpu":
+            return "direct" if tensor.is_contiguous() else "index"
+        if runs <= self.max_runs or slots * _slot_bytes(tensor) >= runs * self.min_run_bytes:
+            return "runs"
+        return "index"
 
     def execute(self, stage: Stage, tensor: torch.Tensor) -> None:
         if isinstance(stage, ZeroStage):
-            if self._use_runs(tensor, len(stage.slots), len(stage.runs)):
+            path = self._choose(tensor, len(stage.slots), len(stage.runs))
+            if path == "runs":
                 run = self._run
                 torch._foreach_zero_([run(tensor, r.start, r.length) for r in stage.runs])
+            elif path == "direct":
+                torch._foreach_zero_(self._rows(tensor, stage.slots))
             else:
                 (idx,) = self._indices.get(stage, tensor.device, stage.slots)
                 tensor.index_fill_(1, idx, 0)
-        elif isinstance(stage, CopyStage) and self._use_runs(tensor, len(stage.pairs), len(stage.runs)):
-            # Sources and destinations of a copy stage are disjoint: runs never overlap.
-            run = self._run
-            torch._foreach_copy_(
-                [run(tensor, c.dst, c.length) for c in stage.runs], [run(tensor, c.src, c.length) for c in stage.runs]
-            )
         elif isinstance(stage, CopyStage):
-            srcs, dsts = stage_pairs(stage)
-            src_idx, dst_idx = self._indices.get(stage, tensor.device, srcs, dsts)
-            # Disjoint sources and destinations: gathers are chunked to stay within
-            # copy_workspace_bytes, and a repeat after a fault is harmless.
-            n = len(srcs)
-            chunk = max(1, self.copy_workspace_bytes // _slot_bytes(tensor))
-            for c0 in range(0, n, chunk):
-                part = slice(c0, c0 + chunk)
-                tensor.index_copy_(1, dst_idx[part], tensor.index_select(1, src_idx[part]))
+            # Sources and destinations of a copy stage are disjoint: every path may
+            # write in any order, and a repeat after a fault is harmless.
+            path = self._choose(tensor, len(stage.pairs), len(stage.runs))
+            if path == "runs":
+                run = self._run
+                torch._foreach_copy_(
+                    [run(tensor, c.dst, c.length) for c in stage.runs],
+                    [run(tensor, c.src, c.length) for c in stage.runs],
+                )
+            elif path == "direct":
+                srcs, dsts = stage_pairs(stage)
+                torch._foreach_copy_(self._rows(tensor, dsts), self._rows(tensor, srcs))
+            else:
+                srcs, dsts = stage_pairs(stage)
+                src_idx, dst_idx = self._indices.get(stage, tensor.device, srcs, dsts)
+                n = len(srcs)
+                chunk = max(1, self.copy_workspace_bytes // _slot_bytes(tensor))
+                for c0 in range(0, n, chunk):
+                    part = slice(c0, c0 + chunk)
+                    tensor.index_copy_(1, dst_idx[part], tensor.index_select(1, src_idx[part]))
         elif isinstance(stage, RotateStage):
             # One gather of every member, then one scatter: read before write. The
             # gather is kept until the scatter is done, so a repeat after a fault

@@ -1,0 +1,120 @@
+"""The accelerator copy path, forced on CPU: exact, temporary-free, and a constant op count per stage."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mambacache as mc
+from mambacache._executors._torch import TorchExecutor
+from mambacache._planner import plan_step
+from mambacache.audit import OpAudit
+
+from .strategies import events_from_ops, ops
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.uint16]
+
+
+def spec(dtype: torch.dtype, layers: int = 3) -> mc.StateSpec:
+    return mc.StateSpec(
+        num_layers=layers,
+        conv_shapes=[(6, 3), (5, 2)],
+        temporal_shape=(2, 3, 4),
+        conv_dtype=dtype,
+        temporal_dtype=dtype,
+    )
+
+
+def random_bytes(pool: mc.StatePool, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for t in pool.tensors:
+        b = t.view(torch.uint8)
+        b.copy_(torch.randint(0, 256, b.shape, generator=g, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@given(raw=ops, seed=st.integers(0, 99))
+@settings(max_examples=30)
+def test_direct_path_equals_the_reference_on_every_stage_kind(
+    dtype: torch.dtype, raw: list[tuple[str, int, int]], seed: int
+) -> None:
+    raw0 = [(k, 0 if k == "alloc" else a, b) for k, a, b in raw]
+    pools = []
+    for executor in (TorchExecutor(path="direct"), "reference"):
+        pool = mc.StatePool(spec(dtype), 10)
+        random_bytes(pool, seed)
+        with mc.CacheManager(pool, executor=executor) as mgr:
+            for events, _ in events_from_ops(raw0, 10, set()):
+                for ev in events:
+                    if isinstance(ev, mc.Alloc):
+                        mgr.alloc(1, clear=ev.clear)
+                    else:
+                        mgr.submit(ev)  # type: ignore[arg-type]
+                mgr.flush_nowait()
+        pools.append(pool)
+    direct, ref = pools
+    assert direct.allocated_slots() == ref.allocated_slots()
+    for a, b in zip(direct.tensors, ref.tensors, strict=True):
+        # Every slot, free ones too: both executors ran the same plans on the same bytes.
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def stage_for(kind: str, n: int, runs: bool, rng: random.Random, num_slots: int) -> object:
+    # Consecutive slots make few runs; random ones about one run each.
+    slots = list(range(1, 2 * n + 1)) if runs else rng.sample(range(1, num_slots + 1), 2 * n)
+    if kind == "zero":
+        events: list[object] = [mc.Clear(s) for s in slots[:n]]
+    else:
+        events = [mc.CopyOnWrite(s, d) for s, d in zip(slots[:n], slots[n:], strict=True)]
+    (stage,) = plan_step(events).stages  # type: ignore[arg-type]
+    return stage
+
+
+@pytest.mark.parametrize("kind", ["zero", "copy"])
+def test_direct_path_allocates_nothing_syncs_nothing_and_its_op_count_is_constant(kind: str) -> None:
+    rng = random.Random(0)
+    pool = mc.StatePool(spec(torch.bfloat16, layers=4), 300)
+    ex = TorchExecutor(path="direct")
+    counts = set()
+    for n in (1, 8, 64, 128):
+        for runs in (False, True):
+            stage = stage_for(kind, n, runs, rng, pool.num_slots)
+            for t in pool.tensors:
+                ex.execute(stage, t)  # type: ignore[arg-type]  # warm: the row table is built once per tensor
+            with OpAudit() as audit:
+                for t in pool.tensors:
+                    ex.execute(stage, t)  # type: ignore[arg-type]
+            report = audit.report()
+            assert report.total_temp_bytes == 0 and report.peak_temp_bytes == 0, report
+            assert report.sync_ops == () and report.noncontiguous_input_bytes == 0, report
+            counts.add(tuple(sorted(report.op_counts.items())))
+    (only,) = counts  # the same ops for 1 slot as for 128, in runs or scattered
+    assert only == ((f"_foreach_{'zero_' if kind == 'zero' else 'copy_'}", 3),)  # one per pool tensor
+
+
+def test_the_index_path_is_what_it_replaces() -> None:
+    """For scale: the index path's copy allocates a gather temporary of every copied byte."""
+    pool = mc.StatePool(spec(torch.bfloat16, layers=4), 300)
+    stage = stage_for("copy", 64, False, random.Random(1), pool.num_slots)
+    ex = TorchExecutor(path="index")
+    with OpAudit() as audit:
+        for t in pool.tensors:
+            ex.execute(stage, t)  # type: ignore[arg-type]
+    assert audit.report().peak_state_temp_bytes >= 64 * max(pool.spec.layer_bytes()) * 4
+
+
+def test_auto_rule() -> None:
+    ex = TorchExecutor()
+    cpu = torch.zeros(2, 10, 4)
+    assert ex._choose(cpu, 2, 2) == "runs"  # few runs
+    assert ex._choose(cpu, 8, 8) == "index"  # many runs of tiny slots on CPU
+    big = torch.zeros(2, 10, 64 << 10)
+    assert ex._choose(big, 8, 8) == "runs"  # each run moves enough bytes
+    meta = torch.zeros(2, 10, 4, device="meta")
+    assert ex._choose(meta, 8, 8) == "direct"  # any accelerator: no temporary, constant ops
+    with pytest.raises(mc.InvalidArgumentError):
+        TorchExecutor(path="fast")

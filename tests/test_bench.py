@@ -21,7 +21,7 @@ def test_bench_quick_emits_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert {"machine", "results", "host_overhead", "tracing_overhead"} <= set(data)
     paths = {(r["op"], r["path"]) for r in data["results"]}
     for op, bound in (("clear", "memset"), ("copy", "memcpy")):
-        assert {(op, p) for p in (bound, "seed", "torch", "npu", "reference")} <= paths
+        assert {(op, p) for p in (bound, "seed", "torch", "torch-direct", "npu", "reference")} <= paths
     for r in data["results"]:
         assert r["median_s"] > 0 and r["min_s"] <= r["median_s"] <= r["max_s"]
         assert r["bytes"] == r["slots"] * data["results"][0]["bytes"] // data["results"][0]["slots"]
@@ -31,4 +31,30 @@ def test_bench_quick_emits_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
             assert r["noncontiguous_input_bytes"] == r["bytes"]  # the expanded zeros, in full
         if r["host_syncs"] is not None:
             assert r["host_syncs"] == 0
+        assert r["ops"] >= 1 and r["peak_temp_bytes"] is not None  # every path audited
+        if r["path"] == "torch-direct":
+            assert r["ops"] == 2 and r["peak_temp_bytes"] == 0  # one foreach op per pool tensor, no temporary
     assert [h["events_per_flush"] for h in data["host_overhead"]] == [10, 100, 1000]
+
+
+def test_sharded_presets_divide_heads_and_channels_as_engines_do() -> None:
+    from mambacache.bench._presets import PRESETS, lookup, shard
+
+    full, tp8 = PRESETS["qwen3-next-80b-a3b"].spec, lookup("qwen3-next-80b-a3b-tp8").spec
+    assert tp8.conv_shapes == ((full.conv_shapes[0][0] // 8, 4),)
+    assert tp8.temporal_shape == (full.temporal_shape[0] // 8, 128, 128)
+    # Mamba2: one group, replicated on every rank (inner / tp + 2 * N conv channels).
+    assert lookup("mamba2-2.7b-tp8").spec.conv_shapes == ((5120 // 8 + 2 * 128, 4),)
+    assert lookup("nemotron-h-8b-tp8").spec.temporal_shape == (16, 64, 128)
+    assert shard("small", 8).name == "small-tp8"
+    with pytest.raises(ValueError, match="not divisible"):
+        shard("qwen3-next-80b-a3b", 3)
+
+
+@pytest.mark.slow
+def test_bench_quick_tp8(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--quick", "--tp", "8", "--sizes", "1,4", "--repeats", "1", "--json", "-"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {r["preset"] for r in data["results"]} == {"small-tp8"}
+    assert main(["bench", "--quick", "--tp", "3"]) == 2
+    assert "not divisible" in capsys.readouterr().err

@@ -21,8 +21,8 @@ from .._console import (
     table,
     write_json,
 )
-from ._presets import PRESETS
-from ._run import Result, embedding_overhead, host_overhead, run_preset, tracing_overhead
+from ._presets import PRESETS, lookup, shard
+from ._run import BENCH_EXECUTORS, Result, embedding_overhead, host_overhead, run_preset, tracing_overhead
 
 __all__ = ["add_parser", "run"]
 
@@ -34,8 +34,21 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="Medians of repeated runs after warm-up; ratios are measured in the same run.",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda or npu (default cpu)")
-    p.add_argument("--executor", action="append", help="repeatable (default: torch, npu, reference)")
-    p.add_argument("--preset", action="append", choices=sorted(PRESETS), help="repeatable (default: all real models)")
+    p.add_argument(
+        "--executor",
+        action="append",
+        help="repeatable: a registered executor, or torch-runs / torch-index / torch-direct (the torch executor with"
+        " a forced path); default: torch, torch-direct, npu, reference",
+    )
+    p.add_argument(
+        "--preset",
+        action="append",
+        choices=sorted(PRESETS),
+        help="repeatable (default: the real models, whole and sharded as tensor-parallel ranks hold them)",
+    )
+    p.add_argument(
+        "--tp", type=int_at_least(1), default=1, help="shard every preset N ways (heads and conv channels / N)"
+    )
     p.add_argument("--sizes", type=_sizes, default=None, help="slots per step, comma-separated (default 1,8,64,256)")
     p.add_argument("--repeats", type=int_at_least(1), default=None)
     p.add_argument(
@@ -87,7 +100,7 @@ def _check_args(args: argparse.Namespace) -> torch.device:
         device = _as_device(args.device)
     except MambaCacheError as exc:
         raise UsageError(f"--device {args.device}: {exc}") from None
-    known = known_executors()
+    known = [*known_executors(), *BENCH_EXECUTORS]
     for name in args.executor or []:
         if name not in known:
             raise UsageError(f"--executor {name!r} is unknown; known: {', '.join(known)}")
@@ -132,11 +145,11 @@ def render(results: list[Result]) -> str:
         rows = [
             [r.slots, r.op, r.path, _ms(r.median_s), f"{_ms(r.min_s)}-{_ms(r.max_s)}", r.gb_s, f"{r.vs_bound:.2f}",
              f"{r.vs_seed:.2f}", _bytes(r.peak_temp_bytes), _bytes(r.noncontiguous_input_bytes),
-             "-" if r.host_syncs is None else r.host_syncs]
+             "-" if r.host_syncs is None else r.host_syncs, "-" if r.ops is None else r.ops]
             for r in results if r.preset == preset
         ]  # fmt: skip
         layers = next(r.layers for r in results if r.preset == preset)
-        spec = PRESETS[preset].spec
+        spec = lookup(preset).spec
         mib = spec.slot_bytes * layers / spec.num_layers / 2**20
         title = f"{preset}: {layers}/{spec.num_layers} layers, {mib:.2f} MiB per slot as benchmarked"
         headers = [
@@ -151,6 +164,7 @@ def render(results: list[Result]) -> str:
             "peak temp",
             "non-contig",
             "syncs",
+            "ops",
         ]
         out.append(table(headers, rows, title=title))
     return "\n\n".join(out)
@@ -185,9 +199,14 @@ def plot(results: list[Result], out: str) -> None:
 def run(args: argparse.Namespace) -> int:
     device = _check_args(args)
     presets = args.preset or (["small"] if args.quick else [p for p in PRESETS if p != "small"])
+    if args.tp > 1:
+        try:
+            presets = list(dict.fromkeys(shard(p.split("-tp")[0], args.tp).name for p in presets))
+        except ValueError as exc:
+            raise UsageError(f"--tp {args.tp}: {exc}") from None
     sizes = args.sizes or ([1, 8, 64] if args.quick else [1, 8, 64, 256])
     repeats = args.repeats or (5 if args.quick else 9)
-    executors = args.executor or ["torch", "npu", "reference"]
+    executors = args.executor or ["torch", "torch-direct", "npu", "reference"]
     started = time.perf_counter()
     results: list[Result] = []
     progress = Progress(len(presets) * len(sizes) * 2 * (len(executors) + 2), "bench")

@@ -28,12 +28,13 @@ import torch
 from .. import _tracing
 from .._events import Clear, CopyOnWrite
 from .._executors import resolve_executor
+from .._executors._torch import TorchExecutor
 from .._manager import CacheManager
 from .._planner import Stage, plan_step
 from .._pool import StatePool
 from .._spec import StateSpec
 from ..audit import OpAudit
-from ._presets import PRESETS, fit_layers
+from ._presets import fit_layers, lookup
 
 __all__ = ["Result", "embedding_overhead", "host_overhead", "run_preset", "tracing_overhead"]
 
@@ -55,6 +56,7 @@ class Result:
     peak_temp_bytes: int | None = None
     noncontiguous_input_bytes: int | None = None
     host_syncs: int | None = None  # ops that read device data back (audit), plus CUDA's sync debug mode
+    ops: int | None = None  # aten ops of one warm step, every pool tensor (the launches it asks for)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -136,7 +138,17 @@ def _run_stage(executor: Any, stage: Stage, pool: StatePool) -> Callable[[], Non
     return go
 
 
-def _audit(fn: Callable[[], object], device: torch.device) -> tuple[int, int, int]:
+# Executors the bench knows besides the registry's: the torch executor with a forced path.
+BENCH_EXECUTORS = {"torch-runs": "runs", "torch-index": "index", "torch-direct": "direct"}
+
+
+def make_executor(name: str, device: torch.device, workspace_bytes: int) -> Any:
+    if name in BENCH_EXECUTORS:
+        return TorchExecutor(workspace_bytes, path=BENCH_EXECUTORS[name])
+    return resolve_executor(name, device, workspace_bytes)
+
+
+def _audit(fn: Callable[[], object], device: torch.device) -> tuple[int, int, int, int]:
     syncs = 0
     if device.type == "cuda":
         torch.cuda.set_sync_debug_mode("warn")
@@ -151,7 +163,7 @@ def _audit(fn: Callable[[], object], device: torch.device) -> tuple[int, int, in
         if device.type == "cuda":
             torch.cuda.set_sync_debug_mode("default")
     report = audit.report()
-    return report.peak_temp_bytes, report.noncontiguous_input_bytes, syncs + len(report.sync_ops)
+    return report.peak_temp_bytes, report.noncontiguous_input_bytes, syncs + len(report.sync_ops), report.ops
 
 
 def run_preset(
@@ -166,12 +178,12 @@ def run_preset(
 ) -> Iterator[Result]:
     """Clear and copy ``n`` random slots for each ``n`` in ``sizes``: every executor and the baselines."""
     num_slots = 2 * max(sizes) + 8
-    spec: StateSpec = fit_layers(PRESETS[name].spec, num_slots, budget_bytes)
+    spec: StateSpec = fit_layers(lookup(name).spec, num_slots, budget_bytes)
     pool = StatePool(spec, num_slots, device)
     for t in pool.tensors:
         t.fill_(1)
     rng = random.Random(seed)
-    impls = {e: resolve_executor(e, device, workspace_bytes) for e in executors}
+    impls = {e: make_executor(e, device, workspace_bytes) for e in executors}
     for n in sizes:
         chosen = rng.sample(range(1, num_slots + 1), 2 * n)
         zero_slots, src, dst = sorted(chosen[:n]), chosen[:n], chosen[n:]
@@ -194,13 +206,14 @@ def run_preset(
             fns.update({e: _run_stage(ex, stage, pool) for e, ex in impls.items()})
             timings = measure(fns, device, repeats)
             for path, (median, low, high) in timings.items():
-                audit: tuple[int | None, int | None, int | None] = (None, None, None)
-                if path == "seed":
-                    audit = _audit(seed_fn, device)
-                elif path in impls:  # a fresh executor: its first step shows its workspace
-                    audit = _audit(_run_stage(resolve_executor(path, device, workspace_bytes), stage, pool), device)
+                # Temporaries from a fresh executor (its first step shows its workspace);
+                # ops from the warm one that was timed (what every later step launches).
+                fresh = _run_stage(make_executor(path, device, workspace_bytes), stage, pool) if path in impls else None
+                peak, noncontig, syncs, _ = _audit(fresh or fns[path], device)
+                ops = _audit(fns[path], device)[3]
                 yield Result(name, spec.num_layers, n, op, path, median, low, high, nbytes, nbytes / median / 1e9,
-                             timings[bound][0] / median, timings["seed"][0] / median, *audit)  # fmt: skip
+                             timings[bound][0] / median, timings["seed"][0] / median, peak, noncontig, syncs,
+                             ops)  # fmt: skip
         del bufs, bufs2
 
 

@@ -129,3 +129,45 @@ def test_spec_from_hf_config_matches_the_models_cache(kind: str) -> None:
 def test_spec_from_unsupported_config() -> None:
     with pytest.raises(mc.InvalidArgumentError, match="unsupported"):
         mc.StateSpec.from_hf_config(transformers.LlamaConfig())
+
+
+def test_spec_from_hf_config_takes_the_configs_dtypes() -> None:
+    _, config = _tiny("mamba2")
+    assert mc.StateSpec.from_hf_config(config).temporal_dtype == torch.float32  # no dtype in the config: defaults
+    config.dtype = torch.bfloat16  # type: ignore[attr-defined]
+    spec = mc.StateSpec.from_hf_config(config)
+    assert (spec.conv_dtype, spec.temporal_dtype) == (torch.bfloat16, torch.bfloat16)  # the model's dtype for both
+    config.mamba_ssm_dtype = "float32"  # type: ignore[attr-defined]
+    spec = mc.StateSpec.from_hf_config(config)
+    assert (spec.conv_dtype, spec.temporal_dtype) == (torch.bfloat16, torch.float32)  # the SSM state's own dtype
+    assert mc.StateSpec.from_hf_config(config, temporal_dtype=torch.float16).temporal_dtype == torch.float16
+    config.mamba_ssm_dtype = "int4x"  # type: ignore[attr-defined]
+    with pytest.raises(mc.InvalidArgumentError, match="not a torch dtype"):
+        mc.StateSpec.from_hf_config(config)
+
+
+def test_bind_cache_runs_a_transformers_model_on_a_pool_slot_in_place() -> None:
+    from mambacache.hf import bind_cache, spec_from_config
+
+    model, config = _tiny("mamba2")
+    model.eval()  # type: ignore[attr-defined]
+    spec = spec_from_config(config, conv_dtype=torch.float32, temporal_dtype=torch.float32)
+    pool = mc.StatePool(spec, 4)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with mc.CacheManager(pool) as mgr:
+        (slot,) = mgr.alloc(1, request_id="r")
+        mgr.flush_nowait()
+        cache = transformers.DynamicCache(config=config)
+        bind_cache(cache, pool, slot, config)
+        with torch.no_grad():
+            bound = model(input_ids=ids, cache=cache, use_cache=True).logits  # type: ignore[operator]
+            plain = model(input_ids=ids, use_cache=False).logits  # type: ignore[operator]
+        assert torch.allclose(bound, plain, atol=1e-5)
+        assert pool.temporal[:, slot].abs().sum() > 0 and pool.temporal[:, 0].abs().sum() == 0  # written in place
+        other = transformers.DynamicCache(config=config)
+        with pytest.raises(mc.InvalidSlotError):
+            bind_cache(other, pool, 0, config)
+        with pytest.raises(mc.InvalidArgumentError, match="linear-attention layers"):
+            bind_cache(
+                other, mc.StatePool(mc.StateSpec(num_layers=1, conv_shapes=[(4, 3)], temporal_shape=(2,)), 2), 1, config
+            )

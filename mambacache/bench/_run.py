@@ -57,6 +57,7 @@ class Result:
     noncontiguous_input_bytes: int | None = None
     host_syncs: int | None = None  # ops that read device data back (audit), plus CUDA's sync debug mode
     ops: int | None = None  # aten ops of one warm step, every pool tensor (the launches it asks for)
+    launches: int | None = None  # device kernels of one warm step (CUDA only, from the profiler)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -138,6 +139,18 @@ def _run_stage(executor: Any, stage: Stage, pool: StatePool) -> Callable[[], Non
     return go
 
 
+def _launches(fn: Callable[[], object], device: torch.device) -> int | None:
+    """Kernels one call launches, counted by the profiler on CUDA; None elsewhere (CPU has no launches)."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import DeviceType, ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA and not e.name.startswith("Memcpy"))
+
+
 # Executors the bench knows besides the registry's: the torch executor with a forced path.
 BENCH_EXECUTORS = {"torch-runs": "runs", "torch-index": "index", "torch-direct": "direct"}
 
@@ -213,7 +226,7 @@ def run_preset(
                 ops = _audit(fns[path], device)[3]
                 yield Result(name, spec.num_layers, n, op, path, median, low, high, nbytes, nbytes / median / 1e9,
                              timings[bound][0] / median, timings["seed"][0] / median, peak, noncontig, syncs,
-                             ops)  # fmt: skip
+                             ops, _launches(fns[path], device))  # fmt: skip
         del bufs, bufs2
 
 

@@ -19,6 +19,7 @@ from ._errors import UnknownExecutorError as UnknownExecutorError
 from ._errors import UnsupportedDtypeError as UnsupportedDtypeError
 from ._events import Alloc as Alloc
 from ._events import Clear as Clear
+from ._events import CommitDraft as CommitDraft
 from ._events import CopyOnWrite as CopyOnWrite
 from ._events import Release as Release
 from ._events import StepReport as StepReport
@@ -59,6 +60,7 @@ __all__ = [
     "Alloc",
     "CacheManager",
     "Clear",
+    "CommitDraft",
     "CopyOnWrite",
     "DistributedError",
     "Executor",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Alloc", "Clear", "CopyOnWrite", "Event", "Release", "StepReport"]
+__all__ = ["Alloc", "Clear", "CommitDraft", "CopyOnWrite", "Event", "Release", "StepReport"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,16 +44,32 @@ class Release:
     request_id: str | None = None
 
 
-Event = Alloc | Clear | CopyOnWrite | Release
+@dataclass(frozen=True, slots=True)
+class CommitDraft:
+    """``slot`` gets the state after ``accepted`` draft tokens, read from its draft buffer at this point.
+
+    ``accepted`` is in ``0..draft_tokens``: 0 leaves the slot unchanged; ``j > 0``
+    copies draft position ``j - 1`` (the verify forward writes the state after draft
+    token ``i`` at index ``i``). Needs a pool with draft buffers.
+    """
+
+    slot: int
+    accepted: int
+    request_id: str | None = None
+
+
+Event = Alloc | Clear | CopyOnWrite | Release | CommitDraft
 
 
 @dataclass(frozen=True, slots=True)
 class StepReport:
     """What one flush did.
 
-    ``events`` counts every event the step took; ``zeroed`` and ``copied`` count
-    slots written; ``elided`` counts clear, alloc and copy events that needed no
-    device work of their own (dead, overwritten, self-copies, duplicates).
+    ``events`` counts every event the step took; ``zeroed``, ``copied`` and
+    ``committed`` count slots written (by zeroing, by a copy of another slot, by
+    a copy from a draft buffer); ``elided`` counts clear, alloc, copy and commit
+    events that needed no device work of their own (dead, overwritten,
+    self-copies, duplicates, commits of 0 tokens).
     """
 
     step: int
@@ -67,3 +83,5 @@ class StepReport:
     plan_s: float = 0.0
     execute_s: float = 0.0
     resumed_stages: int = 0
+    committed: int = 0
+    bytes_committed: int = 0

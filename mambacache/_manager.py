@@ -15,6 +15,7 @@ from . import _tracing
 from ._errors import (
     ExecutorError,
     InvalidArgumentError,
+    InvalidEventError,
     InvalidSlotError,
     MambaCacheError,
     ManagerBrokenError,
@@ -22,10 +23,10 @@ from ._errors import (
     SlotLeakError,
     SlotStateError,
 )
-from ._events import Alloc, Clear, CopyOnWrite, Event, Release, StepReport
+from ._events import Alloc, Clear, CommitDraft, CopyOnWrite, Event, Release, StepReport
 from ._executors import Executor, check_executor, resolve_executor
 from ._executors._base import on_stream
-from ._planner import Plan, plan_step
+from ._planner import CommitStage, CopyStage, Plan, ZeroStage, plan_step
 from ._pool import StatePool
 from ._validate import check_request_id, normalised, slot_list
 
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 __all__ = ["CacheManager"]
 
 _NEW, _OPEN, _CLOSING, _CLOSED = range(4)
+_IDEMPOTENT = (ZeroStage, CopyStage)  # stages whose repeat after a fault is harmless
 _REPORT_FIELDS = tuple(f.name for f in dataclasses.fields(StepReport) if not f.name.endswith("_s"))
 
 
@@ -85,7 +87,7 @@ class CacheManager:
         self._pool = pool
         self._clear_on_alloc = clear_on_alloc
         self._executor: Executor = resolve_executor(executor, pool.device, copy_workspace_bytes)
-        check_executor(self._executor, pool._exec_tensors)
+        check_executor(self._executor, pool._exec_tensors, pool._exec_drafts)
         self._lock = threading.Lock()  # guards the queue, the step number, the state and the pool's slots
         self._mutex = threading.Lock()  # one flush at a time, async or sync, from any thread
         self._flusher: int | None = None  # thread holding _mutex
@@ -354,7 +356,13 @@ class CacheManager:
         )
         self._submit((CopyOnWrite(src, dst, request_id),), checked=plain)
 
-    def submit(self, *events: Clear | CopyOnWrite | Release) -> None:
+    def commit_draft(self, slot: int, accepted: int, request_id: str | None = None) -> None:
+        """``slot`` becomes the state after ``accepted`` draft tokens (0: unchanged), read from its draft buffer
+        at this point of the event order: a fork after the commit carries the committed state, one before does not.
+        """
+        self._submit((CommitDraft(slot, accepted, request_id),))
+
+    def submit(self, *events: Clear | CopyOnWrite | Release | CommitDraft) -> None:
         """Queue ``events`` in order, all or none: any invalid event raises and queues nothing."""
         self._submit(events)
 
@@ -390,6 +398,7 @@ class CacheManager:
         with self._lock:
             self._check_submittable()
             allocated, tenants = self._pool._allocated, self._pool._tenants
+            draft_tokens = self._pool.spec.draft_tokens
             released: dict[int, None] | None = None  # ordered: freed in release order
             for ev in events:
                 t = type(ev)
@@ -405,6 +414,16 @@ class CacheManager:
                     slot = ev.slot
                     if not allocated[slot] or (released is not None and slot in released):
                         raise _not_allocated(ev, "the", slot)
+                    if t is CommitDraft and not 0 <= ev.accepted <= draft_tokens:
+                        if not draft_tokens:
+                            raise InvalidEventError(
+                                "CommitDraft on a pool without draft buffers: make it with StatePool(...,"
+                                " draft_tokens=k)"
+                            )
+                        raise InvalidArgumentError(
+                            f"CommitDraft: accepted must be in 0..{draft_tokens} (the pool's draft_tokens),"
+                            f" got {ev.accepted}"
+                        )
                     if rid is not None and tenants[slot] != rid:
                         raise _wrong_tenant(ev, slot, tenants[slot])
                     if t is Release:
@@ -526,6 +545,8 @@ class CacheManager:
             elided=plan.elided,
             bytes_zeroed=plan.zeroed * slot_bytes,
             bytes_copied=plan.copied * slot_bytes,
+            committed=plan.committed,
+            bytes_committed=plan.committed * slot_bytes,
             stages=len(plan.stages),
             plan_s=plan_s,
             execute_s=t2 - t1,
@@ -547,9 +568,24 @@ class CacheManager:
         with on_stream(self._pool.device, stream):
             while backlog.stages:
                 stage, executor = backlog.stages[0]
+                whole = getattr(executor, "execute_stage", None)
+                if whole is not None and backlog.next_tensor == 0 and type(stage) in _IDEMPOTENT:
+                    # The stage on every tensor at once; idempotent, so a fault just leaves it to redo.
+                    try:
+                        done_all = whole(stage, tensors)
+                    except Exception as exc:
+                        raise self._failed(exc, executor, stage, step) from exc
+                    if done_all:
+                        backlog.stages.popleft()
+                        done += 1
+                        continue
+                drafts = self._pool._exec_drafts if type(stage) is CommitStage else None
                 while backlog.next_tensor < len(tensors):
                     try:
-                        executor.execute(stage, tensors[backlog.next_tensor])
+                        if drafts is None:
+                            executor.execute(stage, tensors[backlog.next_tensor])
+                        else:
+                            executor.execute(stage, tensors[backlog.next_tensor], drafts[backlog.next_tensor])
                     except Exception as exc:
                         raise self._failed(exc, executor, stage, step) from exc
                     backlog.next_tensor += 1
@@ -603,6 +639,8 @@ def _trace_events(log: Any, events: Iterable[Event], step: int) -> None:
     for ev in events:
         if type(ev) is CopyOnWrite:
             log.debug("slot.cow", src=ev.src, dst=ev.dst, request_id=ev.request_id, step=step)
+        elif type(ev) is CommitDraft:
+            log.debug("slot.commit", slot=ev.slot, accepted=ev.accepted, request_id=ev.request_id, step=step)
         elif type(ev) is Clear:
             log.debug("slot.clear", slot=ev.slot, request_id=ev.request_id, step=step)
         else:

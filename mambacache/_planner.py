@@ -15,7 +15,14 @@ later copy still needs its old content:
   the wave may run in any order, or all at once, and re-running it is harmless;
 * what is left after the waves is a set of disjoint cycles (swaps, rotations),
   run as one rotate stage that reads every member before writing any;
+* one commit stage: slots that get a state from a draft buffer (speculative
+  decoding's accepted token), after the copies that read their old content;
+  draft buffers are only written by the forward, never by a flush, so a commit
+  reads the same thing wherever it runs;
 * one zero stage last (a zeroed slot may still be a copy source).
+
+A slot's symbolic value is ``ZERO``, a start-of-step slot ``s`` (an int), or a
+draft position ``(s, j)``: slot ``s``'s draft state ``j`` (a tuple).
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ._events import Alloc, Clear, CopyOnWrite, Event, Release
+from ._events import Alloc, Clear, CommitDraft, CopyOnWrite, Event, Release
 
 __all__ = [
+    "CommitStage",
     "CopyRun",
     "CopyStage",
     "Plan",
@@ -85,7 +93,18 @@ class RotateStage:
     cycles: tuple[tuple[int, ...], ...]
 
 
-Stage = ZeroStage | CopyStage | RotateStage
+@dataclass(frozen=True, slots=True)
+class CommitStage:
+    """Slot ``dst`` gets draft state ``pos`` of slot ``src`` for each ``(src, pos, dst)``; sorted by ``dst``.
+
+    Sources are draft buffers, destinations pool slots: they never overlap, so the
+    stage may run in any order, or all at once, and re-running it is harmless.
+    """
+
+    entries: tuple[tuple[int, int, int], ...]
+
+
+Stage = ZeroStage | CopyStage | RotateStage | CommitStage
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +116,7 @@ class Plan:
     zeroed: int
     copied: int
     elided: int
+    committed: int = 0
 
 
 def zero_runs(slots: Sequence[int]) -> tuple[Run, ...]:
@@ -164,13 +184,19 @@ def _order_copies(src_of: dict[int, int]) -> tuple[list[CopyStage], RotateStage 
     return waves, RotateStage(tuple(cycles))
 
 
-def final_writes(events: Iterable[Event]) -> tuple[list[int], dict[int, int], int, int]:
-    """Symbolically execute ``events``.
+class Writes(NamedTuple):
+    """What a step's log leaves, symbolically: every live slot's final write."""
 
-    Returns the slots to zero (sorted), the copies (dst -> start-of-step src), the
-    number of events, and the number of events that write a slot.
-    """
-    value: dict[int, int] = {}
+    zero: list[int]  # slots to zero, sorted
+    copies: dict[int, int]  # dst -> start-of-step src
+    commits: list[tuple[int, int, int]]  # (src, draft pos, dst), sorted by dst
+    events: int
+    writes: int  # events that write a slot
+
+
+def final_writes(events: Iterable[Event]) -> Writes:
+    """Symbolically execute ``events``: see the module docstring."""
+    value: dict[int, int | tuple[int, int]] = {}
     dead: set[int] = set()
     n = writes = 0
     for ev in events:
@@ -189,45 +215,57 @@ def final_writes(events: Iterable[Event]) -> tuple[list[int], dict[int, int], in
             dead.discard(ev.slot)  # type: ignore[union-attr]
         elif t is Release:
             dead.add(ev.slot)  # type: ignore[union-attr]
+        elif t is CommitDraft:
+            writes += 1
+            if ev.accepted:  # type: ignore[union-attr]
+                value[ev.slot] = (ev.slot, ev.accepted - 1)  # type: ignore[union-attr]
         else:
             raise TypeError(f"not an event: {ev!r}")
     zero: list[int] = []
     src_of: dict[int, int] = {}
+    commits: list[tuple[int, int, int]] = []
     for d, v in value.items():
         if v == d or d in dead:
             continue  # unchanged, or nobody may read it: a free slot is cleared on alloc
-        if v == _ZERO:
+        if type(v) is tuple:
+            commits.append((v[0], v[1], d))
+        elif v == _ZERO:
             zero.append(d)
         else:
-            src_of[d] = v
+            src_of[d] = v  # type: ignore[assignment]
     zero.sort()
-    return zero, src_of, n, writes
+    commits.sort(key=lambda e: e[2])
+    return Writes(zero, src_of, commits, n, writes)
 
 
 def plan_step(events: Iterable[Event]) -> Plan:
     """Plan one step: see the module docstring for the guarantees."""
-    zero, src_of, n, writes = final_writes(events)
+    zero, src_of, commits, n, writes = final_writes(events)
     waves, rotate = _order_copies(src_of)
     stages: list[Stage] = list(waves)
     if rotate is not None:
         stages.append(rotate)
+    if commits:
+        stages.append(CommitStage(tuple(commits)))
     if zero:
         stages.append(ZeroStage(tuple(zero), zero_runs(zero)))
-    return Plan(tuple(stages), n, len(zero), len(src_of), writes - len(zero) - len(src_of))
+    written = len(zero) + len(src_of) + len(commits)
+    return Plan(tuple(stages), n, len(zero), len(src_of), writes - written, len(commits))
 
 
 # -- wire format -------------------------------------------------------------
 # A plan as a flat list of ints, for one int64 tensor message per step:
-#   [MAGIC, step, events, zeroed, copied, elided, n_stages, stage...]
+#   [MAGIC, step, events, zeroed, copied, elided, committed, n_stages, stage...]
 #   zero stage:   [1, n, slot * n]
 #   copy stage:   [2, n, (src, dst) * n]
 #   rotate stage: [3, n_cycles, (len, member * len) * n_cycles]
-MAGIC = 0x6D63_0001
-_ZERO_KIND, _COPY_KIND, _ROTATE_KIND = 1, 2, 3
+#   commit stage: [4, n, (src, pos, dst) * n]
+MAGIC = 0x6D63_0002  # 2: commit stages and the committed count
+_ZERO_KIND, _COPY_KIND, _ROTATE_KIND, _COMMIT_KIND = 1, 2, 3, 4
 
 
 def encode_plan(plan: Plan, step: int) -> list[int]:
-    out = [MAGIC, step, plan.events, plan.zeroed, plan.copied, plan.elided, len(plan.stages)]
+    out = [MAGIC, step, plan.events, plan.zeroed, plan.copied, plan.elided, plan.committed, len(plan.stages)]
     for stage in plan.stages:
         if isinstance(stage, ZeroStage):
             out += [_ZERO_KIND, len(stage.slots), *stage.slots]
@@ -235,6 +273,10 @@ def encode_plan(plan: Plan, step: int) -> list[int]:
             out += [_COPY_KIND, len(stage.pairs)]
             for src, dst in stage.pairs:
                 out += [src, dst]
+        elif isinstance(stage, CommitStage):
+            out += [_COMMIT_KIND, len(stage.entries)]
+            for entry in stage.entries:
+                out += entry
         else:
             out += [_ROTATE_KIND, len(stage.cycles)]
             for cycle in stage.cycles:
@@ -244,7 +286,7 @@ def encode_plan(plan: Plan, step: int) -> list[int]:
 
 def decode_plan(data: Sequence[int]) -> tuple[int, Plan]:
     """Inverse of :func:`encode_plan`; raises ValueError on a malformed message."""
-    if len(data) < 7 or data[0] != MAGIC:
+    if len(data) < 8 or data[0] != MAGIC:
         raise ValueError("not a mambacache plan message")
     try:
         return _decode(data)
@@ -253,8 +295,8 @@ def decode_plan(data: Sequence[int]) -> tuple[int, Plan]:
 
 
 def _decode(data: Sequence[int]) -> tuple[int, Plan]:
-    step, events, zeroed, copied, elided, n_stages = data[1:7]
-    pos = 7
+    step, events, zeroed, copied, elided, committed, n_stages = data[1:8]
+    pos = 8
     stages: list[Stage] = []
     for _ in range(n_stages):
         kind, n = data[pos], data[pos + 1]
@@ -275,8 +317,12 @@ def _decode(data: Sequence[int]) -> tuple[int, Plan]:
                 cycles.append(tuple(data[pos + 1 : pos + 1 + length]))
                 pos += 1 + length
             stages.append(RotateStage(tuple(cycles)))
+        elif kind == _COMMIT_KIND:
+            flat = data[pos : pos + 3 * n]
+            pos += 3 * n
+            stages.append(CommitStage(tuple(zip(flat[0::3], flat[1::3], flat[2::3], strict=True))))
         else:
             raise ValueError(f"unknown stage kind {kind} in plan message")
     if pos != len(data):
         raise ValueError("trailing data in plan message")
-    return step, Plan(tuple(stages), events, zeroed, copied, elided)
+    return step, Plan(tuple(stages), events, zeroed, copied, elided, committed)

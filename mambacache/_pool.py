@@ -15,6 +15,7 @@ one per layer, which is what the executors coalesce runs of slots into.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 from collections.abc import Iterable, Sequence
@@ -42,6 +43,16 @@ def _executor_view(t: torch.Tensor) -> torch.Tensor:
     ):
         return t.view(_INT_OF_SIZE[t.element_size()])
     return t
+
+
+def _with_drafts(spec: object, draft_tokens: int | None) -> StateSpec:
+    if not isinstance(spec, StateSpec):
+        raise InvalidArgumentError(f"spec must be a StateSpec, got {type(spec).__name__}")
+    if draft_tokens is None or draft_tokens == spec.draft_tokens:
+        return spec
+    if type(draft_tokens) is not int or draft_tokens < 0:
+        raise InvalidArgumentError(f"draft_tokens must be a non-negative int, got {draft_tokens!r}")
+    return dataclasses.replace(spec, draft_tokens=draft_tokens)
 
 
 def _as_device(device: object) -> torch.device:
@@ -74,26 +85,54 @@ class StatePool:
     walks the slots is a method (``allocated_slots()``, ``is_allocated(slot)``).
     """
 
-    def __init__(self, spec: StateSpec, num_slots: int, device: str | torch.device = "cpu") -> None:
-        if not isinstance(spec, StateSpec):
-            raise InvalidArgumentError(f"spec must be a StateSpec, got {type(spec).__name__}")
+    def __init__(
+        self,
+        spec: StateSpec,
+        num_slots: int,
+        device: str | torch.device = "cpu",
+        *,
+        draft_tokens: int | None = None,
+    ) -> None:
+        spec = _with_drafts(spec, draft_tokens)
         if type(num_slots) is not int or num_slots < 1:
             raise InvalidArgumentError(f"num_slots must be a positive int, got {num_slots!r}")
         dev = _as_device(device)
         rows = (spec.num_layers, num_slots + 1)
-        total = spec.slot_bytes * (num_slots + 1)
+        drafts = (spec.num_layers, num_slots + 1, spec.draft_tokens)
+        total = spec.memory_bytes * (num_slots + 1)
         try:
             conv = [torch.zeros(*rows, *shape, dtype=spec.conv_dtype, device=dev) for shape in spec.conv_shapes]
             temporal = torch.zeros(*rows, *spec.temporal_shape, dtype=spec.temporal_dtype, device=dev)
+            draft_conv: list[torch.Tensor] = []
+            draft_temporal: torch.Tensor | None = None
+            if spec.draft_tokens:
+                draft_conv = [
+                    torch.zeros(*drafts, *shape, dtype=spec.conv_dtype, device=dev) for shape in spec.conv_shapes
+                ]
+                draft_temporal = torch.zeros(*drafts, *spec.temporal_shape, dtype=spec.temporal_dtype, device=dev)
         except (RuntimeError, MemoryError) as exc:  # torch reports out-of-memory and size overflow as these
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise PoolAllocationError(
                 f"could not allocate a pool of {num_slots} slots ({total:,} bytes) on {dev}: {reason}"
             ) from None
-        self._init(spec, conv, temporal)
+        self._init(spec, conv, temporal, draft_conv, draft_temporal)
 
-    def _init(self, spec: StateSpec, conv: list[torch.Tensor], temporal: torch.Tensor) -> None:
+    def _init(
+        self,
+        spec: StateSpec,
+        conv: list[torch.Tensor],
+        temporal: torch.Tensor,
+        draft_conv: list[torch.Tensor] | None = None,
+        draft_temporal: torch.Tensor | None = None,
+    ) -> None:
         self.spec = spec
+        # Draft buffers, [layers, slots + 1, draft_tokens, *state]: the verify forward
+        # writes the state after draft token j at index j; CommitDraft copies one back.
+        self.draft_conv: list[torch.Tensor] = list(draft_conv or [])
+        self.draft_temporal: torch.Tensor | None = draft_temporal
+        self._exec_drafts = (
+            [_executor_view(t) for t in (*self.draft_conv, draft_temporal)] if draft_temporal is not None else []
+        )
         self.num_slots = temporal.shape[1] - 1
         self.device = temporal.device
         self.conv: list[torch.Tensor] = conv
@@ -156,19 +195,35 @@ class StatePool:
         return pool
 
     @classmethod
-    def from_memory_budget(cls, spec: StateSpec, budget_bytes: int, device: str | torch.device = "cpu") -> StatePool:
-        """As many slots as fit in ``budget_bytes``, the padding slot included."""
-        if not isinstance(spec, StateSpec):
-            raise InvalidArgumentError(f"spec must be a StateSpec, got {type(spec).__name__}")
+    def from_memory_budget(
+        cls,
+        spec: StateSpec,
+        budget_bytes: int,
+        device: str | torch.device = "cpu",
+        *,
+        draft_tokens: int | None = None,
+    ) -> StatePool:
+        """As many slots as fit in ``budget_bytes``, the padding slot and draft buffers included."""
+        spec = _with_drafts(spec, draft_tokens)
         if type(budget_bytes) is not int or budget_bytes < 0:
             raise InvalidArgumentError(f"budget_bytes must be a non-negative int, got {budget_bytes!r}")
-        num_slots = budget_bytes // spec.slot_bytes - 1
+        num_slots = budget_bytes // spec.memory_bytes - 1
         if num_slots < 1:
             raise InvalidArgumentError(
-                f"budget of {budget_bytes} bytes holds no usable slot (one slot is {spec.slot_bytes} bytes,"
-                " and the padding slot takes one)"
+                f"budget of {budget_bytes} bytes holds no usable slot (one slot is {spec.memory_bytes} bytes with"
+                f" its {spec.draft_tokens} draft state(s), and the padding slot takes one)"
             )
         return cls(spec, num_slots, device)
+
+    @property
+    def draft_tokens(self) -> int:
+        """Draft states kept per slot (0: no speculative decoding buffers)."""
+        return self.spec.draft_tokens
+
+    @property
+    def draft_tensors(self) -> list[torch.Tensor]:
+        """Every draft buffer, matching :attr:`tensors`: the conv ones, then the temporal one (empty without)."""
+        return [*self.draft_conv, self.draft_temporal] if self.draft_temporal is not None else []
 
     @property
     def tensors(self) -> list[torch.Tensor]:

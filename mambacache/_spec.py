@@ -33,7 +33,12 @@ class StateSpec:
     """Shapes and dtypes of one slot's state, identical for every layer.
 
     Invariants: ``num_layers >= 1``; every shape is a non-empty tuple of positive
-    ints; ``conv_shapes`` may be empty (a model with only a temporal state).
+    ints; ``conv_shapes`` may be empty (a model with only a temporal state);
+    ``draft_tokens >= 0`` is the number of per-draft-token states a slot keeps
+    for speculative decoding (``docs/speculative.md``).
+
+    ``slot_bytes`` is one slot's state (what a clear or a copy moves);
+    ``memory_bytes`` adds its draft buffers (what a slot costs in memory).
     """
 
     num_layers: int
@@ -41,6 +46,7 @@ class StateSpec:
     temporal_shape: Sequence[int]  # stored as a tuple
     conv_dtype: torch.dtype = torch.bfloat16
     temporal_dtype: torch.dtype = torch.float32
+    draft_tokens: int = 0
     # Derived once: planning and reporting read it per step.
     slot_bytes: int = field(init=False, repr=False, compare=False)
 
@@ -61,12 +67,19 @@ class StateSpec:
                 raise InvalidArgumentError(f"{name} {dtype} is a quantized dtype; store the state as a plain dtype")
         object.__setattr__(self, "conv_shapes", conv)
         object.__setattr__(self, "temporal_shape", temporal)
+        if type(self.draft_tokens) is not int or self.draft_tokens < 0:
+            raise InvalidArgumentError(f"draft_tokens must be a non-negative int, got {self.draft_tokens!r}")
         object.__setattr__(self, "slot_bytes", self.num_layers * sum(self.layer_bytes()))
 
     def shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """(shape, dtype) of each pool tensor's per-slot, per-layer block: convs, then temporal."""
         convs = [(tuple(s), self.conv_dtype) for s in self.conv_shapes]
         return [*convs, (tuple(self.temporal_shape), self.temporal_dtype)]
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes one slot takes in a pool: its state and its ``draft_tokens`` draft states."""
+        return self.slot_bytes * (1 + self.draft_tokens)
 
     def layer_bytes(self) -> list[int]:
         """Bytes of one slot in one layer, for each pool tensor (convs, then temporal)."""
@@ -78,6 +91,7 @@ class StateSpec:
 
         Supports Mamba2 (and Mamba2-style mixers: Nemotron-H, Falcon-H1) and
         Qwen3-Next / Qwen3.5 GatedDeltaNet layers. See :mod:`mambacache._hf`.
+        ``overrides`` set any field, e.g. ``draft_tokens=k`` for speculative decoding.
         """
         from ._hf import spec_kwargs_from_config
 

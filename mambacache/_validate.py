@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ._errors import InvalidArgumentError, InvalidEventError, InvalidSlotError
-from ._events import Alloc, Clear, CopyOnWrite, Release
+from ._events import Alloc, Clear, CommitDraft, CopyOnWrite, Release
 
 __all__ = ["as_slot", "check_request_id", "normalised", "slot_list"]
 
@@ -84,9 +84,20 @@ def normalised(events: Iterable[Any], n: int) -> list[Any]:
             s = ev.slot
             if type(s) is not int or not 0 < s <= n:
                 ev = t(as_slot(s, n), ev.request_id)
+        elif t is CommitDraft:
+            s, accepted = ev.slot, ev.accepted
+            if type(accepted) is not int:
+                try:
+                    if isinstance(accepted, (bool, float)):
+                        raise TypeError
+                    accepted = operator.index(accepted)
+                except TypeError:
+                    raise InvalidArgumentError(f"accepted must be an int, got {accepted!r}") from None
+            if type(s) is not int or not 0 < s <= n or accepted is not ev.accepted:
+                ev = CommitDraft(as_slot(s, n), accepted, ev.request_id)
         else:
             raise InvalidEventError(
-                f"submit takes Clear, CopyOnWrite and Release events, got {ev!r}"
+                f"submit takes Clear, CopyOnWrite, Release and CommitDraft events, got {ev!r}"
                 + ("; allocate with CacheManager.alloc" if isinstance(ev, Alloc) else "")
             )
         if ev.request_id is not None and type(ev.request_id) is not str:

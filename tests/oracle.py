@@ -16,11 +16,19 @@ class SequentialOracle:
 
     def __init__(self, pool: mc.StatePool) -> None:
         self.tensors = [t.clone() for t in pool.tensors]
+        # Draft buffers are written by the forward, never by events: a snapshot serves the whole step.
+        self.drafts = [t.clone() for t in getattr(pool, "draft_tensors", [])]
         self.allocated: set[int] = set(pool.allocated_slots())
         self.defined: set[int] = set(self.allocated)
 
-    def apply(self, events: Iterable[mc.Alloc | mc.Clear | mc.CopyOnWrite | mc.Release]) -> None:
+    def apply(self, events: Iterable[mc.Alloc | mc.Clear | mc.CopyOnWrite | mc.Release | mc.CommitDraft]) -> None:
         for ev in events:
+            if isinstance(ev, mc.CommitDraft):
+                if ev.accepted:
+                    for t, d in zip(self.tensors, self.drafts, strict=True):
+                        t[:, ev.slot] = d[:, ev.slot, ev.accepted - 1].clone()
+                    self.defined.add(ev.slot)
+                continue
             if isinstance(ev, mc.Clear) or (isinstance(ev, mc.Alloc) and ev.clear):
                 for t in self.tensors:
                     t[:, ev.slot] = 0

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .._errors import UnknownExecutorError, UnsupportedDtypeError
-from .._planner import CopyStage, RotateStage, Stage, ZeroStage, copy_runs, zero_runs
+from .._planner import CommitStage, CopyStage, RotateStage, Stage, ZeroStage, copy_runs, zero_runs
 from ._base import Executor
 
 __all__ = [
@@ -99,7 +99,7 @@ def _probe_stages() -> list[Stage]:
     ]
 
 
-def check_executor(executor: Executor, tensors: list[torch.Tensor]) -> None:
+def check_executor(executor: Executor, tensors: list[torch.Tensor], drafts: list[torch.Tensor] | None = None) -> None:
     """Run every stage kind once on a small scratch tensor of each dtype in ``tensors``.
 
     Raises :class:`UnsupportedDtypeError` naming the dtype and executor when one
@@ -107,16 +107,24 @@ def check_executor(executor: Executor, tensors: list[torch.Tensor]) -> None:
     manager is made, not on the first swap with work piling up behind it.
     """
     seen: set[tuple[torch.dtype, tuple[int, ...]]] = set()
-    for t in tensors:
+    for i, t in enumerate(tensors):
         key = (t.dtype, tuple(t.shape[2:3]))
         if key in seen:
             continue
         seen.add(key)
         # Keep the state's leading dim (rows), so a workspace bound is probed on real row sizes.
         scratch = torch.zeros((2, 12, *t.shape[2:3]), dtype=t.dtype, device=t.device)
-        for stage in _probe_stages():
+        stages: list[tuple[Stage, torch.Tensor | None]] = [(stage, None) for stage in _probe_stages()]
+        if drafts:
+            k = drafts[i].shape[2]
+            draft = torch.zeros((2, 12, k, *t.shape[2:3]), dtype=t.dtype, device=t.device)
+            stages.append((CommitStage(((1, 0, 2), (3, k - 1, 4), (5, 0, 5))), draft))
+        for stage, draft_scratch in stages:
             try:
-                executor.execute(stage, scratch)
+                if draft_scratch is None:
+                    executor.execute(stage, scratch)
+                else:
+                    executor.execute(stage, scratch, draft_scratch)  # type: ignore[call-arg]
             except Exception as exc:
                 raise UnsupportedDtypeError(
                     f"executor {executor.name!r} cannot run a {type(stage).__name__} on {t.dtype} tensors on"

@@ -34,8 +34,12 @@ class Executor(Protocol):
 
     name: str
 
-    def execute(self, stage: Stage, tensor: torch.Tensor) -> None:
-        """Enqueue ``stage`` on ``tensor`` (one pool tensor, ``[layers, slots + 1, *state]``)."""
+    def execute(self, stage: Stage, tensor: torch.Tensor, draft: torch.Tensor | None = None) -> None:
+        """Enqueue ``stage`` on ``tensor`` (one pool tensor, ``[layers, slots + 1, *state]``).
+
+        ``draft`` is given with a ``CommitStage`` only: the tensor's draft buffer,
+        ``[layers, slots + 1, draft_tokens, *state]``, which the stage reads.
+        """
         ...
 
 

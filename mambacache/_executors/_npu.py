@@ -7,7 +7,7 @@ and ran servers out of memory. This executor only feeds contiguous tensors:
 
 * zero: ``t.index_fill_(1, idx, 0)`` per tensor: a scalar fill, as in SGLang's
   fix (``t[:, idx] = 0``), one op, nothing the size of the slots;
-* copy and rotate: gather into a workspace of at most ``copy_workspace_bytes``
+* copy, rotate and commit (from a draft buffer): gather into a workspace of at most ``copy_workspace_bytes``
   with ``index_select(..., out=ws)``, then ``index_copy_`` from it. The gather
   is chunked by slots, then by layers (``t[l0:l1]`` is contiguous), and for
   states too big for the workspace even one layer at a time, by rows
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from .._errors import InvalidArgumentError
-from .._planner import CopyStage, RotateStage, Stage, ZeroStage
+from .._planner import CommitStage, CopyStage, RotateStage, Stage, ZeroStage
 from ._base import IndexBuilder, Progress, stage_pairs
 
 __all__ = ["NpuExecutor", "import_torch_npu"]
@@ -70,10 +70,21 @@ class NpuExecutor:
             ws = self._workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return ws[:nbytes].view(dtype)
 
-    def execute(self, stage: Stage, tensor: torch.Tensor) -> None:
+    def execute(self, stage: Stage, tensor: torch.Tensor, draft: torch.Tensor | None = None) -> None:
         if tensor.device.type == "npu":
             import_torch_npu()
-        if isinstance(stage, ZeroStage):
+        if isinstance(stage, CommitStage):
+            # Gather from the draft buffer read as [layers, (slots + 1) * k, inner] (a view
+            # of a contiguous tensor), scatter into the slots: the copy path with another source.
+            if draft is None:
+                raise TypeError("a CommitStage needs the pool tensor's draft buffer")
+            k = draft.shape[2]
+            srcs = [src * k + pos for src, pos, _ in stage.entries]
+            dsts = [dst for _, _, dst in stage.entries]
+            src_idx, dst_idx = self._indices.get(stage, tensor.device, srcs, dsts)
+            source = draft.view(draft.shape[0], draft.shape[1] * k, -1)
+            self._gather_scatter(stage, tensor, srcs, dsts, src_idx, dst_idx, source=source)
+        elif isinstance(stage, ZeroStage):
             (zero_idx,) = self._indices.get(stage, tensor.device, stage.slots)
             tensor.index_fill_(1, zero_idx, 0)
         elif isinstance(stage, (CopyStage, RotateStage)):
@@ -85,15 +96,17 @@ class NpuExecutor:
 
     def _gather_scatter(
         self,
-        stage: CopyStage | RotateStage,
+        stage: CopyStage | RotateStage | CommitStage,
         tensor: torch.Tensor,
         srcs: Sequence[int],
         dsts: Sequence[int],
         src_idx: torch.Tensor,
         dst_idx: torch.Tensor,
+        source: torch.Tensor | None = None,
     ) -> None:
         layers, n = tensor.shape[0], len(srcs)
         t3 = tensor.view(layers, tensor.shape[1], -1)
+        s3 = t3 if source is None else source  # what is gathered from: the pool tensor, or a draft buffer
         inner = t3.shape[2]
         budget = self.copy_workspace_bytes // tensor.element_size()  # elements
         rotate = isinstance(stage, RotateStage)
@@ -107,16 +120,17 @@ class NpuExecutor:
             else:
                 for layer in range(layers):
                     for s, d in zip(srcs, dsts, strict=True):
-                        t3[layer, d].copy_(t3[layer, s])  # disjoint: no workspace needed
+                        t3[layer, d].copy_(s3[layer, s])  # disjoint: no workspace needed
             return
         if not rotate:
             # Taken before any write; and re-running a disjoint copy is harmless.
             ws = self._ws(group * chunk * inner, tensor.dtype, tensor.device)
             for l0 in range(0, layers, group):
                 block = t3[l0 : l0 + group]  # a dim-0 slice: contiguous
+                from_block = s3[l0 : l0 + group]
                 for c0 in range(0, n, chunk):
                     out = ws[: block.shape[0] * min(chunk, n - c0) * inner].view(block.shape[0], -1, inner)
-                    torch.index_select(block, 1, src_idx[c0 : c0 + chunk], out=out)
+                    torch.index_select(from_block, 1, src_idx[c0 : c0 + chunk], out=out)
                     block.index_copy_(1, dst_idx[c0 : c0 + chunk], out)
             return
         # Rotate, one unit per layer group: gather every member into the workspace,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._planner import CopyStage, RotateStage, Stage, ZeroStage
+from .._planner import CommitStage, CopyStage, RotateStage, Stage, ZeroStage
 from ._base import Progress
 
 __all__ = ["ReferenceExecutor"]
@@ -17,8 +17,13 @@ class ReferenceExecutor:
         del copy_workspace_bytes  # one slot at a time needs no workspace bound
         self._progress = Progress()
 
-    def execute(self, stage: Stage, tensor: torch.Tensor) -> None:
-        if isinstance(stage, ZeroStage):
+    def execute(self, stage: Stage, tensor: torch.Tensor, draft: torch.Tensor | None = None) -> None:
+        if isinstance(stage, CommitStage):
+            if draft is None:
+                raise TypeError("a CommitStage needs the pool tensor's draft buffer")
+            for src, pos, dst in stage.entries:
+                tensor[:, dst].copy_(draft[:, src, pos])
+        elif isinstance(stage, ZeroStage):
             for s in stage.slots:
                 tensor[:, s].zero_()
         elif isinstance(stage, CopyStage):

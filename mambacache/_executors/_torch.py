@@ -34,10 +34,12 @@ gather is kept until its scatter is done (see ``Progress``).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from .._errors import InvalidArgumentError
-from .._planner import CopyStage, RotateStage, Stage, ZeroStage
+from .._planner import CommitStage, CopyStage, RotateStage, Stage, ZeroStage
 from ._base import IndexBuilder, Progress, stage_pairs
 
 __all__ = ["PATHS", "TorchExecutor"]
@@ -92,22 +94,31 @@ class TorchExecutor:
             entry = self._views[id(tensor)] = _Views(tensor)
         return entry
 
-    def _run(self, tensor: torch.Tensor, start: int, length: int) -> torch.Tensor:
-        """``tensor[:, start:start + length]``; single slots from the cache (a view costs about a small op)."""
-        if length != 1:
-            return tensor[:, start : start + length]
-        views = self._entry(tensor).slots
-        view = views[start]
-        if view is None:
-            view = views[start] = tensor[:, start]
-        return view
+    def _runs(self, tensor: torch.Tensor, runs: Iterable[tuple[int, int]]) -> list[torch.Tensor]:
+        """``tensor[:, start:start + length]`` for each run; single slots from the cache (a view costs
+        about as much as a small op, and decode steps are mostly single-slot runs)."""
+        cache = self._entry(tensor).slots
+        out = []
+        for start, length in runs:
+            if length == 1:
+                view = cache[start]
+                if view is None:
+                    view = cache[start] = tensor[:, start]
+            else:
+                view = tensor[:, start : start + length]
+            out.append(view)
+        return out
 
-    def _rows(self, tensor: torch.Tensor, slots: list[int] | tuple[int, ...]) -> list[torch.Tensor]:
-        """The contiguous ``tensor[l, s]`` rows of ``slots``, every layer."""
+    def _rows(self, tensor: torch.Tensor, slots: list[int] | tuple[int, ...], depth: int = 2) -> list[torch.Tensor]:
+        """The contiguous ``tensor[l, s]`` rows of ``slots``, every layer.
+
+        ``depth=3`` reads a draft buffer ``[layers, slots + 1, k, *state]`` as
+        ``[layers, (slots + 1) * k, *state]``: "slot" ``s * k + j`` is draft state ``j`` of ``s``.
+        """
         entry = self._entry(tensor)
         if entry.rows is None:
-            entry.rows = tensor.view(-1, *tensor.shape[2:]).unbind(0)
-        rows, stride = entry.rows, tensor.shape[1]
+            entry.rows = tensor.view(-1, *tensor.shape[depth:]).unbind(0)
+        rows, stride = entry.rows, len(entry.rows) // tensor.shape[0]
         return [rows[base + s] for base in range(0, len(rows), stride) for s in slots]
 
     # -- the rule ------------------------------------------------------------
@@ -122,12 +133,58 @@ class TorchExecutor:
             return "runs"
         return "index"
 
-    def execute(self, stage: Stage, tensor: torch.Tensor) -> None:
+    def execute_stage(self, stage: Stage, tensors: list[torch.Tensor]) -> bool:
+        """A zero or copy stage on every pool tensor with one foreach op; False to go tensor by tensor.
+
+        Only for stages that are idempotent (a repeat after a fault is harmless), on
+        the runs and direct paths: it halves the ops of a decode step, whose stages
+        touch a few slots of a few tensors.
+        """
         if isinstance(stage, ZeroStage):
+            slots, runs = len(stage.slots), len(stage.runs)
+        elif isinstance(stage, CopyStage):
+            slots, runs = len(stage.pairs), len(stage.runs)
+        else:
+            return False
+        paths = {self._choose(t, slots, runs) for t in tensors}
+        if len(paths) != 1 or "index" in paths:
+            return False
+        views: list[torch.Tensor] = []
+        if isinstance(stage, ZeroStage):
+            for t in tensors:
+                views += self._rows(t, stage.slots) if "direct" in paths else self._runs(t, stage.runs)
+            torch._foreach_zero_(views)
+            return True
+        sources: list[torch.Tensor] = []
+        if "direct" in paths:
+            srcs, dsts = stage_pairs(stage)
+            for t in tensors:
+                views += self._rows(t, dsts)
+                sources += self._rows(t, srcs)
+        else:
+            dst_runs = [(c.dst, c.length) for c in stage.runs]
+            src_runs = [(c.src, c.length) for c in stage.runs]
+            for t in tensors:
+                views += self._runs(t, dst_runs)
+                sources += self._runs(t, src_runs)
+        torch._foreach_copy_(views, sources)
+        return True
+
+    def execute(self, stage: Stage, tensor: torch.Tensor, draft: torch.Tensor | None = None) -> None:
+        if isinstance(stage, CommitStage):
+            # One foreach copy from the draft rows into the slots' rows, every layer:
+            # no index tensor and no temporary on any device (sources and destinations
+            # are different tensors, so any order is exact and a repeat is harmless).
+            if draft is None:
+                raise TypeError("a CommitStage needs the pool tensor's draft buffer")
+            k = draft.shape[2]
+            srcs = [src * k + pos for src, pos, _ in stage.entries]
+            dsts = [dst for _, _, dst in stage.entries]
+            torch._foreach_copy_(self._rows(tensor, dsts), self._rows(draft, srcs, depth=3))
+        elif isinstance(stage, ZeroStage):
             path = self._choose(tensor, len(stage.slots), len(stage.runs))
             if path == "runs":
-                run = self._run
-                torch._foreach_zero_([run(tensor, r.start, r.length) for r in stage.runs])
+                torch._foreach_zero_(self._runs(tensor, stage.runs))
             elif path == "direct":
                 torch._foreach_zero_(self._rows(tensor, stage.slots))
             else:
@@ -138,11 +195,8 @@ class TorchExecutor:
             # write in any order, and a repeat after a fault is harmless.
             path = self._choose(tensor, len(stage.pairs), len(stage.runs))
             if path == "runs":
-                run = self._run
-                torch._foreach_copy_(
-                    [run(tensor, c.dst, c.length) for c in stage.runs],
-                    [run(tensor, c.src, c.length) for c in stage.runs],
-                )
+                dst_views = self._runs(tensor, [(c.dst, c.length) for c in stage.runs])
+                torch._foreach_copy_(dst_views, self._runs(tensor, [(c.src, c.length) for c in stage.runs]))
             elif path == "direct":
                 srcs, dsts = stage_pairs(stage)
                 torch._foreach_copy_(self._rows(tensor, dsts), self._rows(tensor, srcs))

@@ -7,6 +7,7 @@ and, from :func:`configure`'s own pipeline, ``timestamp`` and ``level``:
 ``slot.alloc``     debug  ``slot``, ``request_id``, ``cleared``
 ``slot.clear``     debug  ``slot``, ``request_id``
 ``slot.cow``       debug  ``src``, ``dst``, ``request_id``
+``slot.commit``    debug  ``slot``, ``accepted``, ``request_id``
 ``slot.release``   debug  ``slot``, ``request_id``
 ``step.flush``     info   the StepReport figures, ``plan_us``, ``execute_us``
 ``step.error``     error  ``stage``, ``error``: an executor failed; work kept

@@ -20,7 +20,7 @@ from .._errors import TraceError
 
 __all__ = ["Anomaly", "BadLine", "Entry", "TraceAnalysis", "analyze", "analyze_lines", "parse_lines"]
 
-SLOT_EVENTS = frozenset({"slot.alloc", "slot.release", "slot.clear", "slot.cow"})
+SLOT_EVENTS = frozenset({"slot.alloc", "slot.release", "slot.clear", "slot.cow", "slot.commit"})
 STEP_EVENTS = frozenset({"step.flush", "step.error"})
 ANOMALY_KINDS = (
     "double-release",
@@ -38,9 +38,9 @@ class Entry:
 
     line: int
     step: int | None
-    action: str  # alloc, clear, fork-in, fork-out, release
+    action: str  # alloc, clear, fork-in, fork-out, commit, release
     request_id: str | None
-    other: int | None = None  # the other slot of a fork
+    other: int | None = None  # the other slot of a fork; the accepted count of a commit
     cleared: bool | None = None
 
 
@@ -151,6 +151,8 @@ def _checked(record: dict[str, Any]) -> dict[str, Any]:
         out["src"], out["dst"] = _int(record, "src", required=True), _int(record, "dst", required=True)
     elif event in SLOT_EVENTS:
         out["slot"] = _int(record, "slot", required=True)
+        if event == "slot.commit":
+            out["accepted"] = _int(record, "accepted", required=True)
         if event == "slot.alloc":
             cleared = record.get("cleared", True)
             if type(cleared) is not bool:
@@ -275,7 +277,18 @@ def _analyze_records(records: Iterable[tuple[int, dict[str, Any]]], expect_idle:
     out = TraceAnalysis()
     slots: dict[int, _Slot] = {}
     counts = dict.fromkeys(
-        ("steps", "allocs", "allocs_uncleared", "clears", "forks", "releases", "clears_elided", "events_flushed"), 0
+        (
+            "steps",
+            "allocs",
+            "allocs_uncleared",
+            "clears",
+            "forks",
+            "commits",
+            "releases",
+            "clears_elided",
+            "events_flushed",
+        ),
+        0,
     )
     requests: set[str] = set()
     last_line, last_step = 0, None
@@ -329,6 +342,11 @@ def _analyze_records(records: Iterable[tuple[int, dict[str, Any]]], expect_idle:
             st.allocated, st.initialized, st.tenant, st.flagged_uncleared = True, cleared, rid, False
             st.taint = ""
             entry(slot, Entry(line, step, "alloc", rid, cleared=cleared))
+        elif event == "slot.commit":
+            counts["commits"] += 1
+            if not st.allocated:
+                flag("use-after-release", slot, line, step, rid, f"commit into slot {slot}, which is free")
+            entry(slot, Entry(line, step, "commit", rid, other=r["accepted"]))
         elif event == "slot.clear":
             counts["clears"] += 1
             if not st.allocated:

@@ -48,6 +48,8 @@ def _describe(e: Entry) -> str:
         return f"<- slot {e.other}"
     if e.action == "fork-out":
         return f"-> slot {e.other}"
+    if e.action == "commit":
+        return f"{e.other} draft token(s) accepted"
     return ""
 
 

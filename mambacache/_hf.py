@@ -82,7 +82,8 @@ def spec_kwargs_from_config(config: Any) -> dict[str, Any]:
     # Dtypes: the model's dtype for the conv state, and for the temporal state too
     # unless the config names an SSM state dtype of its own (as transformers and
     # vLLM's "auto" do); with neither, StateSpec's defaults (bf16 conv, fp32 state).
-    model_dtype = _dtype(getattr(text, "dtype", None) or getattr(text, "torch_dtype", None))
+    # transformers 5 names it `dtype` (reading the old `torch_dtype` there logs a deprecation).
+    model_dtype = _dtype(text.dtype if hasattr(text, "dtype") else getattr(text, "torch_dtype", None))
     ssm_dtype = _dtype(getattr(text, "mamba_ssm_dtype", None) or getattr(text, "ssm_state_dtype", None))
     if model_dtype is not None:
         out["conv_dtype"] = model_dtype

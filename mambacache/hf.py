@@ -41,12 +41,14 @@ def spec_from_config(config: Any, **overrides: Any) -> StateSpec:
     return StateSpec.from_hf_config(config, **overrides)
 
 
-def bind_cache(cache: Any, pool: StatePool, slot: int, config: Any) -> None:
+def bind_cache(cache: Any, pool: StatePool, slot: int, config: Any, *, draft: int | None = None) -> None:
     """Point ``cache``'s linear-attention layers at views of ``slot`` of ``pool``.
 
     Pool layer ``j`` is the ``j``-th linear-attention layer of the model
     (:func:`linear_layer_indices`). The views stay valid as long as the pool's
-    tensors do; rebinding to another slot is another call.
+    tensors do; rebinding to another slot is another call. ``draft=j`` binds
+    the slot's draft state ``j`` instead (speculative decoding: a verify forward
+    that runs there leaves the slot's own state untouched).
     """
     slot = as_slot(slot, pool.num_slots)
     linear = linear_layer_indices(config)
@@ -57,13 +59,22 @@ def bind_cache(cache: Any, pool: StatePool, slot: int, config: Any) -> None:
     layers = getattr(cache, "layers", None)
     if layers is None or len(layers) <= max(linear):
         raise InvalidArgumentError("cache must be a transformers 5 cache built with config=... for this model")
+    if draft is not None and not (type(draft) is int and 0 <= draft < pool.draft_tokens):
+        raise InvalidArgumentError(
+            f"draft must be in 0..{pool.draft_tokens - 1} (the pool's draft states), got {draft!r}"
+        )
     kernel = pool.spec.conv_shapes[0][-1] if pool.spec.conv_shapes else 0
     for j, index in enumerate(linear):
         layer = layers[index]
         if not hasattr(layer, "conv_states") or not hasattr(layer, "recurrent_states"):
             raise InvalidArgumentError(f"cache layer {index} is not a linear-attention layer")
-        layer.conv_states[0] = pool.conv[0][j, slot : slot + 1]
-        layer.recurrent_states[0] = pool.temporal[j, slot : slot + 1]
+        if draft is None:
+            layer.conv_states[0] = pool.conv[0][j, slot : slot + 1]
+            layer.recurrent_states[0] = pool.temporal[j, slot : slot + 1]
+        else:
+            assert pool.draft_temporal is not None
+            layer.conv_states[0] = pool.draft_conv[0][j, slot, draft : draft + 1]
+            layer.recurrent_states[0] = pool.draft_temporal[j, slot, draft : draft + 1]
         layer.is_conv_states_initialized[0] = layer.is_recurrent_states_initialized[0] = True
         layer.has_previous_state[0] = True  # read the slot, even on the first chunk
         layer.conv_kernel_size[0] = kernel

@@ -47,6 +47,25 @@ def test_real_models_lossless_and_fault_caught(model: str) -> None:
     assert bad.mismatches > 0
 
 
+@pytest.mark.parametrize("model", ["toy", "mamba2", "qwen3-next"])
+def test_speculative_decoding_is_lossless_and_a_wrong_commit_is_caught(model: str) -> None:
+    m = build_model(model)
+    good = anyio.run(simulate, SimConfig(model=model, requests=16, speculative=3), m)
+    assert (good.completed, good.mismatches) == (16, 0)
+    assert 0 < good.drafts_accepted < good.drafts_proposed  # some drafts accepted, some rejected
+    assert good.commits > 0 and good.prefix_hits > 0
+    bad = anyio.run(simulate, SimConfig(model=model, requests=16, speculative=3, fault="wrong-commit"), m)
+    assert bad.mismatches > 0
+
+
+def test_speculative_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--model", "toy", "--requests", "8", "--speculative", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "speculative 2 draft tokens" in out and "accepted" in out
+    assert main(["simulate", "--model", "toy", "--requests", "8", "--speculative", "2", "--fault", "wrong-commit"]) == 0
+    assert main(["simulate", "--model", "toy", "--fault", "wrong-commit"]) == 2
+
+
 def test_simulate_cli_json_and_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out, trace = tmp_path / "r.json", tmp_path / "t.jsonl"
     assert main(["simulate", "--model", "toy", "--requests", "12", "--json", str(out), "--trace", str(trace)]) == 0

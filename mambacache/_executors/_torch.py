@@ -178,9 +178,23 @@ class TorchExecutor:
             if draft is None:
                 raise TypeError("a CommitStage needs the pool tensor's draft buffer")
             k = draft.shape[2]
-            srcs = [src * k + pos for src, pos, _ in stage.entries]
             dsts = [dst for _, _, dst in stage.entries]
-            torch._foreach_copy_(self._rows(tensor, dsts), self._rows(draft, srcs, depth=3))
+            if self._choose(tensor, len(dsts), len(dsts)) == "direct":
+                srcs = [src * k + pos for src, pos, _ in stage.entries]
+                torch._foreach_copy_(self._rows(tensor, dsts), self._rows(draft, srcs, depth=3))
+            else:
+                # CPU: one strided view per slot (every layer at once), as the runs path does:
+                # a call per row costs more than the copy of a small row.
+                cache = self._entry(draft).slots
+                if len(cache) != draft.shape[1] * k:
+                    cache[:] = [None] * (draft.shape[1] * k)
+                sources = []
+                for src, pos, _ in stage.entries:
+                    view = cache[src * k + pos]
+                    if view is None:
+                        view = cache[src * k + pos] = draft[:, src, pos]
+                    sources.append(view)
+                torch._foreach_copy_(self._runs(tensor, [(d, 1) for d in dsts]), sources)
         elif isinstance(stage, ZeroStage):
             path = self._choose(tensor, len(stage.slots), len(stage.runs))
             if path == "runs":

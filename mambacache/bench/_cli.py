@@ -179,9 +179,9 @@ def plot(results: list[Result], out: str) -> None:
     import matplotlib.pyplot as plt
 
     presets = list(dict.fromkeys(r.preset for r in results))
-    fig, axes = plt.subplots(len(presets), 2, figsize=(11, 3.2 * len(presets)), squeeze=False)
+    fig, axes = plt.subplots(len(presets), 3, figsize=(15, 3.2 * len(presets)), squeeze=False)
     for row, preset in enumerate(presets):
-        for col, op in enumerate(("clear", "copy")):
+        for col, op in enumerate(("clear", "copy", "commit")):
             ax = axes[row][col]
             sel = [r for r in results if r.preset == preset and r.op == op and r.path not in ("memset", "memcpy")]
             for name in dict.fromkeys(r.path for r in sel):
@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     executors = args.executor or ["torch", "torch-direct", "npu", "reference"]
     started = time.perf_counter()
     results: list[Result] = []
-    progress = Progress(len(presets) * len(sizes) * 2 * (len(executors) + 2), "bench")
+    progress = Progress(len(presets) * len(sizes) * 3 * (len(executors) + 2), "bench")
     for preset in presets:
         for r in run_preset(preset, sizes, executors, device, repeats, int(args.budget_gb * POOL_SHARE * 2**30),
                             int(args.workspace_mb * 2**20)):  # fmt: skip

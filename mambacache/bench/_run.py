@@ -26,11 +26,11 @@ import anyio
 import torch
 
 from .. import _tracing
-from .._events import Clear, CopyOnWrite
+from .._events import Clear, CommitDraft, CopyOnWrite
 from .._executors import resolve_executor
 from .._executors._torch import TorchExecutor
 from .._manager import CacheManager
-from .._planner import Stage, plan_step
+from .._planner import CommitStage, Stage, plan_step
 from .._pool import StatePool
 from .._spec import StateSpec
 from ..audit import OpAudit
@@ -131,7 +131,21 @@ def _seed_copy(pool: StatePool, src: torch.Tensor, dst: torch.Tensor) -> None:
         t[:, dst] = t[:, src]
 
 
+def _seed_commit(pool: StatePool, dst: torch.Tensor, pos: torch.Tensor) -> None:
+    """Speculative decoding as engines first wrote it: an advanced-index gather from the draft buffers."""
+    for t, d in zip(pool.tensors, pool.draft_tensors, strict=True):
+        t[:, dst] = d[:, dst, pos]
+
+
 def _run_stage(executor: Any, stage: Stage, pool: StatePool) -> Callable[[], None]:
+    if isinstance(stage, CommitStage):
+
+        def commit() -> None:
+            for t, d in zip(pool.tensors, pool.draft_tensors, strict=True):
+                executor.execute(stage, t, d)
+
+        return commit
+
     def go() -> None:
         for t in pool.tensors:
             executor.execute(stage, t)
@@ -150,6 +164,8 @@ def _launches(fn: Callable[[], object], device: torch.device) -> int | None:
         torch.cuda.synchronize(device)
     return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA and not e.name.startswith("Memcpy"))
 
+
+DRAFTS = 2  # draft states per slot in the bench's pools (for the commit op)
 
 # Executors the bench knows besides the registry's: the torch executor with a forced path.
 BENCH_EXECUTORS = {"torch-runs": "runs", "torch-index": "index", "torch-direct": "direct"}
@@ -189,11 +205,15 @@ def run_preset(
     workspace_bytes: int,
     seed: int = 0,
 ) -> Iterator[Result]:
-    """Clear and copy ``n`` random slots for each ``n`` in ``sizes``: every executor and the baselines."""
+    """Clear, copy and commit ``n`` random slots for each ``n`` in ``sizes``: every executor and the baselines.
+
+    The pool keeps ``DRAFTS`` draft states per slot, so commits (speculative
+    decoding's accepted state, from a draft buffer into the slot) are timed too.
+    """
     num_slots = 2 * max(sizes) + 8
-    spec: StateSpec = fit_layers(lookup(name).spec, num_slots, budget_bytes)
-    pool = StatePool(spec, num_slots, device)
-    for t in pool.tensors:
+    spec: StateSpec = fit_layers(lookup(name).spec, num_slots, budget_bytes // (1 + DRAFTS))
+    pool = StatePool(spec, num_slots, device, draft_tokens=DRAFTS)
+    for t in [*pool.tensors, *pool.draft_tensors]:
         t.fill_(1)
     rng = random.Random(seed)
     impls = {e: make_executor(e, device, workspace_bytes) for e in executors}
@@ -208,9 +228,14 @@ def run_preset(
         sidx, didx = torch.tensor(src, device=device), torch.tensor(dst, device=device)
         (zstage,) = plan_step([Clear(s) for s in zero_slots]).stages
         (cstage,) = plan_step([CopyOnWrite(s, d) for s, d in zip(src, dst, strict=True)]).stages
+        positions = [rng.randrange(DRAFTS) for _ in dst]
+        (mstage,) = plan_step([CommitDraft(d, j + 1) for d, j in zip(dst, positions, strict=True)]).stages
+        pidx = torch.tensor([j for _, j, _ in mstage.entries], device=device)  # type: ignore[union-attr]
+        midx = torch.tensor([d for _, _, d in mstage.entries], device=device)  # type: ignore[union-attr]
         for op, bound, stage, seed_fn in (
             ("clear", "memset", zstage, partial(_seed_clear, pool, zidx)),
             ("copy", "memcpy", cstage, partial(_seed_copy, pool, sidx, didx)),
+            ("commit", "memcpy", mstage, partial(_seed_commit, pool, midx, pidx)),
         ):
             fns: dict[str, Callable[[], object]] = {
                 bound: partial(_zero_all, bufs) if op == "clear" else partial(_copy_all, bufs, bufs2),

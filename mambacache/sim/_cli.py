@@ -41,6 +41,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--arrival-rate", type=float_in(0, low_open=True), default=_D.arrival_rate, help="requests per step (> 0)"
     )
     p.add_argument("--fault", choices=FAULTS, default="none", help="break the manager's use on purpose")
+    p.add_argument(
+        "--speculative",
+        type=int_at_least(0),
+        default=0,
+        metavar="K",
+        help="speculative decoding: propose K draft tokens per decode step, verify, commit the accepted state",
+    )
+    p.add_argument(
+        "--draft-accuracy",
+        type=float_in(0, 1),
+        default=_D.draft_accuracy,
+        help="chance that each proposed token is the target's own choice (default 0.7)",
+    )
     p.add_argument("--executor", default=None, help="torch, npu or reference (default: by device)")
     p.add_argument("--no-verify", action="store_true", help="skip the isolated-generation check")
     p.add_argument("--json", metavar="PATH", help="write the reports as JSON ('-' for stdout)")
@@ -64,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
             m for choice in (args.model or ["all"]) for m in (DEFAULT_MODELS if choice == "all" else [choice])
         )
     )
+    if args.fault == "wrong-commit" and not args.speculative:
+        raise UsageError("--fault wrong-commit needs --speculative K")
     if args.slots is not None and args.slots <= args.max_running:
         raise UsageError(f"--slots ({args.slots}) must exceed --max-running ({args.max_running})")
     check_output_path(args.json)
@@ -98,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
             executor=args.executor,
             verify=not args.no_verify,
             trace=traces[name],
+            speculative=args.speculative,
+            draft_accuracy=args.draft_accuracy,
         )
         model = build_model(name, args.seed)
         reports.append(anyio.run(simulate, cfg, model, lambda _r, n=name: progress.advance(1, n)))
@@ -106,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
         [r.model, r.completed, "-" if args.no_verify else r.mismatches, r.forks, r.prefix_hits, r.clears,
          r.clears_elided, r.evictions,
          f"{r.peak_slots_in_use}/{r.num_slots}", r.steps, r.tokens_per_s, f"{100 * r.manager_overhead_fraction:.1f}%"]
+        + ([f"{r.drafts_accepted}/{r.drafts_proposed}", r.commits] if args.speculative else [])
         for r in reports
     ]  # fmt: skip
     headers = [
@@ -121,8 +139,10 @@ def run(args: argparse.Namespace) -> int:
         "steps",
         "tok/s",
         "mgr",
-    ]
+    ] + (["accepted", "commits"] if args.speculative else [])
     title = f"mambacache simulate: {args.requests} requests, max running {args.max_running}, fault {args.fault}"
+    if args.speculative:
+        title += f", speculative {args.speculative} draft tokens"
     if args.json != "-":
         sys.stdout.write(table(headers, rows, title=title) + "\n")
         if args.no_verify:

@@ -37,6 +37,13 @@ class SimModel(abc.ABC):
         """Point the request's state at ``slot`` of ``pool``."""
 
     @abc.abstractmethod
+    def bind_draft(self, ctx: Any, pool: StatePool, slot: int, j: int) -> None:
+        """Point the request's state at draft state ``j`` of ``slot`` (a verify forward runs there)."""
+
+    def drop_tokens(self, ctx: Any, n: int) -> None:  # noqa: B027 - a no-op default on purpose
+        """Forget the last ``n`` tokens' attention KV (rejected draft tokens); recurrent state is the pool's."""
+
+    @abc.abstractmethod
     def forward(self, ctx: Any, tokens: list[int]) -> int:
         """Run ``tokens``; return the greedy next token."""
 
@@ -83,6 +90,11 @@ class ToyModel(SimModel):
     def bind(self, ctx: Any, pool: StatePool, slot: int) -> None:
         ctx["conv"] = [pool.conv[0][layer, slot] for layer in range(self.spec.num_layers)]
         ctx["state"] = [pool.temporal[layer, slot] for layer in range(self.spec.num_layers)]
+
+    def bind_draft(self, ctx: Any, pool: StatePool, slot: int, j: int) -> None:
+        assert pool.draft_temporal is not None
+        ctx["conv"] = [pool.draft_conv[0][layer, slot, j] for layer in range(self.spec.num_layers)]
+        ctx["state"] = [pool.draft_temporal[layer, slot, j] for layer in range(self.spec.num_layers)]
 
     def forward(self, ctx: Any, tokens: list[int]) -> int:
         x = self.emb[0]
@@ -158,6 +170,16 @@ class HFModel(SimModel):
 
     def bind(self, ctx: Any, pool: StatePool, slot: int) -> None:
         bind_cache(ctx, pool, slot, self.config)
+
+    def bind_draft(self, ctx: Any, pool: StatePool, slot: int, j: int) -> None:
+        bind_cache(ctx, pool, slot, self.config, draft=j)
+
+    def drop_tokens(self, ctx: Any, n: int) -> None:
+        if n:
+            linear = set(self.linear)
+            for i, layer in enumerate(ctx.layers):
+                if i not in linear:
+                    layer.crop(-n)
 
     def forward(self, ctx: Any, tokens: list[int]) -> int:
         with torch.no_grad():

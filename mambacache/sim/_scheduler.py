@@ -29,7 +29,7 @@ from ._models import SimModel, build_model
 
 __all__ = ["FAULTS", "SimConfig", "SimReport", "simulate"]
 
-FAULTS = ("none", "skip-clear", "skip-fork")
+FAULTS = ("none", "skip-clear", "skip-fork", "wrong-commit")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +49,8 @@ class SimConfig:
     executor: str | None = None
     verify: bool = True
     trace: str | None = None
+    speculative: int = 0  # draft tokens proposed per decode step (0: plain decoding)
+    draft_accuracy: float = 0.7  # chance that each proposed token is the target's own next token
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +73,10 @@ class SimReport:
     seconds: float
     fault: str
     mismatched_requests: tuple[str, ...] = ()
+    speculative: int = 0
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    commits: int = 0
 
 
 @dataclass(slots=True)
@@ -83,6 +89,7 @@ class _Request:
     ctx: Any = None
     pos: int = 0
     out: list[int] = field(default_factory=list)
+    reference: list[int] = field(default_factory=list)  # its isolated greedy continuation (drafts come from it)
 
 
 @dataclass(slots=True)
@@ -116,6 +123,8 @@ class _Scheduler:
         self.forks = self.clears = self.elided = self.hits = self.evictions = self.peak = 0
         self.manager_s = 0.0
         self._entries = 0
+        self.proposed = self.accepted = self.commits = 0
+        self._rng = random.Random(cfg.seed + 1)
 
     def _timed(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
@@ -173,9 +182,51 @@ class _Scheduler:
         if req.pos < len(req.prompt):
             req.out.append(model.forward(req.ctx, req.prompt[req.pos :]))
             req.pos = len(req.prompt)
+        elif cfg.speculative:
+            self.speculate(req)
         else:
             req.out.append(model.forward(req.ctx, [req.out[-1]]))
         return len(req.out) >= req.n_new
+
+    def speculate(self, req: _Request) -> None:
+        """One speculative decode step: propose k tokens, verify k + 1 positions, commit the accepted state.
+
+        The verify forward runs token by token in the slot's draft buffers: position
+        ``j`` starts from position ``j - 1`` (the slot's own state for ``j = 0``) and
+        holds the state after input ``j``, so the slot itself is not written. Inputs
+        are the pending token and the k drafts; the target's greedy choice after each
+        is ``ys[j]``. Drafts are accepted while they equal the target's choices; the
+        slot then takes, by ``CommitDraft`` at the next flush (before its next
+        forward), the state after the pending token and the accepted drafts.
+        """
+        cfg, model, pool = self.cfg, self.model, self.pool
+        k = cfg.speculative
+        have = len(req.out)
+        drafts = [
+            req.reference[have + i]
+            if self._rng.random() < cfg.draft_accuracy
+            else self._rng.randrange(model.vocab_size)
+            for i in range(k)
+        ]
+        inputs = [req.out[-1], *drafts]
+        ys: list[int] = []
+        for j, token in enumerate(inputs):
+            for t, d in zip(pool.tensors, pool.draft_tensors, strict=True):
+                d[:, req.slot, j].copy_(t[:, req.slot] if j == 0 else d[:, req.slot, j - 1])
+            model.bind_draft(req.ctx, pool, req.slot, j)
+            ys.append(model.forward(req.ctx, [token]))
+        accepted = 0
+        while accepted < k and drafts[accepted] == ys[accepted]:
+            accepted += 1
+        consumed = accepted + 1  # the pending token and the accepted drafts
+        commit = consumed - 1 if cfg.fault == "wrong-commit" else consumed
+        self._timed(self.mgr.commit_draft, req.slot, commit, request_id=req.rid)
+        model.bind(req.ctx, pool, req.slot)
+        model.drop_tokens(req.ctx, len(inputs) - consumed)
+        req.out += ys[:consumed]
+        self.proposed += k
+        self.accepted += accepted
+        self.commits += 1
 
     async def run(self, waiting: deque[_Request], on_done: Callable[[_Request], None]) -> int:
         step = 0
@@ -206,12 +257,18 @@ async def simulate(
         raise ValueError(f"unknown fault {cfg.fault!r}; choose from {FAULTS}")
     if cfg.suffix_len[0] < 1 or cfg.new_tokens[0] < 1:
         raise ValueError("prompts need a suffix after the prefix, and requests at least one new token")
+    if cfg.fault == "wrong-commit" and not cfg.speculative:
+        raise ValueError("the wrong-commit fault needs speculative decoding (speculative > 0)")
     model = model if model is not None else build_model(cfg.model, cfg.seed)
     workload = make_workload(cfg, model.vocab_size)
+    if cfg.speculative:
+        # The drafts' source, and the verification's reference: one isolated greedy run each.
+        for req in workload:
+            req.reference = model.generate(req.prompt, req.n_new + cfg.speculative + 1)
     num_slots = cfg.slots if cfg.slots is not None else cfg.max_running + max(2, cfg.max_running // 2)
     if num_slots < cfg.max_running + 1:
         raise ValueError(f"slots ({num_slots}) must exceed max_running ({cfg.max_running})")
-    pool = StatePool(model.spec, num_slots)
+    pool = StatePool(model.spec, num_slots, draft_tokens=cfg.speculative + 1 if cfg.speculative else 0)
     # Dirty from the start, as a pool reused across server restarts would be.
     generator = torch.Generator().manual_seed(cfg.seed)
     for t in pool.tensors:
@@ -234,7 +291,13 @@ async def simulate(
         if cfg.trace:
             tracing.disable()
     seconds = time.perf_counter() - t0
-    mismatched = tuple(r.rid for r in done if cfg.verify and r.out != model.generate(r.prompt, r.n_new))
+    for r in done:
+        del r.out[r.n_new :]  # a speculative step may overshoot the last one
+    mismatched = tuple(
+        r.rid
+        for r in done
+        if cfg.verify and r.out != (r.reference[: r.n_new] if cfg.speculative else model.generate(r.prompt, r.n_new))
+    )
     tokens = sum(len(r.out) for r in done)
     return SimReport(
         model=model.name,
@@ -255,4 +318,8 @@ async def simulate(
         seconds=seconds,
         fault=cfg.fault,
         mismatched_requests=mismatched,
+        speculative=cfg.speculative,
+        drafts_proposed=sched.proposed,
+        drafts_accepted=sched.accepted,
+        commits=sched.commits,
     )

@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import mambacache as mc
-from mambacache._planner import CopyStage, RotateStage, ZeroStage, copy_runs, plan_step, zero_runs
+from mambacache._planner import CommitStage, CopyStage, RotateStage, ZeroStage, copy_runs, plan_step, zero_runs
 
 from .strategies import events_from_ops, ops
 
@@ -20,6 +20,8 @@ def sequential(events: list[object], start: dict[int, object]) -> dict[int, obje
             state[ev.slot] = "Z"
         elif isinstance(ev, mc.CopyOnWrite):
             state[ev.dst] = state[ev.src]
+        elif isinstance(ev, mc.CommitDraft) and ev.accepted:
+            state[ev.slot] = ("draft", ev.slot, ev.accepted - 1)  # draft buffers: constant during the step
     return state
 
 
@@ -46,12 +48,17 @@ def run_plan(plan: mc.Plan, start: dict[int, object]) -> dict[int, object]:
                 assert len(cycle) >= 2
                 for i, c in enumerate(cycle):
                     state[cycle[(i + 1) % len(cycle)]] = old[c]
+        elif isinstance(stage, CommitStage):
+            dsts = [d for _, _, d in stage.entries]
+            assert dsts == sorted(set(dsts))
+            for src, pos, dst in reversed(stage.entries):
+                state[dst] = ("draft", src, pos)
     return state
 
 
-@given(ops, st.sets(st.integers(1, N)))
-def test_plan_equals_sequential_execution(raw: list[tuple[str, int, int]], initially: set[int]) -> None:
-    for events, allocated in events_from_ops(raw, N, set(initially)):
+@given(ops, st.sets(st.integers(1, N)), st.sampled_from([0, 1, 3]))
+def test_plan_equals_sequential_execution(raw: list[tuple[str, int, int]], initially: set[int], k: int) -> None:
+    for events, allocated in events_from_ops(raw, N, set(initially), draft_tokens=k):
         start: dict[int, object] = {s: s for s in range(1, N + 1)}
         plan = plan_step(events)  # type: ignore[arg-type]
         want = sequential(events, start)
@@ -60,15 +67,16 @@ def test_plan_equals_sequential_execution(raw: list[tuple[str, int, int]], initi
             assert got[s] == want[s], (s, events, plan)
         # Minimal: one write per live slot whose value changed, nothing for dead or unchanged slots.
         changed = {s for s in allocated if want[s] != s}
-        writes = plan.zeroed + plan.copied
+        writes = plan.zeroed + plan.copied + plan.committed
         assert writes == len(changed)
         assert plan.events == len(events)
         writers = sum(
-            isinstance(e, (mc.Clear, mc.CopyOnWrite)) or (isinstance(e, mc.Alloc) and e.clear) for e in events
+            isinstance(e, (mc.Clear, mc.CopyOnWrite, mc.CommitDraft)) or (isinstance(e, mc.Alloc) and e.clear)
+            for e in events
         )
         assert plan.elided == writers - writes >= 0
         kinds = [type(st_) for st_ in plan.stages]
-        assert kinds.count(ZeroStage) <= 1 and kinds.count(RotateStage) <= 1
+        assert kinds.count(ZeroStage) <= 1 and kinds.count(RotateStage) <= 1 and kinds.count(CommitStage) <= 1
         assert all(st_ is CopyStage for st_ in kinds[: kinds.count(CopyStage)])
 
 

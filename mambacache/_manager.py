@@ -533,8 +533,10 @@ class CacheManager:
         t1 = time.perf_counter()
         backlog = self._pool._backlog
         resumed += len(backlog)
-        backlog.push(plan.stages, self._executor)
-        self._run_backlog(stream, step)
+        if plan.stages:
+            backlog.push(plan.stages, self._executor)
+        if backlog:
+            self._run_backlog(stream, step)
         t2 = time.perf_counter()
         slot_bytes = self._pool.spec.slot_bytes
         report = StepReport(

@@ -149,9 +149,11 @@ def copy_runs(pairs: Sequence[tuple[int, int]]) -> tuple[CopyRun, ...]:
 
 def _order_copies(src_of: dict[int, int]) -> tuple[list[CopyStage], RotateStage | None]:
     """Waves of copies, leaves first, then the cycles that remain."""
+    if not src_of:
+        return [], None
     if src_of.keys().isdisjoint(src_of.values()):  # no destination is read: one wave (the decode-step case)
-        pairs = tuple(sorted(((s, d) for d, s in src_of.items()), key=lambda p: p[1]))
-        return ([CopyStage(pairs, copy_runs(pairs))] if pairs else []), None
+        pairs = tuple([(s, d) for d, s in sorted(src_of.items())])
+        return [CopyStage(pairs, copy_runs(pairs))], None
     readers: dict[int, int] = {}
     for s in src_of.values():
         readers[s] = readers.get(s, 0) + 1

@@ -146,17 +146,23 @@ class TorchExecutor:
             slots, runs = len(stage.pairs), len(stage.runs)
         else:
             return False
-        paths = {self._choose(t, slots, runs) for t in tensors}
+        if self.path == "auto" and runs <= self.max_runs:
+            # Few runs (a decode step): the rule does not depend on the tensor's size.
+            cpu = tensors[0].device.type == "cpu"
+            paths = {"runs"} if cpu else {"direct" if all(t.is_contiguous() for t in tensors) else "index"}
+        else:
+            paths = {self._choose(t, slots, runs) for t in tensors}
         if len(paths) != 1 or "index" in paths:
             return False
         views: list[torch.Tensor] = []
+        direct = "direct" in paths
         if isinstance(stage, ZeroStage):
             for t in tensors:
-                views += self._rows(t, stage.slots) if "direct" in paths else self._runs(t, stage.runs)
+                views += self._rows(t, stage.slots) if direct else self._runs(t, stage.runs)
             torch._foreach_zero_(views)
             return True
         sources: list[torch.Tensor] = []
-        if "direct" in paths:
+        if direct:
             srcs, dsts = stage_pairs(stage)
             for t in tensors:
                 views += self._rows(t, dsts)

@@ -147,7 +147,14 @@ class StatePool:
         self._backlog = Backlog()
 
     @classmethod
-    def from_tensors(cls, conv: Sequence[torch.Tensor], temporal: torch.Tensor) -> StatePool:
+    def from_tensors(
+        cls,
+        conv: Sequence[torch.Tensor],
+        temporal: torch.Tensor,
+        *,
+        draft_conv: Sequence[torch.Tensor] | None = None,
+        draft_temporal: torch.Tensor | None = None,
+    ) -> StatePool:
         """Adopt engine-owned ``[num_layers, num_slots + 1, *state]`` tensors: same storage, no copy.
 
         Validated: every tensor is a contiguous tensor of at least 3 dims on one
@@ -155,12 +162,24 @@ class StatePool:
         conv tensors share one dtype, no two overlap in memory, and none requires
         grad. Slot 0 of each is padding: mambacache never hands it out or writes
         it, so an engine that indexes from 0 keeps 0 as its dummy slot.
+
+        ``draft_conv`` / ``draft_temporal`` adopt the engine's speculative-decoding
+        buffers too (SGLang's intermediate conv windows and SSM states):
+        ``[num_layers, num_slots + 1, draft_tokens, *state]``, matching the state
+        tensors' shapes and dtypes, given together.
         """
         if isinstance(conv, torch.Tensor) or not isinstance(conv, Sequence):
             raise InvalidArgumentError(f"conv must be a sequence of tensors, got {type(conv).__name__}")
-        tensors = [*conv, temporal]
+        if (draft_conv is None) != (draft_temporal is None):
+            raise InvalidArgumentError("give draft_conv and draft_temporal together, or neither")
+        if isinstance(draft_conv, torch.Tensor) or (draft_conv is not None and len(draft_conv) != len(conv)):
+            raise InvalidArgumentError(f"draft_conv must be a sequence of {len(conv)} tensors, one per conv")
+        drafts = [*draft_conv, draft_temporal] if draft_conv is not None and draft_temporal is not None else []
+        tensors = [*conv, temporal, *drafts]
         for i, t in enumerate(tensors):
-            what = f"conv[{i}]" if i < len(conv) else "temporal"
+            what = (
+                f"conv[{i}]" if i < len(conv) else "temporal" if i == len(conv) else f"draft buffer {i - len(conv) - 1}"
+            )
             if not isinstance(t, torch.Tensor):
                 raise InvalidArgumentError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
             if t.ndim < 3:
@@ -171,12 +190,21 @@ class StatePool:
                 raise InvalidArgumentError(f"{what} requires grad: state tensors are written in place")
             if t.device != temporal.device:
                 raise InvalidArgumentError(f"{what} is on {t.device}, temporal on {temporal.device}")
-            if t.shape[:2] != temporal.shape[:2]:
+            if t.shape[:2] != temporal.shape[:2] and i <= len(conv):
                 raise InvalidArgumentError(
                     f"{what} has {tuple(t.shape[:2])} (layers, slots + 1), temporal {tuple(temporal.shape[:2])}"
                 )
         if temporal.shape[1] < 2:
             raise InvalidArgumentError("tensors need at least 2 slots along dim 1 (slot 0 is padding)")
+        for i, (d, t) in enumerate(zip(drafts, [*conv, temporal], strict=False)):
+            what = f"draft_conv[{i}]" if i < len(conv) else "draft_temporal"
+            if d.ndim != t.ndim + 1 or d.shape[:2] != t.shape[:2] or d.shape[3:] != t.shape[2:] or d.dtype != t.dtype:
+                raise InvalidArgumentError(
+                    f"{what} is {tuple(d.shape)} {d.dtype}; [num_layers, num_slots + 1, draft_tokens, *state] of"
+                    f" its state tensor {tuple(t.shape)} {t.dtype} expected"
+                )
+            if d.shape[2] != drafts[-1].shape[2] or d.shape[2] < 1:
+                raise InvalidArgumentError("every draft buffer needs the same draft_tokens (at least 1)")
         if len({c.dtype for c in conv}) > 1:
             raise InvalidArgumentError(f"conv tensors must share one dtype, got {[c.dtype for c in conv]}")
         spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i) for i, t in enumerate(tensors))
@@ -189,9 +217,10 @@ class StatePool:
             temporal_shape=tuple(temporal.shape[2:]),
             conv_dtype=conv[0].dtype if conv else torch.bfloat16,
             temporal_dtype=temporal.dtype,
+            draft_tokens=draft_temporal.shape[2] if draft_temporal is not None else 0,
         )
         pool = cls.__new__(cls)
-        pool._init(spec, list(conv), temporal)
+        pool._init(spec, list(conv), temporal, list(draft_conv or []), draft_temporal)
         return pool
 
     @classmethod

@@ -210,3 +210,24 @@ def test_from_hf_config_takes_draft_tokens() -> None:
         conv_kernel=4, num_heads=2, head_dim=16,
     )  # fmt: skip
     assert mc.StateSpec.from_hf_config(cfg, draft_tokens=4).draft_tokens == 4
+
+
+def test_from_tensors_adopts_the_engines_draft_buffers() -> None:
+    conv, temporal = torch.zeros(2, 5, 4, 3), torch.zeros(2, 5, 2, 2)
+    dconv, dtemp = torch.zeros(2, 5, 3, 4, 3), torch.zeros(2, 5, 3, 2, 2)
+    pool = mc.StatePool.from_tensors(conv=[conv], temporal=temporal, draft_conv=[dconv], draft_temporal=dtemp)
+    assert pool.draft_tokens == 3 and pool.draft_temporal is dtemp
+    dtemp[:, 1, 2] = 7.0
+    with mc.CacheManager(pool) as mgr:
+        (a,) = mgr.alloc_slots([1])
+        mgr.commit_draft(a, 3)
+    assert bool((temporal[:, 1] == 7.0).all())  # written into the engine's own tensor
+    for kwargs in (
+        {"draft_conv": [dconv]},  # one without the other
+        {"draft_conv": [dconv], "draft_temporal": torch.zeros(2, 5, 2, 2, 2)},  # draft counts differ
+        {"draft_conv": [dconv], "draft_temporal": torch.zeros(2, 5, 3, 2, 3)},  # state shape differs
+        {"draft_conv": [dconv], "draft_temporal": torch.zeros(2, 5, 3, 2, 2, dtype=torch.float16)},
+        {"draft_conv": [dconv, dconv], "draft_temporal": dtemp},
+    ):
+        with pytest.raises(mc.InvalidArgumentError):
+            mc.StatePool.from_tensors(conv=[conv], temporal=temporal, **kwargs)  # type: ignore[arg-type]

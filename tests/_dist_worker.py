@@ -24,11 +24,24 @@ def spec() -> mc.StateSpec:
     return mc.StateSpec(num_layers=2, conv_shapes=[(4, 3)], temporal_shape=(3, 5))
 
 
+DRAFTS = 2  # every rank's pool keeps draft states, so commits cross the wire too
+
+
 def plan_of_steps(seed: int, n_ops: int) -> list[list[object]]:
     rng = random.Random(seed)
     raw = [(rng.choice(KINDS), 0, rng.randrange(10**6)) for _ in range(n_ops)]
     raw = [(k, 0 if k == "alloc" else rng.randrange(10**6), b) for k, _, b in raw]
-    return [events for events, _ in events_from_ops(raw, N, set())]
+    return [events for events, _ in events_from_ops(raw, N, set(), draft_tokens=DRAFTS)]
+
+
+def shard_pool(seed: int, rank: int) -> mc.StatePool:
+    """This rank's shard: its own random state and draft content."""
+    pool = mc.StatePool(spec(), N, draft_tokens=DRAFTS)
+    fill_random(pool, 1000 * seed + rank)
+    g = torch.Generator().manual_seed(7 * seed + rank)
+    for d in pool.draft_tensors:
+        d.copy_(torch.randn(d.shape, generator=g))
+    return pool
 
 
 def worker(rank: int, world: int, port: int, seed: int, mode: str) -> None:
@@ -39,8 +52,7 @@ def worker(rank: int, world: int, port: int, seed: int, mode: str) -> None:
         anyio.run(_big_or_mismatch, rank, mode)
         dist.destroy_process_group()
         return
-    pool = mc.StatePool(spec(), N)
-    fill_random(pool, 1000 * seed + rank)  # each rank its own shard content
+    pool = shard_pool(seed, rank)  # each rank its own shard content
     oracle = SequentialOracle(pool)
     steps = plan_of_steps(seed, 60)
 
@@ -118,8 +130,7 @@ def cancel_worker(rank: int, world: int, port: int, seed: int, mode: str) -> Non
         anyio.run(_big_cancelled, rank)
         dist.destroy_process_group()
         return
-    pool = mc.StatePool(spec(), N)
-    fill_random(pool, 1000 * seed + rank)
+    pool = shard_pool(seed, rank)
     oracle = SequentialOracle(pool)
     steps = plan_of_steps(seed, 120)
     rng = random.Random(seed * 7919 + rank)

@@ -26,13 +26,7 @@ def as_slot(x: Any, num_slots: int, allow_padding: bool = False) -> int:
         if isinstance(x, bool) or (type(x).__module__ == "numpy" and "bool" in type(x).__name__):
             raise InvalidSlotError(f"slot must be an int, got bool {x!r}")
         if isinstance(x, torch.Tensor):
-            if x.device.type != "cpu":
-                raise InvalidSlotError(
-                    f"slot is a {x.device.type} tensor: reading it would wait for the device; pass a host int"
-                )
-            if x.ndim != 0 or x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
-                raise InvalidSlotError(f"slot must be an int or a 0-d integer tensor, got {x!r}")
-            x = int(x)
+            x = int(_host_ints(x, 0, "slot"))
         else:
             try:
                 x = operator.index(x)
@@ -45,16 +39,21 @@ def as_slot(x: Any, num_slots: int, allow_padding: bool = False) -> int:
     return x  # type: ignore[no-any-return]
 
 
+def _host_ints(t: torch.Tensor, ndim: int, what: str) -> torch.Tensor:
+    """``t`` if it is an integer tensor of ``ndim`` dims on the host; reading a device tensor would sync."""
+    if t.device.type != "cpu":
+        raise InvalidSlotError(
+            f"{what}: a {t.device.type} tensor; reading it would wait for the device, pass host data"
+        )
+    if t.ndim != ndim or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise InvalidSlotError(f"{what} must be a {ndim}-D integer tensor, got {t.dtype} {tuple(t.shape)}")
+    return t
+
+
 def slot_list(slots: Any, num_slots: int, allow_padding: bool = False) -> list[int]:
     """A list, tuple, numpy array or 1-D CPU integer tensor of slots as validated ints."""
     if isinstance(slots, torch.Tensor):
-        if slots.device.type != "cpu":
-            raise InvalidSlotError(
-                f"slots are a {slots.device.type} tensor: reading it would wait for the device; pass host data"
-            )
-        if slots.ndim != 1 or slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype == torch.bool:
-            raise InvalidSlotError(f"slots must be a 1-D integer tensor, got {slots.dtype} {tuple(slots.shape)}")
-        values = slots.tolist()
+        values = _host_ints(slots, 1, "slots").tolist()
     elif type(slots).__module__ == "numpy" and hasattr(slots, "dtype"):
         kind = slots.dtype.kind
         if getattr(slots, "ndim", 1) != 1 or kind not in "iu":

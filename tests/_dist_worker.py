@@ -34,6 +34,15 @@ def plan_of_steps(seed: int, n_ops: int) -> list[list[object]]:
     return [events for events, _ in events_from_ops(raw, N, set(), draft_tokens=DRAFTS)]
 
 
+def submit_all(mgr: mc.CacheManager, events: list[object]) -> None:
+    """The source rank's submits: allocs reproduce the drawn slot (the lowest free one)."""
+    for ev in events:
+        if isinstance(ev, mc.Alloc):
+            assert mgr.alloc(1, clear=ev.clear) == [ev.slot]
+        else:
+            mgr.submit(ev)  # type: ignore[arg-type]
+
+
 def shard_pool(seed: int, rank: int) -> mc.StatePool:
     """This rank's shard: its own random state and draft content."""
     pool = mc.StatePool(spec(), N, draft_tokens=DRAFTS)
@@ -61,11 +70,7 @@ def worker(rank: int, world: int, port: int, seed: int, mode: str) -> None:
         async with mc.CacheManager(pool, group=dist.group.WORLD, src_rank=0, timeout=timeout) as mgr:
             for i, events in enumerate(steps):
                 if rank == 0:
-                    for ev in events:
-                        if isinstance(ev, mc.Alloc):
-                            assert mgr.alloc(1, clear=ev.clear) == [ev.slot]
-                        else:
-                            mgr.submit(ev)  # type: ignore[arg-type]
+                    submit_all(mgr, events)
                 else:
                     try:
                         mgr.clear(1)
@@ -139,11 +144,7 @@ def cancel_worker(rank: int, world: int, port: int, seed: int, mode: str) -> Non
         async with mc.CacheManager(pool, group=dist.group.WORLD, src_rank=0, timeout=20) as mgr:
             for events in steps:
                 if rank == 0:
-                    for ev in events:
-                        if isinstance(ev, mc.Alloc):
-                            assert mgr.alloc(1, clear=ev.clear) == [ev.slot]
-                        else:
-                            mgr.submit(ev)  # type: ignore[arg-type]
+                    submit_all(mgr, events)
                 oracle.apply(events)  # type: ignore[arg-type]
                 before = mgr.step
                 how = rng.randrange(5)

@@ -177,16 +177,23 @@ async def test_alloc_wait_waits_first_come_first_served_and_cancels_cleanly() ->
         async def want(n: int, rid: str) -> None:
             got.append((rid, await mgr.alloc_wait(n, request_id=rid)))
 
+        async def until(cond: object, what: str) -> None:
+            with anyio.fail_after(10):  # generous: CI machines are shared
+                while True:
+                    if cond():  # type: ignore[operator]
+                        return
+                    await anyio.sleep(0.001)
+
         async with anyio.create_task_group() as tg:
             tg.start_soon(want, 2, "big")
-            await anyio.sleep(0.01)
+            await until(lambda: len(mgr._waiters) == 1, "big waits")
             tg.start_soon(want, 1, "small")
-            await anyio.sleep(0.01)
+            await until(lambda: len(mgr._waiters) == 2, "small waits")
             mgr.release(held[0])  # one free: "small" fits but must not overtake "big"
             await anyio.sleep(0.02)
             assert got == []
             mgr.release(held[1])
-            await anyio.sleep(0.02)
+            await until(lambda: len(got) == 1, "big served")
             assert got == [("big", [1, 2])]
             mgr.release(held[2])
         assert got == [("big", [1, 2]), ("small", [3])]

@@ -201,3 +201,21 @@ async def _big_cancelled(rank: int) -> None:
             else:
                 assert torch.equal(pool.temporal[:, 751:], pool.temporal[:, 1:751]), rank
     assert bool((pool.temporal[:, 0] == 7).all())
+
+
+def sync_worker(rank: int, world: int, port: int, seed: int) -> None:
+    """The synchronous API in tensor-parallel mode: `with` and flush_nowait() on every rank."""
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=30)
+    )
+    pool = shard_pool(seed, rank)
+    oracle = SequentialOracle(pool)
+    with mc.CacheManager(pool, group=dist.group.WORLD, src_rank=0, timeout=20) as mgr:
+        for i, events in enumerate(plan_of_steps(seed, 80)):
+            if rank == 0:
+                submit_all(mgr, events)
+            oracle.apply(events)  # type: ignore[arg-type]
+            report = mgr.flush_nowait()
+            assert report.step == i and report.events == len(events)
+            oracle.assert_matches_shard(pool)
+    dist.destroy_process_group()

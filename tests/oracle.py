@@ -52,6 +52,12 @@ class SequentialOracle:
             t[:, slot] = value
         self.defined.add(slot)
 
+    def assert_matches_shard(self, pool: mc.StatePool) -> None:
+        """As :meth:`assert_matches`, for a tensor-parallel rank: it keeps no slot bookkeeping of its own."""
+        for i, (want, got) in enumerate(zip(self.tensors, pool.tensors, strict=True)):
+            for s in sorted(self.allocated & self.defined):
+                assert torch.equal(want[:, s], got[:, s]), f"tensor {i} slot {s} differs"
+
     def assert_matches(self, pool: mc.StatePool) -> None:
         assert set(pool.allocated_slots()) == self.allocated
         for i, (want, got) in enumerate(zip(self.tensors, pool.tensors, strict=True)):

@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 
 import mambacache as mc
 
-from ._dist_worker import cancel_worker, worker
+from ._dist_worker import cancel_worker, sync_worker, worker
 
 pytestmark = pytest.mark.slow
 
@@ -48,3 +48,8 @@ def test_cancelled_flushes_never_part_the_ranks(world: int, seed: int) -> None:
 
 def test_a_long_plan_under_a_deadline_reaches_every_rank_once() -> None:
     mp.spawn(cancel_worker, args=(2, free_port(), 0, "big"), nprocs=2, join=True)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_synchronous_api_in_tensor_parallel_mode(world: int) -> None:
+    mp.spawn(sync_worker, args=(world, free_port(), 21), nprocs=world, join=True)

@@ -85,6 +85,8 @@ class CacheManager:
         if type(max_failed_flushes) is not int or max_failed_flushes < 1:
             raise InvalidArgumentError(f"max_failed_flushes must be a positive int, got {max_failed_flushes!r}")
         self._pool = pool
+        self._device = pool.device
+        self._draft_tokens = pool.spec.draft_tokens
         self._clear_on_alloc = clear_on_alloc
         self._executor: Executor = resolve_executor(executor, pool.device, copy_workspace_bytes)
         check_executor(self._executor, pool._exec_tensors, pool._exec_drafts)
@@ -396,18 +398,20 @@ class CacheManager:
         if not checked:
             events = normalised(events, n)
         with self._lock:
-            self._check_submittable()
-            allocated, tenants = self._pool._allocated, self._pool._tenants
-            draft_tokens = self._pool.spec.draft_tokens
+            if self._state != _OPEN or self._broken is not None or self._tp is not None:
+                self._check_submittable()  # the common case is one test; this raises or checks the source rank
+            pool = self._pool
+            allocated, tenants, draft_tokens = pool._allocated, pool._tenants, self._draft_tokens
             released: dict[int, None] | None = None  # ordered: freed in release order
             for ev in events:
                 t = type(ev)
                 rid = ev.request_id
                 if t is CopyOnWrite:
                     a, b = ev.src, ev.dst
-                    for slot, role in ((a, "source"), (b, "destination")):
-                        if not allocated[slot] or (released is not None and slot in released):
-                            raise _not_allocated(ev, role, slot)
+                    if not allocated[a] or (released is not None and a in released):
+                        raise _not_allocated(ev, "source", a)
+                    if not allocated[b] or (released is not None and b in released):
+                        raise _not_allocated(ev, "destination", b)
                     if rid is not None and tenants[b] != rid:
                         raise _wrong_tenant(ev, b, tenants[b])
                 else:
@@ -486,13 +490,14 @@ class CacheManager:
             mutex.release()
 
     def _flush_sync(self, stream: Any | None) -> StepReport:
-        if self._flusher == threading.get_ident():
+        me = threading.get_ident()
+        if self._flusher == me:
             raise InvalidArgumentError(
                 "flush_nowait() while a flush of this thread is awaiting (a tensor-parallel broadcast):"
                 " it would deadlock; await that flush instead"
             )
         with self._mutex:
-            self._flusher = threading.get_ident()
+            self._flusher = me
             try:
                 if self._tp is None:
                     return self._flush_local(stream)
@@ -567,7 +572,7 @@ class CacheManager:
         backlog = self._pool._backlog
         tensors = self._pool._exec_tensors
         done = 0
-        with on_stream(self._pool.device, stream):
+        with on_stream(self._device, stream):
             while backlog.stages:
                 stage, executor = backlog.stages[0]
                 whole = getattr(executor, "execute_stage", None)

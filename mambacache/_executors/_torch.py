@@ -155,24 +155,49 @@ class TorchExecutor:
         if len(paths) != 1 or "index" in paths:
             return False
         views: list[torch.Tensor] = []
-        direct = "direct" in paths
-        if isinstance(stage, ZeroStage):
-            for t in tensors:
-                views += self._rows(t, stage.slots) if direct else self._runs(t, stage.runs)
-            torch._foreach_zero_(views)
-            return True
-        sources: list[torch.Tensor] = []
-        if direct:
+        if "direct" in paths:
+            if isinstance(stage, ZeroStage):
+                for t in tensors:
+                    views += self._rows(t, stage.slots)
+                torch._foreach_zero_(views)
+                return True
             srcs, dsts = stage_pairs(stage)
+            sources: list[torch.Tensor] = []
             for t in tensors:
                 views += self._rows(t, dsts)
                 sources += self._rows(t, srcs)
-        else:
-            dst_runs = [(c.dst, c.length) for c in stage.runs]
-            src_runs = [(c.src, c.length) for c in stage.runs]
+            torch._foreach_copy_(views, sources)
+            return True
+        # Runs: one pass per tensor over the runs, single-slot views from the cache
+        # (a decode step's stages are a few single-slot runs of a few tensors).
+        if isinstance(stage, ZeroStage):
             for t in tensors:
-                views += self._runs(t, dst_runs)
-                sources += self._runs(t, src_runs)
+                cache = self._entry(t).slots
+                for start, length in stage.runs:
+                    if length == 1:
+                        view = cache[start]
+                        if view is None:
+                            view = cache[start] = t[:, start]
+                        views.append(view)
+                    else:
+                        views.append(t[:, start : start + length])
+            torch._foreach_zero_(views)
+            return True
+        sources = []
+        for t in tensors:
+            cache = self._entry(t).slots
+            for src, dst, length in stage.runs:
+                if length == 1:
+                    a, b = cache[src], cache[dst]
+                    if a is None:
+                        a = cache[src] = t[:, src]
+                    if b is None:
+                        b = cache[dst] = t[:, dst]
+                    sources.append(a)
+                    views.append(b)
+                else:
+                    sources.append(t[:, src : src + length])
+                    views.append(t[:, dst : dst + length])
         torch._foreach_copy_(views, sources)
         return True
 

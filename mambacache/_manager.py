@@ -170,8 +170,7 @@ class CacheManager:
         # Read without the lock for the common case; submits re-check under it.
         if self._state != _OPEN:
             raise self._closed_error()
-        if self._broken is not None:
-            raise ManagerBrokenError(self._broken)
+        self._raise_if_broken()
 
     def _closed_error(self) -> ManagerClosedError:
         if self._state == _NEW:
@@ -316,8 +315,7 @@ class CacheManager:
         """Under the lock: the authoritative check, so no submit lands after the final flush's take."""
         if self._state != _OPEN:
             raise self._closed_error()
-        if self._broken is not None:
-            raise ManagerBrokenError(self._broken)
+        self._raise_if_broken()
         if self._tp is not None:
             self._tp.check_source("submit")
 
@@ -481,9 +479,9 @@ class CacheManager:
             if self._tp is None:
                 return self._flush_local(stream)
             with anyio.CancelScope(shield=True):
-                resumed = self._pre_flush()
+                self._raise_if_broken()
                 step, plan, plan_s = await self._tp.exchange(self)
-                report = self._apply(plan, step, stream, plan_s, resumed)
+                report = self._apply(plan, step, stream, plan_s, 0)
             return report
         finally:
             self._flusher = None
@@ -501,16 +499,15 @@ class CacheManager:
             try:
                 if self._tp is None:
                     return self._flush_local(stream)
-                resumed = self._pre_flush()
+                self._raise_if_broken()
                 step, plan, plan_s = self._tp.exchange_blocking(self)
-                return self._apply(plan, step, stream, plan_s, resumed)
+                return self._apply(plan, step, stream, plan_s, 0)
             finally:
                 self._flusher = None
 
-    def _pre_flush(self) -> int:
+    def _raise_if_broken(self) -> None:
         if self._broken is not None:
             raise ManagerBrokenError(self._broken)
-        return 0
 
     def _take_events(self) -> tuple[list[Event], int]:
         """Swap the queue out (vLLM's ``take_events``) and advance the step: ``(events, step)``."""
@@ -521,8 +518,7 @@ class CacheManager:
         return events, step
 
     def _flush_local(self, stream: Any | None) -> StepReport:
-        if self._broken is not None:
-            raise ManagerBrokenError(self._broken)
+        self._raise_if_broken()
         resumed = 0
         if self._pool._backlog:
             # Earlier work first; if it fails again the new events stay queued,

@@ -203,9 +203,9 @@ class TorchExecutor:
 
     def execute(self, stage: Stage, tensor: torch.Tensor, draft: torch.Tensor | None = None) -> None:
         if isinstance(stage, CommitStage):
-            # One foreach copy from the draft rows into the slots' rows, every layer:
-            # no index tensor and no temporary on any device (sources and destinations
-            # are different tensors, so any order is exact and a repeat is harmless).
+            # One foreach copy from the draft buffer into the slots, every layer: no index
+            # tensor and no temporary on any device (sources and destinations are
+            # different tensors, so any order is exact and a repeat is harmless).
             if draft is None:
                 raise TypeError("a CommitStage needs the pool tensor's draft buffer")
             k = draft.shape[2]
@@ -226,33 +226,24 @@ class TorchExecutor:
                         view = cache[src * k + pos] = draft[:, src, pos]
                     sources.append(view)
                 torch._foreach_copy_(self._runs(tensor, [(d, 1) for d in dsts]), sources)
-        elif isinstance(stage, ZeroStage):
-            path = self._choose(tensor, len(stage.slots), len(stage.runs))
-            if path == "runs":
-                torch._foreach_zero_(self._runs(tensor, stage.runs))
-            elif path == "direct":
-                torch._foreach_zero_(self._rows(tensor, stage.slots))
-            else:
+        elif isinstance(stage, (ZeroStage, CopyStage)):
+            # The runs and direct paths are the whole-stage ones, on this one tensor;
+            # what they decline takes the index path.
+            if self.execute_stage(stage, [tensor]):
+                return
+            if isinstance(stage, ZeroStage):
                 (idx,) = self._indices.get(stage, tensor.device, stage.slots)
                 tensor.index_fill_(1, idx, 0)
-        elif isinstance(stage, CopyStage):
-            # Sources and destinations of a copy stage are disjoint: every path may
-            # write in any order, and a repeat after a fault is harmless.
-            path = self._choose(tensor, len(stage.pairs), len(stage.runs))
-            if path == "runs":
-                dst_views = self._runs(tensor, [(c.dst, c.length) for c in stage.runs])
-                torch._foreach_copy_(dst_views, self._runs(tensor, [(c.src, c.length) for c in stage.runs]))
-            elif path == "direct":
-                srcs, dsts = stage_pairs(stage)
-                torch._foreach_copy_(self._rows(tensor, dsts), self._rows(tensor, srcs))
-            else:
-                srcs, dsts = stage_pairs(stage)
-                src_idx, dst_idx = self._indices.get(stage, tensor.device, srcs, dsts)
-                n = len(srcs)
-                chunk = max(1, self.copy_workspace_bytes // _slot_bytes(tensor))
-                for c0 in range(0, n, chunk):
-                    part = slice(c0, c0 + chunk)
-                    tensor.index_copy_(1, dst_idx[part], tensor.index_select(1, src_idx[part]))
+                return
+            # Sources and destinations of a copy stage are disjoint: any order is
+            # exact, a repeat after a fault is harmless, and the gathers can be chunked.
+            srcs, dsts = stage_pairs(stage)
+            src_idx, dst_idx = self._indices.get(stage, tensor.device, srcs, dsts)
+            n = len(srcs)
+            chunk = max(1, self.copy_workspace_bytes // _slot_bytes(tensor))
+            for c0 in range(0, n, chunk):
+                part = slice(c0, c0 + chunk)
+                tensor.index_copy_(1, dst_idx[part], tensor.index_select(1, src_idx[part]))
         elif isinstance(stage, RotateStage):
             # One gather of every member, then one scatter: read before write. The
             # gather is kept until the scatter is done, so a repeat after a fault

@@ -247,8 +247,9 @@ def run_preset(
                 # Temporaries from a fresh executor (its first step shows its workspace);
                 # ops from the warm one that was timed (what every later step launches).
                 fresh = _run_stage(make_executor(path, device, workspace_bytes), stage, pool) if path in impls else None
-                peak, noncontig, syncs, _ = _audit(fresh or fns[path], device)
-                ops = _audit(fns[path], device)[3]
+                peak, noncontig, syncs, ops = _audit(fresh or fns[path], device)
+                if fresh is not None:  # a fresh executor's first step builds its caches: count a warm one
+                    ops = _audit(fns[path], device)[3]
                 yield Result(name, spec.num_layers, n, op, path, median, low, high, nbytes, nbytes / median / 1e9,
                              timings[bound][0] / median, timings["seed"][0] / median, peak, noncontig, syncs,
                              ops, _launches(fns[path], device))  # fmt: skip

@@ -21,7 +21,11 @@ from ._events import Alloc as Alloc
 from ._events import Clear as Clear
 from ._events import CommitDraft as CommitDraft
 from ._events import CopyOnWrite as CopyOnWrite
+from ._events import DropHost as DropHost
+from ._events import Event as Event
+from ._events import Offload as Offload
 from ._events import Release as Release
+from ._events import Restore as Restore
 from ._events import StepReport as StepReport
 from ._executors import Executor as Executor
 from ._executors import known_executors as known_executors
@@ -32,6 +36,7 @@ from ._planner import Plan as Plan
 from ._planner import plan_step as plan_step
 from ._pool import StatePool as StatePool
 from ._spec import StateSpec as StateSpec
+from ._tiers._host import HostPool as HostPool
 
 __version__ = "0.1.0"
 
@@ -62,6 +67,11 @@ __all__ = [
     "Clear",
     "CommitDraft",
     "CopyOnWrite",
+    "DropHost",
+    "Event",
+    "HostPool",
+    "Offload",
+    "Restore",
     "DistributedError",
     "Executor",
     "ExecutorError",

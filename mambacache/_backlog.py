@@ -10,6 +10,8 @@ from __future__ import annotations
 import collections
 from collections.abc import Iterable
 
+import torch
+
 from ._executors import Executor
 from ._planner import Stage
 
@@ -17,7 +19,8 @@ __all__ = ["Backlog"]
 
 
 class Backlog:
-    """Stages still to run, oldest first, each with the executor that runs it.
+    """Stages still to run, oldest first, each with the executor that runs it (and the host tensors of
+    an offload or restore stage, so the work outlives the manager and its host pool argument).
 
     Invariants: only the head stage can be partly done, and only up to tensor
     ``next_tensor`` (tensors before it are done); the head runs on the executor
@@ -28,14 +31,14 @@ class Backlog:
     __slots__ = ("next_tensor", "stages")
 
     def __init__(self) -> None:
-        self.stages: collections.deque[tuple[Stage, Executor]] = collections.deque()
+        self.stages: collections.deque[tuple[Stage, Executor, list[torch.Tensor] | None]] = collections.deque()
         self.next_tensor = 0
 
     def __len__(self) -> int:
         return len(self.stages)
 
-    def push(self, stages: Iterable[Stage], executor: Executor) -> None:
-        self.stages.extend((stage, executor) for stage in stages)
+    def push(self, stages: Iterable[Stage], executor: Executor, host: list[torch.Tensor] | None = None) -> None:
+        self.stages.extend((stage, executor, host) for stage in stages)
 
     def clear(self) -> int:
         """Drop every stage; returns how many there were."""

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Alloc", "Clear", "CommitDraft", "CopyOnWrite", "Event", "Release", "StepReport"]
+__all__ = [
+    "Alloc",
+    "Clear",
+    "CommitDraft",
+    "CopyOnWrite",
+    "DropHost",
+    "Event",
+    "Offload",
+    "Release",
+    "Restore",
+    "StepReport",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +69,37 @@ class CommitDraft:
     request_id: str | None = None
 
 
-Event = Alloc | Clear | CopyOnWrite | Release | CommitDraft
+@dataclass(frozen=True, slots=True)
+class Offload:
+    """Host slot ``host`` gets ``slot``'s state as of this point of the event order.
+
+    Later events on ``slot`` do not reach the host copy. Produced by
+    ``CacheManager.offload``, which picks ``host``; not submittable by hand.
+    """
+
+    slot: int
+    host: int
+    request_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Restore:
+    """``slot`` gets host slot ``host``'s state as of this point; ``host`` is freed after it unless ``keep``."""
+
+    host: int
+    slot: int
+    request_id: str | None = None
+    keep: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class DropHost:
+    """Host slot ``host`` is free from this point; earlier events still read its content."""
+
+    host: int
+
+
+Event = Alloc | Clear | CopyOnWrite | Release | CommitDraft | Offload | Restore | DropHost
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +108,11 @@ class StepReport:
 
     ``events`` counts every event the step took; ``zeroed``, ``copied`` and
     ``committed`` count slots written (by zeroing, by a copy of another slot, by
-    a copy from a draft buffer); ``elided`` counts clear, alloc, copy and commit
+    a copy from a draft buffer); ``offloaded`` and ``restored`` count host slots
+    written from the pool and pool slots written from the host; ``elided`` counts clear, alloc, copy and commit
     events that needed no device work of their own (dead, overwritten,
-    self-copies, duplicates, commits of 0 tokens).
+    self-copies, duplicates, commits of 0 tokens, offloads dropped in the same
+    step, restores into slots written again).
     """
 
     step: int
@@ -85,3 +128,7 @@ class StepReport:
     resumed_stages: int = 0
     committed: int = 0
     bytes_committed: int = 0
+    offloaded: int = 0
+    restored: int = 0
+    bytes_offloaded: int = 0
+    bytes_restored: int = 0

@@ -23,12 +23,13 @@ from ._errors import (
     SlotLeakError,
     SlotStateError,
 )
-from ._events import Alloc, Clear, CommitDraft, CopyOnWrite, Event, Release, StepReport
+from ._events import Alloc, Clear, CommitDraft, CopyOnWrite, DropHost, Event, Offload, Release, Restore, StepReport
 from ._executors import Executor, check_executor, resolve_executor
-from ._executors._base import on_stream
-from ._planner import CommitStage, CopyStage, Plan, ZeroStage, plan_step
+from ._executors._base import copy_host, on_stream
+from ._planner import CommitStage, CopyStage, OffloadStage, Plan, RestoreStage, ZeroStage, plan_step
 from ._pool import StatePool
-from ._validate import check_request_id, normalised, slot_list
+from ._tiers._host import HostPool
+from ._validate import as_slot, check_request_id, normalised, slot_list
 
 if TYPE_CHECKING:
     from ._distributed import PlanChannel
@@ -37,6 +38,7 @@ __all__ = ["CacheManager"]
 
 _NEW, _OPEN, _CLOSING, _CLOSED = range(4)
 _IDEMPOTENT = (ZeroStage, CopyStage)  # stages whose repeat after a fault is harmless
+_HOST_STAGES = (OffloadStage, RestoreStage)  # idempotent too; they run on (pool, host) tensor pairs
 _REPORT_FIELDS = tuple(f.name for f in dataclasses.fields(StepReport) if not f.name.endswith("_s"))
 
 
@@ -75,6 +77,7 @@ class CacheManager:
         timeout: float = 300.0,
         clear_on_alloc: bool = True,
         max_failed_flushes: int = 8,
+        host_pool: HostPool | None = None,
     ) -> None:
         if not isinstance(pool, StatePool):
             raise InvalidArgumentError(f"pool must be a StatePool, got {type(pool).__name__}")
@@ -84,6 +87,14 @@ class CacheManager:
             raise InvalidArgumentError(f"clear_on_alloc must be a bool, got {clear_on_alloc!r}")
         if type(max_failed_flushes) is not int or max_failed_flushes < 1:
             raise InvalidArgumentError(f"max_failed_flushes must be a positive int, got {max_failed_flushes!r}")
+        if host_pool is not None:
+            if not isinstance(host_pool, HostPool):
+                raise InvalidArgumentError(f"host_pool must be a HostPool, got {type(host_pool).__name__}")
+            if not host_pool.compatible_with(pool.spec):
+                raise InvalidArgumentError(
+                    f"host_pool holds states of {host_pool.spec}, the pool {pool.spec}: make it with the pool's spec"
+                )
+        self._host = host_pool
         self._pool = pool
         self._device = pool.device
         self._draft_tokens = pool.spec.draft_tokens
@@ -114,6 +125,10 @@ class CacheManager:
         with self._lock:
             if self._pool._manager is not None:
                 raise InvalidArgumentError("this pool is already managed by another open CacheManager")
+            if self._host is not None:
+                if self._host._manager is not None:
+                    raise InvalidArgumentError("this host pool is attached to another open CacheManager")
+                self._host._manager = self
             self._pool._manager = self
             self._state = _OPEN
 
@@ -130,9 +145,16 @@ class CacheManager:
         with self._lock:
             events, self._events = self._events, []
             self._state = _CLOSED
+        if self._host is not None:
+            self._host._reuse_freed()
         if events:
-            self._pool._backlog.push(plan_step(events).stages, self._executor)
+            self._pool._backlog.push(plan_step(events).stages, self._executor, self._host_tensors())
         self._pool._manager = None
+        if self._host is not None:
+            self._host._manager = None
+
+    def _host_tensors(self) -> list[Any] | None:
+        return self._host._exec_tensors if self._host is not None else None
 
     async def __aenter__(self) -> CacheManager:
         self._open()
@@ -187,6 +209,11 @@ class CacheManager:
     def pool(self) -> StatePool:
         """The pool this manager drives."""
         return self._pool
+
+    @property
+    def host_pool(self) -> HostPool | None:
+        """The host pool that ``offload`` fills and ``restore`` reads, if any."""
+        return self._host
 
     @property
     def step(self) -> int:
@@ -388,6 +415,91 @@ class CacheManager:
             raise InvalidArgumentError(f"copy_many: {len(a)} sources but {len(b)} destinations")
         self._submit([CopyOnWrite(s, d, request_id) for s, d in zip(a, b, strict=True)], checked=True)
 
+    # -- the host tier ---------------------------------------------------
+    def offload(self, slot: int, request_id: str | None = None) -> int:
+        """Copy ``slot``'s state as of this point of the event order to a free host slot; returns the host slot.
+
+        Later events on ``slot`` (a release and a new tenant, a clear) do not reach
+        the copy, so ``offload`` then ``release`` is preemption by swap. The copy
+        runs on the next flush's stream, before anything in that step writes the
+        slot. Raises :class:`PoolExhaustedError` when the host pool is full.
+        """
+        host = self._need_host("offload")
+        slot = as_slot(slot, self._pool.num_slots)
+        check_request_id(request_id)
+        with self._lock:
+            self._check_submittable()
+            self._check_held(Offload, slot, request_id)
+            h = host._take(request_id)
+            self._events.append(Offload(slot, h, request_id))
+            log, step = _tracing.state.slot_log, self._step
+        if log is not None:
+            log.debug("slot.offload", slot=slot, host=h, request_id=request_id, step=step)
+        return h
+
+    def restore(self, host: int, slot: int, request_id: str | None = None, *, keep: bool = False) -> None:
+        """``slot`` gets host slot ``host``'s state as of this point of the event order.
+
+        ``host`` is freed after the read unless ``keep`` (a checkpoint restored many
+        times); a freed host slot is reused only after the next flush, so the read
+        always sees the offloaded state.
+        """
+        hp = self._need_host("restore")
+        h = self._host_slot(hp, host)
+        slot = as_slot(slot, self._pool.num_slots)
+        check_request_id(request_id)
+        if type(keep) is not bool:
+            raise InvalidArgumentError(f"keep must be a bool, got {keep!r}")
+        with self._lock:
+            self._check_submittable()
+            if not hp._held[h]:
+                raise SlotStateError(f"Restore: host slot {h} holds no state (dropped, restored, or never offloaded)")
+            self._check_held(Restore, slot, request_id)
+            self._events.append(Restore(h, slot, request_id, keep))
+            if not keep:
+                hp._free_later(h)
+            log, step = _tracing.state.slot_log, self._step
+        if log is not None:
+            log.debug("slot.restore", host=h, slot=slot, request_id=request_id, keep=keep, step=step)
+
+    def drop(self, host: int) -> None:
+        """Free host slot ``host`` from this point; earlier restores still read it."""
+        hp = self._need_host("drop")
+        h = self._host_slot(hp, host)
+        with self._lock:
+            self._check_submittable()
+            if not hp._held[h]:
+                raise SlotStateError(f"DropHost: host slot {h} holds no state (dropped, restored, or never offloaded)")
+            self._events.append(DropHost(h))
+            hp._free_later(h)
+            log, step = _tracing.state.slot_log, self._step
+        if log is not None:
+            log.debug("host.drop", host=h, step=step)
+
+    def _need_host(self, what: str) -> HostPool:
+        self._check_open()
+        if self._host is None:
+            raise InvalidArgumentError(f"{what} needs a host pool: CacheManager(pool, host_pool=HostPool(spec, n))")
+        return self._host
+
+    @staticmethod
+    def _host_slot(hp: HostPool, host: Any) -> int:
+        try:
+            return as_slot(host, hp.num_slots)
+        except InvalidSlotError as exc:
+            raise InvalidSlotError(f"host {exc}") from None
+
+    def _check_held(self, kind: type, slot: int, request_id: str | None) -> None:
+        """Under the lock: ``slot`` is allocated, to ``request_id`` when one is given."""
+        if not self._pool._allocated[slot]:
+            raise _not_allocated(kind, "the", slot)
+        tenant = self._pool._tenants[slot]
+        if request_id is not None and tenant != request_id:
+            raise SlotStateError(
+                f"{kind.__name__}: slot {slot} belongs to {tenant!r}, not {request_id!r} (pass request_id=None"
+                " to skip the check)"
+            )
+
     def _submit(self, events: Any, checked: bool = False) -> None:
         # One pass validates everything before anything changes. The hot path of
         # every submit, so the checks are inlined. `checked`: slots and request
@@ -515,6 +627,8 @@ class CacheManager:
             events, self._events = self._events, []
             step = self._step
             self._step += 1
+            if self._host is not None:
+                self._host._reuse_freed()  # host slots freed by these events: their reads are planned now
         return events, step
 
     def _flush_local(self, stream: Any | None) -> StepReport:
@@ -535,12 +649,16 @@ class CacheManager:
         backlog = self._pool._backlog
         resumed += len(backlog)
         if plan.stages:
-            backlog.push(plan.stages, self._executor)
+            backlog.push(plan.stages, self._executor, self._host_tensors())
         if backlog:
             self._run_backlog(stream, step)
         t2 = time.perf_counter()
         slot_bytes = self._pool.spec.slot_bytes
         report = StepReport(
+            offloaded=plan.offloaded,
+            restored=plan.restored,
+            bytes_offloaded=plan.offloaded * slot_bytes,
+            bytes_restored=plan.restored * slot_bytes,
             step=step,
             events=plan.events,
             zeroed=plan.zeroed,
@@ -570,7 +688,11 @@ class CacheManager:
         done = 0
         with on_stream(self._device, stream):
             while backlog.stages:
-                stage, executor = backlog.stages[0]
+                stage, executor, host = backlog.stages[0]
+                if type(stage) in _HOST_STAGES:
+                    self._run_host_stage(stage, executor, host, step)
+                    done += 1
+                    continue
                 whole = getattr(executor, "execute_stage", None)
                 if whole is not None and backlog.next_tensor == 0 and type(stage) in _IDEMPOTENT:
                     # The stage on every tensor at once; idempotent, so a fault just leaves it to redo.
@@ -597,6 +719,26 @@ class CacheManager:
                 done += 1
         self._failures = 0
         return done
+
+    def _run_host_stage(self, stage: Any, executor: Executor, host: list[Any] | None, step: int) -> None:
+        backlog = self._pool._backlog
+        tensors = self._pool._exec_tensors
+        if host is None:  # a tensor-parallel rank made without the source rank's host_pool
+            raise self._failed(
+                InvalidArgumentError("an offload or restore reached a CacheManager made without host_pool"),
+                executor,
+                stage,
+                step,
+            )
+        run = getattr(executor, "execute_host", copy_host)
+        while backlog.next_tensor < len(tensors):
+            try:
+                run(stage, tensors[backlog.next_tensor], host[backlog.next_tensor])
+            except Exception as exc:
+                raise self._failed(exc, executor, stage, step) from exc
+            backlog.next_tensor += 1
+        backlog.stages.popleft()
+        backlog.next_tensor = 0
 
     def _failed(self, exc: Exception, executor: Executor, stage: Any, step: int) -> ExecutorError:
         left = len(self._pool._backlog)
@@ -625,9 +767,9 @@ def _raise_unless_masking(exc: BaseException | None, flush_error: MambaCacheErro
 
 
 def _not_allocated(ev: Any, role: str, slot: int) -> SlotStateError:
+    name = ev.__name__ if isinstance(ev, type) else type(ev).__name__
     return SlotStateError(
-        f"{type(ev).__name__}: {role} slot {slot} is not allocated at this point"
-        " of the event order (released, or never allocated)"
+        f"{name}: {role} slot {slot} is not allocated at this point of the event order (released, or never allocated)"
     )
 
 

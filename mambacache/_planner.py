@@ -21,8 +21,23 @@ later copy still needs its old content:
   reads the same thing wherever it runs;
 * one zero stage last (a zeroed slot may still be a copy source).
 
-A slot's symbolic value is ``ZERO``, a start-of-step slot ``s`` (an int), or a
-draft position ``(s, j)``: slot ``s``'s draft state ``j`` (a tuple).
+A slot's symbolic value is ``ZERO``, a start-of-step slot ``s`` (an int), a
+draft position ``(s, j)``: slot ``s``'s draft state ``j`` (a tuple), or host
+slot ``h``'s start-of-step content (the int ``-h``).
+
+The host tier adds two stages around the device ones:
+
+* an offload stage first: host slots that get a start-of-step pool slot, read
+  before any pool slot is written;
+* a restore stage after the commits: pool slots that get a start-of-step host
+  slot, read before... nothing writes a host slot it reads (see below).
+
+That needs every offload to read a plain start-of-step slot and to write a host
+slot whose start-of-step content nobody reads. A log where that fails (offload
+of a slot cleared, committed or restored earlier in the log, or into a host slot
+freed and reused after a restore read it) is split at that offload and the two
+halves planned one after the other: exact by composition, and rare, since the
+manager never reuses a host slot in the step that freed it.
 """
 
 from __future__ import annotations
@@ -31,13 +46,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ._events import Alloc, Clear, CommitDraft, CopyOnWrite, Event, Release
+from ._events import Alloc, Clear, CommitDraft, CopyOnWrite, DropHost, Event, Offload, Release, Restore
 
 __all__ = [
     "CommitStage",
     "CopyRun",
     "CopyStage",
+    "OffloadStage",
     "Plan",
+    "RestoreStage",
     "RotateStage",
     "Run",
     "Stage",
@@ -104,7 +121,32 @@ class CommitStage:
     entries: tuple[tuple[int, int, int], ...]
 
 
-Stage = ZeroStage | CopyStage | RotateStage | CommitStage
+@dataclass(frozen=True, slots=True)
+class OffloadStage:
+    """Host slot ``host`` gets pool slot ``slot`` for each ``(slot, host)``; sorted by host slot.
+
+    ``runs`` coalesces the pairs as ``CopyRun(src=slot, dst=host, length)``. Reads
+    the pool, writes the host: re-running it is harmless.
+    """
+
+    pairs: tuple[tuple[int, int], ...]
+    runs: tuple[CopyRun, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreStage:
+    """Pool slot ``slot`` gets host slot ``host`` for each ``(host, slot)``; sorted by pool slot.
+
+    ``runs`` coalesces the pairs as ``CopyRun(src=host, dst=slot, length)``. Reads
+    the host, writes the pool: re-running it is harmless.
+    """
+
+    pairs: tuple[tuple[int, int], ...]
+    runs: tuple[CopyRun, ...]
+
+
+Stage = ZeroStage | CopyStage | RotateStage | CommitStage | OffloadStage | RestoreStage
+HostStage = OffloadStage | RestoreStage
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +159,8 @@ class Plan:
     copied: int
     elided: int
     committed: int = 0
+    offloaded: int = 0
+    restored: int = 0
 
 
 def zero_runs(slots: Sequence[int]) -> tuple[Run, ...]:
@@ -193,16 +237,21 @@ class Writes(NamedTuple):
     copies: dict[int, int]  # dst -> start-of-step src
     commits: list[tuple[int, int, int]]  # (src, draft pos, dst), sorted by dst
     events: int
-    writes: int  # events that write a slot
+    writes: int  # events that write a slot (pool or host)
+    offloads: list[tuple[int, int]]  # (start-of-step slot, host), sorted by host
+    restores: list[tuple[int, int]]  # (start-of-step host, slot), sorted by slot
+    split: int  # > 0: only events[:split] were read; plan them, then the rest
 
 
-def final_writes(events: Iterable[Event]) -> Writes:
+def final_writes(events: Sequence[Event]) -> Writes:
     """Symbolically execute ``events``: see the module docstring."""
     value: dict[int, int | tuple[int, int]] = {}
     dead: set[int] = set()
+    host_value: dict[int, int] = {}  # host slot -> start-of-step pool slot it got
+    host_dead: set[int] = set()
+    host_read: set[int] = set()  # host slots whose start-of-step content some event read
     n = writes = 0
     for ev in events:
-        n += 1
         t = type(ev)
         if t is CopyOnWrite:
             writes += 1
@@ -221,11 +270,33 @@ def final_writes(events: Iterable[Event]) -> Writes:
             writes += 1
             if ev.accepted:  # type: ignore[union-attr]
                 value[ev.slot] = (ev.slot, ev.accepted - 1)  # type: ignore[union-attr]
+        elif t is Offload:
+            v = value.get(ev.slot, ev.slot)  # type: ignore[union-attr]
+            h = ev.host  # type: ignore[union-attr]
+            if type(v) is tuple or v <= 0 or h in host_read:  # type: ignore[operator]
+                return Writes([], {}, [], n, writes, [], [], n)  # see the module docstring: split here
+            writes += 1
+            host_value[h] = v  # type: ignore[assignment]
+            host_dead.discard(h)
+        elif t is Restore:
+            writes += 1
+            h = ev.host  # type: ignore[union-attr]
+            got = host_value.get(h)
+            if got is None:
+                got = -h
+                host_read.add(h)
+            value[ev.slot] = got  # type: ignore[union-attr]
+            if not ev.keep:  # type: ignore[union-attr]
+                host_dead.add(h)
+        elif t is DropHost:
+            host_dead.add(ev.host)  # type: ignore[union-attr]
         else:
             raise TypeError(f"not an event: {ev!r}")
+        n += 1
     zero: list[int] = []
     src_of: dict[int, int] = {}
     commits: list[tuple[int, int, int]] = []
+    restores: list[tuple[int, int]] = []
     for d, v in value.items():
         if v == d or d in dead:
             continue  # unchanged, or nobody may read it: a free slot is cleared on alloc
@@ -233,48 +304,80 @@ def final_writes(events: Iterable[Event]) -> Writes:
             commits.append((v[0], v[1], d))
         elif v == _ZERO:
             zero.append(d)
+        elif v < 0:  # type: ignore[operator]
+            restores.append((-v, d))  # type: ignore[operator]
         else:
             src_of[d] = v  # type: ignore[assignment]
     zero.sort()
     commits.sort(key=lambda e: e[2])
-    return Writes(zero, src_of, commits, n, writes)
+    restores.sort(key=lambda e: e[1])
+    offloads = sorted(((s, h) for h, s in host_value.items() if h not in host_dead), key=lambda e: e[1])
+    return Writes(zero, src_of, commits, n, writes, offloads, restores, 0)
 
 
 def plan_step(events: Iterable[Event]) -> Plan:
     """Plan one step: see the module docstring for the guarantees."""
-    zero, src_of, commits, n, writes = final_writes(events)
+    log = events if isinstance(events, list | tuple) else list(events)
+    zero, src_of, commits, n, writes, offloads, restores, split = final_writes(log)
+    if split:
+        first, rest = plan_step(log[:split]), plan_step(log[split:])
+        return Plan(
+            first.stages + rest.stages,
+            first.events + rest.events,
+            first.zeroed + rest.zeroed,
+            first.copied + rest.copied,
+            first.elided + rest.elided,
+            first.committed + rest.committed,
+            first.offloaded + rest.offloaded,
+            first.restored + rest.restored,
+        )
+    stages: list[Stage] = []
+    if offloads:
+        pairs = tuple(offloads)
+        stages.append(OffloadStage(pairs, copy_runs(pairs)))
     waves, rotate = _order_copies(src_of)
-    stages: list[Stage] = list(waves)
+    stages += waves
     if rotate is not None:
         stages.append(rotate)
     if commits:
         stages.append(CommitStage(tuple(commits)))
+    if restores:
+        pairs = tuple(restores)
+        stages.append(RestoreStage(pairs, copy_runs(pairs)))
     if zero:
         stages.append(ZeroStage(tuple(zero), zero_runs(zero)))
-    written = len(zero) + len(src_of) + len(commits)
-    return Plan(tuple(stages), n, len(zero), len(src_of), writes - written, len(commits))
+    written = len(zero) + len(src_of) + len(commits) + len(offloads) + len(restores)
+    return Plan(tuple(stages), n, len(zero), len(src_of), writes - written, len(commits), len(offloads), len(restores))
 
 
 # -- wire format -------------------------------------------------------------
 # A plan as a flat list of ints, for one int64 tensor message per step:
-#   [MAGIC, step, events, zeroed, copied, elided, committed, n_stages, stage...]
-#   zero stage:   [1, n, slot * n]
-#   copy stage:   [2, n, (src, dst) * n]
-#   rotate stage: [3, n_cycles, (len, member * len) * n_cycles]
-#   commit stage: [4, n, (src, pos, dst) * n]
-MAGIC = 0x6D63_0002  # 2: commit stages and the committed count
-_ZERO_KIND, _COPY_KIND, _ROTATE_KIND, _COMMIT_KIND = 1, 2, 3, 4
+#   [MAGIC, step, events, zeroed, copied, elided, committed, offloaded, restored, n_stages, stage...]
+#   zero stage:    [1, n, slot * n]
+#   copy stage:    [2, n, (src, dst) * n]
+#   rotate stage:  [3, n_cycles, (len, member * len) * n_cycles]
+#   commit stage:  [4, n, (src, pos, dst) * n]
+#   offload stage: [5, n, (slot, host) * n]
+#   restore stage: [6, n, (host, slot) * n]
+MAGIC = 0x6D63_0003  # 3: offload and restore stages
+_HEADER = 10
+_ZERO_KIND, _COPY_KIND, _ROTATE_KIND, _COMMIT_KIND, _OFFLOAD_KIND, _RESTORE_KIND = 1, 2, 3, 4, 5, 6
+_PAIR_KINDS: dict[type, int] = {CopyStage: _COPY_KIND, OffloadStage: _OFFLOAD_KIND, RestoreStage: _RESTORE_KIND}
+_PAIR_STAGES: dict[int, type[CopyStage | OffloadStage | RestoreStage]] = {k: t for t, k in _PAIR_KINDS.items()}
 
 
 def encode_plan(plan: Plan, step: int) -> list[int]:
-    out = [MAGIC, step, plan.events, plan.zeroed, plan.copied, plan.elided, plan.committed, len(plan.stages)]
+    out = [
+        MAGIC, step, plan.events, plan.zeroed, plan.copied, plan.elided, plan.committed, plan.offloaded,
+        plan.restored, len(plan.stages),
+    ]  # fmt: skip
     for stage in plan.stages:
         if isinstance(stage, ZeroStage):
             out += [_ZERO_KIND, len(stage.slots), *stage.slots]
-        elif isinstance(stage, CopyStage):
-            out += [_COPY_KIND, len(stage.pairs)]
-            for src, dst in stage.pairs:
-                out += [src, dst]
+        elif isinstance(stage, CopyStage | OffloadStage | RestoreStage):
+            out += [_PAIR_KINDS[type(stage)], len(stage.pairs)]
+            for a, b in stage.pairs:
+                out += [a, b]
         elif isinstance(stage, CommitStage):
             out += [_COMMIT_KIND, len(stage.entries)]
             for entry in stage.entries:
@@ -288,7 +391,7 @@ def encode_plan(plan: Plan, step: int) -> list[int]:
 
 def decode_plan(data: Sequence[int]) -> tuple[int, Plan]:
     """Inverse of :func:`encode_plan`; raises ValueError on a malformed message."""
-    if len(data) < 8 or data[0] != MAGIC:
+    if len(data) < _HEADER or data[0] != MAGIC:
         raise ValueError("not a mambacache plan message")
     try:
         return _decode(data)
@@ -297,8 +400,8 @@ def decode_plan(data: Sequence[int]) -> tuple[int, Plan]:
 
 
 def _decode(data: Sequence[int]) -> tuple[int, Plan]:
-    step, events, zeroed, copied, elided, committed, n_stages = data[1:8]
-    pos = 8
+    step, events, zeroed, copied, elided, committed, offloaded, restored, n_stages = data[1:_HEADER]
+    pos = _HEADER
     stages: list[Stage] = []
     for _ in range(n_stages):
         kind, n = data[pos], data[pos + 1]
@@ -307,11 +410,11 @@ def _decode(data: Sequence[int]) -> tuple[int, Plan]:
             slots = tuple(data[pos : pos + n])
             pos += n
             stages.append(ZeroStage(slots, zero_runs(slots)))
-        elif kind == _COPY_KIND:
+        elif kind in _PAIR_STAGES:
             flat = data[pos : pos + 2 * n]
             pos += 2 * n
             pairs = tuple(zip(flat[0::2], flat[1::2], strict=True))
-            stages.append(CopyStage(pairs, copy_runs(pairs)))
+            stages.append(_PAIR_STAGES[kind](pairs, copy_runs(pairs)))
         elif kind == _ROTATE_KIND:
             cycles = []
             for _ in range(n):
@@ -327,4 +430,4 @@ def _decode(data: Sequence[int]) -> tuple[int, Plan]:
             raise ValueError(f"unknown stage kind {kind} in plan message")
     if pos != len(data):
         raise ValueError("trailing data in plan message")
-    return step, Plan(tuple(stages), events, zeroed, copied, elided, committed)
+    return step, Plan(tuple(stages), events, zeroed, copied, elided, committed, offloaded, restored)

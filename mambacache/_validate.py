@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ._errors import InvalidArgumentError, InvalidEventError, InvalidSlotError
-from ._events import Alloc, Clear, CommitDraft, CopyOnWrite, Release
+from ._events import Alloc, Clear, CommitDraft, CopyOnWrite, DropHost, Offload, Release, Restore
 
 __all__ = ["as_slot", "check_request_id", "normalised", "slot_list"]
 
@@ -98,6 +98,11 @@ def normalised(events: Iterable[Any], n: int) -> list[Any]:
             raise InvalidEventError(
                 f"submit takes Clear, CopyOnWrite, Release and CommitDraft events, got {ev!r}"
                 + ("; allocate with CacheManager.alloc" if isinstance(ev, Alloc) else "")
+                + (
+                    "; use CacheManager.offload, restore and drop (they pick and free host slots)"
+                    if isinstance(ev, Offload | Restore | DropHost)
+                    else ""
+                )
             )
         if ev.request_id is not None and type(ev.request_id) is not str:
             check_request_id(ev.request_id)

@@ -14,15 +14,39 @@ class SequentialOracle:
     and so is that of a slot allocated with ``clear=False`` until a clear or a copy
     of a defined slot writes it."""
 
-    def __init__(self, pool: mc.StatePool) -> None:
+    def __init__(self, pool: mc.StatePool, host: mc.HostPool | None = None) -> None:
         self.tensors = [t.clone() for t in pool.tensors]
+        self.host = [t.clone() for t in host.tensors] if host is not None else []
+        self.host_held: set[int] = set(host.held()) if host is not None else set()
         # Draft buffers are written by the forward, never by events: a snapshot serves the whole step.
         self.drafts = [t.clone() for t in getattr(pool, "draft_tensors", [])]
         self.allocated: set[int] = set(pool.allocated_slots())
         self.defined: set[int] = set(self.allocated)
+        self.host_defined: set[int] = set(self.host_held)
 
-    def apply(self, events: Iterable[mc.Alloc | mc.Clear | mc.CopyOnWrite | mc.Release | mc.CommitDraft]) -> None:
+    def apply(self, events: Iterable[mc.Event]) -> None:
         for ev in events:
+            if isinstance(ev, mc.Offload):
+                for t, h in zip(self.tensors, self.host, strict=True):
+                    h[:, ev.host] = t[:, ev.slot].clone()
+                self.host_held.add(ev.host)
+                self.host_defined.discard(ev.host)
+                if ev.slot in self.defined:
+                    self.host_defined.add(ev.host)
+                continue
+            if isinstance(ev, mc.Restore):
+                for t, h in zip(self.tensors, self.host, strict=True):
+                    t[:, ev.slot] = h[:, ev.host].clone()
+                if ev.host in self.host_defined:
+                    self.defined.add(ev.slot)
+                else:
+                    self.defined.discard(ev.slot)
+                if not ev.keep:
+                    self.host_held.discard(ev.host)
+                continue
+            if isinstance(ev, mc.DropHost):
+                self.host_held.discard(ev.host)
+                continue
             if isinstance(ev, mc.CommitDraft):
                 if ev.accepted:
                     for t, d in zip(self.tensors, self.drafts, strict=True):
@@ -58,7 +82,12 @@ class SequentialOracle:
             for s in sorted(self.allocated & self.defined):
                 assert torch.equal(want[:, s], got[:, s]), f"tensor {i} slot {s} differs"
 
-    def assert_matches(self, pool: mc.StatePool) -> None:
+    def assert_matches(self, pool: mc.StatePool, host: mc.HostPool | None = None) -> None:
+        if host is not None:
+            assert set(host.held()) == self.host_held
+            for i, (want, got) in enumerate(zip(self.host, host.tensors, strict=True)):
+                for h in sorted(self.host_held & self.host_defined):
+                    assert torch.equal(want[:, h], got[:, h]), f"host tensor {i} slot {h} differs"
         assert set(pool.allocated_slots()) == self.allocated
         for i, (want, got) in enumerate(zip(self.tensors, pool.tensors, strict=True)):
             for s in sorted(self.allocated & self.defined):

@@ -48,3 +48,60 @@ def events_from_ops(
             steps[-1].append(mc.Release(slot))
     live_after.append(set(allocated))
     return list(zip(steps, live_after, strict=True))
+
+
+HOST_KINDS = (*KINDS, "offload", "offload", "restore", "restore", "drop")
+
+host_ops = st.lists(
+    st.tuples(st.sampled_from(HOST_KINDS), st.integers(0, 10**6), st.integers(0, 10**6)),
+    max_size=80,
+)
+
+
+def host_events_from_ops(
+    raw: list[tuple[str, int, int]], num_slots: int, allocated: set[int], num_host: int, held: set[int]
+) -> list[tuple[list[object], set[int], set[int]]]:
+    """As :func:`events_from_ops` with the host tier: each step with the pool and host slots live after it.
+
+    Host slots are picked anywhere among the free ones, a slot freed in this very
+    step included (the manager never does that; the planner must still be exact).
+    """
+    steps: list[list[object]] = [[]]
+    after: list[tuple[set[int], set[int]]] = []
+    free = sorted(set(range(1, num_slots + 1)) - allocated)
+    for kind, a, b in raw:
+        live = sorted(allocated)
+        host_live = sorted(held)
+        if kind == "flush":
+            after.append((set(allocated), set(held)))
+            steps.append([])
+        elif kind == "alloc" and free:
+            slot = free.pop(a % len(free))
+            allocated.add(slot)
+            steps[-1].append(mc.Alloc(slot, clear=b % 4 != 0))
+        elif kind == "clear" and live:
+            steps[-1].append(mc.Clear(live[a % len(live)]))
+        elif kind == "cow" and live:
+            steps[-1].append(mc.CopyOnWrite(live[a % len(live)], live[b % len(live)]))
+        elif kind == "release" and live:
+            slot = live[a % len(live)]
+            allocated.discard(slot)
+            bisect.insort(free, slot)
+            steps[-1].append(mc.Release(slot))
+        elif kind == "offload" and live and len(held) < num_host:
+            host_free = sorted(set(range(1, num_host + 1)) - held)
+            h = host_free[b % len(host_free)]
+            held.add(h)
+            steps[-1].append(mc.Offload(live[a % len(live)], h))
+        elif kind == "restore" and live and host_live:
+            h = host_live[b % len(host_live)]
+            keep = a % 3 == 0
+            if not keep:
+                held.discard(h)
+            steps[-1].append(mc.Restore(h, live[a % len(live)], keep=keep))
+        elif kind == "drop" and host_live:
+            h = host_live[a % len(host_live)]
+            held.discard(h)
+            steps[-1].append(mc.DropHost(h))
+    after.append((set(allocated), set(held)))
+    return [(events, live, host) for events, (live, host) in zip(steps, after, strict=True)]

@@ -167,6 +167,6 @@ def test_plan_wire_format_rejects_garbage() -> None:
     from mambacache._planner import decode_plan, encode_plan
 
     good = encode_plan(plan_step([mc.Clear(1), mc.CopyOnWrite(2, 3)]), 5)
-    for bad in ([], [1, 2, 3, 4, 5, 6, 7], [*good, 0], [*good[:-1]], [*good[:7], 9, 0]):
+    for bad in ([], [1, 2, 3, 4, 5, 6, 7], [*good, 0], [*good[:-1]], [*good[:9], 1, 9, 0]):
         with pytest.raises(ValueError):
             decode_plan(bad)

@@ -9,9 +9,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .._planner import CopyStage, RotateStage, Stage
+from .._planner import CopyStage, HostStage, OffloadStage, RotateStage, Stage
 
-__all__ = ["Executor", "IndexBuilder", "Progress", "on_stream", "stage_pairs"]
+__all__ = ["Executor", "IndexBuilder", "Progress", "copy_host", "on_stream", "stage_pairs"]
 
 
 @runtime_checkable
@@ -30,6 +30,10 @@ class Executor(Protocol):
     rotate is not: once a member is overwritten its old value exists only where
     the executor saved it, so rotating executors keep a :class:`Progress`.
     Device work is only enqueued: no call may wait for the device.
+
+    Offload and restore stages go to an optional ``execute_host(stage, tensor,
+    host)`` (``host``: the matching host-pool tensor); executors without one
+    use :func:`copy_host`.
     """
 
     name: str
@@ -41,6 +45,27 @@ class Executor(Protocol):
         ``[layers, slots + 1, draft_tokens, *state]``, which the stage reads.
         """
         ...
+
+
+def copy_host(stage: HostStage, tensor: torch.Tensor, host: torch.Tensor) -> None:
+    """Run an offload (pool -> host) or restore (host -> pool) stage on one tensor pair.
+
+    The default for every executor without an ``execute_host`` of its own. Each
+    run of slots is one contiguous chunk per layer on both sides, so it copies
+    with no temporary and no index tensor: one strided op per run on the CPU, one
+    op per layer and run on an accelerator (where a strided cross-device copy
+    would stage through a contiguous temporary). ``non_blocking``: with pinned
+    host memory the copy is enqueued on the current stream, nothing waits. Reads
+    one side, writes the other, so a repeat after a fault is harmless.
+    """
+    src, dst = (tensor, host) if type(stage) is OffloadStage else (host, tensor)
+    if tensor.device.type == "cpu":
+        for a, b, n in stage.runs:
+            dst[:, b : b + n].copy_(src[:, a : a + n])
+        return
+    for a, b, n in stage.runs:
+        for layer in range(tensor.shape[0]):
+            dst[layer, b : b + n].copy_(src[layer, a : a + n], non_blocking=True)
 
 
 class Progress:

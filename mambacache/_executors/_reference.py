@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._planner import CommitStage, CopyStage, RotateStage, Stage, ZeroStage
+from .._planner import CommitStage, CopyStage, HostStage, OffloadStage, RotateStage, Stage, ZeroStage
 from ._base import Progress
 
 __all__ = ["ReferenceExecutor"]
@@ -16,6 +16,14 @@ class ReferenceExecutor:
     def __init__(self, copy_workspace_bytes: int = 0) -> None:
         del copy_workspace_bytes  # one slot at a time needs no workspace bound
         self._progress = Progress()
+
+    def execute_host(self, stage: HostStage, tensor: torch.Tensor, host: torch.Tensor) -> None:
+        offload = type(stage) is OffloadStage
+        for a, b in stage.pairs:
+            if offload:
+                host[:, b].copy_(tensor[:, a])
+            else:
+                tensor[:, b].copy_(host[:, a])
 
     def execute(self, stage: Stage, tensor: torch.Tensor, draft: torch.Tensor | None = None) -> None:
         if isinstance(stage, CommitStage):

@@ -1,0 +1,129 @@
+"""HostPool: slot states kept in host memory (offload, restore, preemption by swap).
+
+Same layout as :class:`StatePool`, one tensor per conv shape plus the temporal
+tensor, on the CPU::
+
+    dim 0: layer   dim 1: host slot (0 = unused)   dims 2..: the per-slot state
+
+so a run of pool slots and a run of host slots copy as one contiguous chunk per
+layer, with no gather. Where an accelerator is present the tensors are pinned, so
+the copies are enqueued on the flush's stream and nothing waits for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+
+import torch
+
+from .._errors import InvalidArgumentError, PoolAllocationError, PoolExhaustedError
+from .._pool import _executor_view
+from .._spec import StateSpec
+
+__all__ = ["HostPool"]
+
+
+def _accelerator_present() -> bool:
+    try:
+        return bool(torch.accelerator.is_available())
+    except Exception:  # an accelerator backend that fails to load counts as none
+        return False
+
+
+class HostPool:
+    """Host copies of pool slots, ``1..num_slots`` (slot 0 is never used).
+
+    Invariants: every host slot is free or held, never both; a slot freed by
+    ``drop`` or a ``restore`` without ``keep`` becomes reusable only after the
+    flush that takes the freeing event, so no step both reads and rewrites it;
+    the free list hands out the lowest free slots first, so offloads of runs of
+    pool slots land in runs of host slots and copy in one op per layer.
+
+    Draft buffers are never offloaded: a host slot holds a slot's state only.
+    """
+
+    def __init__(self, spec: StateSpec, num_slots: int, *, pin_memory: bool | None = None) -> None:
+        if not isinstance(spec, StateSpec):
+            raise InvalidArgumentError(f"spec must be a StateSpec, got {type(spec).__name__}")
+        if type(num_slots) is not int or num_slots < 1:
+            raise InvalidArgumentError(f"num_slots must be a positive int, got {num_slots!r}")
+        if pin_memory is not None and type(pin_memory) is not bool:
+            raise InvalidArgumentError(f"pin_memory must be a bool or None, got {pin_memory!r}")
+        pin = _accelerator_present() if pin_memory is None else pin_memory
+        self.spec = dataclasses.replace(spec, draft_tokens=0) if spec.draft_tokens else spec
+        rows = (spec.num_layers, num_slots + 1)
+        try:
+            conv = [torch.zeros(*rows, *shape, dtype=spec.conv_dtype, pin_memory=pin) for shape in spec.conv_shapes]
+            temporal = torch.zeros(*rows, *spec.temporal_shape, dtype=spec.temporal_dtype, pin_memory=pin)
+        except (RuntimeError, MemoryError) as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            total = self.spec.slot_bytes * (num_slots + 1)
+            raise PoolAllocationError(
+                f"could not allocate a host pool of {num_slots} slots ({total:,} bytes, pinned={pin}): {reason}"
+            ) from None
+        self.num_slots = num_slots
+        self.pinned = pin
+        self.conv: list[torch.Tensor] = conv
+        self.temporal: torch.Tensor = temporal
+        self._exec_tensors = [_executor_view(t) for t in (*conv, temporal)]
+        self._free: list[int] = list(range(1, num_slots + 1))
+        self._held = bytearray(num_slots + 1)
+        self._owners: list[str | None] = [None] * (num_slots + 1)
+        self._freed: list[int] = []  # freed by queued events: reusable once a flush takes them
+        self._manager: object | None = None
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Every host tensor: the conv tensors, then the temporal tensor (as :attr:`StatePool.tensors`)."""
+        return [*self.conv, self.temporal]
+
+    @property
+    def num_free(self) -> int:
+        """Host slots an offload can take now (slots freed by queued events count after the next flush)."""
+        return len(self._free)
+
+    @property
+    def num_held(self) -> int:
+        """Host slots holding a state (O(1))."""
+        return self.num_slots - len(self._free) - len(self._freed)
+
+    def is_held(self, host: int) -> bool:
+        """Whether host slot ``host`` holds a state (at the end of the event queue)."""
+        return type(host) is int and 0 < host <= self.num_slots and bool(self._held[host])
+
+    def held(self) -> dict[int, str | None]:
+        """Held host slots and the ``request_id`` of the offload that filled each."""
+        return {h: self._owners[h] for h in range(1, self.num_slots + 1) if self._held[h]}
+
+    def compatible_with(self, spec: StateSpec) -> bool:
+        """Whether this pool holds states of ``spec`` (draft buffers aside)."""
+        return dataclasses.replace(spec, draft_tokens=0) == self.spec
+
+    # Bookkeeping below is driven by the CacheManager under its lock, which validates first.
+    def _take(self, owner: str | None) -> int:
+        if not self._free:
+            waiting = f" ({len(self._freed)} freed by queued events, reusable after the next flush)"
+            raise PoolExhaustedError(
+                f"host pool exhausted: all {self.num_slots} host slots are held" + (waiting if self._freed else "")
+            )
+        h = heapq.heappop(self._free)
+        self._held[h] = 1
+        self._owners[h] = owner
+        return h
+
+    def _free_later(self, host: int) -> None:
+        self._held[host] = 0
+        self._owners[host] = None
+        self._freed.append(host)
+
+    def _reuse_freed(self) -> None:
+        for h in self._freed:
+            heapq.heappush(self._free, h)
+        self._freed.clear()
+
+    def __repr__(self) -> str:
+        return (
+            f"HostPool(num_slots={self.num_slots}, num_held={self.num_held}, pinned={self.pinned},"
+            f" slot_bytes={self.spec.slot_bytes})"
+        )

@@ -1,0 +1,392 @@
+"""The host tier: offload, restore and drop, in the pure planner and through every executor, with faults."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mambacache as mc
+from mambacache._executors._base import copy_host
+from mambacache._planner import (
+    CommitStage,
+    CopyStage,
+    OffloadStage,
+    RestoreStage,
+    RotateStage,
+    ZeroStage,
+    decode_plan,
+    encode_plan,
+    plan_step,
+)
+
+from .conftest import fill_random, small_spec
+from .oracle import SequentialOracle
+from .strategies import host_events_from_ops, host_ops
+from .test_faults import VARIANTS, FaultAt
+
+N, H = 10, 6
+SPEC = small_spec()
+
+
+# -- the planner alone ----------------------------------------------------------
+def sequential(events: list[Any], pool: dict[int, Any], host: dict[int, Any]) -> None:
+    for ev in events:
+        if isinstance(ev, mc.Clear) or (isinstance(ev, mc.Alloc) and ev.clear):
+            pool[ev.slot] = "Z"
+        elif isinstance(ev, mc.CopyOnWrite):
+            pool[ev.dst] = pool[ev.src]
+        elif isinstance(ev, mc.Offload):
+            host[ev.host] = pool[ev.slot]
+        elif isinstance(ev, mc.Restore):
+            pool[ev.slot] = host[ev.host]
+
+
+def run_plan(plan: mc.Plan, pool: dict[int, Any], host: dict[int, Any]) -> None:
+    for stage in plan.stages:
+        if isinstance(stage, ZeroStage):
+            for s in stage.slots:
+                pool[s] = "Z"
+        elif isinstance(stage, CopyStage):
+            assert not {s for s, _ in stage.pairs} & {d for _, d in stage.pairs}
+            for s, d in reversed(stage.pairs):
+                pool[d] = pool[s]
+        elif isinstance(stage, RotateStage):
+            old = dict(pool)
+            for cycle in stage.cycles:
+                for i, c in enumerate(cycle):
+                    pool[cycle[(i + 1) % len(cycle)]] = old[c]
+        elif isinstance(stage, OffloadStage):
+            hosts = [h for _, h in stage.pairs]
+            assert hosts == sorted(set(hosts))
+            for s, h in reversed(stage.pairs):
+                host[h] = pool[s]
+        elif isinstance(stage, RestoreStage):
+            slots = [s for _, s in stage.pairs]
+            assert slots == sorted(set(slots))
+            for h, s in reversed(stage.pairs):
+                pool[s] = host[h]
+        else:
+            assert not isinstance(stage, CommitStage)
+
+
+@given(host_ops, st.sets(st.integers(1, N)), st.sets(st.integers(1, H)))
+def test_plan_with_host_events_equals_sequential_execution(
+    raw: list[tuple[str, int, int]], initially: set[int], held: set[int]
+) -> None:
+    for events, live, host_live in host_events_from_ops(raw, N, set(initially), H, set(held)):
+        start_pool: dict[int, Any] = {s: ("P", s) for s in range(1, N + 1)}
+        start_host: dict[int, Any] = {h: ("H", h) for h in range(1, H + 1)}
+        want_pool, want_host = dict(start_pool), dict(start_host)
+        sequential(events, want_pool, want_host)
+        plan = plan_step(events)  # type: ignore[arg-type]
+        got_pool, got_host = dict(start_pool), dict(start_host)
+        run_plan(plan, got_pool, got_host)
+        for s in live:
+            assert got_pool[s] == want_pool[s], (s, events, plan)
+        for h in host_live:
+            assert got_host[h] == want_host[h], (h, events, plan)
+        assert plan.events == len(events)
+        assert plan.elided >= 0
+        assert decode_plan(encode_plan(plan, 7)) == (7, plan)
+
+
+def test_plan_examples() -> None:
+    # Preemption by swap: the offload reads the slot before the new tenant's clear.
+    p = plan_step([mc.Offload(1, 1), mc.Release(1), mc.Alloc(1), mc.CopyOnWrite(2, 3)])
+    assert [type(s) for s in p.stages] == [OffloadStage, CopyStage, ZeroStage]
+    assert (p.offloaded, p.copied, p.zeroed) == (1, 1, 1)
+    # A restore lands after the copies that read the slot's old content, before the zeros.
+    p = plan_step([mc.CopyOnWrite(1, 2), mc.Restore(3, 1), mc.Clear(4)])
+    assert [type(s) for s in p.stages] == [CopyStage, RestoreStage, ZeroStage]
+    # A restore of what this step offloaded is a plain copy, and the offload dropped after it is elided.
+    p = plan_step([mc.Offload(1, 2), mc.Clear(1), mc.Restore(2, 3)])
+    assert [type(s) for s in p.stages] == [CopyStage, ZeroStage] and p.elided == 1
+    # Offloading a slot cleared earlier in the log splits the log there: exact, two plans.
+    p = plan_step([mc.Clear(1), mc.Offload(1, 1)])
+    assert [type(s) for s in p.stages] == [ZeroStage, OffloadStage]
+    # Contiguous slots to contiguous host slots: one run.
+    p = plan_step([mc.Offload(4, 1), mc.Offload(5, 2), mc.Offload(6, 3)])
+    assert p.stages[0].runs == ((4, 1, 3),)  # type: ignore[union-attr]
+
+
+# -- through the manager, on every executor ---------------------------------------
+class Driver:
+    """Turns raw draws into manager calls on live state, recording the events for the oracle."""
+
+    def __init__(self, mgr: mc.CacheManager, oracle: SequentialOracle) -> None:
+        self.mgr, self.oracle = mgr, oracle
+
+    def apply(self, kind: str, a: int, b: int) -> None:
+        mgr, pool = self.mgr, self.mgr.pool
+        live = pool.allocated_slots()
+        host = mgr.host_pool
+        assert host is not None
+        held = sorted(host.held())
+        ev: Any = None
+        if kind == "alloc" and pool.num_free:
+            ev = mc.Alloc(mgr.alloc(1, clear=b % 4 != 0)[0], clear=b % 4 != 0)
+        elif kind == "clear" and live:
+            ev = mc.Clear(live[a % len(live)])
+            mgr.clear(ev.slot)
+        elif kind == "cow" and live:
+            ev = mc.CopyOnWrite(live[a % len(live)], live[b % len(live)])
+            mgr.copy_on_write(ev.src, ev.dst)
+        elif kind == "release" and live:
+            ev = mc.Release(live[a % len(live)])
+            mgr.release(ev.slot)
+        elif kind == "offload" and live and host.num_free:
+            slot = live[a % len(live)]
+            ev = mc.Offload(slot, mgr.offload(slot))
+        elif kind == "restore" and live and held:
+            ev = mc.Restore(held[b % len(held)], live[a % len(live)], keep=a % 3 == 0)
+            mgr.restore(ev.host, ev.slot, keep=ev.keep)
+        elif kind == "drop" and held:
+            ev = mc.DropHost(held[a % len(held)])
+            mgr.drop(ev.host)
+        if ev is not None:
+            self.oracle.apply([ev])
+
+    def forward(self, step: int) -> None:
+        """A forward writes every live slot between flushes."""
+        for s in self.mgr.pool.allocated_slots():
+            value = float(step * 100 + s)
+            self.oracle.write(s, value)
+            for t in self.mgr.pool.tensors:
+                t[:, s] = value
+
+
+def _open(executor: Any) -> tuple[mc.StatePool, mc.HostPool, mc.CacheManager]:
+    pool, host = mc.StatePool(SPEC, N), mc.HostPool(SPEC, H)
+    return pool, host, mc.CacheManager(pool, executor=executor, host_pool=host, max_failed_flushes=1000)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@given(raw=host_ops, seed=st.integers(0, 2**16))
+@settings(max_examples=30)
+def test_host_events_match_sequential_on_every_executor(
+    variant: str, raw: list[tuple[str, int, int]], seed: int
+) -> None:
+    pool, host, mgr = _open(VARIANTS[variant]())
+    with mgr:
+        mgr.alloc(4)
+        mgr.flush_nowait()
+        fill_random(pool, seed)
+        oracle = SequentialOracle(pool, host)
+        drive = Driver(mgr, oracle)
+        step = 0
+        for kind, a, b in raw:
+            if kind == "flush":
+                report = mgr.flush_nowait()
+                oracle.assert_matches(pool, host)
+                assert report.bytes_offloaded == report.offloaded * SPEC.slot_bytes
+                drive.forward(step)
+                step += 1
+            else:
+                drive.apply(kind, a, b)
+    oracle.assert_matches(pool, host)
+
+
+def host_scenario(mgr: mc.CacheManager, slots: list[int], h0: int) -> None:
+    """Every host stage kind in one step, and both splits: offload, restore, and offloads of written slots."""
+    a, b, c, d, e = slots[:5]
+    mgr.offload(d)
+    mgr.offload(e)  # d and e land in consecutive host slots: one run
+    mgr.offload(a)  # reads a before the copy below overwrites it
+    mgr.copy_on_write(b, a)
+    mgr.restore(h0, b, keep=True)  # a restore stage, after the copy read b
+    mgr.offload(b)  # b's value is the host's: the log splits here
+    mgr.clear(c)
+    mgr.offload(c)  # a cleared slot: splits again
+    mgr.drop(h0)
+
+
+def run_host_scenario(variant: str, at: int, exc: type[BaseException]) -> int:
+    pool, host, mgr = _open(VARIANTS[variant]())
+    with mgr:
+        slots = mgr.alloc(8)
+        mgr.flush_nowait()
+        fill_random(pool, at)
+        h0 = mgr.offload(slots[5])
+        mgr.flush_nowait()
+        for t in pool.tensors:
+            t[:, slots[5]] = -7.0  # the pool moves on; the host keeps the old state
+        oracle = SequentialOracle(pool, host)
+        before = mgr.pending
+        host_scenario(mgr, slots, h0)
+        oracle.apply(list(mgr._events)[before:])
+        mode = FaultAt(at, exc)
+        try:
+            with mode:
+                mgr.flush_nowait()
+        except (mc.ExecutorError, KeyboardInterrupt):
+            assert at and pool.unfinished >= 1
+            assert mgr.flush_nowait().resumed_stages >= 1
+        else:
+            assert at == 0 or at > mode.ops
+        oracle.assert_matches(pool, host)
+        assert pool.unfinished == 0
+        return mode.ops
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_a_fault_at_every_op_of_a_host_step_loses_nothing(variant: str) -> None:
+    total = run_host_scenario(variant, 0, MemoryError)
+    assert total > 0
+    excs: list[type[BaseException]] = [MemoryError, RuntimeError, KeyboardInterrupt]
+    for at in range(1, total + 1):
+        run_host_scenario(variant, at, excs[at % len(excs)])
+
+
+class FlakyHost:
+    """Delegates to a real executor; fails the host copies listed in ``fail_at`` (1-based calls)."""
+
+    name = "flaky-host"
+
+    def __init__(self, inner: Any, fail_at: set[int]) -> None:
+        self.inner, self.fail_at, self.calls = inner, fail_at, 0
+
+    def execute(self, stage: Any, tensor: torch.Tensor, draft: torch.Tensor | None = None) -> None:
+        self.inner.execute(stage, tensor, draft) if draft is not None else self.inner.execute(stage, tensor)
+
+    def execute_host(self, stage: Any, tensor: torch.Tensor, host: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls in self.fail_at:
+            raise RuntimeError(f"injected host copy fault at call {self.calls}")
+        getattr(self.inner, "execute_host", copy_host)(stage, tensor, host)
+
+
+@given(raw=host_ops, fail_at=st.sets(st.integers(1, 30), max_size=6), seed=st.integers(0, 99))
+@settings(max_examples=40)
+def test_failed_host_copies_are_retried_exactly(raw: list[tuple[str, int, int]], fail_at: set[int], seed: int) -> None:
+    flaky = FlakyHost(VARIANTS["torch"](), fail_at)
+    pool, host, mgr = _open(flaky)
+    with mgr:
+        mgr.alloc(4)
+        mgr.flush_nowait()
+        fill_random(pool, seed)
+        oracle = SequentialOracle(pool, host)
+        drive = Driver(mgr, oracle)
+        for step, (kind, a, b) in enumerate(raw):
+            if kind != "flush":
+                drive.apply(kind, a, b)
+                continue
+            try:
+                mgr.flush_nowait()
+            except mc.ExecutorError:
+                continue  # kept; no forward, since the engine would not run one on a failed flush
+            oracle.assert_matches(pool, host)
+            drive.forward(step)
+        flaky.fail_at = set()
+    oracle.assert_matches(pool, host)
+    assert pool.unfinished == 0
+
+
+def test_offload_left_by_a_failed_exit_flush_runs_in_the_next_manager() -> None:
+    pool, host = mc.StatePool(SPEC, N), mc.HostPool(SPEC, H)
+    flaky = FlakyHost(VARIANTS["torch"](), {1, 2, 3})
+    with mc.CacheManager(pool, host_pool=host) as mgr:
+        (a,) = mgr.alloc(1)
+        mgr.flush_nowait()
+        fill_random(pool, 3)
+        oracle = SequentialOracle(pool, host)
+    with pytest.raises(mc.ExecutorError), mc.CacheManager(pool, executor=flaky, host_pool=host) as mgr:
+        h = mgr.offload(a)
+        mgr.release(a)
+        oracle.apply([mc.Offload(a, h), mc.Release(a)])
+    assert pool.unfinished == 1
+    flaky.fail_at = set()  # the kept stage runs on the executor that started it
+    with mc.CacheManager(pool) as mgr:  # the backlog keeps the host tensors: no host_pool needed to finish it
+        mgr.flush_nowait()
+    assert flaky.calls == 1 + len(pool.tensors)
+    assert pool.unfinished == 0
+    oracle.assert_matches(pool, host)
+
+
+# -- contract details ---------------------------------------------------------------
+def test_bad_host_calls_raise_typed_errors_and_change_nothing() -> None:
+    pool, host = mc.StatePool(SPEC, 4), mc.HostPool(SPEC, 2)
+    with mc.CacheManager(pool) as plain:
+        (s,) = plain.alloc(1)
+        with pytest.raises(mc.InvalidArgumentError, match="needs a host pool"):
+            plain.offload(s)
+    with mc.CacheManager(pool, host_pool=host) as mgr:
+        (t,) = mgr.alloc(1, request_id="r")
+        mgr.flush_nowait()
+        before = mgr.pending
+        with pytest.raises(mc.SlotStateError, match="not allocated"):
+            mgr.offload(4)
+        with pytest.raises(mc.SlotStateError, match="belongs to 'r'"):
+            mgr.offload(t, request_id="q")
+        with pytest.raises(mc.InvalidSlotError, match="host slot 3 is out of range"):
+            mgr.restore(3, t)
+        with pytest.raises(mc.SlotStateError, match="holds no state"):
+            mgr.restore(1, t)
+        with pytest.raises(mc.SlotStateError, match="holds no state"):
+            mgr.drop(2)
+        with pytest.raises(mc.InvalidSlotError):
+            mgr.drop(True)  # type: ignore[arg-type]
+        h = mgr.offload(t)
+        with pytest.raises(mc.InvalidArgumentError, match="keep must be a bool"):
+            mgr.restore(h, t, keep=1)  # type: ignore[arg-type]
+        mgr.offload(t)
+        with pytest.raises(mc.PoolExhaustedError, match="host pool exhausted"):
+            mgr.offload(t)
+        assert mgr.pending == before + 2 and host.num_held == 2
+        with pytest.raises(mc.InvalidEventError, match=r"CacheManager\.offload"):
+            mgr.submit(mc.Offload(t, 1))  # type: ignore[arg-type]
+        mgr.drop(h)
+        # Freed by a queued drop: reusable only after the flush that takes the drop.
+        with pytest.raises(mc.PoolExhaustedError, match="reusable after the next flush"):
+            mgr.offload(t)
+        mgr.flush_nowait()
+        assert mgr.offload(t) == h
+    with pytest.raises(mc.InvalidArgumentError, match="host_pool holds states"):
+        mc.CacheManager(pool, host_pool=mc.HostPool(small_spec(layers=2), 2))
+    with pytest.raises(mc.InvalidArgumentError, match="host_pool must be a HostPool"):
+        mc.CacheManager(pool, host_pool=pool)  # type: ignore[arg-type]
+
+
+def test_host_pool_is_attached_to_one_open_manager() -> None:
+    host = mc.HostPool(SPEC, 2)
+    with (
+        mc.CacheManager(mc.StatePool(SPEC, 2), host_pool=host),
+        pytest.raises(mc.InvalidArgumentError, match="another open CacheManager"),
+    ):
+        mc.CacheManager(mc.StatePool(SPEC, 2), host_pool=host).__enter__()
+    with mc.CacheManager(mc.StatePool(SPEC, 2), host_pool=host):
+        pass
+
+
+def test_host_pool_layout_and_pinning() -> None:
+    spec = mc.StateSpec(num_layers=2, conv_shapes=[(3, 4)], temporal_shape=(2, 2), draft_tokens=2)
+    host = mc.HostPool(spec, 3)
+    assert [tuple(t.shape) for t in host.tensors] == [(2, 4, 3, 4), (2, 4, 2, 2)]
+    assert host.spec.draft_tokens == 0 and host.compatible_with(spec)
+    assert not host.pinned  # no accelerator on this machine: pinning would fail, and buys nothing
+    assert all(t.device.type == "cpu" for t in host.tensors)
+    with pytest.raises(mc.InvalidArgumentError):
+        mc.HostPool(spec, 0)
+
+
+@pytest.mark.anyio
+async def test_async_offload_restore_round_trip() -> None:
+    pool, host = mc.StatePool(SPEC, 4), mc.HostPool(SPEC, 2)
+    async with mc.CacheManager(pool, host_pool=host) as mgr:
+        (a,) = mgr.alloc(1, request_id="r")
+        await mgr.flush()
+        for t in pool.tensors:
+            t[:, a] = 5.0
+        h = mgr.offload(a, request_id="r")
+        mgr.release(a, request_id="r")
+        (b,) = mgr.alloc(1, request_id="x")  # the same slot, a new tenant: cleared after the offload read it
+        report = await mgr.flush()
+        assert (report.offloaded, report.zeroed) == (1, 1) and b == a
+        (c,) = mgr.alloc(1, request_id="r", clear=False)
+        mgr.restore(h, c, request_id="r")
+        report = await mgr.flush()
+        assert report.restored == 1 and host.num_held == 0
+        assert all(bool((t[:, c] == 5.0).all()) and bool((t[:, b] == 0).all()) for t in pool.tensors)

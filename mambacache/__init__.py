@@ -14,6 +14,7 @@ from ._errors import PoolAllocationError as PoolAllocationError
 from ._errors import PoolExhaustedError as PoolExhaustedError
 from ._errors import SlotLeakError as SlotLeakError
 from ._errors import SlotStateError as SlotStateError
+from ._errors import StaleHitError as StaleHitError
 from ._errors import TraceError as TraceError
 from ._errors import UnknownExecutorError as UnknownExecutorError
 from ._errors import UnsupportedDtypeError as UnsupportedDtypeError
@@ -22,7 +23,6 @@ from ._events import Clear as Clear
 from ._events import CommitDraft as CommitDraft
 from ._events import CopyOnWrite as CopyOnWrite
 from ._events import DropHost as DropHost
-from ._events import Event as Event
 from ._events import Offload as Offload
 from ._events import Release as Release
 from ._events import Restore as Restore
@@ -37,6 +37,9 @@ from ._planner import plan_step as plan_step
 from ._pool import StatePool as StatePool
 from ._spec import StateSpec as StateSpec
 from ._tiers._host import HostPool as HostPool
+from ._tiers._prefix import PrefixCache as PrefixCache
+from ._tiers._prefix import PrefixHit as PrefixHit
+from ._tiers._prefix import PrefixStats as PrefixStats
 
 __version__ = "0.1.0"
 
@@ -68,9 +71,12 @@ __all__ = [
     "CommitDraft",
     "CopyOnWrite",
     "DropHost",
-    "Event",
     "HostPool",
     "Offload",
+    "PrefixCache",
+    "PrefixHit",
+    "PrefixStats",
+    "StaleHitError",
     "Restore",
     "DistributedError",
     "Executor",

@@ -69,3 +69,7 @@ class SlotLeakError(MambaCacheError, RuntimeError):
 
 class TraceError(MambaCacheError, ValueError):
     """A trace file cannot be analysed: missing, not a trace, no slot events, or malformed under ``strict``."""
+
+
+class StaleHitError(MambaCacheError, LookupError):
+    """A :class:`PrefixHit` whose checkpoint was evicted and dropped since ``match``: match again."""

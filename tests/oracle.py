@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ class SequentialOracle:
         self.defined: set[int] = set(self.allocated)
         self.host_defined: set[int] = set(self.host_held)
 
-    def apply(self, events: Iterable[mc.Event]) -> None:
+    def apply(self, events: Iterable[Any]) -> None:
         for ev in events:
             if isinstance(ev, mc.Offload):
                 for t, h in zip(self.tensors, self.host, strict=True):

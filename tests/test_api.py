@@ -27,6 +27,7 @@ def test_all_matches_public_names() -> None:
         (mc.UnknownExecutorError, LookupError),
         (mc.ExecutorError, RuntimeError),
         (mc.DistributedError, RuntimeError),
+        (mc.StaleHitError, LookupError),
     ],
 )
 def test_error_hierarchy(error: type[Exception], builtin: type[Exception]) -> None:

@@ -20,8 +20,12 @@ from .._errors import TraceError
 
 __all__ = ["Anomaly", "BadLine", "Entry", "TraceAnalysis", "analyze", "analyze_lines", "parse_lines"]
 
-SLOT_EVENTS = frozenset({"slot.alloc", "slot.release", "slot.clear", "slot.cow", "slot.commit"})
+SLOT_EVENTS = frozenset(
+    {"slot.alloc", "slot.release", "slot.clear", "slot.cow", "slot.commit", "slot.offload", "slot.restore"}
+)
 STEP_EVENTS = frozenset({"step.flush", "step.error"})
+TIER_EVENTS = frozenset({"host.drop", "prefix.hit", "prefix.miss", "prefix.insert", "prefix.evict", "prefix.fork"})
+_PREFIXES = ("slot.", "step.", "host.", "prefix.")
 ANOMALY_KINDS = (
     "double-release",
     "use-after-release",
@@ -29,6 +33,8 @@ ANOMALY_KINDS = (
     "uncleared-reuse",
     "double-alloc",
     "held-at-end",
+    "restore-from-dropped",
+    "fork-from-evicted",
 )
 
 
@@ -38,9 +44,9 @@ class Entry:
 
     line: int
     step: int | None
-    action: str  # alloc, clear, fork-in, fork-out, commit, release
+    action: str  # alloc, clear, fork-in, fork-out, commit, offload, restore, release
     request_id: str | None
-    other: int | None = None  # the other slot of a fork; the accepted count of a commit
+    other: int | None = None  # the other slot of a fork; the accepted count of a commit; the host slot
     cleared: bool | None = None
 
 
@@ -149,6 +155,17 @@ def _checked(record: dict[str, Any]) -> dict[str, Any]:
     out["request_id"] = rid
     if event == "slot.cow":
         out["src"], out["dst"] = _int(record, "src", required=True), _int(record, "dst", required=True)
+    elif event == "slot.offload" or event == "slot.restore":
+        out["slot"], out["host"] = _int(record, "slot", required=True), _int(record, "host", required=True)
+        keep = record.get("keep", False)
+        if type(keep) is not bool:
+            raise ValueError(f"'keep' must be true or false, got {type(keep).__name__} {keep!r}"[:80])
+        out["keep"] = keep
+    elif event == "host.drop":
+        out["host"] = _int(record, "host", required=True)
+    elif event.startswith("prefix."):
+        for key in ("slot", "src", "host", "length"):
+            out[key] = _int(record, key, required=key == "length" and event != "prefix.miss")
     elif event in SLOT_EVENTS:
         out["slot"] = _int(record, "slot", required=True)
         if event == "slot.commit":
@@ -195,8 +212,8 @@ def parse_lines(lines: Iterable[bytes | str]) -> tuple[list[tuple[int, dict[str,
                 other += 1
             continue
         event = record.get("event") if isinstance(record, dict) else None
-        if not isinstance(event, str) or not (event in SLOT_EVENTS or event in STEP_EVENTS):
-            if isinstance(event, str) and event.startswith(("slot.", "step.")):
+        if not isinstance(event, str) or not (event in SLOT_EVENTS or event in STEP_EVENTS or event in TIER_EVENTS):
+            if isinstance(event, str) and event.startswith(_PREFIXES):
                 bad.append(BadLine(number, f"unknown mambacache event {event!r}"[:80]))
             else:
                 other += 1
@@ -287,9 +304,18 @@ def _analyze_records(records: Iterable[tuple[int, dict[str, Any]]], expect_idle:
             "releases",
             "clears_elided",
             "events_flushed",
+            "offloads",
+            "restores",
+            "host_drops",
+            "prefix_hits",
+            "prefix_misses",
+            "prefix_inserts",
+            "prefix_evictions",
         ),
         0,
     )
+    host_held: dict[int, bool] = {}  # held host slot -> whether its state was initialised
+    evicted: dict[int, int] = {}  # checkpoint slot evicted (and not allocated since) -> line of the eviction
     requests: set[str] = set()
     last_line, last_step = 0, None
 
@@ -305,6 +331,9 @@ def _analyze_records(records: Iterable[tuple[int, dict[str, Any]]], expect_idle:
         if rid is not None:
             requests.add(rid)
         if event == "step.error":
+            continue
+        if event.startswith(("prefix.", "host.")):
+            _tier_event(r, line, counts, host_held, evicted, flag)
             continue
         if event == "step.flush":
             counts["steps"] += 1
@@ -325,6 +354,9 @@ def _analyze_records(records: Iterable[tuple[int, dict[str, Any]]], expect_idle:
                 flag("copy-from-released", src, line, step, rid, f"fork {src} -> {dst} reads slot {src}, which is free")
             if not s_dst.allocated:
                 flag("use-after-release", dst, line, step, rid, f"fork {src} -> {dst} writes slot {dst}, which is free")
+            if src in evicted:
+                message = f"fork {src} -> {dst} reads checkpoint slot {src}, evicted on line {evicted[src]}"
+                flag("fork-from-evicted", src, line, step, rid, message)
             s_dst.initialized = s_src.initialized
             s_dst.taint = "" if s_src.initialized else f"forked from slot {src}, itself never cleared"
             entry(src, Entry(line, step, "fork-out", rid, other=dst))
@@ -341,6 +373,7 @@ def _analyze_records(records: Iterable[tuple[int, dict[str, Any]]], expect_idle:
                 flag("double-alloc", slot, line, step, rid, message)
             st.allocated, st.initialized, st.tenant, st.flagged_uncleared = True, cleared, rid, False
             st.taint = ""
+            evicted.pop(slot, None)
             entry(slot, Entry(line, step, "alloc", rid, cleared=cleared))
         elif event == "slot.commit":
             counts["commits"] += 1
@@ -353,6 +386,24 @@ def _analyze_records(records: Iterable[tuple[int, dict[str, Any]]], expect_idle:
                 flag("use-after-release", slot, line, step, rid, f"clear of slot {slot}, which is free")
             st.initialized, st.taint = True, ""
             entry(slot, Entry(line, step, "clear", rid))
+        elif event == "slot.offload":
+            counts["offloads"] += 1
+            if not st.allocated:
+                flag("use-after-release", slot, line, step, rid, f"offload of slot {slot}, which is free")
+            host_held[r["host"]] = st.initialized
+            entry(slot, Entry(line, step, "offload", rid, other=r["host"]))
+        elif event == "slot.restore":
+            counts["restores"] += 1
+            h = r["host"]
+            if h not in host_held:
+                message = f"restore of host slot {h} into slot {slot}: the host slot holds no state (dropped or freed)"
+                flag("restore-from-dropped", slot, line, step, rid, message)
+            if not st.allocated:
+                flag("use-after-release", slot, line, step, rid, f"restore into slot {slot}, which is free")
+            st.initialized, st.taint = host_held.get(h, False), ""
+            if not r["keep"]:
+                host_held.pop(h, None)
+            entry(slot, Entry(line, step, "restore", rid, other=h))
         elif event == "slot.release":
             counts["releases"] += 1
             if not st.allocated:
@@ -368,6 +419,36 @@ def _analyze_records(records: Iterable[tuple[int, dict[str, Any]]], expect_idle:
     counts["slots_used"] = len(out.timelines)
     counts["requests"] = len(requests)
     counts["held_at_end"] = len(out.held)
+    counts["host_held_at_end"] = len(host_held)
     counts["anomalies"] = len(out.anomalies)
     out.summary = counts
     return out
+
+
+def _tier_event(
+    r: dict[str, Any],
+    line: int,
+    counts: dict[str, int],
+    host_held: dict[int, bool],
+    evicted: dict[int, int],
+    flag: Any,
+) -> None:
+    """Host drops and prefix-cache events: counts, and the two anomalies they can show."""
+    event, step = r["event"], r["step"]
+    if event == "host.drop":
+        counts["host_drops"] += 1
+        host_held.pop(r["host"], None)
+    elif event == "prefix.hit":
+        counts["prefix_hits"] += 1
+    elif event == "prefix.miss":
+        counts["prefix_misses"] += 1
+    elif event == "prefix.insert":
+        counts["prefix_inserts"] += 1
+    elif event == "prefix.evict":
+        if r["slot"] is not None:
+            counts["prefix_evictions"] += 1
+            evicted[r["slot"]] = line
+    elif event == "prefix.fork" and r["src"] is not None and r["src"] in evicted:
+        src = r["src"]
+        message = f"prefix fork into slot {r['slot']} from checkpoint slot {src}, evicted on line {evicted[src]}"
+        flag("fork-from-evicted", src, line, step, r["request_id"], message)

@@ -1,0 +1,356 @@
+"""PrefixCache: prefix states checkpointed at block boundaries, with LRU eviction and a host tier.
+
+Every operation is a manager event in the one queue (a fork is a copy-on-write
+or a restore, a checkpoint is a copy-on-write into a slot of the cache's own, an
+eviction is an offload and a release, or a release), so the sequential semantics
+that make slots exact make the cache exact too: a checkpoint holds its source
+slot's state as of the ``insert`` call, a checkpoint evicted after a fork in the
+same step still feeds that fork, and a restore reads what the offload wrote.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import _tracing
+from .._errors import InvalidArgumentError, PoolExhaustedError, SlotStateError, StaleHitError
+from .._manager import CacheManager
+
+__all__ = ["CHECKPOINT_TENANT", "PrefixCache", "PrefixHit", "PrefixStats"]
+
+CHECKPOINT_TENANT = "prefix-cache"
+"""The ``request_id`` of every checkpoint slot (what ``CacheManager.held`` shows for them)."""
+
+class _Node:
+    """One block of tokens in the trie; holds a checkpoint of the prefix ending here, or not."""
+
+    __slots__ = ("below", "children", "host", "key", "length", "live", "parent", "payload", "slot")
+
+    def __init__(self, parent: _Node | None, key: tuple[int, ...], length: int) -> None:
+        self.parent, self.key, self.length = parent, key, length
+        self.children: dict[tuple[int, ...], _Node] = {}
+        self.slot = 0  # the device checkpoint's pool slot, or 0
+        self.host = 0  # the host checkpoint's host slot, or 0
+        self.payload: Any = None
+        self.below = 0  # device checkpoints strictly below this node: 0 makes it a leaf for eviction
+        self.live = True  # False once pruned from the trie: hits on it are stale
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """The longest cached prefix of a ``match``: ``length`` tokens, on the ``"device"`` or ``"host"`` tier.
+
+    ``payload`` is what ``insert`` was given with the checkpoint (an engine's
+    attention KV handle, say). Pass the hit to :meth:`PrefixCache.fork`.
+    """
+
+    length: int
+    tier: str
+    payload: Any = field(default=None, compare=False)
+    _node: _Node | None = field(default=None, repr=False, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixStats:
+    """Counters since the cache was made, and the checkpoints held now."""
+
+    hits: int = 0
+    misses: int = 0
+    tokens_saved: int = 0  # prefix tokens that forks did not have to recompute
+    inserts: int = 0
+    evictions: int = 0  # device checkpoints evicted (to the host tier, or dropped)
+    offloads: int = 0  # evictions that moved the checkpoint to the host tier
+    restores: int = 0  # forks served from the host tier
+    host_drops: int = 0  # host checkpoints dropped to make room
+    skipped: int = 0  # inserts refused because no pool slot could be freed
+    device_checkpoints: int = 0
+    host_checkpoints: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Hits over lookups (0.0 before any)."""
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+class PrefixCache:
+    """Prefix states of block-aligned token prefixes, in checkpoint slots of the manager's pool.
+
+    Invariants:
+
+    * a checkpoint of ``tokens[:n]`` (``n`` a multiple of ``block_size``) holds
+      the state of the slot given to ``insert`` as of that call, in the event
+      order; it is never written again, so any later fork reads exactly that;
+    * at most ``max_checkpoints`` checkpoints hold pool slots (a budget apart
+      from running requests), and at most ``host_checkpoints`` hold host slots;
+    * eviction takes the least recently used *leaf*: a device checkpoint with no
+      device checkpoint below it in the trie, so a chain of checkpoints along one
+      prompt shrinks from its end; with ``host_checkpoints > 0`` the evicted
+      state moves to the host tier, and a later hit restores it;
+    * a hit stays usable until its checkpoint leaves both tiers; ``fork`` on a
+      hit whose checkpoint is gone raises :class:`StaleHitError`.
+
+    Not thread-safe: use it from the task or thread that schedules steps.
+    """
+
+    def __init__(
+        self, manager: CacheManager, block_size: int = 64, max_checkpoints: int = 128, host_checkpoints: int = 0
+    ) -> None:
+        if not isinstance(manager, CacheManager):
+            raise InvalidArgumentError(f"manager must be a CacheManager, got {type(manager).__name__}")
+        for name, value, low in (
+            ("block_size", block_size, 1),
+            ("max_checkpoints", max_checkpoints, 0),
+            ("host_checkpoints", host_checkpoints, 0),
+        ):
+            if type(value) is not int or value < low:
+                raise InvalidArgumentError(f"{name} must be an int >= {low}, got {value!r}")
+        if host_checkpoints and manager.host_pool is None:
+            raise InvalidArgumentError(
+                "host_checkpoints > 0 needs a manager with a host pool: CacheManager(pool, host_pool=HostPool(...))"
+            )
+        self._mgr = manager
+        self.block_size = block_size
+        self.max_checkpoints = max_checkpoints
+        self.host_checkpoints = host_checkpoints
+        self._root = _Node(None, (), 0)
+        self._device: OrderedDict[_Node, None] = OrderedDict()  # least recently used first
+        self._host: OrderedDict[_Node, None] = OrderedDict()
+        self._counts = dict.fromkeys(
+            ("hits", "misses", "tokens_saved", "inserts", "evictions", "offloads", "restores", "host_drops", "skipped"),
+            0,
+        )
+
+    # -- lookups ---------------------------------------------------------
+    @property
+    def stats(self) -> PrefixStats:
+        """A snapshot of the counters."""
+        return PrefixStats(**self._counts, device_checkpoints=len(self._device), host_checkpoints=len(self._host))
+
+    def __len__(self) -> int:
+        """Checkpoints held, on both tiers."""
+        return len(self._device) + len(self._host)
+
+    def match(self, tokens: Sequence[int]) -> PrefixHit | None:
+        """The longest block-aligned prefix of ``tokens`` with a checkpoint on either tier, or None.
+
+        A hit may cover all of ``tokens``; an engine that needs a token left to run
+        (for the next logits) matches ``tokens[:-1]``.
+        """
+        tokens = self._tokens(tokens)
+        best: _Node | None = None
+        node = self._root
+        for key in self._blocks(tokens, len(tokens) // self.block_size):
+            child = node.children.get(key)
+            if child is None:
+                break
+            node = child
+            if node.slot or node.host:
+                best = node
+        slot_log = _tracing.state.slot_log
+        if best is None:
+            self._counts["misses"] += 1
+            if slot_log is not None:
+                slot_log.debug("prefix.miss", tokens=len(tokens), step=self._mgr.step)
+            return None
+        self._counts["hits"] += 1
+        self._touch(best)
+        tier = "device" if best.slot else "host"
+        if slot_log is not None:
+            slot_log.debug(
+                "prefix.hit", length=best.length, tier=tier, slot=best.slot or None, host=best.host or None,
+                tokens=len(tokens), step=self._mgr.step,
+            )  # fmt: skip
+        return PrefixHit(best.length, tier, best.payload, best)
+
+    def fork(self, hit: PrefixHit, request_id: str | None = None) -> int:
+        """A new slot for ``request_id`` holding the hit's prefix state (from the host tier if it is there).
+
+        The slot is allocated without a clear: the copy or the restore writes all
+        of it. When the pool is full, the least recently used checkpoint (not this
+        one) is evicted to make room.
+        """
+        if not isinstance(hit, PrefixHit) or hit._node is None:
+            raise InvalidArgumentError(f"fork takes a PrefixHit from match(), got {hit!r}")
+        node = hit._node
+        if not node.live or not (node.slot or node.host):
+            raise StaleHitError(
+                f"the checkpoint of this {hit.length}-token hit was evicted and dropped since match(): match again"
+            )
+        slot = self._alloc(request_id, protect=node)
+        if node.slot:
+            self._mgr.copy_on_write(node.slot, slot, request_id=request_id)
+        else:
+            self._mgr.restore(node.host, slot, request_id=request_id, keep=True)
+            self._counts["restores"] += 1
+        self._counts["tokens_saved"] += node.length
+        self._touch(node)
+        slot_log = _tracing.state.slot_log
+        if slot_log is not None:
+            slot_log.debug(
+                "prefix.fork", slot=slot, length=node.length, src=node.slot or None, host=node.host or None,
+                request_id=request_id, step=self._mgr.step,
+            )  # fmt: skip
+        return slot
+
+    # -- inserting and evicting ------------------------------------------
+    def insert(self, tokens: Sequence[int], slot: int, *, payload: Any = None) -> bool:
+        """Checkpoint ``slot``'s state as of this point of the event order as the state after ``tokens``.
+
+        ``len(tokens)`` must be a positive multiple of ``block_size``. Returns True
+        when a checkpoint was made; False when the prefix is already cached (its
+        recency is refreshed), when ``max_checkpoints`` is 0, or when no pool slot
+        could be freed for it (counted in ``stats.skipped``).
+        """
+        tokens = self._tokens(tokens)
+        n = len(tokens)
+        if n == 0 or n % self.block_size:
+            raise InvalidArgumentError(
+                f"insert takes a positive multiple of block_size={self.block_size} tokens, got {n}"
+            )
+        if not self._mgr.pool.is_allocated(slot):
+            raise SlotStateError(f"insert: slot {slot!r} is not allocated")
+        blocks = list(self._blocks(tokens, n // self.block_size))
+        node: _Node | None = self._root
+        for key in blocks:
+            node = node.children.get(key) if node is not None else None
+        if node is not None and (node.slot or node.host):
+            self._touch(node)
+            return False
+        if self.max_checkpoints == 0:
+            return False
+        # Evict and allocate before linking the new path: an eviction prunes empty nodes.
+        while len(self._device) >= self.max_checkpoints and self._evict_one(protect=None):
+            pass
+        try:
+            checkpoint = self._alloc(CHECKPOINT_TENANT, protect=None)
+        except PoolExhaustedError:
+            self._counts["skipped"] += 1
+            return False
+        node = self._root
+        for key in blocks:
+            child = node.children.get(key)
+            if child is None:
+                child = node.children[key] = _Node(node, key, node.length + self.block_size)
+            node = child
+        self._mgr.copy_on_write(slot, checkpoint)
+        node.slot, node.payload = checkpoint, payload
+        self._device[node] = None
+        self._adjust_below(node, +1)
+        self._counts["inserts"] += 1
+        slot_log = _tracing.state.slot_log
+        if slot_log is not None:
+            slot_log.debug("prefix.insert", slot=checkpoint, src=slot, length=n, step=self._mgr.step)
+        return True
+
+    def evict(self) -> bool:
+        """Evict the least recently used leaf checkpoint now (to the host tier if it has room); False if none."""
+        return self._evict_one(protect=None)
+
+    def clear(self) -> None:
+        """Release every checkpoint slot and drop every host checkpoint (before an idle leak check, say)."""
+        for node in list(self._device):
+            self._mgr.release(node.slot, request_id=CHECKPOINT_TENANT)
+            node.slot = 0
+        for node in list(self._host):
+            self._mgr.drop(node.host)
+            node.host = 0
+        for node in [*self._device, *self._host]:
+            node.live = False
+        self._device.clear()
+        self._host.clear()
+        self._root = _Node(None, (), 0)
+
+    def _alloc(self, request_id: str | None, protect: _Node | None) -> int:
+        while True:
+            try:
+                return self._mgr.alloc(1, request_id, clear=False)[0]
+            except PoolExhaustedError:
+                if not self._evict_one(protect):
+                    raise
+
+    def _evict_one(self, protect: _Node | None) -> bool:
+        victim = next((n for n in self._device if n.below == 0 and n is not protect), None)
+        if victim is None:
+            return False
+        mgr = self._mgr
+        host = 0
+        if self.host_checkpoints:
+            hp = mgr.host_pool
+            assert hp is not None
+            while (len(self._host) >= self.host_checkpoints or hp.num_free == 0) and self._drop_host_one(protect):
+                pass
+            if len(self._host) < self.host_checkpoints and hp.num_free:
+                host = mgr.offload(victim.slot, request_id=CHECKPOINT_TENANT)
+        slot = victim.slot
+        mgr.release(slot, request_id=CHECKPOINT_TENANT)
+        del self._device[victim]
+        self._adjust_below(victim, -1)
+        victim.slot = 0
+        self._counts["evictions"] += 1
+        if host:
+            victim.host = host
+            self._host[victim] = None
+            self._counts["offloads"] += 1
+        else:
+            self._prune(victim)
+        slot_log = _tracing.state.slot_log
+        if slot_log is not None:
+            slot_log.debug(
+                "prefix.evict", slot=slot, length=victim.length, to="host" if host else "dropped",
+                host=host or None, step=mgr.step,
+            )  # fmt: skip
+        return True
+
+    def _drop_host_one(self, protect: _Node | None) -> bool:
+        node = next((n for n in self._host if n is not protect), None)
+        if node is None:
+            return False
+        del self._host[node]
+        self._mgr.drop(node.host)
+        slot_log = _tracing.state.slot_log
+        if slot_log is not None:
+            slot_log.debug("prefix.evict", host=node.host, length=node.length, to="dropped", step=self._mgr.step)
+        node.host = 0
+        self._counts["host_drops"] += 1
+        self._prune(node)
+        return True
+
+    # -- the trie --------------------------------------------------------
+    def _touch(self, node: _Node) -> None:
+        if node.slot:
+            self._device.move_to_end(node)
+        elif node.host:
+            self._host.move_to_end(node)
+
+    @staticmethod
+    def _adjust_below(node: _Node, delta: int) -> None:
+        parent = node.parent
+        while parent is not None:
+            parent.below += delta
+            parent = parent.parent
+
+    @staticmethod
+    def _prune(node: _Node) -> None:
+        """Unlink ``node`` and its ancestors while they hold nothing and lead nowhere."""
+        while node.parent is not None and not (node.slot or node.host or node.children):
+            del node.parent.children[node.key]
+            node.live = False
+            node.payload = None
+            node = node.parent
+
+    def _blocks(self, tokens: list[int], n_blocks: int) -> Any:
+        b = self.block_size
+        return (tuple(tokens[i * b : (i + 1) * b]) for i in range(n_blocks))
+
+    @staticmethod
+    def _tokens(tokens: Any) -> list[int]:
+        if isinstance(tokens, str | bytes) or not isinstance(tokens, Sequence) and not hasattr(tokens, "tolist"):
+            raise InvalidArgumentError(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
+        values = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+        if not all(type(t) is int for t in values):
+            raise InvalidArgumentError("tokens must be ints")
+        return values  # type: ignore[no-any-return]

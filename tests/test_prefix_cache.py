@@ -1,0 +1,293 @@
+"""PrefixCache against a model of what each fork must read, interleaved with every other event."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from structlog.testing import capture_logs
+
+import mambacache as mc
+from mambacache import tracing
+
+
+# float32 throughout: the test tags states with counters that bfloat16 would round.
+SPEC = mc.StateSpec(num_layers=2, conv_shapes=[(6, 3), (5, 2)], temporal_shape=(2, 3), conv_dtype=torch.float32)
+B = 2  # block size
+PROMPTS = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 9, 9], [1, 2, 7, 7, 7, 7], [8, 8, 8, 8, 8, 8]]
+
+OPS = ("admit", "admit", "insert", "insert", "fork", "release", "cow", "clear", "flush", "flush", "evict")
+prefix_ops = st.lists(
+    st.tuples(st.sampled_from(OPS), st.integers(0, 10**6), st.integers(0, 10**6)), min_size=1, max_size=60
+)
+
+
+def fill(pool: mc.StatePool, slot: int, value: float) -> None:
+    for t in pool.tensors:
+        t[:, slot] = value
+
+
+def value_of(pool: mc.StatePool, slot: int) -> float:
+    values = {float(v) for t in pool.tensors for v in t[:, slot].flatten().tolist()}
+    assert len(values) == 1, f"slot {slot} holds a mix of states: {sorted(values)[:4]}"
+    return values.pop()
+
+
+class Model:
+    """Each running request's slot value as sequential execution defines it, and each checkpoint's."""
+
+    def __init__(self) -> None:
+        self.slots: dict[int, float] = {}  # running slot -> the value it must hold
+        self.prompt: dict[int, list[int]] = {}
+        self.checkpoints: dict[tuple[int, ...], float] = {}  # every prefix ever checkpointed -> its value
+        self.tag = 1.0
+
+    def fresh(self) -> float:
+        self.tag += 1.0
+        return self.tag
+
+
+def run(raw: list[tuple[str, int, int]], num_slots: int, max_ckpt: int, host_ckpt: int) -> mc.PrefixStats:
+    pool = mc.StatePool(SPEC, num_slots)
+    host = mc.HostPool(SPEC, 3) if host_ckpt else None
+    model = Model()
+    with mc.CacheManager(pool, host_pool=host) as mgr:
+        cache = mc.PrefixCache(mgr, block_size=B, max_checkpoints=max_ckpt, host_checkpoints=host_ckpt)
+        for kind, a, b in raw:
+            running = sorted(model.slots)
+            if kind == "admit":
+                prompt = PROMPTS[a % len(PROMPTS)]
+                hit = cache.match(prompt[:-1])
+                try:
+                    if hit is not None:
+                        assert hit.length % B == 0 and 0 < hit.length <= len(prompt) - 1
+                        key = tuple(prompt[: hit.length])
+                        assert key in model.checkpoints, "a hit on a prefix never inserted"
+                        slot = cache.fork(hit, request_id=f"r{a}")
+                        model.slots[slot] = model.checkpoints[key]
+                    else:
+                        (slot,) = mgr.alloc(1, request_id=f"r{a}")
+                        model.slots[slot] = 0.0
+                except mc.PoolExhaustedError:
+                    continue
+                model.prompt[slot] = prompt
+            elif kind == "insert" and running:
+                slot = running[a % len(running)]
+                n = B * (1 + b % 3)
+                if cache.insert(model.prompt[slot][:n], slot):
+                    model.checkpoints[tuple(model.prompt[slot][:n])] = model.slots[slot]
+            elif kind == "fork" and running:
+                # Match and fork in separate calls with other events in between: the hit stays exact.
+                prompt = model.prompt[running[a % len(running)]]
+                hit = cache.match(prompt)
+                if hit is not None and running:
+                    victim = running[b % len(running)]
+                    mgr.release(victim)
+                    del model.slots[victim], model.prompt[victim]
+                    try:
+                        slot = cache.fork(hit)
+                    except mc.StaleHitError:
+                        assert hit._node is not None and not hit._node.live
+                        continue
+                    except mc.PoolExhaustedError:
+                        continue
+                    model.slots[slot] = model.checkpoints[tuple(prompt[: hit.length])]
+                    model.prompt[slot] = prompt
+            elif kind == "release" and running:
+                slot = running[a % len(running)]
+                mgr.release(slot)
+                del model.slots[slot], model.prompt[slot]
+            elif kind == "cow" and len(running) > 1:
+                src, dst = running[a % len(running)], running[b % len(running)]
+                mgr.copy_on_write(src, dst)
+                model.slots[dst] = model.slots[src]
+                model.prompt[dst] = model.prompt[src]
+            elif kind == "clear" and running:
+                slot = running[a % len(running)]
+                mgr.clear(slot)
+                model.slots[slot] = 0.0
+            elif kind == "evict":
+                cache.evict()
+            elif kind == "flush":
+                mgr.flush_nowait()
+                for slot, want in model.slots.items():
+                    assert value_of(pool, slot) == want, (slot, want)
+                for slot in model.slots:  # a forward writes every running slot
+                    model.slots[slot] = model.fresh()
+                    fill(pool, slot, model.slots[slot])
+            stats = cache.stats
+            assert stats.device_checkpoints <= max_ckpt and stats.host_checkpoints <= host_ckpt
+            held = mgr.held()
+            assert sum(t == "prefix-cache" for t in held.values()) == stats.device_checkpoints
+        mgr.flush_nowait()
+        for slot, want in model.slots.items():
+            assert value_of(pool, slot) == want
+        cache.clear()
+        for slot in list(model.slots):
+            mgr.release(slot)
+        mgr.flush_nowait()
+        mgr.check_idle()
+        assert host is None or host.num_held == 0
+    return cache.stats
+
+
+@given(raw=prefix_ops, num_slots=st.integers(3, 8), max_ckpt=st.integers(0, 4), host_ckpt=st.sampled_from([0, 2, 3]))
+@settings(max_examples=150)
+def test_every_fork_reads_its_checkpoint_as_inserted(
+    raw: list[tuple[str, int, int]], num_slots: int, max_ckpt: int, host_ckpt: int
+) -> None:
+    run(raw, num_slots, max_ckpt, host_ckpt)
+
+
+def test_a_long_run_exercises_every_path() -> None:
+    import random
+
+    rng = random.Random(0)
+    raw = [(rng.choice(OPS), rng.randrange(10**6), rng.randrange(10**6)) for _ in range(3000)]
+    stats = run(raw, 7, 3, 2)
+    assert stats.hits and stats.misses and stats.evictions and stats.offloads and stats.restores
+    assert stats.host_drops and stats.tokens_saved >= 2 * stats.hits
+
+
+def _cache(num_slots: int = 8, **kwargs: Any) -> tuple[mc.StatePool, mc.CacheManager, mc.PrefixCache]:
+    pool = mc.StatePool(SPEC, num_slots)
+    host = mc.HostPool(SPEC, 4)
+    mgr = mc.CacheManager(pool, host_pool=host).__enter__()
+    return pool, mgr, mc.PrefixCache(mgr, block_size=B, **kwargs)
+
+
+def test_longest_block_aligned_prefix_on_either_tier() -> None:
+    pool, mgr, cache = _cache(max_checkpoints=1, host_checkpoints=2)
+    (s,) = mgr.alloc(1, request_id="a")
+    assert cache.match([1, 2, 3]) is None
+    assert cache.insert([1, 2], s, payload="kv-2")
+    assert cache.insert([1, 2, 3, 4], s, payload="kv-4")  # evicts [1, 2] to the host (the budget is 1)
+    hit = cache.match([1, 2, 3, 4, 5])
+    assert hit is not None and (hit.length, hit.tier, hit.payload) == (4, "device", "kv-4")
+    hit = cache.match([1, 2, 3, 9])
+    assert hit is not None and (hit.length, hit.tier, hit.payload) == (2, "host", "kv-2")
+    assert cache.match([1, 2, 3, 4]).length == 4  # type: ignore[union-attr]  # a hit may cover every token
+    assert not cache.insert([1, 2], s)  # cached already (on the host): nothing new
+    stats = cache.stats
+    assert (stats.hits, stats.misses, stats.inserts, stats.evictions, stats.offloads) == (3, 1, 2, 1, 1)
+    assert stats.hit_rate == 0.75
+
+
+def test_eviction_takes_the_least_recently_used_leaf() -> None:
+    pool, mgr, cache = _cache(max_checkpoints=3)
+    (s,) = mgr.alloc(1)
+    cache.insert([1, 1], s)
+    cache.insert([1, 1, 2, 2], s)  # [1 1] is now interior: not a leaf
+    cache.insert([3, 3], s)
+    cache.match([3, 3])  # [3 3] is the most recently used
+    cache.insert([4, 4], s)  # evicts the LRU leaf: [1 1 2 2], not the older interior [1 1]
+    assert cache.match([1, 1, 2, 2]).length == 2  # type: ignore[union-attr]
+    cache.insert([5, 5], s)  # [1 1] was just matched: the least recently used leaf is [3 3]
+    assert cache.match([3, 3]) is None and cache.match([1, 1]) is not None
+
+
+def test_a_checkpoint_evicted_after_a_fork_in_the_same_step_still_feeds_it() -> None:
+    pool, mgr, cache = _cache(num_slots=3, max_checkpoints=1)
+    (s,) = mgr.alloc(1)
+    mgr.flush_nowait()
+    fill(pool, s, 7.0)
+    cache.insert([1, 1], s)
+    hit = cache.match([1, 1, 1])
+    assert hit is not None
+    r = cache.fork(hit, request_id="r")
+    mgr.clear(s)  # after the insert in the event order: the checkpoint keeps 7
+    cache.insert([2, 2], s)  # budget 1: evicts [1 1], dropping it (no host tier), in this same step
+    mgr.flush_nowait()
+    assert value_of(pool, r) == 7.0
+    assert value_of(pool, s) == 0.0 and value_of(pool, cache.match([2, 2])._node.slot) == 0.0  # type: ignore[union-attr]
+    with pytest.raises(mc.StaleHitError):
+        cache.fork(hit)
+
+
+def test_bad_input_is_refused_and_changes_nothing() -> None:
+    pool, mgr, cache = _cache()
+    (s,) = mgr.alloc(1)
+    for bad in ([1], [], [1, 2, 3]):
+        with pytest.raises(mc.InvalidArgumentError, match="multiple of block_size"):
+            cache.insert(bad, s)
+    with pytest.raises(mc.SlotStateError):
+        cache.insert([1, 2], 5)
+    with pytest.raises(mc.InvalidArgumentError, match="tokens must be"):
+        cache.match("abc")  # type: ignore[arg-type]
+    with pytest.raises(mc.InvalidArgumentError, match="tokens must be ints"):
+        cache.match([1.0, 2.0])  # type: ignore[list-item]
+    with pytest.raises(mc.InvalidArgumentError, match="PrefixHit"):
+        cache.fork(mc.PrefixHit(2, "device"))
+    assert len(cache) == 0 and mgr.pending == 1  # the alloc only
+    with pytest.raises(mc.InvalidArgumentError, match="needs a manager with a host pool"):
+        mc.PrefixCache(mc.CacheManager(mc.StatePool(SPEC, 2)), host_checkpoints=1)
+    with pytest.raises(mc.InvalidArgumentError, match="block_size"):
+        mc.PrefixCache(mgr, block_size=0)
+    assert cache.match(torch.tensor([1, 2])) is None  # CPU tensors of token ids are taken
+
+
+def test_trace_events_for_every_prefix_operation() -> None:
+    tracing.configure(level="debug", use_structlog_config=True)
+    try:
+        with capture_logs() as logs:
+            pool, mgr, cache = _cache(max_checkpoints=1, host_checkpoints=1)
+            (s,) = mgr.alloc(1, request_id="a")
+            cache.match([1, 1])
+            cache.insert([1, 1], s)
+            cache.insert([2, 2], s)
+            cache.fork(cache.match([1, 1]), request_id="b")  # type: ignore[arg-type]
+            mgr.flush_nowait()
+    finally:
+        tracing.disable()
+    names = [e["event"] for e in logs]
+    for name in ("prefix.miss", "prefix.insert", "prefix.evict", "prefix.hit", "prefix.fork", "slot.offload"):
+        assert name in names, name
+    assert "slot.restore" in names
+
+
+def test_the_trace_of_a_long_run_is_clean_and_counts_the_tiers(tmp_path: Any) -> None:
+    import random
+
+    path = tmp_path / "trace.jsonl"
+    tracing.configure(str(path), level="debug")
+    try:
+        rng = random.Random(1)
+        stats = run([(rng.choice(OPS), rng.randrange(10**6), rng.randrange(10**6)) for _ in range(1500)], 7, 3, 2)
+    finally:
+        tracing.disable()
+    analysis = tracing.analyze(path, expect_idle=True)
+    assert analysis.anomalies == [] and analysis.bad_lines == []
+    summary = analysis.summary
+    assert summary["prefix_hits"] == stats.hits and summary["prefix_misses"] == stats.misses
+    assert summary["prefix_evictions"] == stats.evictions and summary["offloads"] >= stats.offloads > 0
+    assert summary["restores"] >= stats.restores > 0 and summary["host_held_at_end"] == 0
+
+
+def test_the_analyzer_flags_a_restore_of_a_dropped_host_slot_and_a_fork_from_an_evicted_checkpoint() -> None:
+    import json
+
+    def lines(*records: dict[str, Any]) -> list[str]:
+        return [json.dumps({"step": 0, "request_id": None, **r}) for r in records]
+
+    trace = lines(
+        {"event": "slot.alloc", "slot": 1, "cleared": True},
+        {"event": "slot.alloc", "slot": 2, "cleared": False},
+        {"event": "prefix.insert", "slot": 2, "src": 1, "length": 4},
+        {"event": "slot.cow", "src": 1, "dst": 2},
+        {"event": "slot.offload", "slot": 1, "host": 3},
+        {"event": "host.drop", "host": 3},
+        {"event": "slot.restore", "host": 3, "slot": 1, "keep": False},
+        {"event": "slot.release", "slot": 2},
+        {"event": "prefix.evict", "slot": 2, "length": 4, "to": "dropped"},
+        {"event": "prefix.fork", "slot": 1, "src": 2, "length": 4},
+        {"event": "slot.cow", "src": 2, "dst": 1},
+    )
+    analysis = tracing.analyze_lines(trace)
+    kinds = [a.kind for a in analysis.anomalies]
+    assert kinds.count("restore-from-dropped") == 1 and kinds.count("fork-from-evicted") == 2
+    assert "copy-from-released" in kinds  # the cow also reads a free slot
+    bad = tracing.analyze_lines([*trace, json.dumps({"event": "slot.restore", "slot": 1, "host": "3"})])
+    assert bad.bad_lines and "'host' must be an integer" in bad.bad_lines[0].reason

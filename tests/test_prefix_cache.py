@@ -13,7 +13,6 @@ from structlog.testing import capture_logs
 import mambacache as mc
 from mambacache import tracing
 
-
 # float32 throughout: the test tags states with counters that bfloat16 would round.
 SPEC = mc.StateSpec(num_layers=2, conv_shapes=[(6, 3), (5, 2)], temporal_shape=(2, 3), conv_dtype=torch.float32)
 B = 2  # block size
@@ -160,7 +159,7 @@ def _cache(num_slots: int = 8, **kwargs: Any) -> tuple[mc.StatePool, mc.CacheMan
 
 
 def test_longest_block_aligned_prefix_on_either_tier() -> None:
-    pool, mgr, cache = _cache(max_checkpoints=1, host_checkpoints=2)
+    _pool, mgr, cache = _cache(max_checkpoints=1, host_checkpoints=2)
     (s,) = mgr.alloc(1, request_id="a")
     assert cache.match([1, 2, 3]) is None
     assert cache.insert([1, 2], s, payload="kv-2")
@@ -177,7 +176,7 @@ def test_longest_block_aligned_prefix_on_either_tier() -> None:
 
 
 def test_eviction_takes_the_least_recently_used_leaf() -> None:
-    pool, mgr, cache = _cache(max_checkpoints=3)
+    _pool, mgr, cache = _cache(max_checkpoints=3)
     (s,) = mgr.alloc(1)
     cache.insert([1, 1], s)
     cache.insert([1, 1, 2, 2], s)  # [1 1] is now interior: not a leaf
@@ -208,7 +207,7 @@ def test_a_checkpoint_evicted_after_a_fork_in_the_same_step_still_feeds_it() -> 
 
 
 def test_bad_input_is_refused_and_changes_nothing() -> None:
-    pool, mgr, cache = _cache()
+    _pool, mgr, cache = _cache()
     (s,) = mgr.alloc(1)
     for bad in ([1], [], [1, 2, 3]):
         with pytest.raises(mc.InvalidArgumentError, match="multiple of block_size"):
@@ -233,7 +232,7 @@ def test_trace_events_for_every_prefix_operation() -> None:
     tracing.configure(level="debug", use_structlog_config=True)
     try:
         with capture_logs() as logs:
-            pool, mgr, cache = _cache(max_checkpoints=1, host_checkpoints=1)
+            _pool, mgr, cache = _cache(max_checkpoints=1, host_checkpoints=1)
             (s,) = mgr.alloc(1, request_id="a")
             cache.match([1, 1])
             cache.insert([1, 1], s)

@@ -24,6 +24,7 @@ __all__ = ["CHECKPOINT_TENANT", "PrefixCache", "PrefixHit", "PrefixStats"]
 CHECKPOINT_TENANT = "prefix-cache"
 """The ``request_id`` of every checkpoint slot (what ``CacheManager.held`` shows for them)."""
 
+
 class _Node:
     """One block of tokens in the trie; holds a checkpoint of the prefix ending here, or not."""
 
@@ -348,7 +349,7 @@ class PrefixCache:
 
     @staticmethod
     def _tokens(tokens: Any) -> list[int]:
-        if isinstance(tokens, str | bytes) or not isinstance(tokens, Sequence) and not hasattr(tokens, "tolist"):
+        if isinstance(tokens, str | bytes) or (not isinstance(tokens, Sequence) and not hasattr(tokens, "tolist")):
             raise InvalidArgumentError(f"tokens must be a sequence of ints, got {type(tokens).__name__}")
         values = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
         if not all(type(t) is int for t in values):

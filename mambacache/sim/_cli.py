@@ -11,7 +11,7 @@ import anyio
 
 from .._console import Progress, UsageError, check_output_path, float_in, int_at_least, table, write_json
 from ._models import MODELS, build_model
-from ._scheduler import FAULTS, SimConfig, SimReport, simulate
+from ._scheduler import FAULTS, PREEMPT, SCENARIOS, SimConfig, SimReport, simulate
 
 __all__ = ["add_parser", "run"]
 
@@ -54,6 +54,22 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=_D.draft_accuracy,
         help="chance that each proposed token is the target's own choice (default 0.7)",
     )
+    p.add_argument(
+        "--scenario",
+        choices=sorted(SCENARIOS),
+        default="prefix",
+        help="prefix: checkpoints every block during chunked prefill (default); swap / recompute: fewer slots than"
+        " running requests, preemption by swap to host memory or by recompute; host-tier: evicted checkpoints move"
+        " to host memory. Options given explicitly override the scenario's",
+    )
+    p.add_argument(
+        "--block-size", type=int_at_least(1), default=None, help="prefill chunk and prefix block (default 4)"
+    )
+    p.add_argument("--max-checkpoints", type=int_at_least(0), default=None, help="prefix checkpoints kept in the pool")
+    p.add_argument(
+        "--host-checkpoints", type=int_at_least(0), default=None, help="checkpoints kept in host memory once evicted"
+    )
+    p.add_argument("--preempt", choices=PREEMPT, default=None, help="what to do when slots run out")
     p.add_argument("--executor", default=None, help="torch, npu or reference (default: by device)")
     p.add_argument("--no-verify", action="store_true", help="skip the isolated-generation check")
     p.add_argument("--json", metavar="PATH", help="write the reports as JSON ('-' for stdout)")
@@ -79,8 +95,18 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.fault == "wrong-commit" and not args.speculative:
         raise UsageError("--fault wrong-commit needs --speculative K")
-    if args.slots is not None and args.slots <= args.max_running:
-        raise UsageError(f"--slots ({args.slots}) must exceed --max-running ({args.max_running})")
+    scenario = dict(SCENARIOS[args.scenario])
+    for key in ("slots", "block_size", "max_checkpoints", "host_checkpoints", "preempt"):
+        if getattr(args, key) is not None:
+            scenario[key] = getattr(args, key)
+    if args.max_running != _D.max_running or "max_running" not in scenario:
+        scenario["max_running"] = args.max_running
+    preempting = scenario.get("preempt", "none") != "none"
+    slots = scenario.get("slots")
+    if slots is not None and slots <= scenario["max_running"] and not preempting:
+        raise UsageError(f"--slots ({slots}) must exceed --max-running ({scenario['max_running']}) without --preempt")
+    if args.fault == "skip-restore" and scenario.get("preempt") != "swap":
+        raise UsageError("--fault skip-restore needs preemption by swap: --scenario swap")
     check_output_path(args.json)
     traces = {name: _trace_path(args.trace, name, len(models) > 1) for name in models}
     for path in traces.values():
@@ -104,10 +130,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = SimConfig(
             model=name,
             requests=args.requests,
-            max_running=args.max_running,
             prefix_share=args.prefix_share,
             seed=args.seed,
-            slots=args.slots,
             arrival_rate=args.arrival_rate,
             fault=args.fault,
             executor=args.executor,
@@ -115,13 +139,15 @@ def run(args: argparse.Namespace) -> int:
             trace=traces[name],
             speculative=args.speculative,
             draft_accuracy=args.draft_accuracy,
+            **scenario,
         )
         model = build_model(name, args.seed)
         reports.append(anyio.run(simulate, cfg, model, lambda _r, n=name: progress.advance(1, n)))
     progress.close()
     rows = [
-        [r.model, r.completed, "-" if args.no_verify else r.mismatches, r.forks, r.prefix_hits, r.clears,
-         r.clears_elided, r.evictions,
+        [r.model, r.completed, "-" if args.no_verify else r.mismatches, r.forks,
+         f"{r.prefix_hits} ({100 * r.hit_rate:.0f}%)", r.tokens_saved, r.clears, r.clears_elided, r.evictions,
+         r.host_offloads, r.swaps or r.recomputes,
          f"{r.peak_slots_in_use}/{r.num_slots}", r.steps, r.tokens_per_s, f"{100 * r.manager_overhead_fraction:.1f}%"]
         + ([f"{r.drafts_accepted}/{r.drafts_proposed}", r.commits] if args.speculative else [])
         for r in reports
@@ -132,15 +158,21 @@ def run(args: argparse.Namespace) -> int:
         "mismatch",
         "forks",
         "hits",
+        "saved",
         "clears",
         "elided",
         "evicted",
+        "to host",
+        "swaps" if scenario.get("preempt") != "recompute" else "recomputes",
         "peak",
         "steps",
         "tok/s",
         "mgr",
     ] + (["accepted", "commits"] if args.speculative else [])
-    title = f"mambacache simulate: {args.requests} requests, max running {args.max_running}, fault {args.fault}"
+    title = (
+        f"mambacache simulate: scenario {args.scenario}, {args.requests} requests, max running"
+        f" {scenario['max_running']}, fault {args.fault}"
+    )
     if args.speculative:
         title += f", speculative {args.speculative} draft tokens"
     if args.json != "-":

@@ -1,21 +1,23 @@
-"""A continuous-batching scheduler with a prefix cache, driving a CacheManager.
+"""A continuous-batching scheduler with a prefix cache and preemption, driving a CacheManager.
 
-Each step:  admit arrivals (fork a cached prefix, or take a cleared slot)
-         -> flush (the clears and forks run before the forward)
-         -> forward every running request (a prefill chunk, or one decode token)
-         -> release finished requests; cache the state at the prefix boundary.
+Each step:  admit arrivals and preempted requests (fork a cached prefix, restore a
+            swapped state, or take a cleared slot; preempt a long runner when
+            slots run out)
+         -> flush (the clears, forks, restores and offloads run before the forward)
+         -> forward every running request (a prefill chunk of one block, or a decode)
+         -> checkpoint the state at each block boundary of a prefill; release
+            finished requests.
 
-The prefix cache keeps, for the first ``prefix_len`` tokens of a prompt, a pool
-slot with the state after them (a copy-on-write fork of the request that
-computed it) and the attention KV; it is evicted least-recently-used when the
-pool runs out, so slots are reused dirty all the time.
+Prefix states live in a :class:`PrefixCache` (checkpoints in the pool, evicted to
+its host tier when one is set); the attention KV of a checkpoint (Qwen3-Next) is
+the checkpoint's payload. Slots are reused dirty all the time.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,13 +25,24 @@ from typing import Any
 import torch
 
 from .. import tracing
+from .._errors import PoolExhaustedError
 from .._manager import CacheManager
 from .._pool import StatePool
+from .._tiers._host import HostPool
+from .._tiers._prefix import PrefixCache
 from ._models import SimModel, build_model
 
-__all__ = ["FAULTS", "SimConfig", "SimReport", "simulate"]
+__all__ = ["FAULTS", "PREEMPT", "SCENARIOS", "SimConfig", "SimReport", "simulate"]
 
-FAULTS = ("none", "skip-clear", "skip-fork", "wrong-commit")
+FAULTS = ("none", "skip-clear", "skip-fork", "wrong-commit", "skip-restore")
+PREEMPT = ("none", "swap", "recompute")
+# Named workloads: field overrides of SimConfig.
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "prefix": {"slots": 14},
+    "swap": {"preempt": "swap", "slots": 5, "max_running": 6, "max_checkpoints": 1},
+    "recompute": {"preempt": "recompute", "slots": 5, "max_running": 6, "max_checkpoints": 1},
+    "host-tier": {"max_checkpoints": 2, "host_checkpoints": 8, "slots": 8},
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +52,7 @@ class SimConfig:
     max_running: int = 6
     prefix_share: float = 0.6
     seed: int = 0
-    slots: int | None = None  # default: max_running + max_running // 2 (room for a few cached prefixes)
+    slots: int | None = None  # default: max_running + max_running // 2 (room for a few checkpoints)
     prefixes: int = 3  # distinct shared prefixes
     prefix_len: int = 8
     suffix_len: tuple[int, int] = (2, 10)
@@ -51,6 +64,11 @@ class SimConfig:
     trace: str | None = None
     speculative: int = 0  # draft tokens proposed per decode step (0: plain decoding)
     draft_accuracy: float = 0.7  # chance that each proposed token is the target's own next token
+    block_size: int = 4  # prefill chunk, and the prefix cache's block
+    max_checkpoints: int | None = None  # default: slots - max_running (at least 1)
+    host_checkpoints: int = 0  # > 0: evicted checkpoints move to a host tier
+    preempt: str = "none"  # when slots run out: swap a long runner to host memory, or drop and recompute it
+    quantum: int = 3  # steps a request runs before it may be preempted
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +95,16 @@ class SimReport:
     drafts_proposed: int = 0
     drafts_accepted: int = 0
     commits: int = 0
+    prefix_misses: int = 0
+    hit_rate: float = 0.0
+    tokens_saved: int = 0
+    checkpoints: int = 0
+    host_offloads: int = 0
+    host_restores: int = 0
+    preempt: str = "none"
+    swaps: int = 0
+    recomputes: int = 0
+    recomputed_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -87,16 +115,12 @@ class _Request:
     arrival: int
     slot: int = 0
     ctx: Any = None
-    pos: int = 0
+    pos: int = 0  # tokens of `seq` the slot's state has consumed
     out: list[int] = field(default_factory=list)
     reference: list[int] = field(default_factory=list)  # its isolated greedy continuation (drafts come from it)
-
-
-@dataclass(slots=True)
-class _Entry:
-    slot: int
-    kv: Any
-    rid: str  # the entry's tenant id in the trace
+    seq: list[int] = field(default_factory=list)  # what prefill consumes: the prompt (and, recomputing, the output)
+    host: int = 0  # host slot of a swapped-out state
+    ran: int = 0  # steps since (re)admission
 
 
 def make_workload(cfg: SimConfig, vocab: int) -> list[_Request]:
@@ -111,18 +135,19 @@ def make_workload(cfg: SimConfig, vocab: int) -> list[_Request]:
         else:
             head = [rng.randrange(3, vocab) for _ in range(cfg.prefix_len)]
         tail = [rng.randrange(3, vocab) for _ in range(rng.randint(*cfg.suffix_len))]
-        out.append(_Request(f"req-{i}", head + tail, rng.randint(*cfg.new_tokens), int(t)))
+        prompt = head + tail
+        out.append(_Request(f"req-{i}", prompt, rng.randint(*cfg.new_tokens), int(t), seq=list(prompt)))
     return out
 
 
 class _Scheduler:
-    def __init__(self, cfg: SimConfig, model: SimModel, mgr: CacheManager, pool: StatePool) -> None:
-        self.cfg, self.model, self.mgr, self.pool = cfg, model, mgr, pool
-        self.prefix_cache: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
+    def __init__(self, cfg: SimConfig, model: SimModel, mgr: CacheManager, pool: StatePool, cache: PrefixCache) -> None:
+        self.cfg, self.model, self.mgr, self.pool, self.cache = cfg, model, mgr, pool, cache
         self.running: list[_Request] = []
-        self.forks = self.clears = self.elided = self.hits = self.evictions = self.peak = 0
+        self.preempted: deque[_Request] = deque()
+        self.forks = self.clears = self.elided = self.peak = 0
+        self.swaps = self.recomputes = self.recomputed_tokens = 0
         self.manager_s = 0.0
-        self._entries = 0
         self.proposed = self.accepted = self.commits = 0
         self._rng = random.Random(cfg.seed + 1)
 
@@ -134,54 +159,84 @@ class _Scheduler:
             self.manager_s += time.perf_counter() - t0
 
     def _free_one(self) -> bool:
-        """Make a slot free by evicting the least recently used prefix; False if none is left."""
-        if self.pool.num_free:
-            return True
-        if not self.prefix_cache:
-            return False
-        _, entry = self.prefix_cache.popitem(last=False)
-        self._timed(self.mgr.release, entry.slot, request_id=entry.rid)
-        self.evictions += 1
-        return True
+        """Make a slot free, evicting the least recently used checkpoint if needed; False if none can be."""
+        return bool(self.pool.num_free) or bool(self._timed(self.cache.evict))
+
+    def _alloc(self, req: _Request, clear: bool | None = None) -> int:
+        (slot,) = self._timed(self.mgr.alloc, 1, request_id=req.rid, clear=clear)
+        return int(slot)
 
     def admit(self, req: _Request) -> None:
-        cfg = self.cfg
-        key = tuple(req.prompt[: cfg.prefix_len])
-        entry = self.prefix_cache.get(key)
-        (req.slot,) = self._timed(self.mgr.alloc, 1, request_id=req.rid)
-        self.clears += self.mgr.clear_on_alloc
-        if entry is not None:
-            self.prefix_cache.move_to_end(key)
-            if cfg.fault != "skip-fork":
-                self._timed(self.mgr.copy_on_write, entry.slot, req.slot, request_id=req.rid)
+        cfg, model, mgr = self.cfg, self.model, self.mgr
+        req.ran = 0
+        if req.host:  # swapped out: its state comes back from the host into whatever slot is free
+            req.slot = self._alloc(req, clear=cfg.fault == "skip-restore")
+            if cfg.fault != "skip-restore":
+                self._timed(mgr.restore, req.host, req.slot, request_id=req.rid)
+            else:
+                self._timed(mgr.drop, req.host)
+            req.host = 0
+            model.bind(req.ctx, self.pool, req.slot)
+            self.running.append(req)
+            return
+        hit = self._timed(self.cache.match, req.seq[:-1])
+        if hit is not None:
+            if cfg.fault == "skip-fork":
+                req.slot = self._alloc(req)
+                self.clears += mgr.clear_on_alloc
+            else:
+                req.slot = self._timed(self.cache.fork, hit, request_id=req.rid)
                 self.forks += 1
-            req.ctx, req.pos = self.model.restore(entry.kv), cfg.prefix_len
-            self.hits += 1
+            req.ctx, req.pos = model.restore(hit.payload), hit.length
         else:
-            req.ctx = self.model.new_context()
-        self.model.bind(req.ctx, self.pool, req.slot)
+            req.slot = self._alloc(req)
+            self.clears += mgr.clear_on_alloc
+            req.ctx, req.pos = model.new_context(), 0
+        model.bind(req.ctx, self.pool, req.slot)
         self.running.append(req)
+
+    def preempt_one(self) -> bool:
+        """Preempt the request that ran longest (``quantum`` steps at least, prefill done); False if none may be.
+
+        Only requests past their prefill are preempted, so each admission yields a
+        token at least: no livelock however long recomputed prefills grow.
+        """
+        cfg, mgr = self.cfg, self.mgr
+        candidates = [r for r in self.running if r.ran >= cfg.quantum and r.pos == len(r.seq)]
+        if cfg.preempt == "none" or not candidates:
+            return False
+        req = max(candidates, key=lambda r: r.ran)
+        self.running.remove(req)
+        if cfg.preempt == "swap":
+            req.host = self._timed(mgr.offload, req.slot, request_id=req.rid)
+            self.swaps += 1
+        else:
+            # Recompute: drop the state; prefill the prompt and the output so far again (from a
+            # checkpoint where one matches), and the last chunk yields the next token.
+            req.seq = req.prompt + req.out
+            req.ctx, req.pos = None, 0
+            self.recomputes += 1
+        self._timed(mgr.release, req.slot, request_id=req.rid)
+        req.slot = 0
+        self.preempted.append(req)
+        return True
 
     def advance(self, req: _Request) -> bool:
         """One forward for ``req``; True when it has all its tokens."""
         cfg, model = self.cfg, self.model
-        if req.pos == 0:
-            # Prefill the prefix as its own chunk and fork its state into the cache;
-            # the fork runs at the next flush, before this slot is written again.
-            model.forward(req.ctx, req.prompt[: cfg.prefix_len])
-            req.pos = cfg.prefix_len
-            key = tuple(req.prompt[: cfg.prefix_len])
-            if key not in self.prefix_cache and self._free_one():
-                self._entries += 1
-                rid = f"prefix:{self._entries}"
-                (slot,) = self._timed(self.mgr.alloc, 1, request_id=rid, clear=False)
-                self._timed(self.mgr.copy_on_write, req.slot, slot, request_id=rid)
-                self.forks += 1
-                self.prefix_cache[key] = _Entry(slot, model.snapshot(req.ctx), rid)
-            return False
-        if req.pos < len(req.prompt):
-            req.out.append(model.forward(req.ctx, req.prompt[req.pos :]))
-            req.pos = len(req.prompt)
+        req.ran += 1
+        if req.pos < len(req.seq):
+            # Chunked prefill, one block per step: checkpoint at every block boundary; the
+            # copy runs at the next flush, before this slot is written again.
+            end = min(len(req.seq), (req.pos // cfg.block_size + 1) * cfg.block_size)
+            token = model.forward(req.ctx, req.seq[req.pos : end])
+            if len(req.seq) > len(req.prompt):
+                self.recomputed_tokens += end - req.pos
+            req.pos = end
+            if end % cfg.block_size == 0:
+                self._timed(self.cache.insert, req.seq[:end], req.slot, payload=model.snapshot(req.ctx))
+            if end == len(req.seq):
+                req.out.append(token)
         elif cfg.speculative:
             self.speculate(req)
         else:
@@ -230,11 +285,17 @@ class _Scheduler:
 
     async def run(self, waiting: deque[_Request], on_done: Callable[[_Request], None]) -> int:
         step = 0
-        while waiting or self.running:
-            while waiting and waiting[0].arrival <= step and len(self.running) < self.cfg.max_running:
-                if not self._free_one():
+        while waiting or self.running or self.preempted:
+            while len(self.running) < self.cfg.max_running:
+                queue = self.preempted if self.preempted else waiting
+                if not queue or queue[0].arrival > step:
                     break
-                self.admit(waiting.popleft())
+                if not self._free_one() and not self.preempt_one():
+                    break
+                try:
+                    self.admit(queue.popleft())
+                except PoolExhaustedError:
+                    raise AssertionError("admission found no slot after making one free") from None
             t0 = time.perf_counter()
             report = await self.mgr.flush()
             self.manager_s += time.perf_counter() - t0
@@ -255,10 +316,14 @@ async def simulate(
     """Run the workload through a CacheManager; with ``verify``, compare every request to ``generate``."""
     if cfg.fault not in FAULTS:
         raise ValueError(f"unknown fault {cfg.fault!r}; choose from {FAULTS}")
+    if cfg.preempt not in PREEMPT:
+        raise ValueError(f"unknown preempt {cfg.preempt!r}; choose from {PREEMPT}")
     if cfg.suffix_len[0] < 1 or cfg.new_tokens[0] < 1:
         raise ValueError("prompts need a suffix after the prefix, and requests at least one new token")
     if cfg.fault == "wrong-commit" and not cfg.speculative:
         raise ValueError("the wrong-commit fault needs speculative decoding (speculative > 0)")
+    if cfg.fault == "skip-restore" and cfg.preempt != "swap":
+        raise ValueError("the skip-restore fault needs preemption by swap (preempt='swap')")
     model = model if model is not None else build_model(cfg.model, cfg.seed)
     workload = make_workload(cfg, model.vocab_size)
     if cfg.speculative:
@@ -266,9 +331,13 @@ async def simulate(
         for req in workload:
             req.reference = model.generate(req.prompt, req.n_new + cfg.speculative + 1)
     num_slots = cfg.slots if cfg.slots is not None else cfg.max_running + max(2, cfg.max_running // 2)
-    if num_slots < cfg.max_running + 1:
-        raise ValueError(f"slots ({num_slots}) must exceed max_running ({cfg.max_running})")
+    if num_slots < 2 or (cfg.preempt == "none" and num_slots < cfg.max_running + 1):
+        raise ValueError(f"slots ({num_slots}) must exceed max_running ({cfg.max_running}) without preemption")
+    max_checkpoints = cfg.max_checkpoints if cfg.max_checkpoints is not None else max(1, num_slots - cfg.max_running)
     pool = StatePool(model.spec, num_slots, draft_tokens=cfg.speculative + 1 if cfg.speculative else 0)
+    host = None
+    if cfg.host_checkpoints or cfg.preempt == "swap":
+        host = HostPool(model.spec, cfg.host_checkpoints + cfg.requests)
     # Dirty from the start, as a pool reused across server restarts would be.
     generator = torch.Generator().manual_seed(cfg.seed)
     for t in pool.tensors:
@@ -284,9 +353,14 @@ async def simulate(
 
     t0 = time.perf_counter()
     try:
-        async with CacheManager(pool, executor=cfg.executor, clear_on_alloc=cfg.fault != "skip-clear") as mgr:
-            sched = _Scheduler(cfg, model, mgr, pool)
+        async with CacheManager(
+            pool, executor=cfg.executor, clear_on_alloc=cfg.fault != "skip-clear", host_pool=host
+        ) as mgr:
+            cache = PrefixCache(mgr, cfg.block_size, max_checkpoints, cfg.host_checkpoints)
+            sched = _Scheduler(cfg, model, mgr, pool, cache)
             steps = await sched.run(deque(workload), finished)
+            cache.clear()  # the checkpoints' slots: an idle engine holds none
+            mgr.check_idle()
     finally:
         if cfg.trace:
             tracing.disable()
@@ -307,8 +381,8 @@ async def simulate(
         forks=sched.forks,
         clears=sched.clears,
         clears_elided=sched.elided,
-        prefix_hits=sched.hits,
-        evictions=sched.evictions,
+        prefix_hits=cache.stats.hits,
+        evictions=cache.stats.evictions,
         peak_slots_in_use=sched.peak,
         num_slots=num_slots,
         steps=steps,
@@ -322,4 +396,14 @@ async def simulate(
         drafts_proposed=sched.proposed,
         drafts_accepted=sched.accepted,
         commits=sched.commits,
+        prefix_misses=cache.stats.misses,
+        hit_rate=cache.stats.hit_rate,
+        tokens_saved=cache.stats.tokens_saved,
+        checkpoints=cache.stats.inserts,
+        host_offloads=cache.stats.offloads + sched.swaps,
+        host_restores=cache.stats.restores + (sched.swaps if cfg.fault != "skip-restore" else 0),
+        preempt=cfg.preempt,
+        swaps=sched.swaps,
+        recomputes=sched.recomputes,
+        recomputed_tokens=sched.recomputed_tokens,
     )

@@ -22,7 +22,15 @@ from .._console import (
     write_json,
 )
 from ._presets import PRESETS, lookup, shard
-from ._run import BENCH_EXECUTORS, Result, embedding_overhead, host_overhead, run_preset, tracing_overhead
+from ._run import (
+    BENCH_EXECUTORS,
+    Result,
+    embedding_overhead,
+    host_overhead,
+    host_tier_overhead,
+    run_preset,
+    tracing_overhead,
+)
 
 __all__ = ["add_parser", "run"]
 
@@ -179,9 +187,10 @@ def plot(results: list[Result], out: str) -> None:
     import matplotlib.pyplot as plt
 
     presets = list(dict.fromkeys(r.preset for r in results))
-    fig, axes = plt.subplots(len(presets), 3, figsize=(15, 3.2 * len(presets)), squeeze=False)
+    ops = ("clear", "copy", "commit", "offload", "restore")
+    fig, axes = plt.subplots(len(presets), len(ops), figsize=(5 * len(ops), 3.2 * len(presets)), squeeze=False)
     for row, preset in enumerate(presets):
-        for col, op in enumerate(("clear", "copy", "commit")):
+        for col, op in enumerate(ops):
             ax = axes[row][col]
             sel = [r for r in results if r.preset == preset and r.op == op and r.path not in ("memset", "memcpy")]
             for name in dict.fromkeys(r.path for r in sel):
@@ -211,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     executors = args.executor or ["torch", "torch-direct", "npu", "reference"]
     started = time.perf_counter()
     results: list[Result] = []
-    progress = Progress(len(presets) * len(sizes) * 3 * (len(executors) + 2), "bench")
+    progress = Progress(len(presets) * len(sizes) * 5 * (len(executors) + 2), "bench")
     for preset in presets:
         for r in run_preset(preset, sizes, executors, device, repeats, int(args.budget_gb * POOL_SHARE * 2**30),
                             int(args.workspace_mb * 2**20)):  # fmt: skip
@@ -222,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
     host = host_overhead([10, 100, 1000], repeats)
     trace = tracing_overhead(1000, repeats)
     embed = embedding_overhead(repeats)
+    tier = host_tier_overhead(repeats)
     info = machine(device)
     if args.json != "-":
         lines = [f"machine: {info}", "", render(results), "",
@@ -239,11 +249,15 @@ def run(args: argparse.Namespace) -> int:
                        title="bulk submits (numpy arrays, tenant-checked)"),
                  f"decode step (8 events: submit + plan + execute via flush_nowait): median"
                  f" {embed['decode_step_us']:.1f} us, min {embed['decode_step_min_us']:.1f} us",
+                 f"host tier, per slot (submit + plan, {tier['events']:.0f} a step): offload + release"
+                 f" {tier['offload_release_us_per_slot']:.2f} us, alloc + restore"
+                 f" {tier['alloc_restore_us_per_slot']:.2f} us",
                  f"({time.perf_counter() - started:.1f} s)"]  # fmt: skip
         sys.stdout.write("\n".join(lines) + "\n")
     if args.json:
         write_json(args.json, {"machine": info, "results": [r.to_json() for r in results], "host_overhead": host,
-                               "tracing_overhead": trace, "embedding_overhead": embed})  # fmt: skip
+                               "tracing_overhead": trace, "embedding_overhead": embed,
+                               "host_tier_overhead": tier})  # fmt: skip
     if args.plot:
         plot(results, args.plot)
     return 0

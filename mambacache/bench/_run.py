@@ -26,13 +26,15 @@ import anyio
 import torch
 
 from .. import _tracing
-from .._events import Clear, CommitDraft, CopyOnWrite
+from .._events import Clear, CommitDraft, CopyOnWrite, Offload, Restore
 from .._executors import resolve_executor
+from .._executors._base import copy_host
 from .._executors._torch import TorchExecutor
 from .._manager import CacheManager
-from .._planner import CommitStage, Stage, plan_step
+from .._planner import CommitStage, OffloadStage, RestoreStage, Stage, plan_step
 from .._pool import StatePool
 from .._spec import StateSpec
+from .._tiers._host import HostPool
 from ..audit import OpAudit
 from ._presets import fit_layers, lookup
 
@@ -137,7 +139,26 @@ def _seed_commit(pool: StatePool, dst: torch.Tensor, pos: torch.Tensor) -> None:
         t[:, dst] = d[:, dst, pos]
 
 
-def _run_stage(executor: Any, stage: Stage, pool: StatePool) -> Callable[[], None]:
+def _seed_host(pool: StatePool, host: HostPool, pairs: Sequence[tuple[int, int]], offload: bool) -> None:
+    """What an engine without a planner writes: one copy per slot and tensor (SGLang's HiCache mamba path shape)."""
+    for t, h in zip(pool.tensors, host.tensors, strict=True):
+        for a, b in pairs:
+            if offload:
+                h[:, b].copy_(t[:, a], non_blocking=True)
+            else:
+                t[:, b].copy_(h[:, a], non_blocking=True)
+
+
+def _run_stage(executor: Any, stage: Stage, pool: StatePool, host: HostPool | None = None) -> Callable[[], None]:
+    if isinstance(stage, OffloadStage | RestoreStage):
+        assert host is not None
+        run = getattr(executor, "execute_host", copy_host)
+
+        def move() -> None:
+            for t, h in zip(pool._exec_tensors, host._exec_tensors, strict=True):
+                run(stage, t, h)
+
+        return move
     if isinstance(stage, CommitStage):
 
         def commit() -> None:
@@ -205,16 +226,22 @@ def run_preset(
     workspace_bytes: int,
     seed: int = 0,
 ) -> Iterator[Result]:
-    """Clear, copy and commit ``n`` random slots for each ``n`` in ``sizes``: every executor and the baselines.
+    """Clear, copy, commit, offload and restore ``n`` random slots for each ``n`` in ``sizes``: every executor
+    and the baselines.
 
     The pool keeps ``DRAFTS`` draft states per slot, so commits (speculative
     decoding's accepted state, from a draft buffer into the slot) are timed too.
+    Offloads copy ``n`` scattered slots into consecutive host slots (preemption);
+    restores the reverse; their bound is a copy of the same bytes between
+    contiguous device and host buffers (pinned where the device is an accelerator).
     """
     num_slots = 2 * max(sizes) + 8
-    spec: StateSpec = fit_layers(lookup(name).spec, num_slots, budget_bytes // (1 + DRAFTS))
+    # The pool with its draft states, and a host pool of half its slots, within the budget.
+    spec: StateSpec = fit_layers(lookup(name).spec, num_slots, budget_bytes // (2 + DRAFTS))
     pool = StatePool(spec, num_slots, device, draft_tokens=DRAFTS)
     for t in [*pool.tensors, *pool.draft_tensors]:
         t.fill_(1)
+    host = HostPool(spec, max(sizes))
     rng = random.Random(seed)
     impls = {e: make_executor(e, device, workspace_bytes) for e in executors}
     for n in sizes:
@@ -232,28 +259,38 @@ def run_preset(
         (mstage,) = plan_step([CommitDraft(d, j + 1) for d, j in zip(dst, positions, strict=True)]).stages
         pidx = torch.tensor([j for _, j, _ in mstage.entries], device=device)  # type: ignore[union-attr]
         midx = torch.tensor([d for _, _, d in mstage.entries], device=device)  # type: ignore[union-attr]
-        for op, bound, stage, seed_fn in (
-            ("clear", "memset", zstage, partial(_seed_clear, pool, zidx)),
-            ("copy", "memcpy", cstage, partial(_seed_copy, pool, sidx, didx)),
-            ("commit", "memcpy", mstage, partial(_seed_commit, pool, midx, pidx)),
-        ):
-            fns: dict[str, Callable[[], object]] = {
-                bound: partial(_zero_all, bufs) if op == "clear" else partial(_copy_all, bufs, bufs2),
-                "seed": seed_fn,
-            }
-            fns.update({e: _run_stage(ex, stage, pool) for e, ex in impls.items()})
+        offloads = [(s, h) for h, s in enumerate(src, start=1)]
+        restores = [(h, d) for h, d in enumerate(dst, start=1)]
+        (ostage,) = plan_step([Offload(s, h) for s, h in offloads]).stages
+        (rstage,) = plan_step([Restore(h, d, keep=True) for h, d in restores]).stages
+        hbufs = [torch.empty(b.shape, dtype=b.dtype, pin_memory=host.pinned) for b in bufs]
+        for op, bound, stage, seed_fn, bound_fn in (
+            ("clear", "memset", zstage, partial(_seed_clear, pool, zidx), partial(_zero_all, bufs)),
+            ("copy", "memcpy", cstage, partial(_seed_copy, pool, sidx, didx), partial(_copy_all, bufs, bufs2)),
+            ("commit", "memcpy", mstage, partial(_seed_commit, pool, midx, pidx), partial(_copy_all, bufs, bufs2)),
+            ("offload", "memcpy", ostage, partial(_seed_host, pool, host, offloads, True),
+             partial(_copy_all, bufs, hbufs)),
+            ("restore", "memcpy", rstage, partial(_seed_host, pool, host, restores, False),
+             partial(_copy_all, hbufs, bufs)),
+        ):  # fmt: skip
+            fns: dict[str, Callable[[], object]] = {bound: bound_fn, "seed": seed_fn}
+            fns.update({e: _run_stage(ex, stage, pool, host) for e, ex in impls.items()})
             timings = measure(fns, device, repeats)
             for path, (median, low, high) in timings.items():
                 # Temporaries from a fresh executor (its first step shows its workspace);
                 # ops from the warm one that was timed (what every later step launches).
-                fresh = _run_stage(make_executor(path, device, workspace_bytes), stage, pool) if path in impls else None
+                fresh = (
+                    _run_stage(make_executor(path, device, workspace_bytes), stage, pool, host)
+                    if path in impls
+                    else None
+                )
                 peak, noncontig, syncs, ops = _audit(fresh or fns[path], device)
                 if fresh is not None:  # a fresh executor's first step builds its caches: count a warm one
                     ops = _audit(fns[path], device)[3]
                 yield Result(name, spec.num_layers, n, op, path, median, low, high, nbytes, nbytes / median / 1e9,
                              timings[bound][0] / median, timings["seed"][0] / median, peak, noncontig, syncs,
                              ops, _launches(fns[path], device))  # fmt: skip
-        del bufs, bufs2
+        del bufs, bufs2, hbufs
 
 
 class _NullExecutor:
@@ -373,4 +410,36 @@ def tracing_overhead(events: int = 1000, repeats: int = 7) -> dict[str, float]:
         "check_ns": check_s * 1e9,
         "checks": checks,
         "overhead_fraction": checks * check_s / (total_s - checks * check_s),
+    }
+
+
+def host_tier_overhead(repeats: int, k: int = 200) -> dict[str, float]:
+    """Host microseconds per slot of a swap: ``offload`` + ``release``, then ``alloc`` + ``restore``.
+
+    Submit and plan only: the executor does no device work.
+    """
+    spec = StateSpec(num_layers=1, conv_shapes=(), temporal_shape=(1,))
+    pool, host = StatePool(spec, k), HostPool(spec, k)
+    out: dict[str, list[float]] = {"offload_release": [], "alloc_restore": []}
+    with CacheManager(pool, executor=_NullExecutor(), host_pool=host) as mgr:
+        slots = mgr.alloc(k, "r")
+        mgr.flush_nowait()
+        for _ in range(repeats + 2):
+            t0 = time.perf_counter()
+            handles = []
+            for s in slots:
+                handles.append(mgr.offload(s, "r"))
+                mgr.release(s, "r")
+            mgr.flush_nowait()
+            t1 = time.perf_counter()
+            slots = mgr.alloc(k, "r", clear=False)
+            for h, s in zip(handles, slots, strict=True):
+                mgr.restore(h, s, "r")
+            mgr.flush_nowait()
+            t2 = time.perf_counter()
+            out["offload_release"].append((t1 - t0) / k)
+            out["alloc_restore"].append((t2 - t1) / k)
+    return {
+        "events": float(k),
+        **{f"{name}_us_per_slot": statistics.median(v[2:]) * 1e6 for name, v in out.items()},
     }

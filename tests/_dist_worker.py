@@ -219,3 +219,57 @@ def sync_worker(rank: int, world: int, port: int, seed: int) -> None:
             assert report.step == i and report.events == len(events)
             oracle.assert_matches_shard(pool)
     dist.destroy_process_group()
+
+
+class _Recorder(SequentialOracle):
+    """An oracle that also keeps the events it applied, for the source rank to send to its peers."""
+
+    def __init__(self, pool: mc.StatePool, host: mc.HostPool) -> None:
+        super().__init__(pool, host)
+        self.log: list[object] = []
+
+    def apply(self, events: object) -> None:  # type: ignore[override]
+        events = list(events)  # type: ignore[call-overload]
+        self.log += events
+        super().apply(events)
+
+
+def host_worker(rank: int, world: int, port: int, seed: int) -> None:
+    """Offload, restore and drop cross the wire: every rank's pool and host shard match its oracle."""
+    from .test_host_tier import Driver
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=30)
+    )
+    pool = shard_pool(seed, rank)
+    host = mc.HostPool(spec(), 6)
+    g = torch.Generator().manual_seed(99 * seed + rank)
+    for t in host.tensors:
+        t.copy_(torch.randn(t.shape, generator=g))
+    rng = random.Random(seed)
+    kinds = ("alloc", "clear", "cow", "release", "offload", "offload", "restore", "drop", "flush")
+    raw = [(rng.choice(kinds), rng.randrange(10**6), rng.randrange(10**6)) for _ in range(120)]
+    with mc.CacheManager(pool, group=dist.group.WORLD, src_rank=0, timeout=60.0, host_pool=host) as mgr:
+        oracle = _Recorder(pool, host)
+        drive = Driver(mgr, oracle) if rank == 0 else None
+        steps = offloads = restores = 0
+        for kind, a, b in raw:
+            if kind != "flush":
+                if drive is not None:
+                    drive.apply(kind, a, b)
+                continue
+            box = [oracle.log if rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            if rank != 0:
+                oracle.apply(box[0])  # type: ignore[arg-type]
+            oracle.log = []
+            report = mgr.flush_nowait()
+            steps += 1
+            oracle.assert_matches_shard(pool)
+            for i, (want, got) in enumerate(zip(oracle.host, host.tensors, strict=True)):
+                for h in sorted(oracle.host_held & oracle.host_defined):
+                    assert torch.equal(want[:, h], got[:, h]), (rank, i, h)
+            offloads += report.offloaded
+            restores += report.restored
+    assert steps > 5 and offloads > 0 and restores > 0  # the plans carried both stage kinds, on every rank
+    dist.destroy_process_group()

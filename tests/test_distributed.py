@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 
 import mambacache as mc
 
-from ._dist_worker import cancel_worker, sync_worker, worker
+from ._dist_worker import cancel_worker, host_worker, sync_worker, worker
 
 pytestmark = pytest.mark.slow
 
@@ -53,3 +53,8 @@ def test_a_long_plan_under_a_deadline_reaches_every_rank_once() -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_the_synchronous_api_in_tensor_parallel_mode(world: int) -> None:
     mp.spawn(sync_worker, args=(world, free_port(), 21), nprocs=world, join=True)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_offload_restore_and_drop_apply_on_every_rank(world: int) -> None:
+    mp.spawn(host_worker, args=(world, free_port(), 5), nprocs=world, join=True)

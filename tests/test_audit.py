@@ -109,3 +109,25 @@ async def test_torch_index_path_copies_stay_in_workspace() -> None:
     report = await audited_flush(executor, 0, n_copy=40)
     assert 0 < report.max_temp_bytes <= bound
     assert report.peak_state_temp_bytes <= bound
+
+
+@pytest.mark.parametrize("executor", ["torch", "npu", "reference"])
+@pytest.mark.parametrize("n", [1, 8, 32])
+async def test_offloads_and_restores_allocate_nothing_and_never_sync(executor: str, n: int) -> None:
+    pool, host = mc.StatePool(SPEC, 2 * n + 2), mc.HostPool(SPEC, 2 * n)
+    async with mc.CacheManager(pool, executor=executor, host_pool=host) as mgr:
+        slots = mgr.alloc(2 * n)
+        await mgr.flush()
+        handles = [mgr.offload(s) for s in slots[::2]]  # scattered slots into consecutive host slots
+        with OpAudit() as audit:
+            report = await mgr.flush()
+        out = audit.report()
+        assert report.offloaded == n
+        assert out.peak_temp_bytes == 0 and out.sync_ops == ()
+        for h, s in zip(handles, slots[1::2], strict=True):
+            mgr.restore(h, s)
+        with OpAudit() as audit:
+            report = await mgr.flush()
+        out = audit.report()
+        assert report.restored == n
+        assert out.peak_temp_bytes == 0 and out.sync_ops == ()

@@ -211,3 +211,13 @@ def test_bind_cache_runs_a_transformers_model_on_a_pool_slot_in_place() -> None:
             bind_cache(
                 other, mc.StatePool(mc.StateSpec(num_layers=1, conv_shapes=[(4, 3)], temporal_shape=(2,)), 2), 1, config
             )
+
+
+@pytest.mark.parametrize("scenario", ["swap", "host-tier"])
+def test_the_trace_of_a_host_tier_run_is_clean_and_idle(scenario: str, tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    args = ["simulate", "--model", "toy", "--requests", "24", "--scenario", scenario, "--trace", str(trace)]
+    assert main(args) == 0
+    assert main(["trace", str(trace), "--expect-idle"]) == 0  # every slot and host slot given back, no anomaly
+    summary = mc.tracing.analyze(trace, expect_idle=True).summary
+    assert summary["offloads"] > 0 and summary["restores"] > 0 and summary["host_held_at_end"] == 0

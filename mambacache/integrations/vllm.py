@@ -1,0 +1,263 @@
+"""mambacache inside vLLM: a general plugin that runs vLLM's mamba state through a CacheManager.
+
+Registered as the vLLM general plugin ``mambacache`` (entry point group
+``vllm.general_plugins``); active only when ``VLLM_PLUGINS`` names it, so
+installing mambacache next to vLLM changes nothing by itself. When active it
+wraps two methods of vLLM's ``GPUModelRunner`` (which ``CPUModelRunner``
+subclasses):
+
+* ``initialize_kv_cache``: after vLLM has bound each mamba layer's ``(conv,
+  ssm)`` tensors, adopt them into :class:`~mambacache.StatePool` s, same
+  storage, no copy (see :func:`block_rows` for the layout);
+* ``_update_states``: before vLLM's own update, turn the scheduler output into
+  events (finished requests' blocks into releases, new and resumed requests'
+  mamba blocks into ``alloc_slots`` with a clear, block copies between mamba
+  blocks into copy-on-write events); after it, flush, so the clears and copies
+  run before the forward.
+
+A slot is a vLLM block id, so vLLM's ``state_indices_tensor`` and kernels are
+unchanged; block 0 is vLLM's null block and mambacache's padding slot alike.
+
+``MAMBACACHE_TRACE=PATH`` writes the slot-lifecycle trace (debug level), which
+``mambacache trace PATH`` analyses. ``MAMBACACHE_VLLM_FAULT=skip-clear`` makes
+the plugin allocate without clearing: a deliberate fault for tests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._manager import CacheManager
+from .._pool import StatePool
+
+__all__ = ["PLUGIN_NAME", "VllmStates", "active", "block_rows", "register"]
+
+PLUGIN_NAME = "mambacache"
+_patched = False
+
+
+def active() -> bool:
+    """Whether ``VLLM_PLUGINS`` (comma-separated) names this plugin."""
+    names = os.environ.get("VLLM_PLUGINS")
+    return names is not None and PLUGIN_NAME in {n.strip() for n in names.split(",")}
+
+
+def register() -> None:
+    """vLLM's general-plugin entry point: wrap the model runner when active. Idempotent.
+
+    vLLM calls general plugins in every process it starts (engine core,
+    workers), so this runs wherever the model runner lives.
+    """
+    global _patched
+    if _patched or not active():
+        return
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original_init = GPUModelRunner.initialize_kv_cache
+    original_update = GPUModelRunner._update_states
+
+    def initialize_kv_cache(self: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original_init(self, kv_cache_config, *args, **kwargs)
+        old = getattr(self, "_mambacache", None)
+        if old is not None:
+            old.close()
+        self._mambacache = VllmStates.from_runner(self)
+        return out
+
+    def _update_states(self: Any, scheduler_output: Any) -> Any:
+        states: VllmStates | None = getattr(self, "_mambacache", None)
+        if states is not None:
+            states.take(scheduler_output)
+        out = original_update(self, scheduler_output)
+        if states is not None:
+            states.flush()
+        return out
+
+    GPUModelRunner.initialize_kv_cache = initialize_kv_cache
+    GPUModelRunner._update_states = _update_states
+    _patched = True
+    trace = os.environ.get("MAMBACACHE_TRACE")
+    if trace:
+        from .. import tracing
+
+        tracing.configure(trace, level="debug")
+
+
+def block_rows(conv: torch.Tensor, ssm: torch.Tensor) -> torch.Tensor:
+    """One layer's blocks as contiguous byte rows ``[num_blocks, page_bytes]``: a view, no copy.
+
+    vLLM keeps a mamba layer's states block-major, each block one page holding
+    the conv state and then the SSM state (and padding)::
+
+        block b:  | conv [3, 160] | ssm [8, 16, 16] | pad |   <- page_bytes, block b + 1 follows
+        conv = view(blocks, 3, 160)   strides (page, 160, 1)   not contiguous
+        ssm  = view(blocks, 8, 16, 16) at +conv bytes, same page stride
+
+    Zeroing or copying a whole row zeroes or copies both states of that block,
+    so mambacache manages the page as one opaque state. Raises ValueError when
+    the tensors are not laid out so.
+    """
+    page = conv.stride(0) * conv.element_size()
+    if ssm.stride(0) * ssm.element_size() != page or conv.shape[0] != ssm.shape[0]:
+        raise ValueError(f"conv and ssm do not share a page per block: {conv.stride()} vs {ssm.stride()}")
+    if conv.untyped_storage().data_ptr() != ssm.untyped_storage().data_ptr():
+        raise ValueError("conv and ssm live in different storages")
+    base = conv.storage_offset() * conv.element_size()
+    ssm_at = ssm.storage_offset() * ssm.element_size() - base
+    ends = (
+        conv[0].numel() * conv.element_size(),  # conv[0] is contiguous within the page
+        ssm_at + ssm[0].numel() * ssm.element_size(),
+    )
+    if ssm_at < 0 or max(ends) > page or not (conv[0].is_contiguous() and ssm[0].is_contiguous()):
+        raise ValueError("a block's conv and ssm states do not fit one page from the conv state on")
+    rows = torch.empty(0, dtype=torch.uint8, device=conv.device)
+    rows.set_(conv.untyped_storage(), base, (conv.shape[0], page), (page, 1))
+    return rows
+
+
+def _pools(rows: list[torch.Tensor]) -> list[StatePool]:
+    """One layer-major pool when the layers' rows are evenly spaced in one storage, else a pool per layer."""
+    first = rows[0]
+    same = all(r.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for r in rows)
+    span = first.numel()
+    offsets = [r.storage_offset() for r in rows]
+    if (
+        same
+        and all(r.shape == first.shape for r in rows)
+        and all(b - a == span for a, b in itertools.pairwise(offsets))
+    ):
+        stacked = torch.empty(0, dtype=torch.uint8, device=first.device)
+        stacked.set_(first.untyped_storage(), offsets[0], (len(rows), *first.shape), (span, first.shape[1], 1))
+        return [StatePool.from_tensors([], stacked)]
+    return [StatePool.from_tensors([], r[None]) for r in rows]
+
+
+@dataclass(frozen=True, slots=True)
+class VllmStats:
+    """What the plugin did: blocks allocated (and cleared), released, copied, and taken back from preempted."""
+
+    allocs: int = 0
+    clears: int = 0
+    releases: int = 0
+    copies: int = 0
+    reclaimed: int = 0
+    flushes: int = 0
+
+
+class VllmStates:
+    """vLLM's mamba blocks as mambacache slots: one CacheManager per pool (usually one in all).
+
+    Invariants: a block is held by the request vLLM last gave it to; a block
+    vLLM hands to a new request while the plugin still holds it for another
+    (that request was preempted, and vLLM recomputes it) is released from the
+    old tenant first; every block a request gets reads as zeros before its first
+    forward (unless ``MAMBACACHE_VLLM_FAULT=skip-clear``).
+    """
+
+    def __init__(self, pools: list[StatePool], groups: list[int]) -> None:
+        self.pools = pools
+        self.groups = groups  # indices of the mamba KV cache groups
+        self.managers = [CacheManager(p).__enter__() for p in pools]
+        self.owner: dict[int, str] = {}
+        self.blocks: dict[str, list[int]] = {}
+        self.clear = os.environ.get("MAMBACACHE_VLLM_FAULT") != "skip-clear"
+        self._counts = dict.fromkeys(VllmStats.__slots__, 0)
+
+    @classmethod
+    def from_runner(cls, runner: Any) -> VllmStates | None:
+        """Adopt the mamba layers' tensors of a model runner whose KV cache is initialised; None without any."""
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        groups = [
+            i for i, g in enumerate(runner.kv_cache_config.kv_cache_groups) if isinstance(g.kv_cache_spec, MambaSpec)
+        ]
+        if not groups:
+            return None
+        context = runner.compilation_config.static_forward_context
+        rows = []
+        for i in groups:
+            for name in runner.kv_cache_config.kv_cache_groups[i].layer_names:
+                kv = context[name].kv_cache
+                conv, ssm = (kv[0] if isinstance(kv[0], list | tuple) else kv)[:2]
+                rows.append(block_rows(conv, ssm))
+        return cls(_pools(rows), groups)
+
+    @property
+    def stats(self) -> VllmStats:
+        """A snapshot of the counters."""
+        return VllmStats(**self._counts)
+
+    def stats_dict(self) -> dict[str, int]:
+        """The counters as a plain dict (JSON-ready)."""
+        return dict(self._counts)
+
+    def _each(self, method: str, *args: Any, **kwargs: Any) -> None:
+        for mgr in self.managers:
+            getattr(mgr, method)(*args, **kwargs)
+
+    def _mamba_ids(self, block_ids: tuple[list[int], ...] | None) -> list[int]:
+        if not block_ids:
+            return []
+        return [b for g in self.groups for b in block_ids[g] if b > 0]  # 0 is vLLM's null block
+
+    def _release(self, req_id: str, blocks: list[int] | None = None) -> None:
+        held = self.blocks.get(req_id, [])
+        gone = [b for b in held if blocks is None or b in blocks]
+        for b in gone:
+            self._each("release", b, request_id=req_id)
+            del self.owner[b]
+        self._counts["releases"] += len(gone)
+        rest = [b for b in held if b not in gone]
+        if rest:
+            self.blocks[req_id] = rest
+        else:
+            self.blocks.pop(req_id, None)
+
+    def _give(self, req_id: str, blocks: list[int]) -> None:
+        new = [b for b in blocks if self.owner.get(b) != req_id]
+        for b in new:
+            tenant = self.owner.get(b)
+            if tenant is not None:  # vLLM took it back from a preempted request
+                self._release(tenant, [b])
+                self._counts["reclaimed"] += 1
+        if not new:
+            return
+        self._each("alloc_slots", new, request_id=req_id, clear=self.clear)
+        for b in new:
+            self.owner[b] = req_id
+        self.blocks.setdefault(req_id, []).extend(new)
+        self._counts["allocs"] += len(new)
+        self._counts["clears"] += len(new) if self.clear else 0
+
+    def take(self, so: Any) -> None:
+        """Turn one step's scheduler output into events (before vLLM's own update)."""
+        for req_id in so.finished_req_ids:
+            self._release(req_id)
+        for req in so.scheduled_new_reqs:
+            self._release(req.req_id)  # an aborted id resubmitted: a new request
+            self._give(req.req_id, self._mamba_ids(req.block_ids))
+        cached = so.scheduled_cached_reqs
+        for req_id, block_ids in zip(cached.req_ids, cached.new_block_ids, strict=False):
+            if req_id in cached.resumed_req_ids:
+                # Resumed after preemption: vLLM recomputes it from its first token in the blocks it now gives.
+                self._release(req_id)
+            self._give(req_id, self._mamba_ids(block_ids))
+        for copy in so.kv_cache_block_copies or ():
+            src, dst = int(copy[0]), int(copy[1])
+            if src in self.owner and dst in self.owner:
+                self._each("copy_on_write", src, dst)
+                self._counts["copies"] += 1
+
+    def flush(self) -> None:
+        """Run the step's events on the forward's stream, before the forward."""
+        self._each("flush_nowait")
+        self._counts["flushes"] += 1
+
+    def close(self) -> None:
+        for mgr in self.managers:
+            mgr.__exit__(None, None, None)

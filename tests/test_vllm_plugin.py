@@ -1,0 +1,153 @@
+"""The vLLM plugin's logic without vLLM: layout adoption, the step's events, the activation gate.
+
+tests/test_vllm.py runs the plugin inside vLLM itself (in the vLLM venv that .ci/run makes).
+"""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+import mambacache as mc
+from mambacache.integrations import vllm as plugin
+
+BLOCKS, CONV, SSM = 7, (3, 5), (2, 4, 4)
+
+
+def vllm_layout(layers: int = 2, pad: int = 3) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """vLLM's mamba layout: one buffer, per layer per block a page of conv then ssm (then padding)."""
+    conv_n, ssm_n = 3 * 5, 2 * 4 * 4
+    page = conv_n + ssm_n + pad
+    raw = torch.randn(layers * BLOCKS * page)
+    layer_views = []
+    for layer in range(layers):
+        base = layer * BLOCKS * page
+        conv = raw.as_strided((BLOCKS, *CONV), (page, 5, 1), base)
+        ssm = raw.as_strided((BLOCKS, *SSM), (page, 16, 4, 1), base + conv_n)
+        layer_views.append((conv, ssm))
+    return raw, layer_views
+
+
+def test_block_rows_cover_both_states_of_each_block_in_place() -> None:
+    _raw, layers = vllm_layout()
+    conv, ssm = layers[1]
+    rows = plugin.block_rows(conv, ssm)
+    assert rows.shape[0] == BLOCKS and rows.is_contiguous() and rows.dtype == torch.uint8
+    rows[3].zero_()
+    assert bool((conv[3] == 0).all()) and bool((ssm[3] == 0).all())
+    assert bool((conv[2] != 0).any()) and bool((conv[4] != 0).any())  # neighbours untouched
+    rows[5].copy_(rows[1])
+    assert torch.equal(conv[5], conv[1]) and torch.equal(ssm[5], ssm[1])
+    with pytest.raises(ValueError, match="page"):
+        plugin.block_rows(conv, torch.zeros(BLOCKS, *SSM))
+
+
+def test_evenly_spaced_layers_make_one_layer_major_pool_else_one_per_layer() -> None:
+    _, layers = vllm_layout(layers=3)
+    rows = [plugin.block_rows(c, s) for c, s in layers]
+    (pool,) = plugin._pools(rows)
+    assert pool.num_slots == BLOCKS - 1 and pool.temporal.shape[0] == 3
+    assert pool.temporal.data_ptr() == layers[0][0].data_ptr()  # adopted, not copied
+    shuffled = [rows[2], rows[0], rows[1]]
+    assert len(plugin._pools(shuffled)) == 3
+
+
+def step(
+    finished: tuple[str, ...] = (),
+    new: tuple[tuple[str, list[int]], ...] = (),
+    cached: tuple[tuple[str, list[int] | None], ...] = (),
+    resumed: tuple[str, ...] = (),
+    copies: tuple[tuple[int, int], ...] = (),
+) -> Any:
+    return SimpleNamespace(
+        finished_req_ids=set(finished),
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=([], b)) for r, b in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _ in cached],
+            new_block_ids=[None if b is None else ([], b) for _, b in cached],
+            resumed_req_ids=set(resumed),
+        ),
+        kv_cache_block_copies=list(copies) or None,
+    )
+
+
+@pytest.fixture
+def states() -> Any:
+    _raw, layers = vllm_layout()
+    rows = [plugin.block_rows(c, s) for c, s in layers]
+    s = plugin.VllmStates(plugin._pools(rows), groups=[1])  # group 0 is an attention group here
+    yield s, layers
+    s.close()
+
+
+def test_new_blocks_are_cleared_before_the_forward_and_released_when_finished(states: Any) -> None:
+    s, layers = states
+    s.take(step(new=(("a", [2]), ("b", [0, 4]))))  # 0 is vLLM's null block: never managed
+    s.flush()
+    for conv, ssm in layers:
+        assert bool((conv[2] == 0).all()) and bool((ssm[4] == 0).all())
+        assert bool((conv[3] != 0).any())  # a block nobody got is left alone
+    assert s.owner == {2: "a", 4: "b"}
+    s.take(step(finished=("a",), copies=((4, 2), (4, 5))))  # copies touch managed blocks only
+    s.flush()
+    assert s.owner == {4: "b"} and s.stats.releases == 1 and s.stats.copies == 0
+    assert s.managers[0].held() == {4: "b"}
+
+
+def test_a_block_given_to_another_request_is_taken_back_from_the_preempted_one(states: Any) -> None:
+    s, layers = states
+    s.take(step(new=(("a", [2]),)))
+    s.flush()
+    for conv, _ in layers:
+        conv[2].fill_(7.0)  # a's forward
+    s.take(step(new=(("b", [2]),)))  # vLLM preempted a and gave its block to b
+    s.flush()
+    assert s.owner == {2: "b"} and s.stats.reclaimed == 1
+    assert all(bool((conv[2] == 0).all()) for conv, _ in layers)
+    s.take(step(cached=(("a", [3]),), resumed=("a",)))  # a resumes in another block, from scratch
+    s.take(step(cached=(("b", [5]),)))  # b grows by a block (speculative or checkpoint blocks)
+    s.flush()
+    assert s.owner == {2: "b", 3: "a", 5: "b"} and s.blocks["b"] == [2, 5]
+    s.take(step(copies=((2, 5),)))
+    s.flush()
+    assert s.stats.copies == 1
+    assert all(torch.equal(conv[5], conv[2]) for conv, _ in layers)
+
+
+def test_the_skip_clear_fault_allocates_without_clearing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MAMBACACHE_VLLM_FAULT", "skip-clear")
+    _, layers = vllm_layout()
+    s = plugin.VllmStates(plugin._pools([plugin.block_rows(c, ssm) for c, ssm in layers]), groups=[1])
+    s.take(step(new=(("a", [2]),)))
+    s.flush()
+    assert bool((layers[0][0][2] != 0).any()) and s.stats.clears == 0
+    s.close()
+
+
+def test_inactive_unless_vllm_plugins_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    assert not plugin.active()
+    plugin.register()  # a no-op: vLLM is not even imported
+    assert "vllm" not in sys.modules or not plugin._patched
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")
+    assert not plugin.active()
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver, mambacache")
+    assert plugin.active()
+
+
+def test_the_entry_point_is_declared() -> None:
+    from importlib.metadata import entry_points
+
+    found = [e for e in entry_points(group="vllm.general_plugins") if e.name == "mambacache"]
+    assert found and found[0].value == "mambacache.integrations.vllm:register"
+    assert found[0].load() is plugin.register
+
+
+def test_pool_of_pages_is_a_plain_statepool() -> None:
+    _, layers = vllm_layout()
+    (pool,) = plugin._pools([plugin.block_rows(c, s) for c, s in layers])
+    assert isinstance(pool, mc.StatePool) and pool.spec.conv_shapes == ()

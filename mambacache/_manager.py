@@ -495,10 +495,7 @@ class CacheManager:
             raise _not_allocated(kind, "the", slot)
         tenant = self._pool._tenants[slot]
         if request_id is not None and tenant != request_id:
-            raise SlotStateError(
-                f"{kind.__name__}: slot {slot} belongs to {tenant!r}, not {request_id!r} (pass request_id=None"
-                " to skip the check)"
-            )
+            raise _tenant_error(kind.__name__, slot, tenant, request_id)
 
     def _submit(self, events: Any, checked: bool = False) -> None:
         # One pass validates everything before anything changes. The hot path of
@@ -774,9 +771,12 @@ def _not_allocated(ev: Any, role: str, slot: int) -> SlotStateError:
 
 
 def _wrong_tenant(ev: Any, slot: int, tenant: str | None) -> SlotStateError:
+    return _tenant_error(type(ev).__name__, slot, tenant, ev.request_id)
+
+
+def _tenant_error(kind: str, slot: int, tenant: str | None, request_id: str | None) -> SlotStateError:
     return SlotStateError(
-        f"{type(ev).__name__}: slot {slot} belongs to {tenant!r}, not {ev.request_id!r} (pass request_id=None"
-        " to skip the check)"
+        f"{kind}: slot {slot} belongs to {tenant!r}, not {request_id!r} (pass request_id=None to skip the check)"
     )
 
 

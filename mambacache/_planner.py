@@ -122,11 +122,10 @@ class CommitStage:
 
 
 @dataclass(frozen=True, slots=True)
-class OffloadStage:
-    """Host slot ``host`` gets pool slot ``slot`` for each ``(slot, host)``; sorted by host slot.
+class _TierStage:
+    """Copies between the pool and the host pool: ``pairs`` sorted by destination, ``runs`` the same coalesced.
 
-    ``runs`` coalesces the pairs as ``CopyRun(src=slot, dst=host, length)``. Reads
-    the pool, writes the host: re-running it is harmless.
+    Each side is read or written, never both, so re-running the stage is harmless.
     """
 
     pairs: tuple[tuple[int, int], ...]
@@ -134,15 +133,13 @@ class OffloadStage:
 
 
 @dataclass(frozen=True, slots=True)
-class RestoreStage:
-    """Pool slot ``slot`` gets host slot ``host`` for each ``(host, slot)``; sorted by pool slot.
+class OffloadStage(_TierStage):
+    """Host slot ``host`` gets pool slot ``slot`` for each ``(slot, host)``; runs are ``CopyRun(slot, host, n)``."""
 
-    ``runs`` coalesces the pairs as ``CopyRun(src=host, dst=slot, length)``. Reads
-    the host, writes the pool: re-running it is harmless.
-    """
 
-    pairs: tuple[tuple[int, int], ...]
-    runs: tuple[CopyRun, ...]
+@dataclass(frozen=True, slots=True)
+class RestoreStage(_TierStage):
+    """Pool slot ``slot`` gets host slot ``host`` for each ``(host, slot)``; runs are ``CopyRun(host, slot, n)``."""
 
 
 Stage = ZeroStage | CopyStage | RotateStage | CommitStage | OffloadStage | RestoreStage

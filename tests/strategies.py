@@ -23,31 +23,8 @@ def events_from_ops(
 
     "commit" draws become CommitDraft events only for pools with ``draft_tokens``; else nothing.
     """
-    steps: list[list[object]] = [[]]
-    live_after: list[set[int]] = []
-    free = sorted(set(range(1, num_slots + 1)) - allocated)
-    for kind, a, b in raw:
-        live = sorted(allocated)
-        if kind == "flush":
-            live_after.append(set(allocated))
-            steps.append([])
-        elif kind == "alloc" and free:
-            slot = free.pop(a % len(free))
-            allocated.add(slot)
-            steps[-1].append(mc.Alloc(slot, clear=b % 4 != 0))
-        elif kind == "clear" and live:
-            steps[-1].append(mc.Clear(live[a % len(live)]))
-        elif kind == "cow" and live:
-            steps[-1].append(mc.CopyOnWrite(live[a % len(live)], live[b % len(live)]))
-        elif kind == "commit" and live and draft_tokens:
-            steps[-1].append(mc.CommitDraft(live[a % len(live)], b % (draft_tokens + 1)))
-        elif kind == "release" and live:
-            slot = live[a % len(live)]
-            allocated.discard(slot)
-            bisect.insort(free, slot)
-            steps[-1].append(mc.Release(slot))
-    live_after.append(set(allocated))
-    return list(zip(steps, live_after, strict=True))
+    steps = _steps(raw, num_slots, allocated, draft_tokens, 0, set())
+    return [(events, live) for events, live, _ in steps]
 
 
 HOST_KINDS = (*KINDS, "offload", "offload", "restore", "restore", "drop")
@@ -66,6 +43,17 @@ def host_events_from_ops(
     Host slots are picked anywhere among the free ones, a slot freed in this very
     step included (the manager never does that; the planner must still be exact).
     """
+    return _steps(raw, num_slots, allocated, 0, num_host, held)
+
+
+def _steps(
+    raw: list[tuple[str, int, int]],
+    num_slots: int,
+    allocated: set[int],
+    draft_tokens: int,
+    num_host: int,
+    held: set[int],
+) -> list[tuple[list[object], set[int], set[int]]]:
     steps: list[list[object]] = [[]]
     after: list[tuple[set[int], set[int]]] = []
     free = sorted(set(range(1, num_slots + 1)) - allocated)
@@ -83,6 +71,8 @@ def host_events_from_ops(
             steps[-1].append(mc.Clear(live[a % len(live)]))
         elif kind == "cow" and live:
             steps[-1].append(mc.CopyOnWrite(live[a % len(live)], live[b % len(live)]))
+        elif kind == "commit" and live and draft_tokens:
+            steps[-1].append(mc.CommitDraft(live[a % len(live)], b % (draft_tokens + 1)))
         elif kind == "release" and live:
             slot = live[a % len(live)]
             allocated.discard(slot)

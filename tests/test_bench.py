@@ -18,9 +18,10 @@ def test_bench_quick_emits_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
     text = capsys.readouterr().out
     assert "x bound" in text and "host overhead" in text and "tracing off" in text
     data = json.loads(out.read_text())
-    assert {"machine", "results", "host_overhead", "tracing_overhead"} <= set(data)
+    assert {"machine", "results", "host_overhead", "tracing_overhead", "host_tier_overhead"} <= set(data)
+    assert 0 < data["host_tier_overhead"]["offload_release_us_per_slot"] < 1000
     paths = {(r["op"], r["path"]) for r in data["results"]}
-    for op, bound in (("clear", "memset"), ("copy", "memcpy")):
+    for op, bound in (("clear", "memset"), ("copy", "memcpy"), ("offload", "memcpy"), ("restore", "memcpy")):
         assert {(op, p) for p in (bound, "seed", "torch", "torch-direct", "npu", "reference")} <= paths
     for r in data["results"]:
         assert r["median_s"] > 0 and r["min_s"] <= r["median_s"] <= r["max_s"]
@@ -32,8 +33,11 @@ def test_bench_quick_emits_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
         if r["host_syncs"] is not None:
             assert r["host_syncs"] == 0
         assert r["ops"] >= 1 and r["peak_temp_bytes"] is not None  # every path audited
-        if r["path"] == "torch-direct":
+        if r["path"] == "torch-direct" and r["op"] in ("clear", "copy", "commit"):
             assert r["ops"] == 2 and r["peak_temp_bytes"] == 0  # one foreach op per pool tensor, no temporary
+        if r["op"] in ("offload", "restore") and r["path"] not in ("memcpy", "seed"):
+            # One copy per run of slots and pool tensor (random slots: runs of one; two tensors), no temporary.
+            assert r["peak_temp_bytes"] == 0 and r["ops"] <= 6 * r["slots"]  # slices and a copy per tensor
     assert [h["events_per_flush"] for h in data["host_overhead"]] == [10, 100, 1000]
 
 

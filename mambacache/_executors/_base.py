@@ -47,19 +47,20 @@ class Executor(Protocol):
         ...
 
 
-def copy_host(stage: HostStage, tensor: torch.Tensor, host: torch.Tensor) -> None:
+def copy_host(stage: HostStage, tensor: torch.Tensor, host: torch.Tensor, per_layer: bool | None = None) -> None:
     """Run an offload (pool -> host) or restore (host -> pool) stage on one tensor pair.
 
     The default for every executor without an ``execute_host`` of its own. Each
     run of slots is one contiguous chunk per layer on both sides, so it copies
     with no temporary and no index tensor: one strided op per run on the CPU, one
     op per layer and run on an accelerator (where a strided cross-device copy
-    would stage through a contiguous temporary). ``non_blocking``: with pinned
-    host memory the copy is enqueued on the current stream, nothing waits. Reads
-    one side, writes the other, so a repeat after a fault is harmless.
+    would stage through a contiguous temporary; ``per_layer`` forces either).
+    ``non_blocking``: with pinned host memory the copy is enqueued on the current
+    stream, nothing waits. Reads one side, writes the other, so a repeat after a
+    fault is harmless.
     """
     src, dst = (tensor, host) if type(stage) is OffloadStage else (host, tensor)
-    if tensor.device.type == "cpu":
+    if not (tensor.device.type != "cpu" if per_layer is None else per_layer):
         for a, b, n in stage.runs:
             dst[:, b : b + n].copy_(src[:, a : a + n])
         return

@@ -29,8 +29,8 @@ from collections.abc import Sequence
 import torch
 
 from .._errors import InvalidArgumentError
-from .._planner import CommitStage, CopyStage, RotateStage, Stage, ZeroStage
-from ._base import IndexBuilder, Progress, stage_pairs
+from .._planner import CommitStage, CopyStage, HostStage, RotateStage, Stage, ZeroStage
+from ._base import IndexBuilder, Progress, copy_host, stage_pairs
 
 __all__ = ["NpuExecutor", "import_torch_npu"]
 
@@ -69,6 +69,11 @@ class NpuExecutor:
             self._workspace = None
             ws = self._workspace = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return ws[:nbytes].view(dtype)
+
+    def execute_host(self, stage: HostStage, tensor: torch.Tensor, host: torch.Tensor) -> None:
+        """Offloads and restores one contiguous ``(layer, run)`` chunk at a time: no temporary, no
+        non-contiguous input, on CPU tensors too (so tests see what the NPU runs)."""
+        copy_host(stage, tensor, host, per_layer=True)
 
     def execute(self, stage: Stage, tensor: torch.Tensor, draft: torch.Tensor | None = None) -> None:
         if tensor.device.type == "npu":

@@ -38,7 +38,7 @@ def test_bench_quick_emits_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
         if r["op"] in ("offload", "restore") and r["path"] not in ("memcpy", "seed"):
             # Per run of slots (random slots: runs of one) and pool tensor, one copy (npu: one per layer), no
             # temporary; a slice or two and a copy each.
-            assert r["peak_temp_bytes"] == 0 and r["ops"] <= 6 * r["slots"] * r["layers"], r
+            assert r["peak_temp_bytes"] == 0 and r["ops"] <= 10 * r["slots"] * r["layers"], r  # 2 tensors
     assert [h["events_per_flush"] for h in data["host_overhead"]] == [10, 100, 1000]
 
 

@@ -151,3 +151,15 @@ def test_pool_of_pages_is_a_plain_statepool() -> None:
     _, layers = vllm_layout()
     (pool,) = plugin._pools([plugin.block_rows(c, s) for c, s in layers])
     assert isinstance(pool, mc.StatePool) and pool.spec.conv_shapes == ()
+
+
+def test_a_streaming_request_continued_under_its_id_keeps_its_state(states: Any) -> None:
+    s, layers = states
+    s.take(step(new=(("a", [2]),)))
+    s.flush()
+    for conv, _ in layers:
+        conv[2].fill_(3.0)  # a's forward
+    s.take(step(new=(("a", [2, 4]),)))  # vLLM's streaming input: the same request, one more block
+    s.flush()
+    assert s.owner == {2: "a", 4: "a"} and s.stats.releases == 0
+    assert all(bool((conv[2] == 3.0).all()) and bool((conv[4] == 0).all()) for conv, _ in layers)

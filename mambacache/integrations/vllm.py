@@ -12,8 +12,8 @@ subclasses):
 * ``_update_states``: before vLLM's own update, turn the scheduler output into
   events (finished requests' blocks into releases, new and resumed requests'
   mamba blocks into ``alloc_slots`` with a clear, block copies between mamba
-  blocks into copy-on-write events); after it, flush, so the clears and copies
-  run before the forward.
+  blocks into copy-on-write events) and flush them, so the clears land before
+  vLLM's own block copies and the forward.
 
 A slot is a vLLM block id, so vLLM's ``state_indices_tensor`` and kernels are
 unchanged; block 0 is vLLM's null block and mambacache's padding slot alike.
@@ -72,11 +72,11 @@ def register() -> None:
     def _update_states(self: Any, scheduler_output: Any) -> Any:
         states: VllmStates | None = getattr(self, "_mambacache", None)
         if states is not None:
+            # Flushed before vLLM's own update: its block copies (a prefix-cache hit into a
+            # new block) then land on the cleared block, not under the clear.
             states.take(scheduler_output)
-        out = original_update(self, scheduler_output)
-        if states is not None:
             states.flush()
-        return out
+        return original_update(self, scheduler_output)
 
     GPUModelRunner.initialize_kv_cache = initialize_kv_cache
     GPUModelRunner._update_states = _update_states
@@ -239,8 +239,11 @@ class VllmStates:
         for req_id in so.finished_req_ids:
             self._release(req_id)
         for req in so.scheduled_new_reqs:
-            self._release(req.req_id)  # an aborted id resubmitted: a new request
-            self._give(req.req_id, self._mamba_ids(req.block_ids))
+            # An aborted id resubmitted was released with the finished ones above; a
+            # streaming request continued under its id keeps the blocks it still has.
+            ids = self._mamba_ids(req.block_ids)
+            self._release(req.req_id, [b for b in self.blocks.get(req.req_id, []) if b not in ids])
+            self._give(req.req_id, ids)
         cached = so.scheduled_cached_reqs
         for req_id, block_ids in zip(cached.req_ids, cached.new_block_ids, strict=False):
             if req_id in cached.resumed_req_ids:

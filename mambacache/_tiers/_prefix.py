@@ -237,7 +237,7 @@ class PrefixCache:
             if child is None:
                 child = node.children[key] = _Node(node, key, node.length + self.block_size)
             node = child
-        self._mgr.copy_on_write(slot, checkpoint)
+        self._mgr.copy_on_write(slot, checkpoint, request_id=CHECKPOINT_TENANT)
         node.slot, node.payload = checkpoint, payload
         self._device[node] = None
         self._adjust_below(node, +1)

@@ -164,6 +164,16 @@ def _open(executor: Any) -> tuple[mc.StatePool, mc.HostPool, mc.CacheManager]:
     return pool, host, mc.CacheManager(pool, executor=executor, host_pool=host, max_failed_flushes=1000)
 
 
+def _started(mgr: mc.CacheManager, seed: int) -> tuple[SequentialOracle, Driver]:
+    """Four live slots, every slot dirty, and an oracle and a driver from there (``mgr`` is open)."""
+    mgr.alloc(4)
+    mgr.flush_nowait()
+    fill_random(mgr.pool, seed)
+    assert mgr.host_pool is not None
+    oracle = SequentialOracle(mgr.pool, mgr.host_pool)
+    return oracle, Driver(mgr, oracle)
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @given(raw=host_ops, seed=st.integers(0, 2**16))
 @settings(max_examples=30)
@@ -172,11 +182,7 @@ def test_host_events_match_sequential_on_every_executor(
 ) -> None:
     pool, host, mgr = _open(VARIANTS[variant]())
     with mgr:
-        mgr.alloc(4)
-        mgr.flush_nowait()
-        fill_random(pool, seed)
-        oracle = SequentialOracle(pool, host)
-        drive = Driver(mgr, oracle)
+        oracle, drive = _started(mgr, seed)
         step = 0
         for kind, a, b in raw:
             if kind == "flush":
@@ -265,11 +271,7 @@ def test_failed_host_copies_are_retried_exactly(raw: list[tuple[str, int, int]],
     flaky = FlakyHost(VARIANTS["torch"](), fail_at)
     pool, host, mgr = _open(flaky)
     with mgr:
-        mgr.alloc(4)
-        mgr.flush_nowait()
-        fill_random(pool, seed)
-        oracle = SequentialOracle(pool, host)
-        drive = Driver(mgr, oracle)
+        oracle, drive = _started(mgr, seed)
         for step, (kind, a, b) in enumerate(raw):
             if kind != "flush":
                 drive.apply(kind, a, b)

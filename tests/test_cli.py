@@ -28,6 +28,11 @@ BAD = [
     ("simulate", "--prefix-share", "1.5"),
     ("simulate", "--prefix-share", "-1"),
     ("simulate", "--slots", "3", "--max-running", "3"),
+    ("simulate", "--scenario", "bogus"),
+    ("simulate", "--fault", "skip-restore"),  # needs --scenario swap
+    ("simulate", "--block-size", "0"),
+    ("simulate", "--max-checkpoints", "-1"),
+    ("simulate", "--preempt", "later"),
     ("simulate", "--seed", "x"),
     ("simulate", "--json", "/no/such/folder/out.json"),
     ("bench", "--device", "cuda"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -686,28 +686,38 @@ class CacheManager:
         with on_stream(self._device, stream):
             while backlog.stages:
                 stage, executor, host = backlog.stages[0]
+                # What each tensor's call takes beside the pool tensor: its host tensor (offload,
+                # restore), its draft buffer (commit), or nothing.
+                run: Callable[..., None]
+                others: list[Any] | None
                 if type(stage) in _HOST_STAGES:
-                    self._run_host_stage(stage, executor, host, step)
-                    done += 1
-                    continue
-                whole = getattr(executor, "execute_stage", None)
-                if whole is not None and backlog.next_tensor == 0 and type(stage) in _IDEMPOTENT:
-                    # The stage on every tensor at once; idempotent, so a fault just leaves it to redo.
-                    try:
-                        done_all = whole(stage, tensors)
-                    except Exception as exc:
-                        raise self._failed(exc, executor, stage, step) from exc
-                    if done_all:
-                        backlog.stages.popleft()
-                        done += 1
-                        continue
-                drafts = self._pool._exec_drafts if type(stage) is CommitStage else None
+                    if host is None:  # a tensor-parallel rank made without the source rank's host_pool
+                        missing = InvalidArgumentError(
+                            "an offload or restore reached a CacheManager made without host_pool"
+                        )
+                        raise self._failed(missing, executor, stage, step)
+                    run, others = getattr(executor, "execute_host", copy_host), host
+                else:
+                    whole = getattr(executor, "execute_stage", None)
+                    if whole is not None and backlog.next_tensor == 0 and type(stage) in _IDEMPOTENT:
+                        # The stage on every tensor at once; idempotent, so a fault just leaves it to redo.
+                        try:
+                            done_all = whole(stage, tensors)
+                        except Exception as exc:
+                            raise self._failed(exc, executor, stage, step) from exc
+                        if done_all:
+                            backlog.stages.popleft()
+                            done += 1
+                            continue
+                    run = executor.execute
+                    others = self._pool._exec_drafts if type(stage) is CommitStage else None
                 while backlog.next_tensor < len(tensors):
+                    i = backlog.next_tensor
                     try:
-                        if drafts is None:
-                            executor.execute(stage, tensors[backlog.next_tensor])
+                        if others is None:
+                            run(stage, tensors[i])
                         else:
-                            executor.execute(stage, tensors[backlog.next_tensor], drafts[backlog.next_tensor])
+                            run(stage, tensors[i], others[i])
                     except Exception as exc:
                         raise self._failed(exc, executor, stage, step) from exc
                     backlog.next_tensor += 1
@@ -716,26 +726,6 @@ class CacheManager:
                 done += 1
         self._failures = 0
         return done
-
-    def _run_host_stage(self, stage: Any, executor: Executor, host: list[Any] | None, step: int) -> None:
-        backlog = self._pool._backlog
-        tensors = self._pool._exec_tensors
-        if host is None:  # a tensor-parallel rank made without the source rank's host_pool
-            raise self._failed(
-                InvalidArgumentError("an offload or restore reached a CacheManager made without host_pool"),
-                executor,
-                stage,
-                step,
-            )
-        run = getattr(executor, "execute_host", copy_host)
-        while backlog.next_tensor < len(tensors):
-            try:
-                run(stage, tensors[backlog.next_tensor], host[backlog.next_tensor])
-            except Exception as exc:
-                raise self._failed(exc, executor, stage, step) from exc
-            backlog.next_tensor += 1
-        backlog.stages.popleft()
-        backlog.next_tensor = 0
 
     def _failed(self, exc: Exception, executor: Executor, stage: Any, step: int) -> ExecutorError:
         left = len(self._pool._backlog)

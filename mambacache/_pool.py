@@ -55,6 +55,12 @@ def _with_drafts(spec: object, draft_tokens: int | None) -> StateSpec:
     return dataclasses.replace(spec, draft_tokens=draft_tokens)
 
 
+def _failure_reason(exc: BaseException) -> str:
+    """The first line of what torch said about a failed allocation (its messages run to many lines)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def _as_device(device: object) -> torch.device:
     try:
         dev: torch.device = torch.device(device)  # type: ignore[call-overload]
@@ -111,9 +117,8 @@ class StatePool:
                 ]
                 draft_temporal = torch.zeros(*drafts, *spec.temporal_shape, dtype=spec.temporal_dtype, device=dev)
         except (RuntimeError, MemoryError) as exc:  # torch reports out-of-memory and size overflow as these
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise PoolAllocationError(
-                f"could not allocate a pool of {num_slots} slots ({total:,} bytes) on {dev}: {reason}"
+                f"could not allocate a pool of {num_slots} slots ({total:,} bytes) on {dev}: {_failure_reason(exc)}"
             ) from None
         self._init(spec, conv, temporal, draft_conv, draft_temporal)
 

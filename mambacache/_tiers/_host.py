@@ -18,7 +18,7 @@ import heapq
 import torch
 
 from .._errors import InvalidArgumentError, PoolAllocationError, PoolExhaustedError
-from .._pool import _executor_view
+from .._pool import _executor_view, _failure_reason
 from .._spec import StateSpec
 
 __all__ = ["HostPool"]
@@ -57,10 +57,10 @@ class HostPool:
             conv = [torch.zeros(*rows, *shape, dtype=spec.conv_dtype, pin_memory=pin) for shape in spec.conv_shapes]
             temporal = torch.zeros(*rows, *spec.temporal_shape, dtype=spec.temporal_dtype, pin_memory=pin)
         except (RuntimeError, MemoryError) as exc:
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             total = self.spec.slot_bytes * (num_slots + 1)
             raise PoolAllocationError(
-                f"could not allocate a host pool of {num_slots} slots ({total:,} bytes, pinned={pin}): {reason}"
+                f"could not allocate a host pool of {num_slots} slots ({total:,} bytes, pinned={pin}):"
+                f" {_failure_reason(exc)}"
             ) from None
         self.num_slots = num_slots
         self.pinned = pin

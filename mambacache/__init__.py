@@ -10,6 +10,7 @@ from ._errors import InvalidSlotError as InvalidSlotError
 from ._errors import MambaCacheError as MambaCacheError
 from ._errors import ManagerBrokenError as ManagerBrokenError
 from ._errors import ManagerClosedError as ManagerClosedError
+from ._errors import PlanError as PlanError
 from ._errors import PoolAllocationError as PoolAllocationError
 from ._errors import PoolExhaustedError as PoolExhaustedError
 from ._errors import SlotLeakError as SlotLeakError
@@ -87,6 +88,7 @@ __all__ = [
     "MambaCacheError",
     "ManagerClosedError",
     "Plan",
+    "PlanError",
     "PoolExhaustedError",
     "Release",
     "SlotStateError",

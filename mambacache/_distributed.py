@@ -15,7 +15,6 @@ loop is never blocked, and it has a timeout: a dead or silent peer surfaces as
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +22,7 @@ import anyio
 import torch
 
 from ._errors import DistributedError
-from ._planner import Plan, decode_plan, encode_plan, plan_step
+from ._planner import Plan, decode_plan, encode_plan
 
 if TYPE_CHECKING:
     from ._manager import CacheManager
@@ -100,10 +99,7 @@ class PlanChannel:
             ) from exc
 
     def _take_plan(self, mgr: CacheManager) -> tuple[list[int], int, Plan, float]:
-        events, step = mgr._take_events()
-        t0 = time.perf_counter()
-        plan = plan_step(events)
-        plan_s = time.perf_counter() - t0
+        plan, step, plan_s = mgr._take_plan()
         return [self._num_slots, *encode_plan(plan, step)], step, plan, plan_s
 
     def _received(self, mgr: CacheManager, data: list[int]) -> tuple[int, Plan, float]:

@@ -55,6 +55,10 @@ class PoolAllocationError(MambaCacheError, MemoryError):
     """The pool's tensors could not be allocated (too large for the device, or for torch's size limits)."""
 
 
+class PlanError(MambaCacheError, RuntimeError):
+    """The planner failed on a step's events (out of memory, say); they are queued again, so nothing is lost."""
+
+
 class DistributedError(MambaCacheError, RuntimeError):
     """A tensor-parallel peer failed, timed out, or was used the wrong way."""
 

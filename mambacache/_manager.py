@@ -20,6 +20,7 @@ from ._errors import (
     MambaCacheError,
     ManagerBrokenError,
     ManagerClosedError,
+    PlanError,
     SlotLeakError,
     SlotStateError,
 )
@@ -635,10 +636,28 @@ class CacheManager:
             # Earlier work first; if it fails again the new events stay queued,
             # unplanned, so kept work never grows past one step's plan.
             resumed = self._run_backlog(stream, self._step)
+        plan, step, plan_s = self._take_plan()
+        return self._apply(plan, step, stream, plan_s, resumed)
+
+    def _take_plan(self) -> tuple[Plan, int, float]:
+        """Take the queued events and plan them: ``(plan, step, seconds)``.
+
+        The planner is pure, so if it fails (out of memory on a huge step, say) the
+        events go back to the front of the queue, in order, and the step number
+        with them: the next flush plans them again, as if this one never ran.
+        """
         events, step = self._take_events()
         t0 = time.perf_counter()
-        plan = plan_step(events)
-        return self._apply(plan, step, stream, time.perf_counter() - t0, resumed)
+        try:
+            plan = plan_step(events)
+        except Exception as exc:
+            with self._lock:
+                self._events[:0] = events
+                self._step = step
+            raise PlanError(
+                f"planning step {step} ({len(events)} events) failed: {exc!r}; the events are queued again"
+            ) from exc
+        return plan, step, time.perf_counter() - t0
 
     def _apply(self, plan: Plan, step: int, stream: Any | None, plan_s: float, resumed: int) -> StepReport:
         """Queue the plan behind any unfinished work and run it all, oldest first."""

@@ -25,19 +25,29 @@ A slot's symbolic value is ``ZERO``, a start-of-step slot ``s`` (an int), a
 draft position ``(s, j)``: slot ``s``'s draft state ``j`` (a tuple), or host
 slot ``h``'s start-of-step content (the int ``-h``).
 
-The host tier adds two stages around the device ones:
+The host tier adds stages around the device ones:
 
-* an offload stage first: host slots that get a start-of-step pool slot, read
-  before any pool slot is written;
+* an offload stage first ("early" offloads): host slots that get a start-of-step
+  pool slot, read before any pool slot is written;
 * a restore stage after the commits: pool slots that get a start-of-step host
-  slot, read before... nothing writes a host slot it reads (see below).
+  slot;
+* an offload stage last ("late" offloads): an offload of a slot whose value the
+  step wrote before it (cleared, copied, committed or restored: speculative
+  decoding's commit-then-swap), or into a host slot whose start-of-step content
+  a restore reads. It reads the slot after every other stage, so that slot is
+  *pinned*: its final write is the value the offload saw, made even if the slot
+  is released.
 
-That needs every offload to read a plain start-of-step slot and to write a host
-slot whose start-of-step content nobody reads. A log where that fails (offload
-of a slot cleared, committed or restored earlier in the log, or into a host slot
-freed and reused after a restore read it) is split at that offload and the two
-halves planned one after the other: exact by composition, and rare, since the
-manager never reuses a host slot in the step that freed it.
+A log where a pinned slot is later written with another value (offload, release,
+then a new tenant's clear of the same slot) cannot be one set of stages: it is cut
+into segments before such a write, and the segments planned one after the other,
+each against the state the previous one leaves: exact by composition. Planning is
+one pass over the log in all cases (no recursion), so it stays linear in the
+events of a step however many segments it has::
+
+    log:      c(1) o(1->h1) r(1) | a(1) c(2) o(2->h2) r(2) | a(2) ...
+    segment:  <------ 1 -------> | <-------- 2 ---------->  | ...
+    stages:   commit, late offload | commit, zero, late offload | ...
 """
 
 from __future__ import annotations
@@ -228,74 +238,107 @@ def _order_copies(src_of: dict[int, int]) -> tuple[list[CopyStage], RotateStage 
 
 
 class Writes(NamedTuple):
-    """What a step's log leaves, symbolically: every live slot's final write."""
+    """What a segment of a step's log leaves, symbolically: every live slot's final write."""
 
     zero: list[int]  # slots to zero, sorted
     copies: dict[int, int]  # dst -> start-of-step src
     commits: list[tuple[int, int, int]]  # (src, draft pos, dst), sorted by dst
     events: int
     writes: int  # events that write a slot (pool or host)
-    offloads: list[tuple[int, int]]  # (start-of-step slot, host), sorted by host
+    offloads: list[tuple[int, int]]  # (start-of-step slot, host), sorted by host: run first
     restores: list[tuple[int, int]]  # (start-of-step host, slot), sorted by slot
-    split: int  # > 0: only events[:split] were read; plan them, then the rest
+    late: list[tuple[int, int]]  # (slot, host), sorted by host: run last, reading the slot's final value
+    end: int  # index one past the segment's last event: the next segment starts there
 
 
-def final_writes(events: Sequence[Event]) -> Writes:
-    """Symbolically execute ``events``: see the module docstring."""
+def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
+    """Symbolically execute ``events[start:]`` up to the first event the stages cannot express.
+
+    See the module docstring. An offload is *early* (the offload stage, first)
+    when it reads a plain start-of-step slot into a host slot whose start-of-step
+    content nothing read; else it is *late* (an offload stage after the zeros),
+    which reads its slot's final value, so that slot is pinned: its final value
+    must be the one the offload saw, and it is written even if released. The
+    segment ends before the first event that writes a pinned slot with another
+    value.
+    """
     value: dict[int, int | tuple[int, int]] = {}
     dead: set[int] = set()
-    host_value: dict[int, int] = {}  # host slot -> start-of-step pool slot it got
+    pinned: dict[int, int | tuple[int, int]] = {}  # pool slot -> the value a late offload reads there
+    host_value: dict[int, int | tuple[int, int]] = {}  # host slot -> the symbolic value it got this segment
+    host_from: dict[int, tuple[bool, int]] = {}  # host slot -> (late, slot) of the offload that wrote it last
     host_dead: set[int] = set()
     host_read: set[int] = set()  # host slots whose start-of-step content some event read
-    n = writes = 0
-    for ev in events:
+    writes = 0
+    i, n_events = start, len(events)
+    while i < n_events:
+        ev = events[i]
         t = type(ev)
         if t is CopyOnWrite:
-            writes += 1
-            value[ev.dst] = value.get(ev.src, ev.src)  # type: ignore[union-attr]
+            new: int | tuple[int, int] = value.get(ev.src, ev.src)  # type: ignore[union-attr]
+            slot = ev.dst  # type: ignore[union-attr]
         elif t is Clear:
-            writes += 1
-            value[ev.slot] = _ZERO  # type: ignore[union-attr]
+            new, slot = _ZERO, ev.slot  # type: ignore[union-attr]
         elif t is Alloc:
-            if ev.clear:  # type: ignore[union-attr]
-                writes += 1
-                value[ev.slot] = _ZERO  # type: ignore[union-attr]
             dead.discard(ev.slot)  # type: ignore[union-attr]
-        elif t is Release:
-            dead.add(ev.slot)  # type: ignore[union-attr]
+            if not ev.clear:  # type: ignore[union-attr]
+                i += 1
+                continue
+            new, slot = _ZERO, ev.slot  # type: ignore[union-attr]
         elif t is CommitDraft:
-            writes += 1
-            if ev.accepted:  # type: ignore[union-attr]
-                value[ev.slot] = (ev.slot, ev.accepted - 1)  # type: ignore[union-attr]
-        elif t is Offload:
-            v = value.get(ev.slot, ev.slot)  # type: ignore[union-attr]
-            h = ev.host  # type: ignore[union-attr]
-            if type(v) is tuple or v <= 0 or h in host_read:  # type: ignore[operator]
-                return Writes([], {}, [], n, writes, [], [], n)  # see the module docstring: split here
-            writes += 1
-            host_value[h] = v  # type: ignore[assignment]
-            host_dead.discard(h)
+            slot = ev.slot  # type: ignore[union-attr]
+            if not ev.accepted:  # type: ignore[union-attr]
+                writes += 1  # counted (and elided): the slot keeps its value
+                i += 1
+                continue
+            new = (slot, ev.accepted - 1)  # type: ignore[union-attr]
         elif t is Restore:
-            writes += 1
             h = ev.host  # type: ignore[union-attr]
             got = host_value.get(h)
             if got is None:
                 got = -h
                 host_read.add(h)
-            value[ev.slot] = got  # type: ignore[union-attr]
+            new, slot = got, ev.slot  # type: ignore[union-attr]
             if not ev.keep:  # type: ignore[union-attr]
                 host_dead.add(h)
+        elif t is Release:
+            dead.add(ev.slot)  # type: ignore[union-attr]
+            i += 1
+            continue
+        elif t is Offload:
+            slot, h = ev.slot, ev.host  # type: ignore[union-attr]
+            v = value.get(slot, slot)
+            if type(v) is int and v > 0 and h not in host_read:
+                host_from[h] = (False, v)
+            else:
+                pin = pinned.get(slot)
+                if pin is not None and pin != v:  # pragma: no cover - a pinned slot never changes value
+                    break
+                pinned[slot] = v
+                host_from[h] = (True, slot)
+            writes += 1
+            host_value[h] = v
+            host_dead.discard(h)
+            i += 1
+            continue
         elif t is DropHost:
             host_dead.add(ev.host)  # type: ignore[union-attr]
+            i += 1
+            continue
         else:
             raise TypeError(f"not an event: {ev!r}")
-        n += 1
+        # A pool write: the segment ends here if it changes a pinned slot.
+        if pinned and slot in pinned and pinned[slot] != new:
+            break
+        writes += 1
+        value[slot] = new
+        i += 1
     zero: list[int] = []
     src_of: dict[int, int] = {}
     commits: list[tuple[int, int, int]] = []
     restores: list[tuple[int, int]] = []
     for d, v in value.items():
-        if v == d or d in dead:
+        if v == d or (d in dead and d not in pinned):
             continue  # unchanged, or nobody may read it: a free slot is cleared on alloc
         if type(v) is tuple:
             commits.append((v[0], v[1], d))
@@ -308,43 +351,51 @@ def final_writes(events: Sequence[Event]) -> Writes:
     zero.sort()
     commits.sort(key=lambda e: e[2])
     restores.sort(key=lambda e: e[1])
-    offloads = sorted(((s, h) for h, s in host_value.items() if h not in host_dead), key=lambda e: e[1])
-    return Writes(zero, src_of, commits, n, writes, offloads, restores, 0)
+    offloads: list[tuple[int, int]] = []
+    late: list[tuple[int, int]] = []
+    for h in sorted(host_from):
+        if h not in host_dead:
+            is_late, s = host_from[h]
+            (late if is_late else offloads).append((s, h))
+    return Writes(zero, src_of, commits, i - start, writes, offloads, restores, late, i)
 
 
 def plan_step(events: Iterable[Event]) -> Plan:
-    """Plan one step: see the module docstring for the guarantees."""
+    """Plan one step: see the module docstring for the guarantees.
+
+    Iterative and linear in the events: each segment of the log is read once.
+    """
     log = events if isinstance(events, list | tuple) else list(events)
-    zero, src_of, commits, n, writes, offloads, restores, split = final_writes(log)
-    if split:
-        first, rest = plan_step(log[:split]), plan_step(log[split:])
-        return Plan(
-            first.stages + rest.stages,
-            first.events + rest.events,
-            first.zeroed + rest.zeroed,
-            first.copied + rest.copied,
-            first.elided + rest.elided,
-            first.committed + rest.committed,
-            first.offloaded + rest.offloaded,
-            first.restored + rest.restored,
-        )
     stages: list[Stage] = []
-    if offloads:
-        pairs = tuple(offloads)
-        stages.append(OffloadStage(pairs, copy_runs(pairs)))
-    waves, rotate = _order_copies(src_of)
-    stages += waves
-    if rotate is not None:
-        stages.append(rotate)
-    if commits:
-        stages.append(CommitStage(tuple(commits)))
-    if restores:
-        pairs = tuple(restores)
-        stages.append(RestoreStage(pairs, copy_runs(pairs)))
-    if zero:
-        stages.append(ZeroStage(tuple(zero), zero_runs(zero)))
-    written = len(zero) + len(src_of) + len(commits) + len(offloads) + len(restores)
-    return Plan(tuple(stages), n, len(zero), len(src_of), writes - written, len(commits), len(offloads), len(restores))
+    n = zeroed = copied = elided = committed = offloaded = restored = 0
+    start = 0
+    while start < len(log):
+        zero, src_of, commits, count, writes, offloads, restores, late, start = final_writes(log, start)
+        if offloads:
+            pairs = tuple(offloads)
+            stages.append(OffloadStage(pairs, copy_runs(pairs)))
+        waves, rotate = _order_copies(src_of)
+        stages += waves
+        if rotate is not None:
+            stages.append(rotate)
+        if commits:
+            stages.append(CommitStage(tuple(commits)))
+        if restores:
+            pairs = tuple(restores)
+            stages.append(RestoreStage(pairs, copy_runs(pairs)))
+        if zero:
+            stages.append(ZeroStage(tuple(zero), zero_runs(zero)))
+        if late:
+            pairs = tuple(late)
+            stages.append(OffloadStage(pairs, copy_runs(pairs)))
+        n += count
+        zeroed += len(zero)
+        copied += len(src_of)
+        committed += len(commits)
+        offloaded += len(offloads) + len(late)
+        restored += len(restores)
+        elided += writes - (len(zero) + len(src_of) + len(commits) + len(offloads) + len(late) + len(restores))
+    return Plan(tuple(stages), n, zeroed, copied, elided, committed, offloaded, restored)
 
 
 # -- wire format -------------------------------------------------------------

@@ -36,14 +36,19 @@ host_ops = st.lists(
 
 
 def host_events_from_ops(
-    raw: list[tuple[str, int, int]], num_slots: int, allocated: set[int], num_host: int, held: set[int]
+    raw: list[tuple[str, int, int]],
+    num_slots: int,
+    allocated: set[int],
+    num_host: int,
+    held: set[int],
+    draft_tokens: int = 0,
 ) -> list[tuple[list[object], set[int], set[int]]]:
     """As :func:`events_from_ops` with the host tier: each step with the pool and host slots live after it.
 
     Host slots are picked anywhere among the free ones, a slot freed in this very
-    step included (the manager never does that; the planner must still be exact).
+    step included (the planner must be exact for any such log).
     """
-    return _steps(raw, num_slots, allocated, 0, num_host, held)
+    return _steps(raw, num_slots, allocated, draft_tokens, num_host, held)
 
 
 def _steps(

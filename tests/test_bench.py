@@ -40,6 +40,9 @@ def test_bench_quick_emits_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
             # temporary; a slice or two and a copy each.
             assert r["peak_temp_bytes"] == 0 and r["ops"] <= 10 * r["slots"] * r["layers"], r  # 2 tensors
     assert [h["events_per_flush"] for h in data["host_overhead"]] == [10, 100, 1000]
+    assert [p["events"] for p in data["planner_scaling"]] == [10, 100, 1000, 10000]
+    assert all(p["swap_us_per_event"] > 0 and p["swap+refill_us_per_event"] > 0 for p in data["planner_scaling"])
+    assert "planner alone" in text
 
 
 def test_sharded_presets_divide_heads_and_channels_as_engines_do() -> None:

@@ -28,6 +28,7 @@ from ._run import (
     embedding_overhead,
     host_overhead,
     host_tier_overhead,
+    planner_scaling,
     run_preset,
     tracing_overhead,
 )
@@ -232,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
     trace = tracing_overhead(1000, repeats)
     embed = embedding_overhead(repeats)
     tier = host_tier_overhead(repeats)
+    planning = planner_scaling([10, 100, 1000, 10000], repeats)
     info = machine(device)
     if args.json != "-":
         lines = [f"machine: {info}", "", render(results), "",
@@ -252,12 +254,16 @@ def run(args: argparse.Namespace) -> int:
                  f"host tier, per slot (submit + plan, {tier['events']:.0f} a step): offload + release"
                  f" {tier['offload_release_us_per_slot']:.2f} us, alloc + restore"
                  f" {tier['alloc_restore_us_per_slot']:.2f} us",
+                 "",
+                 table(["events/step", "swap us/event", "swap+refill us/event"],
+                       [[p["events"], p["swap_us_per_event"], p["swap+refill_us_per_event"]] for p in planning],
+                       title="planner alone: commit + offload + release per request (flat = linear)"),
                  f"({time.perf_counter() - started:.1f} s)"]  # fmt: skip
         sys.stdout.write("\n".join(lines) + "\n")
     if args.json:
         write_json(args.json, {"machine": info, "results": [r.to_json() for r in results], "host_overhead": host,
                                "tracing_overhead": trace, "embedding_overhead": embed,
-                               "host_tier_overhead": tier})  # fmt: skip
+                               "host_tier_overhead": tier, "planner_scaling": planning})  # fmt: skip
     if args.plot:
         plot(results, args.plot)
     return 0

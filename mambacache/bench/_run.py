@@ -26,7 +26,7 @@ import anyio
 import torch
 
 from .. import _tracing
-from .._events import Clear, CommitDraft, CopyOnWrite, Offload, Restore
+from .._events import Alloc, Clear, CommitDraft, CopyOnWrite, Event, Offload, Release, Restore
 from .._executors import resolve_executor
 from .._executors._base import copy_host
 from .._executors._torch import TorchExecutor
@@ -443,3 +443,30 @@ def host_tier_overhead(repeats: int, k: int = 200) -> dict[str, float]:
         "events": float(k),
         **{f"{name}_us_per_slot": statistics.median(v[2:]) * 1e6 for name, v in out.items()},
     }
+
+
+def planner_scaling(sizes: Sequence[int], repeats: int) -> list[dict[str, float]]:
+    """Planner microseconds per event for steps of ``sizes`` events: flat when planning is linear.
+
+    Each step is speculative decoding's step end with preemption by swap, per
+    request: ``CommitDraft``, ``Offload``, ``Release`` (``swap``: one segment), and
+    the same with a new tenant's cleared ``Alloc`` of the freed slot in the same
+    step (``swap+refill``: the log is cut at every request, the worst case).
+    """
+    out = []
+    for n in sizes:
+        row: dict[str, float] = {"events": n}
+        for name, per in (("swap", 3), ("swap+refill", 4)):
+            log: list[Event] = []
+            for s in range(1, max(1, n // per) + 1):
+                log += [CommitDraft(s, 1 + s % 2), Offload(s, s), Release(s)]
+                if per == 4:
+                    log.append(Alloc(s))
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                plan_step(log)
+                times.append((time.perf_counter() - t0) / len(log))
+            row[f"{name}_us_per_event"] = statistics.median(times) * 1e6
+        out.append(row)
+    return out

@@ -311,10 +311,7 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
             if type(v) is int and v > 0 and h not in host_read:
                 host_from[h] = (False, v)
             else:
-                pin = pinned.get(slot)
-                if pin is not None and pin != v:  # pragma: no cover - a pinned slot never changes value
-                    break
-                pinned[slot] = v
+                pinned[slot] = v  # a pinned slot keeps its value: a write of another one ends the segment
                 host_from[h] = (True, slot)
             writes += 1
             host_value[h] = v

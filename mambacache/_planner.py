@@ -280,8 +280,8 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
         elif t is Clear:
             new, slot = _ZERO, ev.slot  # type: ignore[union-attr]
         elif t is Alloc:
-            dead.discard(ev.slot)  # type: ignore[union-attr]
             if not ev.clear:  # type: ignore[union-attr]
+                dead.discard(ev.slot)  # type: ignore[union-attr]
                 i += 1
                 continue
             new, slot = _ZERO, ev.slot  # type: ignore[union-attr]
@@ -295,12 +295,7 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
         elif t is Restore:
             h = ev.host  # type: ignore[union-attr]
             got = host_value.get(h)
-            if got is None:
-                got = -h
-                host_read.add(h)
-            new, slot = got, ev.slot  # type: ignore[union-attr]
-            if not ev.keep:  # type: ignore[union-attr]
-                host_dead.add(h)
+            new, slot = -h if got is None else got, ev.slot  # type: ignore[union-attr]
         elif t is Release:
             dead.add(ev.slot)  # type: ignore[union-attr]
             i += 1
@@ -324,9 +319,16 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
             continue
         else:
             raise TypeError(f"not an event: {ev!r}")
-        # A pool write: the segment ends here if it changes a pinned slot.
+        # A pool write: the segment ends here, before any of its effects, if it changes a pinned slot.
         if pinned and slot in pinned and pinned[slot] != new:
             break
+        if t is Alloc:
+            dead.discard(slot)
+        elif t is Restore:
+            if h not in host_value:
+                host_read.add(h)
+            if not ev.keep:  # type: ignore[union-attr]
+                host_dead.add(h)
         writes += 1
         value[slot] = new
         i += 1

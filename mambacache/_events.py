@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._planner import Plan
 
 __all__ = [
     "Alloc",
@@ -132,3 +136,17 @@ class StepReport:
     restored: int = 0
     bytes_offloaded: int = 0
     bytes_restored: int = 0
+
+    @classmethod
+    def from_plan(
+        cls, plan: Plan, step: int, slot_bytes: int, *, plan_s: float = 0.0, execute_s: float = 0.0,
+        resumed_stages: int = 0,
+    ) -> StepReport:  # fmt: skip
+        """The report of step ``step`` that ran ``plan``; each byte count is its slot count x ``slot_bytes``."""
+        return cls(
+            step=step, events=plan.events, zeroed=plan.zeroed, copied=plan.copied, elided=plan.elided,
+            bytes_zeroed=plan.zeroed * slot_bytes, bytes_copied=plan.copied * slot_bytes, stages=len(plan.stages),
+            plan_s=plan_s, execute_s=execute_s, resumed_stages=resumed_stages, committed=plan.committed,
+            bytes_committed=plan.committed * slot_bytes, offloaded=plan.offloaded, restored=plan.restored,
+            bytes_offloaded=plan.offloaded * slot_bytes, bytes_restored=plan.restored * slot_bytes,
+        )  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -13,22 +13,20 @@ import anyio
 
 from . import _tracing
 from ._errors import (
-    ExecutorError,
     InvalidArgumentError,
     InvalidEventError,
     InvalidSlotError,
     MambaCacheError,
-    ManagerBrokenError,
     ManagerClosedError,
     PlanError,
     SlotLeakError,
     SlotStateError,
 )
 from ._events import Alloc, Clear, CommitDraft, CopyOnWrite, DropHost, Event, Offload, Release, Restore, StepReport
-from ._executors import Executor, check_executor, resolve_executor
-from ._executors._base import copy_host, on_stream
-from ._planner import CommitStage, CopyStage, OffloadStage, Plan, RestoreStage, ZeroStage, plan_step
+from ._executors import Executor, resolve_executor
+from ._planner import Plan, plan_step
 from ._pool import StatePool
+from ._runner import StepRunner, check_executor
 from ._tiers._host import HostPool
 from ._validate import as_slot, check_request_id, normalised, slot_list
 
@@ -38,8 +36,6 @@ if TYPE_CHECKING:
 __all__ = ["CacheManager"]
 
 _NEW, _OPEN, _CLOSING, _CLOSED = range(4)
-_IDEMPOTENT = (ZeroStage, CopyStage)  # stages whose repeat after a fault is harmless
-_HOST_STAGES = (OffloadStage, RestoreStage)  # idempotent too; they run on (pool, host) tensor pairs
 _REPORT_FIELDS = tuple(f.name for f in dataclasses.fields(StepReport) if not f.name.endswith("_s"))
 
 
@@ -108,9 +104,7 @@ class CacheManager:
         self._events: list[Event] = []
         self._step = 0
         self._state = _NEW
-        self._failures = 0  # flushes failed in a row
-        self._max_failures = max_failed_flushes
-        self._broken: str | None = None
+        self._runner = StepRunner(pool, max_failed_flushes)
         self._waiters: list[int] = []  # alloc_wait tickets, first come first served
         self._ticket = 0
         self._tp: PlanChannel | None = None
@@ -193,7 +187,7 @@ class CacheManager:
         # Read without the lock for the common case; submits re-check under it.
         if self._state != _OPEN:
             raise self._closed_error()
-        self._raise_if_broken()
+        self._runner.raise_if_broken()
 
     def _closed_error(self) -> ManagerClosedError:
         if self._state == _NEW:
@@ -239,7 +233,7 @@ class CacheManager:
     @property
     def broken(self) -> str | None:
         """Why the manager refuses work after too many failed flushes in a row, or None."""
-        return self._broken
+        return self._runner.broken
 
     def held(self) -> dict[int, str | None]:
         """Allocated slots and their tenants (the ``request_id`` they were allocated with)."""
@@ -343,7 +337,7 @@ class CacheManager:
         """Under the lock: the authoritative check, so no submit lands after the final flush's take."""
         if self._state != _OPEN:
             raise self._closed_error()
-        self._raise_if_broken()
+        self._runner.raise_if_broken()
         if self._tp is not None:
             self._tp.check_source("submit")
 
@@ -506,7 +500,7 @@ class CacheManager:
         if not checked:
             events = normalised(events, n)
         with self._lock:
-            if self._state != _OPEN or self._broken is not None or self._tp is not None:
+            if self._state != _OPEN or self._runner.broken is not None or self._tp is not None:
                 self._check_submittable()  # the common case is one test; this raises or checks the source rank
             pool = self._pool
             allocated, tenants, draft_tokens = pool._allocated, pool._tenants, self._draft_tokens
@@ -589,7 +583,7 @@ class CacheManager:
             if self._tp is None:
                 return self._flush_local(stream)
             with anyio.CancelScope(shield=True):
-                self._raise_if_broken()
+                self._runner.raise_if_broken()
                 step, plan, plan_s = await self._tp.exchange(self)
                 report = self._apply(plan, step, stream, plan_s, 0)
             return report
@@ -609,15 +603,11 @@ class CacheManager:
             try:
                 if self._tp is None:
                     return self._flush_local(stream)
-                self._raise_if_broken()
+                self._runner.raise_if_broken()
                 step, plan, plan_s = self._tp.exchange_blocking(self)
                 return self._apply(plan, step, stream, plan_s, 0)
             finally:
                 self._flusher = None
-
-    def _raise_if_broken(self) -> None:
-        if self._broken is not None:
-            raise ManagerBrokenError(self._broken)
 
     def _take_events(self) -> tuple[list[Event], int]:
         """Swap the queue out (vLLM's ``take_events``) and advance the step: ``(events, step)``."""
@@ -630,12 +620,12 @@ class CacheManager:
         return events, step
 
     def _flush_local(self, stream: Any | None) -> StepReport:
-        self._raise_if_broken()
+        self._runner.raise_if_broken()
         resumed = 0
         if self._pool._backlog:
             # Earlier work first; if it fails again the new events stay queued,
             # unplanned, so kept work never grows past one step's plan.
-            resumed = self._run_backlog(stream, self._step)
+            resumed = self._runner.run(stream, self._step)
         plan, step, plan_s = self._take_plan()
         return self._apply(plan, step, stream, plan_s, resumed)
 
@@ -667,27 +657,10 @@ class CacheManager:
         if plan.stages:
             backlog.push(plan.stages, self._executor, self._host_tensors())
         if backlog:
-            self._run_backlog(stream, step)
+            self._runner.run(stream, step)
         t2 = time.perf_counter()
-        slot_bytes = self._pool.spec.slot_bytes
-        report = StepReport(
-            offloaded=plan.offloaded,
-            restored=plan.restored,
-            bytes_offloaded=plan.offloaded * slot_bytes,
-            bytes_restored=plan.restored * slot_bytes,
-            step=step,
-            events=plan.events,
-            zeroed=plan.zeroed,
-            copied=plan.copied,
-            elided=plan.elided,
-            bytes_zeroed=plan.zeroed * slot_bytes,
-            bytes_copied=plan.copied * slot_bytes,
-            committed=plan.committed,
-            bytes_committed=plan.committed * slot_bytes,
-            stages=len(plan.stages),
-            plan_s=plan_s,
-            execute_s=t2 - t1,
-            resumed_stages=resumed,
+        report = StepReport.from_plan(
+            plan, step, self._pool.spec.slot_bytes, plan_s=plan_s, execute_s=t2 - t1, resumed_stages=resumed
         )
         log = _tracing.state.step_log
         if log is not None:
@@ -696,72 +669,6 @@ class CacheManager:
                 "step.flush", **figures, plan_us=round(plan_s * 1e6, 1), execute_us=round(report.execute_s * 1e6, 1)
             )
         return report
-
-    def _run_backlog(self, stream: Any | None, step: int) -> int:
-        """Run the pool's backlog, oldest first; on failure keep the failed (stage, tensor) and raise."""
-        backlog = self._pool._backlog
-        tensors = self._pool._exec_tensors
-        done = 0
-        with on_stream(self._device, stream):
-            while backlog.stages:
-                stage, executor, host = backlog.stages[0]
-                # What each tensor's call takes beside the pool tensor: its host tensor (offload,
-                # restore), its draft buffer (commit), or nothing.
-                run: Callable[..., None]
-                others: list[Any] | None
-                if type(stage) in _HOST_STAGES:
-                    if host is None:  # a tensor-parallel rank made without the source rank's host_pool
-                        missing = InvalidArgumentError(
-                            "an offload or restore reached a CacheManager made without host_pool"
-                        )
-                        raise self._failed(missing, executor, stage, step)
-                    run, others = getattr(executor, "execute_host", copy_host), host
-                else:
-                    whole = getattr(executor, "execute_stage", None)
-                    if whole is not None and backlog.next_tensor == 0 and type(stage) in _IDEMPOTENT:
-                        # The stage on every tensor at once; idempotent, so a fault just leaves it to redo.
-                        try:
-                            done_all = whole(stage, tensors)
-                        except Exception as exc:
-                            raise self._failed(exc, executor, stage, step) from exc
-                        if done_all:
-                            backlog.stages.popleft()
-                            done += 1
-                            continue
-                    run = executor.execute
-                    others = self._pool._exec_drafts if type(stage) is CommitStage else None
-                while backlog.next_tensor < len(tensors):
-                    i = backlog.next_tensor
-                    try:
-                        if others is None:
-                            run(stage, tensors[i])
-                        else:
-                            run(stage, tensors[i], others[i])
-                    except Exception as exc:
-                        raise self._failed(exc, executor, stage, step) from exc
-                    backlog.next_tensor += 1
-                backlog.stages.popleft()
-                backlog.next_tensor = 0
-                done += 1
-        self._failures = 0
-        return done
-
-    def _failed(self, exc: Exception, executor: Executor, stage: Any, step: int) -> ExecutorError:
-        left = len(self._pool._backlog)
-        self._failures += 1
-        where = (
-            f"executor {executor.name!r} failed on {type(stage).__name__} (tensor {self._pool._backlog.next_tensor})"
-        )
-        log = _tracing.state.step_log
-        if log is not None:
-            log.error("step.error", step=step, stage=type(stage).__name__, error=repr(exc), failures=self._failures)
-        if self._failures >= self._max_failures:
-            self._broken = (
-                f"CacheManager is broken: {self._failures} flushes in a row failed (last: {where}: {exc!r});"
-                f" the pool keeps {left} unfinished stage(s) for the next manager opened on it"
-            )
-            return ManagerBrokenError(self._broken)
-        return ExecutorError(f"{where}; {left} stage(s) are kept and run first by the next flush")
 
 
 def _raise_unless_masking(exc: BaseException | None, flush_error: MambaCacheError) -> None:

@@ -2,27 +2,28 @@
 
 from __future__ import annotations
 
+import abc
 import collections
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
 from .._planner import CopyStage, HostStage, OffloadStage, RotateStage, Stage
 
-__all__ = ["Executor", "IndexBuilder", "Progress", "copy_host", "on_stream", "stage_pairs"]
+__all__ = ["Executor", "IndexBuilder", "Progress", "as_executor", "copy_host", "on_stream", "stage_pairs"]
 
 
-@runtime_checkable
-class Executor(Protocol):
+class Executor(abc.ABC):
     """Applies one planned stage to one pool tensor, on the current stream.
 
-    ``tensor`` is ``[num_layers, num_slots + 1, *state]``. The manager calls
-    ``execute`` for each stage and, inside it, for each pool tensor in order.
+    ``tensor`` is ``[num_layers, num_slots + 1, *state]``. The step runner calls
+    ``execute`` for each stage and, inside it, for each pool tensor in order
+    (:func:`mambacache._runner.run_stage` is the one place that dispatches).
 
     Resume contract: a call may raise at any point, even between two of its own
-    device ops (a fault, ``MemoryError``, ``KeyboardInterrupt``). The manager then
+    device ops (a fault, ``MemoryError``, ``KeyboardInterrupt``). The runner then
     calls ``execute`` again with the same ``stage`` and ``tensor`` objects on the
     same executor, until one call returns; the tensor must then hold exactly what
     one uninterrupted call would have left. Zero and copy stages satisfy this by
@@ -31,20 +32,72 @@ class Executor(Protocol):
     the executor saved it, so rotating executors keep a :class:`Progress`.
     Device work is only enqueued: no call may wait for the device.
 
-    Offload and restore stages go to an optional ``execute_host(stage, tensor,
-    host)`` (``host``: the matching host-pool tensor); executors without one
-    use :func:`copy_host`.
+    Two methods have defaults an executor may override: :meth:`execute_stage`
+    (a zero or copy stage on every pool tensor at once) and :meth:`execute_host`
+    (offload and restore stages, :func:`copy_host`).
     """
 
     name: str
 
+    @abc.abstractmethod
     def execute(self, stage: Stage, tensor: torch.Tensor, draft: torch.Tensor | None = None) -> None:
         """Enqueue ``stage`` on ``tensor`` (one pool tensor, ``[layers, slots + 1, *state]``).
 
         ``draft`` is given with a ``CommitStage`` only: the tensor's draft buffer,
         ``[layers, slots + 1, draft_tokens, *state]``, which the stage reads.
         """
-        ...
+
+    def execute_stage(self, stage: Stage, tensors: list[torch.Tensor]) -> bool:
+        """Enqueue a zero or copy stage on all of ``tensors`` at once; False when this executor has no such
+        path for it (then :meth:`execute` runs per tensor). The default has none.
+
+        Only called with idempotent stages and before any tensor of the stage ran,
+        so a fault part-way just leaves the stage to be run again.
+        """
+        del stage, tensors
+        return False
+
+    def execute_host(self, stage: HostStage, tensor: torch.Tensor, host: torch.Tensor) -> None:
+        """Enqueue an offload (pool -> host) or restore (host -> pool) stage on one tensor pair.
+
+        ``host`` is the host-pool tensor matching ``tensor``. The default is :func:`copy_host`.
+        """
+        copy_host(stage, tensor, host)
+
+
+class _Adapted(Executor):
+    """An executor object that does not subclass :class:`Executor` (duck-typed: ``name`` and ``execute``).
+
+    Its optional methods are looked up once, here, so the runner never probes.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self._whole = getattr(inner, "execute_stage", None)
+        self._host = getattr(inner, "execute_host", None)
+
+    def execute(self, stage: Stage, tensor: torch.Tensor, draft: torch.Tensor | None = None) -> None:
+        if draft is None:  # the two-argument form, which duck-typed executors may be limited to
+            self.inner.execute(stage, tensor)
+        else:
+            self.inner.execute(stage, tensor, draft)
+
+    def execute_stage(self, stage: Stage, tensors: list[torch.Tensor]) -> bool:
+        return bool(self._whole(stage, tensors)) if self._whole is not None else False
+
+    def execute_host(self, stage: HostStage, tensor: torch.Tensor, host: torch.Tensor) -> None:
+        (self._host or copy_host)(stage, tensor, host)
+
+
+def as_executor(obj: Any) -> Executor | None:
+    """``obj`` as an :class:`Executor`: itself if it subclasses it, adapted if it has ``name`` and a callable
+    ``execute``, else None."""
+    if isinstance(obj, Executor):
+        return obj
+    if isinstance(getattr(obj, "name", None), str) and callable(getattr(obj, "execute", None)):
+        return _Adapted(obj)
+    return None
 
 
 def copy_host(stage: HostStage, tensor: torch.Tensor, host: torch.Tensor, per_layer: bool | None = None) -> None:

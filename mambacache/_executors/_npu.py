@@ -30,7 +30,7 @@ import torch
 
 from .._errors import InvalidArgumentError
 from .._planner import CommitStage, CopyStage, HostStage, RotateStage, Stage, ZeroStage
-from ._base import IndexBuilder, Progress, copy_host, stage_pairs
+from ._base import Executor, IndexBuilder, Progress, copy_host, stage_pairs
 
 __all__ = ["NpuExecutor", "import_torch_npu"]
 
@@ -46,7 +46,7 @@ def import_torch_npu() -> None:
         _torch_npu_loaded = True
 
 
-class NpuExecutor:
+class NpuExecutor(Executor):
     name = "npu"
 
     def __init__(self, copy_workspace_bytes: int = 64 << 20) -> None:

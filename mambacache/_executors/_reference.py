@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 
 from .._planner import CommitStage, CopyStage, HostStage, OffloadStage, RotateStage, Stage, ZeroStage
-from ._base import Progress
+from ._base import Executor, Progress
 
 __all__ = ["ReferenceExecutor"]
 
 
-class ReferenceExecutor:
+class ReferenceExecutor(Executor):
     name = "reference"
 
     def __init__(self, copy_workspace_bytes: int = 0) -> None:

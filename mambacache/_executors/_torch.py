@@ -40,7 +40,7 @@ import torch
 
 from .._errors import InvalidArgumentError
 from .._planner import CommitStage, CopyStage, RotateStage, Stage, ZeroStage
-from ._base import IndexBuilder, Progress, stage_pairs
+from ._base import Executor, IndexBuilder, Progress, stage_pairs
 
 __all__ = ["PATHS", "TorchExecutor"]
 
@@ -63,7 +63,7 @@ class _Views:
         self.rows: tuple[torch.Tensor, ...] | None = None
 
 
-class TorchExecutor:
+class TorchExecutor(Executor):
     name = "torch"
 
     def __init__(

@@ -28,11 +28,12 @@ import torch
 from .. import _tracing
 from .._events import Alloc, Clear, CommitDraft, CopyOnWrite, Event, Offload, Release, Restore
 from .._executors import resolve_executor
-from .._executors._base import copy_host
+from .._executors._base import as_executor
 from .._executors._torch import TorchExecutor
 from .._manager import CacheManager
-from .._planner import CommitStage, OffloadStage, RestoreStage, Stage, plan_step
+from .._planner import Stage, plan_step
 from .._pool import StatePool
+from .._runner import run_stage
 from .._spec import StateSpec
 from .._tiers._host import HostPool
 from ..audit import OpAudit
@@ -150,28 +151,12 @@ def _seed_host(pool: StatePool, host: HostPool, pairs: Sequence[tuple[int, int]]
 
 
 def _run_stage(executor: Any, stage: Stage, pool: StatePool, host: HostPool | None = None) -> Callable[[], None]:
-    if isinstance(stage, OffloadStage | RestoreStage):
-        assert host is not None
-        run = getattr(executor, "execute_host", copy_host)
-
-        def move() -> None:
-            for t, h in zip(pool._exec_tensors, host._exec_tensors, strict=True):
-                run(stage, t, h)
-
-        return move
-    if isinstance(stage, CommitStage):
-
-        def commit() -> None:
-            for t, d in zip(pool.tensors, pool.draft_tensors, strict=True):
-                executor.execute(stage, t, d)
-
-        return commit
-
-    def go() -> None:
-        for t in pool.tensors:
-            executor.execute(stage, t)
-
-    return go
+    """One stage on every pool tensor, through the manager's own dispatch (:func:`run_stage`)."""
+    ex = as_executor(executor)
+    assert ex is not None
+    tensors, drafts = pool._exec_tensors, pool._exec_drafts
+    hosts = host._exec_tensors if host is not None else None
+    return partial(run_stage, ex, stage, tensors, drafts, hosts)
 
 
 def _launches(fn: Callable[[], object], device: torch.device) -> int | None:

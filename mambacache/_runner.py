@@ -1,0 +1,199 @@
+"""The step runner: planned stages onto a pool's tensors, with the failure budget.
+
+One dispatch, :func:`run_stage`, turns a stage into executor calls (the manager,
+the benchmark and ``check_executor`` all use it); :class:`StepRunner` runs a
+pool's backlog through it, oldest stage first, and owns what a fault leaves:
+the stage and tensor to resume at (in the pool's :class:`Backlog`, which
+outlives the manager) and the count of failures in a row that breaks it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import _tracing
+from ._backlog import Backlog
+from ._errors import ExecutorError, InvalidArgumentError, ManagerBrokenError, UnsupportedDtypeError
+from ._executors._base import Executor, on_stream
+from ._planner import (
+    CommitStage,
+    CopyStage,
+    OffloadStage,
+    RestoreStage,
+    RotateStage,
+    Stage,
+    ZeroStage,
+    copy_runs,
+    zero_runs,
+)
+
+__all__ = ["StepRunner", "check_executor", "run_stage"]
+
+
+class _Cursor:
+    __slots__ = ("next_tensor",)
+
+    def __init__(self) -> None:
+        self.next_tensor = 0
+
+
+def run_stage(
+    executor: Executor,
+    stage: Stage,
+    tensors: list[torch.Tensor],
+    drafts: list[torch.Tensor] | None = None,
+    host: list[torch.Tensor] | None = None,
+    cursor: Backlog | _Cursor | None = None,
+) -> None:
+    """Run ``stage`` on each of ``tensors`` from ``cursor.next_tensor`` on, advancing it per tensor done.
+
+    The one place a stage becomes executor calls: offloads and restores go to
+    ``execute_host`` with the matching ``host`` tensor, commits to ``execute``
+    with the matching draft buffer, and a zero or copy stage not yet started to
+    ``execute_stage`` first (all tensors at once; idempotent, so a fault inside
+    it just leaves the whole stage to redo), then to ``execute`` per tensor.
+    A raise leaves ``cursor`` at the tensor that failed: calling again resumes.
+    """
+    cur = cursor if cursor is not None else _Cursor()
+    kind = type(stage)
+    others: list[torch.Tensor] | None = None
+    if kind is OffloadStage or kind is RestoreStage:
+        if host is None:  # a tensor-parallel rank made without the source rank's host_pool
+            raise InvalidArgumentError("an offload or restore reached a CacheManager made without host_pool")
+        others, run = host, executor.execute_host
+    else:
+        if (kind is ZeroStage or kind is CopyStage) and cur.next_tensor == 0 and executor.execute_stage(stage, tensors):
+            cur.next_tensor = len(tensors)
+            return
+        run = executor.execute  # type: ignore[assignment]
+        if kind is CommitStage:
+            others = drafts
+    n = len(tensors)
+    while cur.next_tensor < n:
+        i = cur.next_tensor
+        if others is None:
+            run(stage, tensors[i])  # type: ignore[call-arg, arg-type]
+        else:
+            run(stage, tensors[i], others[i])  # type: ignore[arg-type]
+        cur.next_tensor = i + 1
+
+
+def _probe_stages() -> list[Stage]:
+    # One of each stage kind, few runs and many, so that every code path an
+    # executor picks by run count is taken: 11 slots + padding.
+    def zero(*slots: int) -> ZeroStage:
+        return ZeroStage(slots, zero_runs(slots))
+
+    def copy(*pairs: tuple[int, int]) -> CopyStage:
+        return CopyStage(pairs, copy_runs(pairs))
+
+    return [
+        zero(1, 2),
+        zero(1, 3, 5, 7, 9, 11),
+        copy((1, 2)),
+        copy((1, 2), (3, 4), (5, 6), (7, 8), (9, 10)),
+        RotateStage(((1, 2), (3, 4, 5))),
+    ]
+
+
+def check_executor(executor: Executor, tensors: list[torch.Tensor], drafts: list[torch.Tensor] | None = None) -> None:
+    """Run every stage kind once on a small scratch tensor of each dtype in ``tensors``.
+
+    Stages go through :func:`run_stage`, so the probe takes the paths a flush takes.
+    Raises :class:`UnsupportedDtypeError` naming the dtype and executor when one
+    fails, so a pool that could zero and copy but never swap is refused when the
+    manager is made, not on the first swap with work piling up behind it.
+    """
+    seen: set[tuple[torch.dtype, tuple[int, ...]]] = set()
+    for i, t in enumerate(tensors):
+        key = (t.dtype, tuple(t.shape[2:3]))
+        if key in seen:
+            continue
+        seen.add(key)
+        # Keep the state's leading dim (rows), so a workspace bound is probed on real row sizes.
+        scratch = torch.zeros((2, 12, *t.shape[2:3]), dtype=t.dtype, device=t.device)
+        stages: list[tuple[Stage, torch.Tensor | None]] = [(stage, None) for stage in _probe_stages()]
+        if drafts:
+            k = drafts[i].shape[2]
+            draft = torch.zeros((2, 12, k, *t.shape[2:3]), dtype=t.dtype, device=t.device)
+            stages.append((CommitStage(((1, 0, 2), (3, k - 1, 4), (5, 0, 5))), draft))
+        for stage, draft_scratch in stages:
+            try:
+                run_stage(executor, stage, [scratch], None if draft_scratch is None else [draft_scratch])
+            except Exception as exc:
+                raise UnsupportedDtypeError(
+                    f"executor {executor.name!r} cannot run a {type(stage).__name__} on {t.dtype} tensors on"
+                    f" {t.device}: {exc}"
+                ) from exc
+
+
+class StepRunner:
+    """Runs a pool's backlog, oldest stage first, and counts flushes that failed in a row.
+
+    Invariants: a stage leaves the backlog only once every tensor ran it; a
+    fault leaves the backlog at the stage and tensor that failed, so running
+    again resumes exactly there (see the resume contract of :class:`Executor`);
+    after ``max_failures`` failures in a row the runner is broken for good and
+    :meth:`raise_if_broken` refuses work, while the backlog stays in the pool for
+    the next manager opened on it.
+    """
+
+    __slots__ = ("_backlog", "_broken", "_device", "_drafts", "_failures", "_max_failures", "_tensors")
+
+    def __init__(self, pool: Any, max_failures: int) -> None:
+        self._backlog: Backlog = pool._backlog
+        self._tensors: list[torch.Tensor] = pool._exec_tensors
+        self._drafts: list[torch.Tensor] = pool._exec_drafts
+        self._device: torch.device = pool.device
+        self._max_failures = max_failures
+        self._failures = 0
+        self._broken: str | None = None
+
+    @property
+    def broken(self) -> str | None:
+        """Why the runner refuses work, or None."""
+        return self._broken
+
+    def raise_if_broken(self) -> None:
+        if self._broken is not None:
+            raise ManagerBrokenError(self._broken)
+
+    def run(self, stream: Any | None, step: int) -> int:
+        """Run the backlog to the end on ``stream``; returns the stages run.
+
+        On a fault the failed stage stays at the head of the backlog and this
+        raises :class:`ExecutorError` (or :class:`ManagerBrokenError` once the
+        budget is spent).
+        """
+        backlog = self._backlog
+        stages = backlog.stages
+        done = 0
+        with on_stream(self._device, stream):
+            while stages:
+                stage, executor, host = stages[0]
+                try:
+                    run_stage(executor, stage, self._tensors, self._drafts, host, backlog)
+                except Exception as exc:
+                    raise self._failed(exc, executor, stage, step) from exc
+                stages.popleft()
+                backlog.next_tensor = 0
+                done += 1
+        self._failures = 0
+        return done
+
+    def _failed(self, exc: Exception, executor: Executor, stage: Stage, step: int) -> ExecutorError:
+        left = len(self._backlog)
+        self._failures += 1
+        where = f"executor {executor.name!r} failed on {type(stage).__name__} (tensor {self._backlog.next_tensor})"
+        log = _tracing.state.step_log
+        if log is not None:
+            log.error("step.error", step=step, stage=type(stage).__name__, error=repr(exc), failures=self._failures)
+        if self._failures >= self._max_failures:
+            self._broken = (
+                f"CacheManager is broken: {self._failures} flushes in a row failed (last: {where}: {exc!r});"
+                f" the pool keeps {left} unfinished stage(s) for the next manager opened on it"
+            )
+            return ManagerBrokenError(self._broken)
+        return ExecutorError(f"{where}; {left} stage(s) are kept and run first by the next flush")

@@ -2,6 +2,8 @@
 
 from typing import Any as _Any
 
+from ._channel import Channel as Channel
+from ._channel import LoopbackChannel as LoopbackChannel
 from ._errors import DistributedError as DistributedError
 from ._errors import ExecutorError as ExecutorError
 from ._errors import InvalidArgumentError as InvalidArgumentError
@@ -62,6 +64,8 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "Channel",
+    "LoopbackChannel",
     "UnsupportedDtypeError",
     "SlotLeakError",
     "PoolAllocationError",

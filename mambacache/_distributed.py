@@ -16,25 +16,27 @@ loop is never blocked, and it has a timeout: a dead or silent peer surfaces as
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import anyio
 import torch
 
+from ._channel import Channel
 from ._errors import DistributedError
 from ._planner import Plan, decode_plan, encode_plan
 
-if TYPE_CHECKING:
-    from ._manager import CacheManager
-    from ._pool import StatePool
-
-__all__ = ["PlanChannel"]
+__all__ = ["DistributedChannel"]
 
 CAPACITY = 1024  # int64s in the first message; a larger plan sends its tail in a second one
 
 
-class PlanChannel:
-    def __init__(self, group: Any, src_rank: int, pool: StatePool, timeout: float) -> None:
+class DistributedChannel(Channel):
+    """A :class:`Channel` over a ``torch.distributed`` group: each plan is one int64 broadcast (two if long).
+
+    Every message carries ``num_slots`` too, checked on every rank, so pools of
+    different sizes fail loudly instead of applying slot ids that mean other slots.
+    """
+
+    def __init__(self, group: Any, src_rank: int, num_slots: int, timeout: float) -> None:
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -49,7 +51,7 @@ class PlanChannel:
         self.group = group if dist.get_backend(group) == "gloo" else dist.new_group(ranks, backend="gloo")
         self.timeout = timedelta(seconds=timeout)
         self._broken: str | None = None
-        self._num_slots = pool.num_slots  # sent with every plan, checked on every rank
+        self._num_slots = num_slots
 
     def check_source(self, what: str) -> None:
         if not self.is_source:
@@ -98,38 +100,12 @@ class PlanChannel:
                 f" {self.timeout.total_seconds():g}s (a peer died or stopped flushing): {exc}"
             ) from exc
 
-    def _take_plan(self, mgr: CacheManager) -> tuple[list[int], int, Plan, float]:
-        plan, step, plan_s = mgr._take_plan()
-        return [self._num_slots, *encode_plan(plan, step)], step, plan, plan_s
+    def send(self, step: int, plan: Plan) -> None:
+        self._transfer([self._num_slots, *encode_plan(plan, step)])
 
-    def _received(self, mgr: CacheManager, data: list[int]) -> tuple[int, Plan, float]:
-        num_slots, *message = data
+    def receive(self) -> tuple[int, Plan]:
+        num_slots, *message = self._transfer(None)
         if num_slots != self._num_slots:
             self._broken = f"num_slots {num_slots} on rank {self.src_rank}, {self._num_slots} here"
             raise DistributedError(f"rank {self.rank}: pools differ: {self._broken}; every rank needs the same")
-        step, plan = decode_plan(message)
-        with mgr._lock:
-            mgr._step = step + 1
-        return step, plan, 0.0
-
-    def exchange_blocking(self, mgr: CacheManager) -> tuple[int, Plan, float]:
-        """The step's plan on every rank: planned and sent on the source, received elsewhere."""
-        if self.is_source:
-            message, step, plan, plan_s = self._take_plan(mgr)
-            self._transfer(message)
-            return step, plan, plan_s
-        return self._received(mgr, self._transfer(None))
-
-    async def exchange(self, mgr: CacheManager) -> tuple[int, Plan, float]:
-        """As :meth:`exchange_blocking`, with the wait in a worker thread; the caller shields it.
-
-        Once the source has taken the events, the broadcast and the local apply
-        must both happen, or the ranks part: so the whole exchange runs shielded
-        from cancellation, bounded by the channel's timeout instead.
-        """
-        if self.is_source:
-            message, step, plan, plan_s = self._take_plan(mgr)
-            await anyio.to_thread.run_sync(self._transfer, message)
-            return step, plan, plan_s
-        data = await anyio.to_thread.run_sync(self._transfer, None)
-        return self._received(mgr, data)
+        return decode_plan(message)

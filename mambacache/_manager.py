@@ -5,13 +5,15 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Generator, Iterable
+from functools import partial
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
 from . import _tracing
+from ._channel import Channel
 from ._errors import (
     InvalidArgumentError,
     InvalidEventError,
@@ -29,9 +31,6 @@ from ._pool import StatePool
 from ._runner import StepRunner, check_executor
 from ._tiers._host import HostPool
 from ._validate import as_slot, check_request_id, normalised, slot_list
-
-if TYPE_CHECKING:
-    from ._distributed import PlanChannel
 
 __all__ = ["CacheManager"]
 
@@ -75,6 +74,7 @@ class CacheManager:
         clear_on_alloc: bool = True,
         max_failed_flushes: int = 8,
         host_pool: HostPool | None = None,
+        channel: Channel | None = None,
     ) -> None:
         if not isinstance(pool, StatePool):
             raise InvalidArgumentError(f"pool must be a StatePool, got {type(pool).__name__}")
@@ -84,6 +84,10 @@ class CacheManager:
             raise InvalidArgumentError(f"clear_on_alloc must be a bool, got {clear_on_alloc!r}")
         if type(max_failed_flushes) is not int or max_failed_flushes < 1:
             raise InvalidArgumentError(f"max_failed_flushes must be a positive int, got {max_failed_flushes!r}")
+        if channel is not None and (group is not None or not isinstance(channel, Channel)):
+            raise InvalidArgumentError(
+                f"channel must be a mambacache Channel, and not given with group=; got {type(channel).__name__}"
+            )
         if host_pool is not None:
             if not isinstance(host_pool, HostPool):
                 raise InvalidArgumentError(f"host_pool must be a HostPool, got {type(host_pool).__name__}")
@@ -107,11 +111,11 @@ class CacheManager:
         self._runner = StepRunner(pool, max_failed_flushes)
         self._waiters: list[int] = []  # alloc_wait tickets, first come first served
         self._ticket = 0
-        self._tp: PlanChannel | None = None
+        self._tp: Channel | None = channel
         if group is not None:
-            from ._distributed import PlanChannel
+            from ._distributed import DistributedChannel
 
-            self._tp = PlanChannel(group, src_rank, pool, timeout)
+            self._tp = DistributedChannel(group, src_rank, pool.num_slots, timeout)
 
     # -- lifecycle -------------------------------------------------------
     def _open(self) -> None:
@@ -569,6 +573,30 @@ class CacheManager:
         self._check_open()
         return self._flush_sync(stream)
 
+    # One flush core, two drivers: the core yields each blocking call (a plan's
+    # send or receive), the sync driver makes it in place, the async one in a
+    # worker thread; everything else is the same code.
+    def _flush_core(self, stream: Any | None) -> Generator[Callable[[], Any], Any, StepReport]:
+        self._runner.raise_if_broken()
+        channel = self._tp
+        if channel is None:
+            resumed = 0
+            if self._pool._backlog:
+                # Earlier work first; if it fails again the new events stay queued,
+                # unplanned, so kept work never grows past one step's plan.
+                resumed = self._runner.run(stream, self._step)
+            plan, step, plan_s = self._take_plan()
+            return self._apply(plan, step, stream, plan_s, resumed)
+        if channel.is_source:
+            plan, step, plan_s = self._take_plan()
+            yield partial(channel.send, step, plan)
+        else:
+            step, plan = yield channel.receive
+            plan_s = 0.0
+            with self._lock:
+                self._step = step + 1
+        return self._apply(plan, step, stream, plan_s, 0)
+
     async def _flush_async(self, stream: Any | None) -> StepReport:
         mutex = self._mutex
         # No checkpoint when uncontended: a flush is a few microseconds of host work.
@@ -580,12 +608,18 @@ class CacheManager:
             delay = min(0.001, delay + 0.0001)
         self._flusher = threading.get_ident()
         try:
+            core = self._flush_core(stream)
             if self._tp is None:
-                return self._flush_local(stream)
+                return _finish(core)  # yields nothing: no wait, no checkpoint
+            # Once the source has taken the events, the broadcast and the local apply must
+            # both happen, or the ranks part: shielded, bounded by the channel's timeout.
             with anyio.CancelScope(shield=True):
-                self._runner.raise_if_broken()
-                step, plan, plan_s = await self._tp.exchange(self)
-                report = self._apply(plan, step, stream, plan_s, 0)
+                try:
+                    call = next(core)
+                    while True:
+                        call = core.send(await anyio.to_thread.run_sync(call))
+                except StopIteration as done:
+                    report: StepReport = done.value
             return report
         finally:
             self._flusher = None
@@ -601,11 +635,7 @@ class CacheManager:
         with self._mutex:
             self._flusher = me
             try:
-                if self._tp is None:
-                    return self._flush_local(stream)
-                self._runner.raise_if_broken()
-                step, plan, plan_s = self._tp.exchange_blocking(self)
-                return self._apply(plan, step, stream, plan_s, 0)
+                return _finish(self._flush_core(stream))
             finally:
                 self._flusher = None
 
@@ -618,16 +648,6 @@ class CacheManager:
             if self._host is not None:
                 self._host._reuse_freed()  # host slots freed by these events: their reads are planned now
         return events, step
-
-    def _flush_local(self, stream: Any | None) -> StepReport:
-        self._runner.raise_if_broken()
-        resumed = 0
-        if self._pool._backlog:
-            # Earlier work first; if it fails again the new events stay queued,
-            # unplanned, so kept work never grows past one step's plan.
-            resumed = self._runner.run(stream, self._step)
-        plan, step, plan_s = self._take_plan()
-        return self._apply(plan, step, stream, plan_s, resumed)
 
     def _take_plan(self) -> tuple[Plan, int, float]:
         """Take the queued events and plan them: ``(plan, step, seconds)``.
@@ -669,6 +689,16 @@ class CacheManager:
                 "step.flush", **figures, plan_us=round(plan_s * 1e6, 1), execute_us=round(report.execute_s * 1e6, 1)
             )
         return report
+
+
+def _finish(core: Generator[Callable[[], Any], Any, StepReport]) -> StepReport:
+    """Drive a flush core, making each blocking call it yields in this thread."""
+    try:
+        call = next(core)
+        while True:
+            call = core.send(call())
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
 
 
 def _raise_unless_masking(exc: BaseException | None, flush_error: MambaCacheError) -> None:

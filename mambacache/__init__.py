@@ -4,6 +4,7 @@ from typing import Any as _Any
 
 from ._channel import Channel as Channel
 from ._channel import LoopbackChannel as LoopbackChannel
+from ._errors import BindingError as BindingError
 from ._errors import DistributedError as DistributedError
 from ._errors import ExecutorError as ExecutorError
 from ._errors import InvalidArgumentError as InvalidArgumentError
@@ -64,6 +65,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "BindingError",
     "Channel",
     "LoopbackChannel",
     "UnsupportedDtypeError",

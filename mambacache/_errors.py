@@ -55,6 +55,11 @@ class PoolAllocationError(MambaCacheError, MemoryError):
     """The pool's tensors could not be allocated (too large for the device, or for torch's size limits)."""
 
 
+class BindingError(MambaCacheError, RuntimeError):
+    """A transformers cache disagrees with the state bound into it (its token count, its layers): a
+    transformers change the binding does not follow yet, caught before it turns into wrong tokens."""
+
+
 class PlanError(MambaCacheError, RuntimeError):
     """The planner failed on a step's events (out of memory, say); they are queued again, so nothing is lost."""
 

@@ -15,11 +15,22 @@ attention layers' KV cache stays in the cache object.
         (slot,) = mgr.alloc(1, request_id="r1")
         mgr.flush_nowait()                             # the slot reads as zeros now
         cache = transformers.DynamicCache(config=config)
-        bind_cache(cache, pool, slot, config)
+        bind_cache(cache, pool, slot, config, tokens=0)   # the slot's state has seen 0 tokens
         model(input_ids=ids, cache=cache, use_cache=True)   # updates pool slot `slot`
+        check_seq_length(cache, ids.shape[1], config)      # BindingError if the cache disagrees
 
-Requires transformers 5 (cache layers with ``conv_states`` / ``recurrent_states``),
-as the simulator does; the simulator checks outputs token for token against
+The token count matters: since transformers 5.25 each linear-attention cache
+layer keeps a token counter, ``cache.get_seq_length()`` returns it for a model
+whose first layer is linear attention (Qwen3-Next, Qwen3.5), and the model
+takes its RoPE positions from it. A state bound from a pool slot (a fork of a
+cached prefix, a restored swap) must come with its token count, or the next
+tokens get positions from 0 while the attention KV holds the prefix: wrong
+tokens, silently. ``bind_cache(..., tokens=n)`` sets the counter;
+:func:`check_seq_length` makes any disagreement a :class:`BindingError`.
+
+Supported: transformers ``>=5.24`` (the range in pyproject; older 5.x releases
+lack the per-state cache layers or take the cache as ``past_key_values=``,
+see docs/simulator.md). The simulator checks outputs token for token against
 ``generate`` with this binding on Mamba2 and Qwen3-Next.
 """
 
@@ -27,13 +38,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._errors import InvalidArgumentError
+from ._errors import BindingError, InvalidArgumentError
 from ._hf import linear_layer_indices
 from ._pool import StatePool
 from ._spec import StateSpec
 from ._validate import as_slot
 
-__all__ = ["bind_cache", "linear_layer_indices", "spec_from_config"]
+__all__ = ["bind_cache", "check_seq_length", "drop_tokens", "linear_layer_indices", "spec_from_config"]
 
 
 def spec_from_config(config: Any, **overrides: Any) -> StateSpec:
@@ -41,7 +52,9 @@ def spec_from_config(config: Any, **overrides: Any) -> StateSpec:
     return StateSpec.from_hf_config(config, **overrides)
 
 
-def bind_cache(cache: Any, pool: StatePool, slot: int, config: Any, *, draft: int | None = None) -> None:
+def bind_cache(
+    cache: Any, pool: StatePool, slot: int, config: Any, *, draft: int | None = None, tokens: int | None = None
+) -> None:
     """Point ``cache``'s linear-attention layers at views of ``slot`` of ``pool``.
 
     Pool layer ``j`` is the ``j``-th linear-attention layer of the model
@@ -49,8 +62,16 @@ def bind_cache(cache: Any, pool: StatePool, slot: int, config: Any, *, draft: in
     tensors do; rebinding to another slot is another call. ``draft=j`` binds
     the slot's draft state ``j`` instead (speculative decoding: a verify forward
     that runs there leaves the slot's own state untouched).
+
+    ``tokens``: how many tokens the bound state has consumed. It becomes the
+    linear-attention layers' token count (where the transformers version keeps
+    one), so the model's positions follow the state, not the cache object's
+    history; then :func:`check_seq_length` runs. Leave it None only to rebind a
+    cache whose count is already right.
     """
     slot = as_slot(slot, pool.num_slots)
+    if tokens is not None and (type(tokens) is not int or tokens < 0):
+        raise InvalidArgumentError(f"tokens must be a non-negative int, got {tokens!r}")
     linear = linear_layer_indices(config)
     if len(linear) != pool.spec.num_layers:
         raise InvalidArgumentError(
@@ -79,3 +100,63 @@ def bind_cache(cache: Any, pool: StatePool, slot: int, config: Any, *, draft: in
         layer.has_previous_state[0] = True  # read the slot, even on the first chunk
         layer.conv_kernel_size[0] = kernel
         layer.dtype, layer.device = pool.temporal.dtype, pool.device
+    if tokens is not None:
+        _set_linear_count(layers, linear, tokens)
+        check_seq_length(cache, tokens, config)
+
+
+def _set_linear_count(layers: Any, linear: list[int], tokens: int) -> None:
+    for index in linear:
+        counter = getattr(layers[index], "cumulative_length_linear", None)  # transformers >= 5.25
+        if counter is not None:
+            counter.fill_(tokens)
+
+
+def check_seq_length(cache: Any, tokens: int, config: Any) -> None:
+    """Raise :class:`BindingError` unless ``cache`` counts ``tokens`` tokens everywhere the model may read it.
+
+    Checked: ``cache.get_seq_length()`` (what the model takes positions from),
+    each initialised attention layer's KV length, and each linear-attention
+    layer's counter where the version keeps one. Cheap (host ints); the
+    simulator calls it after every bind, forward and drop, so a transformers
+    change in its bookkeeping fails loudly here instead of as wrong tokens.
+    """
+    linear = set(linear_layer_indices(config))
+    seen: list[str] = []
+    total = int(cache.get_seq_length())
+    if total != tokens:
+        seen.append(f"get_seq_length() = {total}")
+    for i, layer in enumerate(getattr(cache, "layers", ())):
+        if i in linear:
+            counter = getattr(layer, "cumulative_length_linear", None)
+            if counter is not None and int(counter) != tokens:
+                seen.append(f"layer {i} (linear) counts {int(counter)}")
+        elif getattr(layer, "is_initialized", False) and int(layer.get_seq_length()) != tokens:
+            seen.append(f"layer {i} (attention) holds {int(layer.get_seq_length())}")
+    if seen:
+        raise BindingError(
+            f"the transformers cache disagrees with the bound state ({tokens} tokens): {'; '.join(seen)}"
+        )
+
+
+def drop_tokens(cache: Any, n: int, config: Any) -> None:
+    """Forget the last ``n`` tokens in ``cache``'s bookkeeping: attention KV cropped, linear counters rolled back.
+
+    For rejected draft tokens: the recurrent state itself lives in the pool and
+    is rolled back there (``commit_draft``); this keeps the cache's token count
+    consistent with it.
+    """
+    if type(n) is not int or n < 0:
+        raise InvalidArgumentError(f"n must be a non-negative int, got {n!r}")
+    if not n:
+        return
+    linear = linear_layer_indices(config)
+    layers = cache.layers
+    lin = set(linear)
+    for i, layer in enumerate(layers):
+        if i in lin:
+            counter = getattr(layer, "cumulative_length_linear", None)
+            if counter is not None:
+                counter.sub_(n)
+        elif getattr(layer, "is_initialized", False):
+            layer.crop(-n)

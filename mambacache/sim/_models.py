@@ -9,13 +9,15 @@ stays in the request's own transformers cache object.
 from __future__ import annotations
 
 import abc
+import inspect
 from typing import Any
 
 import torch
 
 from .._pool import StatePool
 from .._spec import StateSpec
-from ..hf import bind_cache
+from ..hf import bind_cache, check_seq_length
+from ..hf import drop_tokens as hf_drop_tokens
 
 __all__ = ["HFModel", "SimModel", "ToyModel", "build_model", "MODELS"]
 
@@ -32,20 +34,22 @@ class SimModel(abc.ABC):
     @abc.abstractmethod
     def new_context(self) -> Any: ...
 
+    # ``seen`` below is always the scheduler's own count of the tokens the bound state has
+    # consumed: a model checks its cache object agrees, and takes positions from it.
     @abc.abstractmethod
-    def bind(self, ctx: Any, pool: StatePool, slot: int) -> None:
-        """Point the request's state at ``slot`` of ``pool``."""
+    def bind(self, ctx: Any, pool: StatePool, slot: int, seen: int) -> None:
+        """Point the request's state at ``slot`` of ``pool``, a state after ``seen`` tokens."""
 
     @abc.abstractmethod
-    def bind_draft(self, ctx: Any, pool: StatePool, slot: int, j: int) -> None:
+    def bind_draft(self, ctx: Any, pool: StatePool, slot: int, j: int, seen: int) -> None:
         """Point the request's state at draft state ``j`` of ``slot`` (a verify forward runs there)."""
 
-    def drop_tokens(self, ctx: Any, n: int) -> None:  # noqa: B027 - a no-op default on purpose
-        """Forget the last ``n`` tokens' attention KV (rejected draft tokens); recurrent state is the pool's."""
+    def drop_tokens(self, ctx: Any, n: int, seen: int) -> None:  # noqa: B027 - a no-op default on purpose
+        """Forget the last ``n`` tokens (rejected drafts), leaving ``seen``; the recurrent state is the pool's."""
 
     @abc.abstractmethod
-    def forward(self, ctx: Any, tokens: list[int]) -> int:
-        """Run ``tokens``; return the greedy next token."""
+    def forward(self, ctx: Any, tokens: list[int], seen: int) -> int:
+        """Run ``tokens`` after ``seen`` consumed ones; return the greedy next token."""
 
     @abc.abstractmethod
     def snapshot(self, ctx: Any) -> Any:
@@ -87,16 +91,16 @@ class ToyModel(SimModel):
             "state": [torch.zeros(temporal) for _ in range(layers)],
         }
 
-    def bind(self, ctx: Any, pool: StatePool, slot: int) -> None:
+    def bind(self, ctx: Any, pool: StatePool, slot: int, seen: int) -> None:
         ctx["conv"] = [pool.conv[0][layer, slot] for layer in range(self.spec.num_layers)]
         ctx["state"] = [pool.temporal[layer, slot] for layer in range(self.spec.num_layers)]
 
-    def bind_draft(self, ctx: Any, pool: StatePool, slot: int, j: int) -> None:
+    def bind_draft(self, ctx: Any, pool: StatePool, slot: int, j: int, seen: int) -> None:
         assert pool.draft_temporal is not None
         ctx["conv"] = [pool.draft_conv[0][layer, slot, j] for layer in range(self.spec.num_layers)]
         ctx["state"] = [pool.draft_temporal[layer, slot, j] for layer in range(self.spec.num_layers)]
 
-    def forward(self, ctx: Any, tokens: list[int]) -> int:
+    def forward(self, ctx: Any, tokens: list[int], seen: int) -> int:
         x = self.emb[0]
         for token in tokens:
             x = self.emb[token]
@@ -116,9 +120,9 @@ class ToyModel(SimModel):
 
     def generate(self, prompt: list[int], n: int) -> list[int]:
         ctx = self.new_context()
-        out = [self.forward(ctx, prompt)]
+        out = [self.forward(ctx, prompt, 0)]
         while len(out) < n:
-            out.append(self.forward(ctx, [out[-1]]))
+            out.append(self.forward(ctx, [out[-1]], len(prompt) + len(out) - 1))
         return out
 
 
@@ -164,26 +168,32 @@ class HFModel(SimModel):
         self.linear = linear_layer_indices(self.config)
         self.spec = StateSpec.from_hf_config(self.config, conv_dtype=torch.float32, temporal_dtype=torch.float32)
         self._cache_cls = transformers.DynamicCache
+        params = inspect.signature(self.model.forward).parameters
+        # transformers 5.24 renamed `past_key_values=` to `cache=`; the old name is silently swallowed by
+        # **kwargs on newer releases (and the new one on older), so pick the one this version declares.
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._positions = "position_ids" in params  # RoPE models: positions from the scheduler's count
 
     def new_context(self) -> Any:
         return self._cache_cls(config=self.config)
 
-    def bind(self, ctx: Any, pool: StatePool, slot: int) -> None:
-        bind_cache(ctx, pool, slot, self.config)
+    def bind(self, ctx: Any, pool: StatePool, slot: int, seen: int) -> None:
+        bind_cache(ctx, pool, slot, self.config, tokens=seen)
 
-    def bind_draft(self, ctx: Any, pool: StatePool, slot: int, j: int) -> None:
-        bind_cache(ctx, pool, slot, self.config, draft=j)
+    def bind_draft(self, ctx: Any, pool: StatePool, slot: int, j: int, seen: int) -> None:
+        bind_cache(ctx, pool, slot, self.config, draft=j, tokens=seen)
 
-    def drop_tokens(self, ctx: Any, n: int) -> None:
-        if n:
-            linear = set(self.linear)
-            for i, layer in enumerate(ctx.layers):
-                if i not in linear:
-                    layer.crop(-n)
+    def drop_tokens(self, ctx: Any, n: int, seen: int) -> None:
+        hf_drop_tokens(ctx, n, self.config)
+        check_seq_length(ctx, seen, self.config)
 
-    def forward(self, ctx: Any, tokens: list[int]) -> int:
+    def forward(self, ctx: Any, tokens: list[int], seen: int) -> int:
+        kwargs: dict[str, Any] = {self._cache_kw: ctx}
+        if self._positions:
+            kwargs["position_ids"] = torch.arange(seen, seen + len(tokens))[None]
         with torch.no_grad():
-            out = self.model(input_ids=torch.tensor([tokens]), cache=ctx, use_cache=True)
+            out = self.model(input_ids=torch.tensor([tokens]), use_cache=True, **kwargs)
+        check_seq_length(ctx, seen + len(tokens), self.config)
         return int(out.logits[0, -1].argmax())
 
     def snapshot(self, ctx: Any) -> list[tuple[int, torch.Tensor, torch.Tensor]]:

@@ -122,6 +122,13 @@ class _Request:
     host: int = 0  # host slot of a swapped-out state
     ran: int = 0  # steps since (re)admission
 
+    @property
+    def seen(self) -> int:
+        """Tokens the request's state has consumed: the prefill so far, or after it, all but the last output."""
+        if self.pos < len(self.seq) or not self.out:
+            return self.pos
+        return len(self.prompt) + len(self.out) - 1
+
 
 def make_workload(cfg: SimConfig, vocab: int) -> list[_Request]:
     """Seeded Poisson arrivals; a share of prompts start with one of a few common prefixes."""
@@ -176,7 +183,7 @@ class _Scheduler:
             else:
                 self._timed(mgr.drop, req.host)
             req.host = 0
-            model.bind(req.ctx, self.pool, req.slot)
+            model.bind(req.ctx, self.pool, req.slot, req.seen)
             self.running.append(req)
             return
         hit = self._timed(self.cache.match, req.seq[:-1])
@@ -192,7 +199,7 @@ class _Scheduler:
             req.slot = self._alloc(req)
             self.clears += mgr.clear_on_alloc
             req.ctx, req.pos = model.new_context(), 0
-        model.bind(req.ctx, self.pool, req.slot)
+        model.bind(req.ctx, self.pool, req.slot, req.seen)
         self.running.append(req)
 
     def preempt_one(self) -> bool:
@@ -229,7 +236,7 @@ class _Scheduler:
             # Chunked prefill, one block per step: checkpoint at every block boundary; the
             # copy runs at the next flush, before this slot is written again.
             end = min(len(req.seq), (req.pos // cfg.block_size + 1) * cfg.block_size)
-            token = model.forward(req.ctx, req.seq[req.pos : end])
+            token = model.forward(req.ctx, req.seq[req.pos : end], req.pos)
             if len(req.seq) > len(req.prompt):
                 self.recomputed_tokens += end - req.pos
             req.pos = end
@@ -240,7 +247,7 @@ class _Scheduler:
         elif cfg.speculative:
             self.speculate(req)
         else:
-            req.out.append(model.forward(req.ctx, [req.out[-1]]))
+            req.out.append(model.forward(req.ctx, [req.out[-1]], req.seen))
         return len(req.out) >= req.n_new
 
     def speculate(self, req: _Request) -> None:
@@ -265,19 +272,20 @@ class _Scheduler:
         ]
         inputs = [req.out[-1], *drafts]
         ys: list[int] = []
+        seen = req.seen
         for j, token in enumerate(inputs):
             for t, d in zip(pool.tensors, pool.draft_tensors, strict=True):
                 d[:, req.slot, j].copy_(t[:, req.slot] if j == 0 else d[:, req.slot, j - 1])
-            model.bind_draft(req.ctx, pool, req.slot, j)
-            ys.append(model.forward(req.ctx, [token]))
+            model.bind_draft(req.ctx, pool, req.slot, j, seen + j)
+            ys.append(model.forward(req.ctx, [token], seen + j))
         accepted = 0
         while accepted < k and drafts[accepted] == ys[accepted]:
             accepted += 1
         consumed = accepted + 1  # the pending token and the accepted drafts
         commit = consumed - 1 if cfg.fault == "wrong-commit" else consumed
         self._timed(self.mgr.commit_draft, req.slot, commit, request_id=req.rid)
-        model.bind(req.ctx, pool, req.slot)
-        model.drop_tokens(req.ctx, len(inputs) - consumed)
+        model.bind(req.ctx, pool, req.slot, seen + len(inputs))
+        model.drop_tokens(req.ctx, len(inputs) - consumed, seen + consumed)
         req.out += ys[:consumed]
         self.proposed += k
         self.accepted += accepted

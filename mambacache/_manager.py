@@ -302,14 +302,17 @@ class CacheManager:
 
         Waiters are served first come, first served; a count larger than the pool
         raises :class:`InvalidArgumentError` at once, since it could never be met.
-        Cancelling the wait allocates nothing.
+        The check that ``n`` are free and the allocation happen under one hold of
+        the manager's lock, so a concurrent ``alloc`` from another thread makes it
+        wait longer, never raise :class:`PoolExhaustedError`. Cancelling the wait
+        allocates nothing.
         """
         self._check_open()
         if type(n) is not int or n < 0:
             raise InvalidArgumentError(f"alloc count must be a non-negative int, got {n!r}")
         if n > self._pool.num_slots:
             raise InvalidArgumentError(f"alloc_wait({n}) can never be met: the pool has {self._pool.num_slots} slots")
-        self._check_alloc_args(request_id, clear)
+        cleared = self._check_alloc_args(request_id, clear)
         with self._lock:
             ticket = self._ticket
             self._ticket += 1
@@ -318,13 +321,17 @@ class CacheManager:
             delay = 0.0
             while True:
                 with self._lock:
+                    # The check and the allocation under one hold of the lock: another
+                    # thread's alloc can no longer take the slots in between.
                     if self._waiters[0] == ticket and self._pool.num_free >= n:
-                        break
+                        self._check_submittable()
+                        slots = self._pool._take(n)
+                        self._record_alloc(slots, request_id, cleared)
+                        return slots
                 self._check_open()
                 # Releases come from any thread, so this polls (briefly, then every ms).
                 await anyio.sleep(delay)
                 delay = min(0.001, delay + 0.0001)
-            return self.alloc(n, request_id, clear=clear)
         finally:
             with self._lock:
                 self._waiters.remove(ticket)

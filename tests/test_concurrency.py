@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import anyio
@@ -88,3 +89,44 @@ async def test_submit_from_worker_threads() -> None:
         assert report.events == 300 and pool.num_free == 100
         kept = [s for m in mine for s in m[1::2]]
         assert all(bool((t[:, kept] == 0).all()) for t in pool.tensors)
+
+
+async def test_alloc_wait_never_raises_while_another_thread_allocates() -> None:
+    """A real competing thread allocates and releases as fast as it can for seconds; alloc_wait must only
+    ever wait, never raise PoolExhaustedError, and what it returns is held by its caller."""
+    pool = mc.StatePool(small_spec(), 4)
+    stop = threading.Event()
+    thread_allocs = [0]
+
+    def competitor(mgr: mc.CacheManager) -> None:
+        while not stop.is_set():
+            try:
+                slots = mgr.alloc(2, request_id="thread")  # 2 of 4: the waiter's 3 fit only while it holds none
+            except mc.PoolExhaustedError:
+                continue
+            thread_allocs[0] += 1
+            mgr.release_many(slots, request_id="thread")
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can: a race window gets hit
+    async with mc.CacheManager(pool) as mgr:
+        thread = threading.Thread(target=competitor, args=(mgr,))
+        thread.start()
+        waits = 0
+        try:
+            with anyio.move_on_after(2.5):
+                while True:
+                    slots = await mgr.alloc_wait(3, request_id="waiter")
+                    held = mgr.held()
+                    assert len(slots) == 3 and all(held[s] == "waiter" for s in slots)
+                    mgr.release_many(slots, request_id="waiter")
+                    waits += 1
+                    await anyio.lowlevel.checkpoint()  # an uncontended alloc_wait returns without one
+                    if waits % 50 == 0:
+                        await mgr.flush()
+        finally:
+            stop.set()
+            thread.join(10)
+            sys.setswitchinterval(interval)
+        await mgr.flush()
+    assert waits > 10 and thread_allocs[0] > 10  # both sides really ran against each other

@@ -69,11 +69,17 @@ class DistributedError(MambaCacheError, RuntimeError):
 
 
 class SlotLeakError(MambaCacheError, RuntimeError):
-    """Slots are still held where none should be (``CacheManager.check_idle``); ``held`` maps them to tenants."""
+    """Slots are still held where none should be (``CacheManager.check_idle``).
 
-    def __init__(self, message: str, held: dict[int, str | None] | None = None) -> None:
+    ``held`` maps pool slots to tenants, ``host_held`` host slots to the tenants of the offloads that filled them.
+    """
+
+    def __init__(
+        self, message: str, held: dict[int, str | None] | None = None, host_held: dict[int, str | None] | None = None
+    ) -> None:
         super().__init__(message)
         self.held: dict[int, str | None] = dict(held or {})
+        self.host_held: dict[int, str | None] = dict(host_held or {})
 
 
 class TraceError(MambaCacheError, ValueError):

@@ -245,16 +245,22 @@ class CacheManager:
             allocated, tenants = self._pool._allocated, self._pool._tenants
             return {s: tenants[s] for s in range(1, self._pool.num_slots + 1) if allocated[s]}
 
-    def check_idle(self) -> None:
+    def check_idle(self, host: bool | None = None) -> None:
         """Raise :class:`SlotLeakError` naming every held slot and its tenant, if any is held.
 
-        For an engine's idle check: with no request running, no slot should be held.
+        For an engine's idle check: with no request running, no slot should be
+        held, and no host slot either (a swapped-out request aborted without
+        ``drop``). ``host``: whether to check the host pool too; None (default)
+        checks it when one is attached.
         """
+        if host is not None and type(host) is not bool:
+            raise InvalidArgumentError(f"host must be a bool or None, got {host!r}")
         held = self.held()
-        if held:
-            shown = ", ".join(f"{s} ({t!r})" for s, t in list(held.items())[:20])
-            more = f" and {len(held) - 20} more" if len(held) > 20 else ""
-            raise SlotLeakError(f"{len(held)} slot(s) held while idle: {shown}{more}", held)
+        hp = self._host
+        host_held = hp.held() if hp is not None and host is not False else {}
+        if held or host_held:
+            parts = [_listed(held, "slot"), _listed(host_held, "host slot")]
+            raise SlotLeakError("; ".join(p for p in parts if p), held, host_held)
 
     # -- allocating ------------------------------------------------------
     def alloc(self, n: int, request_id: str | None = None, *, clear: bool | None = None) -> list[int]:
@@ -696,6 +702,14 @@ class CacheManager:
                 "step.flush", **figures, plan_us=round(plan_s * 1e6, 1), execute_us=round(report.execute_s * 1e6, 1)
             )
         return report
+
+
+def _listed(held: dict[int, str | None], what: str) -> str:
+    if not held:
+        return ""
+    shown = ", ".join(f"{s} ({t!r})" for s, t in list(held.items())[:20])
+    more = f" and {len(held) - 20} more" if len(held) > 20 else ""
+    return f"{len(held)} {what}(s) held while idle: {shown}{more}"
 
 
 def _finish(core: Generator[Callable[[], Any], Any, StepReport]) -> StepReport:

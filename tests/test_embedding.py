@@ -311,6 +311,29 @@ def test_held_and_check_idle_name_leaked_slots_and_tenants() -> None:
         mgr.check_idle()
 
 
+def test_check_idle_reports_host_slots_of_aborted_swapped_out_requests() -> None:
+    pool, host = mc.StatePool(small_spec(), 4), mc.HostPool(small_spec(), 3)
+    with mc.CacheManager(pool, host_pool=host) as mgr:
+        (a,) = mgr.alloc(1, request_id="r")
+        h = mgr.offload(a, request_id="r")  # swapped out ...
+        mgr.release(a, request_id="r")  # ... and aborted without drop(h)
+        mgr.flush_nowait()
+        assert mgr.held() == {} and host.held() == {h: "r"}
+        with pytest.raises(mc.SlotLeakError, match=r"1 host slot\(s\) held while idle: 1 \('r'\)") as info:
+            mgr.check_idle()
+        assert info.value.held == {} and info.value.host_held == {h: "r"}
+        mgr.check_idle(host=False)  # the pool alone is idle
+        (b,) = mgr.alloc(1, request_id="q")
+        with pytest.raises(mc.SlotLeakError, match=rf"1 slot\(s\) held while idle: {b} \('q'\); 1 host slot") as info:
+            mgr.check_idle(host=True)
+        assert info.value.held == {b: "q"}
+        with pytest.raises(mc.InvalidArgumentError):
+            mgr.check_idle(host=1)  # type: ignore[arg-type]
+        mgr.release(b)
+        mgr.drop(h)
+        mgr.check_idle()
+
+
 # -- the persistent index tensor -----------------------------------------------
 
 

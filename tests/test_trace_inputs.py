@@ -154,3 +154,36 @@ def test_trace_usage_errors_are_exit_2(tmp_path: Path, capsys: pytest.CaptureFix
     with pytest.raises(SystemExit) as info:
         main(["trace", str(path), "--max-entries", "0"])
     assert info.value.code == 2
+
+
+def test_expect_idle_reports_host_slots_of_a_swapped_out_request_aborted_without_drop(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A real trace: request r swapped out (offload, release) and aborted, its host slot never dropped."""
+    from mambacache import tracing
+
+    from .conftest import small_spec
+
+    path = tmp_path / "swap.jsonl"
+    tracing.configure(str(path), level="debug")
+    try:
+        with mc.CacheManager(mc.StatePool(small_spec(), 4), host_pool=mc.HostPool(small_spec(), 2)) as mgr:
+            (a,) = mgr.alloc(1, request_id="r")
+            mgr.flush_nowait()
+            h = mgr.offload(a, request_id="r")
+            mgr.release(a, request_id="r")
+            mgr.flush_nowait()
+    finally:
+        tracing.disable()
+    analysis = analyze(path, expect_idle=True)
+    assert analysis.held == {} and analysis.host_held == {h: "r"}
+    assert [(a.kind, a.slot, a.request_id) for a in analysis.anomalies] == [("host-held-at-end", a, "r")]
+    assert analyze(path).anomalies == [] and analyze(path).to_json()["host_held"] == {str(h): "r"}
+    assert main(["trace", str(path)]) == 0
+    assert f"host slots held at the end of the trace: {h} ('r')" in capsys.readouterr().out
+    assert main(["trace", str(path), "--expect-idle"]) == 1
+    assert "host-held-at-end" in capsys.readouterr().out
+    # Dropped at the end: idle again.
+    with path.open("a") as f:
+        f.write(line("host.drop", 3, host=h) + "\n")
+    assert analyze(path, expect_idle=True).anomalies == [] and main(["trace", str(path), "--expect-idle"]) == 0

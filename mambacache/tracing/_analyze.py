@@ -33,6 +33,7 @@ ANOMALY_KINDS = (
     "uncleared-reuse",
     "double-alloc",
     "held-at-end",
+    "host-held-at-end",
     "restore-from-dropped",
     "fork-from-evicted",
 )
@@ -76,7 +77,9 @@ class TraceAnalysis:
 
     ``timelines``: per slot, its entries in trace order. ``held``: slots still
     allocated at the end of the trace, with their tenants (a leak if the engine
-    was idle). ``bad_lines``: malformed mambacache events that were skipped.
+    was idle); ``host_held``: host slots still holding an offloaded state at the
+    end, with the offload's tenant (a swapped-out request never restored or
+    dropped). ``bad_lines``: malformed mambacache events that were skipped.
     ``summary``: counts over the whole trace (see :meth:`summary_for` for a subset).
     """
 
@@ -84,6 +87,7 @@ class TraceAnalysis:
     anomalies: list[Anomaly] = field(default_factory=list)
     summary: dict[str, int] = field(default_factory=dict)
     held: dict[int, str | None] = field(default_factory=dict)
+    host_held: dict[int, str | None] = field(default_factory=dict)
     bad_lines: list[BadLine] = field(default_factory=list)
     lines: int = 0
     other_lines: int = 0  # lines that are not mambacache events (an application's own log lines)
@@ -124,6 +128,7 @@ class TraceAnalysis:
             "summary": self.summary if slots is None else self.summary_for(keep),
             "slots": {str(s): [asdict(e) for e in self.timelines[s]] for s in sorted(keep) if s in self.timelines},
             "held": {str(s): t for s, t in sorted(self.held.items()) if s in keep},
+            "host_held": {str(h): t for h, t in sorted(self.host_held.items())},
             "anomalies": [asdict(a) for a in self.anomalies if a.slot in keep],
             "bad_lines": [asdict(b) for b in self.bad_lines],
         }
@@ -315,6 +320,7 @@ def _analyze_records(records: Iterable[tuple[int, dict[str, Any]]], expect_idle:
         0,
     )
     host_held: dict[int, bool] = {}  # held host slot -> whether its state was initialised
+    host_from: dict[int, tuple[int, str | None]] = {}  # held host slot -> (pool slot, tenant) of its offload
     evicted: dict[int, int] = {}  # checkpoint slot evicted (and not allocated since) -> line of the eviction
     requests: set[str] = set()
     last_line, last_step = 0, None
@@ -334,6 +340,8 @@ def _analyze_records(records: Iterable[tuple[int, dict[str, Any]]], expect_idle:
             continue
         if event.startswith(("prefix.", "host.")):
             _tier_event(r, line, counts, host_held, evicted, flag)
+            if event == "host.drop":
+                host_from.pop(r["host"], None)
             continue
         if event == "step.flush":
             counts["steps"] += 1
@@ -391,6 +399,7 @@ def _analyze_records(records: Iterable[tuple[int, dict[str, Any]]], expect_idle:
             if not st.allocated:
                 flag("use-after-release", slot, line, step, rid, f"offload of slot {slot}, which is free")
             host_held[r["host"]] = st.initialized
+            host_from[r["host"]] = (slot, rid)
             entry(slot, Entry(line, step, "offload", rid, other=r["host"]))
         elif event == "slot.restore":
             counts["restores"] += 1
@@ -403,6 +412,7 @@ def _analyze_records(records: Iterable[tuple[int, dict[str, Any]]], expect_idle:
             st.initialized, st.taint = host_held.get(h, False), ""
             if not r["keep"]:
                 host_held.pop(h, None)
+                host_from.pop(h, None)
             entry(slot, Entry(line, step, "restore", rid, other=h))
         elif event == "slot.release":
             counts["releases"] += 1
@@ -413,9 +423,16 @@ def _analyze_records(records: Iterable[tuple[int, dict[str, Any]]], expect_idle:
             st.allocated, st.released_at = False, line
             entry(slot, Entry(line, step, "release", rid))
     out.held = {s: st.tenant for s, st in sorted(slots.items()) if st.allocated}
+    out.host_held = {h: host_from[h][1] for h in sorted(host_from)}
     if expect_idle:
         for s, tenant in out.held.items():
             flag("held-at-end", s, last_line, last_step, tenant, f"slot {s} is still held by {tenant!r} at the end")
+        for h, (src, tenant) in sorted(host_from.items()):
+            message = (
+                f"host slot {h} still holds the state {tenant!r} offloaded from slot {src} at the end"
+                " (swapped out, then neither restored nor dropped)"
+            )
+            flag("host-held-at-end", src, last_line, last_step, tenant, message)
     counts["slots_used"] = len(out.timelines)
     counts["requests"] = len(requests)
     counts["held_at_end"] = len(out.held)

@@ -23,7 +23,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("file", type=Path, help="trace written by mambacache.tracing.configure(path, level='debug')")
     p.add_argument("--slot", type=int, action="append", help="only this slot (repeatable)")
     p.add_argument("--request", action="append", help="only slots this request id touched (repeatable)")
-    p.add_argument("--expect-idle", action="store_true", help="slots still held at the end are anomalies (leaks)")
+    p.add_argument(
+        "--expect-idle", action="store_true", help="slots and host slots still held at the end are anomalies (leaks)"
+    )
     p.add_argument("--strict", action="store_true", help="any malformed line makes the trace unusable (exit 2)")
     p.add_argument("--json", metavar="PATH", help="write the analysis as JSON to PATH ('-' for stdout)")
     p.add_argument("--plot", metavar="PNG", help="draw slot occupancy over steps (needs matplotlib)")
@@ -71,9 +73,9 @@ def render_text(analysis: TraceAnalysis, slots: list[int], max_entries: int = 50
     out.append(table(["figure", "value"], list(summary.items()), title=title))
     held = {s: t for s, t in analysis.held.items() if s in set(slots)}
     if held:
-        shown_held = ", ".join(f"{s} ({t!r})" for s, t in list(held.items())[:20])
-        more = f" and {len(held) - 20} more" if len(held) > 20 else ""
-        out.append(f"held at the end of the trace: {shown_held}{more}")
+        out.append(f"held at the end of the trace: {_held_text(held)}")
+    if analysis.host_held:
+        out.append(f"host slots held at the end of the trace: {_held_text(analysis.host_held)}")
     if analysis.bad_lines:
         first = analysis.bad_lines[0]
         out.append(
@@ -162,3 +164,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(analysis, args.plot)
     return 1 if any(a.slot in set(slots) for a in analysis.anomalies) else 0
+
+
+def _held_text(held: dict[int, str | None]) -> str:
+    shown = ", ".join(f"{s} ({t!r})" for s, t in list(held.items())[:20])
+    return shown + (f" and {len(held) - 20} more" if len(held) > 20 else "")

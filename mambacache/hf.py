@@ -16,7 +16,7 @@ attention layers' KV cache stays in the cache object.
         mgr.flush_nowait()                             # the slot reads as zeros now
         cache = transformers.DynamicCache(config=config)
         bind_cache(cache, pool, slot, config, tokens=0)   # the slot's state has seen 0 tokens
-        model(input_ids=ids, cache=cache, use_cache=True)   # updates pool slot `slot`
+        model(input_ids=ids, use_cache=True, **{cache_keyword(model): cache})   # updates pool slot `slot`
         check_seq_length(cache, ids.shape[1], config)      # BindingError if the cache disagrees
 
 The token count matters: since transformers 5.25 each linear-attention cache
@@ -36,6 +36,7 @@ see docs/simulator.md). The simulator checks outputs token for token against
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from ._errors import BindingError, InvalidArgumentError
@@ -44,7 +45,11 @@ from ._pool import StatePool
 from ._spec import StateSpec
 from ._validate import as_slot
 
-__all__ = ["bind_cache", "check_seq_length", "drop_tokens", "linear_layer_indices", "spec_from_config"]
+MIN_TRANSFORMERS = (5, 23)
+"""The oldest transformers the binding supports: older 5.x releases run a bound model without reading the pool
+(measured in docs/simulator.md), so :func:`bind_cache` refuses them."""
+
+__all__ = ["bind_cache", "cache_keyword", "check_seq_length", "drop_tokens", "linear_layer_indices", "spec_from_config"]
 
 
 def spec_from_config(config: Any, **overrides: Any) -> StateSpec:
@@ -69,6 +74,7 @@ def bind_cache(
     history; then :func:`check_seq_length` runs. Leave it None only to rebind a
     cache whose count is already right.
     """
+    _check_transformers()
     slot = as_slot(slot, pool.num_slots)
     if tokens is not None and (type(tokens) is not int or tokens < 0):
         raise InvalidArgumentError(f"tokens must be a non-negative int, got {tokens!r}")
@@ -103,6 +109,33 @@ def bind_cache(
     if tokens is not None:
         _set_linear_count(layers, linear, tokens)
         check_seq_length(cache, tokens, config)
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword ``model``'s forward takes the cache under: ``cache`` (transformers >= 5.24), else
+    ``past_key_values`` or, for Mamba models before 5.24, ``cache_params``.
+
+    Passing the wrong one is silent (``**kwargs`` swallows it and the model runs
+    without the cache), so ask the model rather than the version number.
+    """
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return next((k for k in ("cache", "past_key_values", "cache_params") if k in params), "cache")
+
+
+@functools.cache
+def _check_transformers() -> None:
+    import transformers
+
+    version = transformers.__version__
+    parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    if parts < MIN_TRANSFORMERS:
+        floor = ".".join(map(str, MIN_TRANSFORMERS))
+        raise BindingError(
+            f"transformers {version} is older than {floor}, the oldest the binding supports (a bound model would"
+            f" silently run without the pool's state): pip install 'transformers>={floor}'"
+        )
 
 
 def _set_linear_count(layers: Any, linear: list[int], tokens: int) -> None:

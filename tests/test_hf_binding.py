@@ -98,3 +98,20 @@ def test_the_simulator_fails_loudly_when_the_count_is_off(qwen: HFModel) -> None
     qwen.forward(ctx, [1, 2, 3], 0)
     with pytest.raises(mc.BindingError):
         qwen.forward(ctx, [4], 5)
+
+
+def test_a_transformers_older_than_the_floor_is_refused(qwen: HFModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    import transformers
+
+    from mambacache import hf
+
+    pool = mc.StatePool(qwen.spec, 2)
+    monkeypatch.setattr(transformers, "__version__", "5.22.2")
+    hf._check_transformers.cache_clear()
+    try:
+        with pytest.raises(mc.BindingError, match=r"transformers 5\.22\.2 is older than 5\.23"):
+            bind_cache(qwen.new_context(), pool, 1, qwen.config, tokens=0)
+    finally:
+        monkeypatch.undo()
+        hf._check_transformers.cache_clear()
+    bind_cache(qwen.new_context(), pool, 1, qwen.config, tokens=0)

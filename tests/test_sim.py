@@ -12,6 +12,7 @@ import torch
 
 import mambacache as mc
 from mambacache._cli import main
+from mambacache.hf import cache_keyword
 from mambacache.sim import SimConfig, build_model, simulate
 
 transformers = pytest.importorskip("transformers")
@@ -104,7 +105,7 @@ def test_simulate_cli_json_and_trace(tmp_path: Path, capsys: pytest.CaptureFixtu
 def _cache_shapes(model: object, config: object) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
     cache = transformers.DynamicCache(config=config)
     with torch.no_grad():
-        model(input_ids=torch.tensor([[5, 6, 7]]), cache=cache, use_cache=True)  # type: ignore[operator]
+        model(input_ids=torch.tensor([[5, 6, 7]]), use_cache=True, **{cache_keyword(model): cache})  # type: ignore[operator]
     convs, temporals = [], []
     for layer in cache.layers:
         conv = getattr(layer, "conv_states", {}).get(0)
@@ -200,7 +201,7 @@ def test_bind_cache_runs_a_transformers_model_on_a_pool_slot_in_place() -> None:
         cache = transformers.DynamicCache(config=config)
         bind_cache(cache, pool, slot, config)
         with torch.no_grad():
-            bound = model(input_ids=ids, cache=cache, use_cache=True).logits  # type: ignore[operator]
+            bound = model(input_ids=ids, use_cache=True, **{cache_keyword(model): cache}).logits  # type: ignore[operator]
             plain = model(input_ids=ids, use_cache=False).logits  # type: ignore[operator]
         assert torch.allclose(bound, plain, atol=1e-5)
         assert pool.temporal[:, slot].abs().sum() > 0 and pool.temporal[:, 0].abs().sum() == 0  # written in place

@@ -16,7 +16,7 @@ import torch
 
 from .._pool import StatePool
 from .._spec import StateSpec
-from ..hf import bind_cache, check_seq_length
+from ..hf import bind_cache, cache_keyword, check_seq_length
 from ..hf import drop_tokens as hf_drop_tokens
 
 __all__ = ["HFModel", "SimModel", "ToyModel", "build_model", "MODELS"]
@@ -169,9 +169,7 @@ class HFModel(SimModel):
         self.spec = StateSpec.from_hf_config(self.config, conv_dtype=torch.float32, temporal_dtype=torch.float32)
         self._cache_cls = transformers.DynamicCache
         params = inspect.signature(self.model.forward).parameters
-        # transformers 5.24 renamed `past_key_values=` to `cache=`; the old name is silently swallowed by
-        # **kwargs on newer releases (and the new one on older), so pick the one this version declares.
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._cache_kw = cache_keyword(self.model)
         self._positions = "position_ids" in params  # RoPE models: positions from the scheduler's count
 
     def new_context(self) -> Any:

@@ -28,6 +28,7 @@ from mambacache._planner import Stage
 from .conftest import fill_random, small_spec
 from .oracle import SequentialOracle
 from .strategies import events_from_ops, ops
+from .sweep import fault_points
 
 SPEC = small_spec()
 ROW = max(SPEC.layer_bytes())  # the largest state of one slot in one layer, in bytes
@@ -141,7 +142,7 @@ def test_a_fault_at_every_op_then_one_flush_is_exact(variant: str, scenario: str
     total = run_scenario(make, scenario, 0, MemoryError)
     assert total > 0
     excs: list[type[BaseException]] = [MemoryError, RuntimeError, KeyboardInterrupt]
-    for at in range(1, total + 1):
+    for at in fault_points(total):
         run_scenario(make, scenario, at, excs[at % len(excs)])
 
 

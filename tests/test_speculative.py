@@ -18,6 +18,7 @@ from mambacache.audit import OpAudit
 
 from .oracle import SequentialOracle
 from .strategies import events_from_ops, ops
+from .sweep import fault_points
 from .test_faults import VARIANTS, FaultAt
 
 K = 3
@@ -145,7 +146,7 @@ def test_a_fault_at_every_op_of_a_commit_step_then_one_flush_is_exact(variant: s
             return mode.ops
 
     total = run(0, MemoryError)
-    for at in range(1, total + 1):
+    for at in fault_points(total):
         run(at, [MemoryError, KeyboardInterrupt][at % 2])
 
 

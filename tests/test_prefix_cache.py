@@ -290,3 +290,67 @@ def test_the_analyzer_flags_a_restore_of_a_dropped_host_slot_and_a_fork_from_an_
     assert "copy-from-released" in kinds  # the cow also reads a free slot
     bad = tracing.analyze_lines([*trace, json.dumps({"event": "slot.restore", "slot": 1, "host": "3"})])
     assert bad.bad_lines and "'host' must be an integer" in bad.bad_lines[0].reason
+
+
+@pytest.mark.parametrize("filled_by_swap", [False, True], ids=["tier-sized", "filled-by-swap"])
+def test_a_full_host_tier_drops_exactly_its_least_recently_used_checkpoint(filled_by_swap: bool) -> None:
+    """A HostPool of exactly host_checkpoints slots (or one a swap filled): each eviction to the host drops one
+    host checkpoint, the least recently used; every other one survives and restores exactly."""
+    k = 3
+    pool = mc.StatePool(SPEC, 8)
+    host = mc.HostPool(SPEC, k + 1 if filled_by_swap else k)
+    prompts = [[i, i] for i in range(10, 16)]
+    with mc.CacheManager(pool, host_pool=host) as mgr:
+        cache = mc.PrefixCache(mgr, block_size=B, max_checkpoints=1, host_checkpoints=k)
+        if filled_by_swap:
+            (r,) = mgr.alloc(1, request_id="swapped")
+            mgr.offload(r, request_id="swapped")  # a preempted request holds one host slot
+            mgr.release(r, request_id="swapped")
+        (src,) = mgr.alloc(1, request_id="src")
+        mgr.flush_nowait()
+        for i, prompt in enumerate(prompts):  # each insert evicts the previous checkpoint to the host tier
+            fill(pool, src, 100.0 + i)
+            assert cache.insert(prompt, src)
+            mgr.flush_nowait()
+        # 6 checkpoints made: 1 on the device, 3 on the host, the 2 oldest dropped, one at a time.
+        stats = cache.stats
+        assert (stats.device_checkpoints, stats.host_checkpoints, stats.host_drops) == (1, k, 2)
+        for i, prompt in enumerate(prompts):
+            hit = cache.match(prompt)
+            if i < 2:
+                assert hit is None, f"checkpoint {i} should have been the LRU one dropped"
+                continue
+            assert hit is not None and hit.tier == ("device" if i == 5 else "host")
+            slot = cache.fork(hit, request_id=f"q{i}")
+            mgr.flush_nowait()
+            assert value_of(pool, slot) == 100.0 + i
+            mgr.release(slot, request_id=f"q{i}")
+        mgr.release(src, request_id="src")
+        cache.clear()
+        mgr.flush_nowait()
+        if filled_by_swap:
+            assert list(host.held().values()) == ["swapped"]
+        else:
+            mgr.check_idle()
+
+
+@pytest.mark.parametrize("bad", [1.0, "1", None, True, torch.tensor([1]), 0, 99, -1])
+def test_insert_with_a_bad_slot_is_a_typed_error_that_changes_nothing(bad: Any) -> None:
+    np = pytest.importorskip("numpy")
+    pool = mc.StatePool(SPEC, 4)
+    host = mc.HostPool(SPEC, 2)
+    with mc.CacheManager(pool, host_pool=host) as mgr:
+        cache = mc.PrefixCache(mgr, block_size=B, max_checkpoints=1, host_checkpoints=1)
+        (a,) = mgr.alloc(1, request_id="a")
+        assert cache.insert([1, 2], a)
+        mgr.flush_nowait()
+        before = (mgr.held(), host.held(), cache.stats, len(cache), mgr.pending)
+        for value in (bad, np.float64(1)):
+            with pytest.raises((mc.InvalidSlotError, mc.SlotStateError)):
+                cache.insert([3, 4], value)
+            assert (mgr.held(), host.held(), cache.stats, len(cache), mgr.pending) == before
+        assert cache.match([1, 2]) is not None  # nothing evicted
+        mgr.release(a, request_id="a")
+        cache.clear()
+        mgr.flush_nowait()
+        mgr.check_idle()

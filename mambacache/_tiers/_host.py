@@ -34,11 +34,13 @@ def _accelerator_present() -> bool:
 class HostPool:
     """Host copies of pool slots, ``1..num_slots`` (slot 0 is never used).
 
-    Invariants: every host slot is free or held, never both; a slot freed by
-    ``drop`` or a ``restore`` without ``keep`` becomes reusable only after the
-    flush that takes the freeing event, so no step both reads and rewrites it;
-    the free list hands out the lowest free slots first, so offloads of runs of
-    pool slots land in runs of host slots and copy in one op per layer.
+    Invariants: every host slot is free or held, never both; an offload takes
+    the lowest free slot, so offloads of runs of pool slots land in runs of host
+    slots and copy in one op per layer; a slot freed by ``drop`` or a
+    ``restore`` without ``keep`` goes back to the free list at the next flush,
+    and before that is taken only when no other slot is free (a full tier that
+    drops its oldest state to take a new one): the planner orders such a step
+    exactly, a restore's read of the slot before the offload that rewrites it.
 
     Draft buffers are never offloaded: a host slot holds a slot's state only.
     """
@@ -80,8 +82,8 @@ class HostPool:
 
     @property
     def num_free(self) -> int:
-        """Host slots an offload can take now (slots freed by queued events count after the next flush)."""
-        return len(self._free)
+        """Host slots an offload can take now: free ones and those freed by queued events (drop, restore)."""
+        return len(self._free) + len(self._freed)
 
     @property
     def num_held(self) -> int:
@@ -102,12 +104,12 @@ class HostPool:
 
     # Bookkeeping below is driven by the CacheManager under its lock, which validates first.
     def _take(self, owner: str | None) -> int:
-        if not self._free:
-            waiting = f" ({len(self._freed)} freed by queued events, reusable after the next flush)"
-            raise PoolExhaustedError(
-                f"host pool exhausted: all {self.num_slots} host slots are held" + (waiting if self._freed else "")
-            )
-        h = heapq.heappop(self._free)
+        if self._free:
+            h = heapq.heappop(self._free)
+        elif self._freed:  # freed this step: its old content is still read first (see the class docstring)
+            h = self._freed.pop(0)
+        else:
+            raise PoolExhaustedError(f"host pool exhausted: all {self.num_slots} host slots are held")
         self._held[h] = 1
         self._owners[h] = owner
         return h

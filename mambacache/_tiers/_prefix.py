@@ -18,6 +18,7 @@ from typing import Any
 from .. import _tracing
 from .._errors import InvalidArgumentError, PoolExhaustedError, SlotStateError, StaleHitError
 from .._manager import CacheManager
+from .._validate import as_slot, check_request_id
 
 __all__ = ["CHECKPOINT_TENANT", "PrefixCache", "PrefixHit", "PrefixStats"]
 
@@ -176,6 +177,7 @@ class PrefixCache:
         """
         if not isinstance(hit, PrefixHit) or hit._node is None:
             raise InvalidArgumentError(f"fork takes a PrefixHit from match(), got {hit!r}")
+        check_request_id(request_id)
         node = hit._node
         if not node.live or not (node.slot or node.host):
             raise StaleHitError(
@@ -206,12 +208,14 @@ class PrefixCache:
         recency is refreshed), when ``max_checkpoints`` is 0, or when no pool slot
         could be freed for it (counted in ``stats.skipped``).
         """
+        # Every argument is checked before anything is evicted, allocated or linked.
         tokens = self._tokens(tokens)
         n = len(tokens)
         if n == 0 or n % self.block_size:
             raise InvalidArgumentError(
                 f"insert takes a positive multiple of block_size={self.block_size} tokens, got {n}"
             )
+        slot = as_slot(slot, self._mgr.pool.num_slots)
         if not self._mgr.pool.is_allocated(slot):
             raise SlotStateError(f"insert: slot {slot!r} is not allocated")
         blocks = list(self._blocks(tokens, n // self.block_size))

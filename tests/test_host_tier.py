@@ -12,20 +12,16 @@ from hypothesis import strategies as st
 import mambacache as mc
 from mambacache._executors._base import copy_host
 from mambacache._planner import (
-    CommitStage,
     CopyStage,
     OffloadStage,
     RestoreStage,
-    RotateStage,
     ZeroStage,
-    decode_plan,
-    encode_plan,
     plan_step,
 )
 
 from .conftest import fill_random, small_spec
 from .oracle import SequentialOracle
-from .strategies import host_events_from_ops, host_ops
+from .strategies import host_ops
 from .sweep import fault_points
 from .test_faults import VARIANTS, FaultAt
 
@@ -34,65 +30,8 @@ SPEC = small_spec()
 
 
 # -- the planner alone ----------------------------------------------------------
-def sequential(events: list[Any], pool: dict[int, Any], host: dict[int, Any]) -> None:
-    for ev in events:
-        if isinstance(ev, mc.Clear) or (isinstance(ev, mc.Alloc) and ev.clear):
-            pool[ev.slot] = "Z"
-        elif isinstance(ev, mc.CopyOnWrite):
-            pool[ev.dst] = pool[ev.src]
-        elif isinstance(ev, mc.Offload):
-            host[ev.host] = pool[ev.slot]
-        elif isinstance(ev, mc.Restore):
-            pool[ev.slot] = host[ev.host]
-
-
-def run_plan(plan: mc.Plan, pool: dict[int, Any], host: dict[int, Any]) -> None:
-    for stage in plan.stages:
-        if isinstance(stage, ZeroStage):
-            for s in stage.slots:
-                pool[s] = "Z"
-        elif isinstance(stage, CopyStage):
-            assert not {s for s, _ in stage.pairs} & {d for _, d in stage.pairs}
-            for s, d in reversed(stage.pairs):
-                pool[d] = pool[s]
-        elif isinstance(stage, RotateStage):
-            old = dict(pool)
-            for cycle in stage.cycles:
-                for i, c in enumerate(cycle):
-                    pool[cycle[(i + 1) % len(cycle)]] = old[c]
-        elif isinstance(stage, OffloadStage):
-            hosts = [h for _, h in stage.pairs]
-            assert hosts == sorted(set(hosts))
-            for s, h in reversed(stage.pairs):
-                host[h] = pool[s]
-        elif isinstance(stage, RestoreStage):
-            slots = [s for _, s in stage.pairs]
-            assert slots == sorted(set(slots))
-            for h, s in reversed(stage.pairs):
-                pool[s] = host[h]
-        else:
-            assert not isinstance(stage, CommitStage)
-
-
-@given(host_ops, st.sets(st.integers(1, N)), st.sets(st.integers(1, H)))
-def test_plan_with_host_events_equals_sequential_execution(
-    raw: list[tuple[str, int, int]], initially: set[int], held: set[int]
-) -> None:
-    for events, live, host_live in host_events_from_ops(raw, N, set(initially), H, set(held)):
-        start_pool: dict[int, Any] = {s: ("P", s) for s in range(1, N + 1)}
-        start_host: dict[int, Any] = {h: ("H", h) for h in range(1, H + 1)}
-        want_pool, want_host = dict(start_pool), dict(start_host)
-        sequential(events, want_pool, want_host)
-        plan = plan_step(events)  # type: ignore[arg-type]
-        got_pool, got_host = dict(start_pool), dict(start_host)
-        run_plan(plan, got_pool, got_host)
-        for s in live:
-            assert got_pool[s] == want_pool[s], (s, events, plan)
-        for h in host_live:
-            assert got_host[h] == want_host[h], (h, events, plan)
-        assert plan.events == len(events)
-        assert plan.elided >= 0
-        assert decode_plan(encode_plan(plan, 7)) == (7, plan)
+# Every host event kind mixed with commits, against one-event-at-a-time execution:
+# tests/test_planner.py (test_plan_with_host_events_and_commits_equals_sequential_execution).
 
 
 def test_plan_examples() -> None:

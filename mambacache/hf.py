@@ -28,10 +28,12 @@ tokens get positions from 0 while the attention KV holds the prefix: wrong
 tokens, silently. ``bind_cache(..., tokens=n)`` sets the counter;
 :func:`check_seq_length` makes any disagreement a :class:`BindingError`.
 
-Supported: transformers ``>=5.24`` (the range in pyproject; older 5.x releases
-lack the per-state cache layers or take the cache as ``past_key_values=``,
-see docs/simulator.md). The simulator checks outputs token for token against
-``generate`` with this binding on Mamba2 and Qwen3-Next.
+Supported: transformers ``>=5.23`` (the range in pyproject; older 5.x releases
+run a bound Mamba2 without reading the pool, see docs/simulator.md), so
+:func:`bind_cache` refuses them. Pass the cache under :func:`cache_keyword`:
+``cache=`` since 5.24, ``past_key_values=`` / ``cache_params=`` before. The
+simulator checks outputs token for token against ``generate`` with this binding
+on Mamba2 and Qwen3-Next.
 """
 
 from __future__ import annotations
@@ -150,9 +152,11 @@ def check_seq_length(cache: Any, tokens: int, config: Any) -> None:
 
     Checked: ``cache.get_seq_length()`` (what the model takes positions from),
     each initialised attention layer's KV length, and each linear-attention
-    layer's counter where the version keeps one. Cheap (host ints); the
-    simulator calls it after every bind, forward and drop, so a transformers
-    change in its bookkeeping fails loudly here instead of as wrong tokens.
+    layer's counter where the version keeps one. It reads the counters on the
+    host, which waits for the device on an accelerator: a check for tests and
+    debug runs, not a serving hot path. The simulator calls it after every bind,
+    forward and drop, so a transformers change in its bookkeeping fails loudly
+    here instead of as wrong tokens.
     """
     linear = set(linear_layer_indices(config))
     seen: list[str] = []
@@ -186,11 +190,9 @@ def drop_tokens(cache: Any, n: int, config: Any) -> None:
         raise InvalidArgumentError(f"n must be a non-negative int, got {n!r}")
     if not n:
         return
-    linear = linear_layer_indices(config)
-    layers = cache.layers
-    lin = set(linear)
-    for i, layer in enumerate(layers):
-        if i in lin:
+    linear = set(linear_layer_indices(config))
+    for i, layer in enumerate(cache.layers):
+        if i in linear:
             counter = getattr(layer, "cumulative_length_linear", None)
             if counter is not None:
                 counter.sub_(n)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ._errors import InvalidArgumentError, InvalidSlotError
-from ._pool import _as_device
+from ._torchutil import as_device
 from ._validate import slot_list
 
 __all__ = ["StateIndices"]
@@ -43,7 +43,7 @@ class StateIndices:
             raise InvalidArgumentError(f"capacity must be a positive int, got {capacity!r}")
         if num_slots is not None and (type(num_slots) is not int or num_slots < 1):
             raise InvalidArgumentError(f"num_slots must be a positive int or None, got {num_slots!r}")
-        self.device = _as_device(device)
+        self.device = as_device(device)
         self.capacity = capacity
         self.num_slots = num_slots
         self.tensor = torch.zeros(capacity, dtype=torch.int32, device=self.device)

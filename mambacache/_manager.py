@@ -26,10 +26,10 @@ from ._errors import (
 )
 from ._events import Alloc, Clear, CommitDraft, CopyOnWrite, DropHost, Event, Offload, Release, Restore, StepReport
 from ._executors import Executor, resolve_executor
+from ._host import HostPool
 from ._planner import Plan, plan_step
 from ._pool import StatePool
 from ._runner import StepRunner, check_executor
-from ._tiers._host import HostPool
 from ._validate import as_slot, check_request_id, normalised, slot_list
 
 __all__ = ["CacheManager"]

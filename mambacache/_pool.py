@@ -25,24 +25,9 @@ import torch
 from ._backlog import Backlog
 from ._errors import InvalidArgumentError, PoolAllocationError, PoolExhaustedError
 from ._spec import StateSpec
+from ._torchutil import as_device, executor_view, failure_reason
 
 __all__ = ["StatePool"]
-
-# Bit-exact integer stand-ins for dtypes that torch has no index kernels for
-# (index_fill_, index_copy_): executors see these views, so every stage kind runs.
-# All-zero bits are zero in each of them, so zeroing the view zeroes the state.
-_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _executor_view(t: torch.Tensor) -> torch.Tensor:
-    name = str(t.dtype)
-    if name.startswith(("torch.float8", "torch.float4", "torch.bits")) or name in (
-        "torch.uint16",
-        "torch.uint32",
-        "torch.uint64",
-    ):
-        return t.view(_INT_OF_SIZE[t.element_size()])
-    return t
 
 
 def _with_drafts(spec: object, draft_tokens: int | None) -> StateSpec:
@@ -53,30 +38,6 @@ def _with_drafts(spec: object, draft_tokens: int | None) -> StateSpec:
     if type(draft_tokens) is not int or draft_tokens < 0:
         raise InvalidArgumentError(f"draft_tokens must be a non-negative int, got {draft_tokens!r}")
     return dataclasses.replace(spec, draft_tokens=draft_tokens)
-
-
-def _failure_reason(exc: BaseException) -> str:
-    """The first line of what torch said about a failed allocation (its messages run to many lines)."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _as_device(device: object) -> torch.device:
-    try:
-        dev: torch.device = torch.device(device)  # type: ignore[call-overload]
-    except (RuntimeError, TypeError):
-        raise InvalidArgumentError(
-            f"unknown device {device!r}: give a torch.device or a string such as 'cpu', 'cuda' or 'cuda:1'"
-            " ('npu' needs torch_npu)"
-        ) from None
-    if dev.type not in ("cpu", "meta"):
-        try:
-            available = bool(torch.get_device_module(dev.type).is_available())
-        except Exception:  # a backend module that is missing or fails to load
-            available = False
-        if not available:
-            raise InvalidArgumentError(f"device {dev} is not available on this machine")
-    return dev
 
 
 class StatePool:
@@ -102,7 +63,7 @@ class StatePool:
         spec = _with_drafts(spec, draft_tokens)
         if type(num_slots) is not int or num_slots < 1:
             raise InvalidArgumentError(f"num_slots must be a positive int, got {num_slots!r}")
-        dev = _as_device(device)
+        dev = as_device(device)
         rows = (spec.num_layers, num_slots + 1)
         drafts = (spec.num_layers, num_slots + 1, spec.draft_tokens)
         total = spec.memory_bytes * (num_slots + 1)
@@ -118,7 +79,7 @@ class StatePool:
                 draft_temporal = torch.zeros(*drafts, *spec.temporal_shape, dtype=spec.temporal_dtype, device=dev)
         except (RuntimeError, MemoryError) as exc:  # torch reports out-of-memory and size overflow as these
             raise PoolAllocationError(
-                f"could not allocate a pool of {num_slots} slots ({total:,} bytes) on {dev}: {_failure_reason(exc)}"
+                f"could not allocate a pool of {num_slots} slots ({total:,} bytes) on {dev}: {failure_reason(exc)}"
             ) from None
         self._init(spec, conv, temporal, draft_conv, draft_temporal)
 
@@ -136,14 +97,14 @@ class StatePool:
         self.draft_conv: list[torch.Tensor] = list(draft_conv or [])
         self.draft_temporal: torch.Tensor | None = draft_temporal
         self._exec_drafts = (
-            [_executor_view(t) for t in (*self.draft_conv, draft_temporal)] if draft_temporal is not None else []
+            [executor_view(t) for t in (*self.draft_conv, draft_temporal)] if draft_temporal is not None else []
         )
         self.num_slots = temporal.shape[1] - 1
         self.device = temporal.device
         self.conv: list[torch.Tensor] = conv
         self.temporal: torch.Tensor = temporal
         # What executors are handed: the same storage, as integer views where needed.
-        self._exec_tensors = [_executor_view(t) for t in (*conv, temporal)]
+        self._exec_tensors = [executor_view(t) for t in (*conv, temporal)]
         self._free: list[int] = list(range(1, self.num_slots + 1))  # a heap; sorted is a valid heap
         self._allocated = bytearray(self.num_slots + 1)
         self._num_free = self.num_slots

@@ -1,1 +1,1 @@
-"""The tiers on top of the core: a host pool for offloaded states, and the prefix-state cache."""
+"""The tiers on top of the core: the prefix-state cache (its host tier is the core's HostPool)."""

@@ -96,7 +96,7 @@ def _check_args(args: argparse.Namespace) -> torch.device:
     """Every argument checked before minutes of work: one line and exit 2 on the first bad one."""
     from .._errors import MambaCacheError
     from .._executors import known_executors
-    from .._pool import _as_device
+    from .._torchutil import as_device
 
     if str(args.device).startswith("npu"):
         from .._executors._npu import import_torch_npu
@@ -106,7 +106,7 @@ def _check_args(args: argparse.Namespace) -> torch.device:
         except Exception as exc:  # ImportError, or the toolkit's own failure to load
             raise UsageError(f"--device npu needs torch_npu and the Ascend toolkit: {exc}") from None
     try:
-        device = _as_device(args.device)
+        device = as_device(args.device)
     except MambaCacheError as exc:
         raise UsageError(f"--device {args.device}: {exc}") from None
     known = [*known_executors(), *BENCH_EXECUTORS]

@@ -30,12 +30,12 @@ from .._events import Alloc, Clear, CommitDraft, CopyOnWrite, Event, Offload, Re
 from .._executors import resolve_executor
 from .._executors._base import as_executor
 from .._executors._torch import TorchExecutor
+from .._host import HostPool
 from .._manager import CacheManager
 from .._planner import Stage, plan_step
 from .._pool import StatePool
 from .._runner import run_stage
 from .._spec import StateSpec
-from .._tiers._host import HostPool
 from ..audit import OpAudit
 from ._presets import fit_layers, lookup
 

@@ -26,9 +26,9 @@ import torch
 
 from .. import tracing
 from .._errors import PoolExhaustedError
+from .._host import HostPool
 from .._manager import CacheManager
 from .._pool import StatePool
-from .._tiers._host import HostPool
 from .._tiers._prefix import PrefixCache
 from ._models import SimModel, build_model
 

@@ -17,9 +17,9 @@ import heapq
 
 import torch
 
-from .._errors import InvalidArgumentError, PoolAllocationError, PoolExhaustedError
-from .._pool import _executor_view, _failure_reason
-from .._spec import StateSpec
+from ._errors import InvalidArgumentError, PoolAllocationError, PoolExhaustedError
+from ._spec import StateSpec
+from ._torchutil import executor_view, failure_reason
 
 __all__ = ["HostPool"]
 
@@ -62,13 +62,13 @@ class HostPool:
             total = self.spec.slot_bytes * (num_slots + 1)
             raise PoolAllocationError(
                 f"could not allocate a host pool of {num_slots} slots ({total:,} bytes, pinned={pin}):"
-                f" {_failure_reason(exc)}"
+                f" {failure_reason(exc)}"
             ) from None
         self.num_slots = num_slots
         self.pinned = pin
         self.conv: list[torch.Tensor] = conv
         self.temporal: torch.Tensor = temporal
-        self._exec_tensors = [_executor_view(t) for t in (*conv, temporal)]
+        self._exec_tensors = [executor_view(t) for t in (*conv, temporal)]
         self._free: list[int] = list(range(1, num_slots + 1))
         self._held = bytearray(num_slots + 1)
         self._owners: list[str | None] = [None] * (num_slots + 1)

@@ -13,11 +13,11 @@ the copies are enqueued on the flush's stream and nothing waits for them.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 
 import torch
 
-from ._errors import InvalidArgumentError, PoolAllocationError, PoolExhaustedError
+from ._errors import InvalidArgumentError, PoolAllocationError
+from ._ledger import SlotLedger
 from ._spec import StateSpec
 from ._torchutil import executor_view, failure_reason
 
@@ -69,10 +69,7 @@ class HostPool:
         self.conv: list[torch.Tensor] = conv
         self.temporal: torch.Tensor = temporal
         self._exec_tensors = [executor_view(t) for t in (*conv, temporal)]
-        self._free: list[int] = list(range(1, num_slots + 1))
-        self._held = bytearray(num_slots + 1)
-        self._owners: list[str | None] = [None] * (num_slots + 1)
-        self._freed: list[int] = []  # freed by queued events: reusable once a flush takes them
+        self.ledger = SlotLedger(num_slots, "host pool")  # held host slots and their tenants; driven by the manager
         self._manager: object | None = None
 
     @property
@@ -83,46 +80,24 @@ class HostPool:
     @property
     def num_free(self) -> int:
         """Host slots an offload can take now: free ones and those freed by queued events (drop, restore)."""
-        return len(self._free) + len(self._freed)
+        return self.ledger.num_free
 
     @property
     def num_held(self) -> int:
         """Host slots holding a state (O(1))."""
-        return self.num_slots - len(self._free) - len(self._freed)
+        return self.num_slots - self.ledger.num_free
 
     def is_held(self, host: int) -> bool:
         """Whether host slot ``host`` holds a state (at the end of the event queue)."""
-        return type(host) is int and 0 < host <= self.num_slots and bool(self._held[host])
+        return type(host) is int and self.ledger.is_held(host)
 
     def held(self) -> dict[int, str | None]:
         """Held host slots and the ``request_id`` of the offload that filled each."""
-        return {h: self._owners[h] for h in range(1, self.num_slots + 1) if self._held[h]}
+        return self.ledger.held_by()
 
     def compatible_with(self, spec: StateSpec) -> bool:
         """Whether this pool holds states of ``spec`` (draft buffers aside)."""
         return dataclasses.replace(spec, draft_tokens=0) == self.spec
-
-    # Bookkeeping below is driven by the CacheManager under its lock, which validates first.
-    def _take(self, owner: str | None) -> int:
-        if self._free:
-            h = heapq.heappop(self._free)
-        elif self._freed:  # freed this step: its old content is still read first (see the class docstring)
-            h = self._freed.pop(0)
-        else:
-            raise PoolExhaustedError(f"host pool exhausted: all {self.num_slots} host slots are held")
-        self._held[h] = 1
-        self._owners[h] = owner
-        return h
-
-    def _free_later(self, host: int) -> None:
-        self._held[host] = 0
-        self._owners[host] = None
-        self._freed.append(host)
-
-    def _reuse_freed(self) -> None:
-        for h in self._freed:
-            heapq.heappush(self._free, h)
-        self._freed.clear()
 
     def __repr__(self) -> str:
         return (

@@ -145,7 +145,7 @@ class CacheManager:
             events, self._events = self._events, []
             self._state = _CLOSED
         if self._host is not None:
-            self._host._reuse_freed()
+            self._host.ledger.reuse_freed()
         if events:
             self._pool._backlog.push(plan_step(events).stages, self._executor, self._host_tensors())
         self._pool._manager = None
@@ -242,8 +242,7 @@ class CacheManager:
     def held(self) -> dict[int, str | None]:
         """Allocated slots and their tenants (the ``request_id`` they were allocated with)."""
         with self._lock:
-            allocated, tenants = self._pool._allocated, self._pool._tenants
-            return {s: tenants[s] for s in range(1, self._pool.num_slots + 1) if allocated[s]}
+            return self._pool.ledger.held_by()
 
     def check_idle(self, host: bool | None = None) -> None:
         """Raise :class:`SlotLeakError` naming every held slot and its tenant, if any is held.
@@ -277,7 +276,7 @@ class CacheManager:
         clear = self._check_alloc_args(request_id, clear)
         with self._lock:
             self._check_submittable()
-            slots = self._pool._take(n)
+            slots = self._pool.ledger.take(n, request_id)
             self._record_alloc(slots, request_id, clear)
         return slots
 
@@ -294,12 +293,12 @@ class CacheManager:
             raise InvalidSlotError(f"alloc_slots: a slot is repeated in {wanted[:20]}")
         with self._lock:
             self._check_submittable()
-            allocated = self._pool._allocated
-            taken = [s for s in wanted if allocated[s]]
+            ledger = self._pool.ledger
+            taken = [s for s in wanted if ledger.held[s]]
             if taken:
-                tenants = [self._pool._tenants[s] for s in taken[:20]]
+                tenants = [ledger.tenants[s] for s in taken[:20]]
                 raise SlotStateError(f"alloc_slots: slot(s) {taken[:20]} already held (tenants {tenants})")
-            self._pool._take_exact(wanted)
+            ledger.take_exact(wanted, request_id)
             self._record_alloc(wanted, request_id, clear)
         return wanted
 
@@ -331,7 +330,7 @@ class CacheManager:
                     # thread's alloc can no longer take the slots in between.
                     if self._waiters[0] == ticket and self._pool.num_free >= n:
                         self._check_submittable()
-                        slots = self._pool._take(n)
+                        slots = self._pool.ledger.take(n, request_id)
                         self._record_alloc(slots, request_id, cleared)
                         return slots
                 self._check_open()
@@ -359,9 +358,7 @@ class CacheManager:
             self._tp.check_source("submit")
 
     def _record_alloc(self, slots: list[int], request_id: str | None, clear: bool) -> None:
-        tenants = self._pool._tenants
-        for s in slots:
-            tenants[s] = request_id
+        """Under the lock: queue the allocs of ``slots``, which the ledger already holds for ``request_id``."""
         self._events.extend([Alloc(s, request_id, clear) for s in slots])
         log = _tracing.state.slot_log
         if log is not None:
@@ -442,7 +439,7 @@ class CacheManager:
         with self._lock:
             self._check_submittable()
             self._check_held(Offload, slot, request_id)
-            h = host._take(request_id)
+            h = host.ledger.take(1, request_id)[0]
             self._events.append(Offload(slot, h, request_id))
             log, step = _tracing.state.slot_log, self._step
         if log is not None:
@@ -464,12 +461,12 @@ class CacheManager:
             raise InvalidArgumentError(f"keep must be a bool, got {keep!r}")
         with self._lock:
             self._check_submittable()
-            if not hp._held[h]:
+            if not hp.ledger.held[h]:
                 raise SlotStateError(f"Restore: host slot {h} holds no state (dropped, restored, or never offloaded)")
             self._check_held(Restore, slot, request_id)
             self._events.append(Restore(h, slot, request_id, keep))
             if not keep:
-                hp._free_later(h)
+                hp.ledger.free_later(h)
             log, step = _tracing.state.slot_log, self._step
         if log is not None:
             log.debug("slot.restore", host=h, slot=slot, request_id=request_id, keep=keep, step=step)
@@ -480,10 +477,10 @@ class CacheManager:
         h = self._host_slot(hp, host)
         with self._lock:
             self._check_submittable()
-            if not hp._held[h]:
+            if not hp.ledger.held[h]:
                 raise SlotStateError(f"DropHost: host slot {h} holds no state (dropped, restored, or never offloaded)")
             self._events.append(DropHost(h))
-            hp._free_later(h)
+            hp.ledger.free_later(h)
             log, step = _tracing.state.slot_log, self._step
         if log is not None:
             log.debug("host.drop", host=h, step=step)
@@ -503,9 +500,10 @@ class CacheManager:
 
     def _check_held(self, kind: type, slot: int, request_id: str | None) -> None:
         """Under the lock: ``slot`` is allocated, to ``request_id`` when one is given."""
-        if not self._pool._allocated[slot]:
+        ledger = self._pool.ledger
+        if not ledger.held[slot]:
             raise _not_allocated(kind, "the", slot)
-        tenant = self._pool._tenants[slot]
+        tenant = ledger.tenants[slot]
         if request_id is not None and tenant != request_id:
             raise _tenant_error(kind.__name__, slot, tenant, request_id)
 
@@ -520,7 +518,8 @@ class CacheManager:
             if self._state != _OPEN or self._runner.broken is not None or self._tp is not None:
                 self._check_submittable()  # the common case is one test; this raises or checks the source rank
             pool = self._pool
-            allocated, tenants, draft_tokens = pool._allocated, pool._tenants, self._draft_tokens
+            ledger = pool.ledger
+            allocated, tenants, draft_tokens = ledger.held, ledger.tenants, self._draft_tokens
             released: dict[int, None] | None = None  # ordered: freed in release order
             for ev in events:
                 t = type(ev)
@@ -555,9 +554,7 @@ class CacheManager:
                         released[slot] = None
             self._events.extend(events)
             if released is not None:
-                for s in released:
-                    tenants[s] = None
-                self._pool._give_back(released)
+                ledger.give_back(released)
             log, step = _tracing.state.slot_log, self._step
         if log is not None:
             _trace_events(log, events, step)
@@ -659,7 +656,7 @@ class CacheManager:
             step = self._step
             self._step += 1
             if self._host is not None:
-                self._host._reuse_freed()  # host slots freed by these events: their reads are planned now
+                self._host.ledger.reuse_freed()  # host slots freed by these events: their reads are planned now
         return events, step
 
     def _take_plan(self) -> tuple[Plan, int, float]:

@@ -16,14 +16,14 @@ one per layer, which is what the executors coalesce runs of slots into.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from ._backlog import Backlog
-from ._errors import InvalidArgumentError, PoolAllocationError, PoolExhaustedError
+from ._errors import InvalidArgumentError, PoolAllocationError
+from ._ledger import SlotLedger
 from ._spec import StateSpec
 from ._torchutil import as_device, executor_view, failure_reason
 
@@ -105,10 +105,7 @@ class StatePool:
         self.temporal: torch.Tensor = temporal
         # What executors are handed: the same storage, as integer views where needed.
         self._exec_tensors = [executor_view(t) for t in (*conv, temporal)]
-        self._free: list[int] = list(range(1, self.num_slots + 1))  # a heap; sorted is a valid heap
-        self._allocated = bytearray(self.num_slots + 1)
-        self._num_free = self.num_slots
-        self._tenants: list[str | None] = [None] * (self.num_slots + 1)  # request_id of each held slot
+        self.ledger = SlotLedger(self.num_slots)  # held slots and tenants; driven by the manager under its lock
         self._manager: object | None = None  # the open CacheManager driving this pool, if any
         self._backlog = Backlog()
 
@@ -228,20 +225,20 @@ class StatePool:
     @property
     def num_free(self) -> int:
         """Slots free at the end of the event queue (O(1))."""
-        return self._num_free
+        return self.ledger.num_free
 
     @property
     def num_allocated(self) -> int:
         """Slots held at the end of the event queue (O(1)); ``num_free + num_allocated == num_slots``."""
-        return self.num_slots - self._num_free
+        return self.num_slots - self.ledger.num_free
 
     def is_allocated(self, slot: int) -> bool:
         """Whether ``slot`` is held at the end of the event queue."""
-        return 0 < slot <= self.num_slots and bool(self._allocated[slot])
+        return type(slot) is int and self.ledger.is_held(slot)
 
     def allocated_slots(self) -> list[int]:
         """The held slots, ascending: a method, since it walks every slot (``CacheManager.held`` adds tenants)."""
-        return [s for s in range(1, self.num_slots + 1) if self._allocated[s]]
+        return list(self.ledger.held_by())
 
     @property
     def unfinished(self) -> int:
@@ -258,35 +255,6 @@ class StatePool:
         if self._manager is not None:
             raise InvalidArgumentError("discard_unfinished() while a CacheManager is open on this pool")
         return self._backlog.clear()
-
-    # Bookkeeping below is driven by the CacheManager, which validates first.
-    # The free heap may hold stale entries (slots taken by _take_exact, or pushed
-    # twice): `_allocated` is the truth, and _take skips entries it marks taken.
-    def _take(self, n: int) -> list[int]:
-        if n > self._num_free:
-            raise PoolExhaustedError(f"asked for {n} slots, {self._num_free} of {self.num_slots} are free")
-        free, allocated = self._free, self._allocated
-        slots: list[int] = []
-        while len(slots) < n:
-            s = heapq.heappop(free)
-            if not allocated[s]:
-                allocated[s] = 1
-                slots.append(s)
-        self._num_free -= n
-        return slots
-
-    def _take_exact(self, slots: list[int]) -> None:
-        for s in slots:
-            self._allocated[s] = 1
-        self._num_free -= len(slots)
-
-    def _give_back(self, slots: Iterable[int]) -> None:
-        for s in slots:
-            self._allocated[s] = 0
-            heapq.heappush(self._free, s)
-            self._num_free += 1
-        if len(self._free) > 2 * self.num_slots:  # stale entries: rebuild, amortised O(1) per release
-            self._free = [s for s in range(1, self.num_slots + 1) if not self._allocated[s]]
 
     def __repr__(self) -> str:
         return (

@@ -1,0 +1,116 @@
+"""SlotLedger: which slots of a pool are held, by whom, and which are free; StatePool and HostPool share it.
+
+Pure Python, no torch. The manager drives it under its lock, after validating:
+the ledger trusts its callers' arguments and keeps its invariants cheap.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+
+from ._errors import PoolExhaustedError
+
+__all__ = ["SlotLedger"]
+
+
+class SlotLedger:
+    """The bookkeeping of slots ``1..size`` (slot 0 is never handed out).
+
+    Invariants:
+
+    * ``held[s]`` is the truth: a slot is held or free, never both, and
+      ``tenants[s]`` names the holder of a held slot (None for a free one);
+    * ``take`` hands out the lowest free slots first, so new requests land in
+      runs of slots that copy in one op per layer;
+    * the free heap may hold stale entries (slots taken by ``take_exact``, or
+      pushed twice); ``take`` skips what ``held`` marks taken, and the heap is
+      rebuilt when stale entries outnumber the slots (amortised O(1));
+    * a slot freed with ``free_later`` (a host slot whose content a queued
+      restore still reads) goes back to the heap only at ``reuse_freed()``, the
+      flush that takes the freeing event; before that ``take`` hands it out only
+      when nothing else is free, and the planner orders the read first.
+    """
+
+    __slots__ = ("_free", "_later", "_num_free", "_pending", "held", "name", "size", "tenants")
+
+    def __init__(self, size: int, name: str = "pool") -> None:
+        self.size = size
+        self.name = name  # for the exhaustion message: "pool", "host pool"
+        self.held = bytearray(size + 1)
+        self.tenants: list[str | None] = [None] * (size + 1)
+        self._free: list[int] = list(range(1, size + 1))  # a heap: sorted is a valid heap
+        self._num_free = size  # free slots in the heap (its stale entries aside)
+        self._later: list[int] = []  # freed by free_later, in order
+        self._pending = bytearray(size + 1)  # 1 for the slots in _later (O(1) membership)
+
+    @property
+    def num_free(self) -> int:
+        """Slots ``take`` can hand out now, those freed by ``free_later`` included."""
+        return self._num_free + len(self._later)
+
+    def is_held(self, slot: int) -> bool:
+        return 0 < slot <= self.size and bool(self.held[slot])
+
+    def held_by(self) -> dict[int, str | None]:
+        """Held slots and their tenants, in slot order."""
+        held, tenants = self.held, self.tenants
+        return {s: tenants[s] for s in range(1, self.size + 1) if held[s]}
+
+    def take(self, n: int, tenant: str | None) -> list[int]:
+        """The ``n`` lowest free slots, now held by ``tenant``; :class:`PoolExhaustedError` (nothing taken) if
+        fewer are free."""
+        if n > self.num_free:
+            raise PoolExhaustedError(
+                f"{self.name} exhausted: asked for {n} slot(s), {self.num_free} of {self.size} are free"
+            )
+        free, held, tenants, pending = self._free, self.held, self.tenants, self._pending
+        slots: list[int] = []
+        while len(slots) < n and self._num_free:
+            s = heapq.heappop(free)
+            if not held[s] and not pending[s]:  # skip stale entries: taken, or freed only later
+                held[s] = 1
+                tenants[s] = tenant
+                slots.append(s)
+                self._num_free -= 1
+        while len(slots) < n:  # only slots freed in this step are left: see the class docstring
+            s = self._later.pop(0)
+            pending[s] = 0
+            held[s] = 1
+            tenants[s] = tenant
+            slots.append(s)
+        return slots
+
+    def take_exact(self, slots: list[int], tenant: str | None) -> None:
+        """Hold exactly ``slots`` (free, unique: the caller checked) for ``tenant``."""
+        held, tenants = self.held, self.tenants
+        for s in slots:
+            held[s] = 1
+            tenants[s] = tenant
+        self._num_free -= len(slots)
+
+    def give_back(self, slots: Iterable[int]) -> None:
+        """Free ``slots`` now: the next ``take`` may hand them out."""
+        held, tenants, free = self.held, self.tenants, self._free
+        for s in slots:
+            held[s] = 0
+            tenants[s] = None
+            heapq.heappush(free, s)
+            self._num_free += 1
+        if len(free) > 2 * self.size:
+            self._free = [s for s in range(1, self.size + 1) if not held[s] and not self._pending[s]]
+
+    def free_later(self, slot: int) -> None:
+        """Free ``slot`` as of the end of the event queue; it rejoins the heap at :meth:`reuse_freed`."""
+        self.held[slot] = 0
+        self.tenants[slot] = None
+        self._later.append(slot)
+        self._pending[slot] = 1
+
+    def reuse_freed(self) -> None:
+        """The flush took the events that freed the ``free_later`` slots: they are plain free slots now."""
+        for s in self._later:
+            heapq.heappush(self._free, s)
+            self._pending[s] = 0
+        self._num_free += len(self._later)
+        self._later.clear()

@@ -583,20 +583,22 @@ class CacheManager:
         self._check_open()
         return self._flush_sync(stream)
 
-    # One flush core, two drivers: the core yields each blocking call (a plan's
-    # send or receive), the sync driver makes it in place, the async one in a
-    # worker thread; everything else is the same code.
-    def _flush_core(self, stream: Any | None) -> Generator[Callable[[], Any], Any, StepReport]:
+    # One flush core, two drivers. Without a channel the core never waits, and both
+    # drivers call _flush_local (no generator on the decode-step path). With one,
+    # _flush_channel yields each blocking call (a plan's send or receive): the sync
+    # driver makes it in place, the async one in a worker thread.
+    def _flush_local(self, stream: Any | None) -> StepReport:
         self._runner.raise_if_broken()
-        channel = self._tp
-        if channel is None:
-            resumed = 0
-            if self._pool._backlog:
-                # Earlier work first; if it fails again the new events stay queued,
-                # unplanned, so kept work never grows past one step's plan.
-                resumed = self._runner.run(stream, self._step)
-            plan, step, plan_s = self._take_plan()
-            return self._apply(plan, step, stream, plan_s, resumed)
+        resumed = 0
+        if self._pool._backlog:
+            # Earlier work first; if it fails again the new events stay queued,
+            # unplanned, so kept work never grows past one step's plan.
+            resumed = self._runner.run(stream, self._step)
+        plan, step, plan_s = self._take_plan()
+        return self._apply(plan, step, stream, plan_s, resumed)
+
+    def _flush_channel(self, channel: Channel, stream: Any | None) -> Generator[Callable[[], Any], Any, StepReport]:
+        self._runner.raise_if_broken()
         if channel.is_source:
             plan, step, plan_s = self._take_plan()
             yield partial(channel.send, step, plan)
@@ -618,9 +620,9 @@ class CacheManager:
             delay = min(0.001, delay + 0.0001)
         self._flusher = threading.get_ident()
         try:
-            core = self._flush_core(stream)
             if self._tp is None:
-                return _finish(core)  # yields nothing: no wait, no checkpoint
+                return self._flush_local(stream)  # no wait, no checkpoint
+            core = self._flush_channel(self._tp, stream)
             # Once the source has taken the events, the broadcast and the local apply must
             # both happen, or the ranks part: shielded, bounded by the channel's timeout.
             with anyio.CancelScope(shield=True):
@@ -645,7 +647,9 @@ class CacheManager:
         with self._mutex:
             self._flusher = me
             try:
-                return _finish(self._flush_core(stream))
+                if self._tp is None:
+                    return self._flush_local(stream)
+                return _finish(self._flush_channel(self._tp, stream))
             finally:
                 self._flusher = None
 

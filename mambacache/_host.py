@@ -16,10 +16,11 @@ import dataclasses
 
 import torch
 
-from ._errors import InvalidArgumentError, PoolAllocationError
+from ._errors import InvalidArgumentError, InvalidSlotError, PoolAllocationError
 from ._ledger import SlotLedger
 from ._spec import StateSpec
 from ._torchutil import executor_view, failure_reason
+from ._validate import as_slot
 
 __all__ = ["HostPool"]
 
@@ -79,7 +80,12 @@ class HostPool:
 
     @property
     def num_free(self) -> int:
-        """Host slots an offload can take now: free ones and those freed by queued events (drop, restore)."""
+        """Host slots an offload can take now: free ones and those freed by queued events (drop, restore).
+
+        A slot freed by a queued event is taken only when no other is free, so
+        ``num_free`` is also how many offloads the queue can take before
+        :class:`PoolExhaustedError`; ``num_free + num_held == num_slots``.
+        """
         return self.ledger.num_free
 
     @property
@@ -88,8 +94,18 @@ class HostPool:
         return self.num_slots - self.ledger.num_free
 
     def is_held(self, host: int) -> bool:
-        """Whether host slot ``host`` holds a state (at the end of the event queue)."""
-        return type(host) is int and self.ledger.is_held(host)
+        """Whether host slot ``host`` holds a state (at the end of the event queue).
+
+        ``host`` is checked as the manager checks host slots (numpy and 0-d CPU
+        tensor ints taken): a bool, a float, a str or a slot outside
+        ``1..num_slots`` raises :class:`InvalidSlotError`.
+        """
+        if type(host) is not int or not 0 < host <= self.num_slots:
+            try:
+                host = as_slot(host, self.num_slots)
+            except InvalidSlotError as exc:
+                raise InvalidSlotError(f"host {exc}") from None
+        return self.ledger.is_held(host)
 
     def held(self) -> dict[int, str | None]:
         """Held host slots and the ``request_id`` of the offload that filled each."""
@@ -97,6 +113,8 @@ class HostPool:
 
     def compatible_with(self, spec: StateSpec) -> bool:
         """Whether this pool holds states of ``spec`` (draft buffers aside)."""
+        if not isinstance(spec, StateSpec):
+            raise InvalidArgumentError(f"spec must be a StateSpec, got {type(spec).__name__}")
         return dataclasses.replace(spec, draft_tokens=0) == self.spec
 
     def __repr__(self) -> str:

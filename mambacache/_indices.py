@@ -67,7 +67,7 @@ class StateIndices:
         on this device (copied device to device, unchecked: checking would sync).
         """
         if isinstance(slots, torch.Tensor) and slots.device == self.device and self.device.type != "cpu":
-            if slots.ndim != 1 or slots.dtype.is_floating_point or slots.dtype == torch.bool:
+            if slots.ndim != 1 or slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype == torch.bool:
                 raise InvalidSlotError(f"slots must be a 1-D integer tensor, got {slots.dtype} {tuple(slots.shape)}")
             n = slots.shape[0]
             self._check_len(n)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -332,3 +333,91 @@ async def test_async_offload_restore_round_trip() -> None:
         report = await mgr.flush()
         assert report.restored == 1 and host.num_held == 0
         assert all(bool((t[:, c] == 5.0).all()) and bool((t[:, b] == 0).all()) for t in pool.tensors)
+
+
+# -- argument checks of HostPool and StateIndices: typed errors, nothing changed -------
+def test_host_pool_calls_with_bad_arguments_are_typed_errors_that_change_nothing() -> None:
+    np = pytest.importorskip("numpy")
+    pool, host = mc.StatePool(SPEC, 4), mc.HostPool(SPEC, 3)
+    for kwargs in (
+        {"spec": pool}, {"spec": None}, {"num_slots": 0}, {"num_slots": -1}, {"num_slots": True},
+        {"num_slots": 2.0}, {"num_slots": "2"}, {"pin_memory": 1}, {"pin_memory": "yes"},
+    ):  # fmt: skip
+        with pytest.raises(mc.InvalidArgumentError):
+            mc.HostPool(**{"spec": SPEC, "num_slots": 2, **kwargs})
+    with mc.CacheManager(pool, host_pool=host) as mgr:
+        (a,) = mgr.alloc(1, request_id="a")
+        h = mgr.offload(a, request_id="a")
+        mgr.flush_nowait()
+        before = (host.held(), host.num_free, [t.clone() for t in host.tensors], mgr.pending)
+        # Host slots are checked as the manager checks them: numpy and 0-d tensor ints are slots, the rest is not.
+        assert host.is_held(h) and host.is_held(np.int64(h)) and host.is_held(torch.tensor(h))
+        assert not host.is_held(h + 1)
+        for bad in (True, np.bool_(True), 1.0, "1", None, 0, -1, 4, torch.tensor([1]), torch.tensor(1.0)):
+            with pytest.raises(mc.InvalidSlotError):
+                host.is_held(bad)
+        for spec in (None, pool, "spec", dataclasses.asdict(SPEC)):
+            with pytest.raises(mc.InvalidArgumentError, match="StateSpec"):
+                host.compatible_with(spec)
+        assert host.compatible_with(SPEC) and not host.compatible_with(small_spec(layers=2))
+        after = (host.held(), host.num_free, [t.clone() for t in host.tensors], mgr.pending)
+        assert after[:2] == before[:2] and after[3] == before[3]
+        assert all(torch.equal(x, y) for x, y in zip(after[2], before[2], strict=True))
+        mgr.drop(h)
+        mgr.release(a, request_id="a")
+
+
+def test_host_num_free_counts_slots_freed_in_the_step() -> None:
+    """num_free is what offloads can take now: a slot freed by a queued drop or restore counts at once, and is
+    handed out only once no other slot is free."""
+    pool, host = mc.StatePool(SPEC, 4), mc.HostPool(SPEC, 3)
+    with mc.CacheManager(pool, host_pool=host) as mgr:
+        (a,) = mgr.alloc(1)
+        h1, h2 = mgr.offload(a), mgr.offload(a)
+        mgr.flush_nowait()
+        mgr.drop(h1)
+        mgr.restore(h2, a)
+        assert (host.num_free, host.num_held) == (3, 0)
+        assert [mgr.offload(a) for _ in range(3)] == [3, h1, h2]  # the truly free slot first, then in freeing order
+        assert (host.num_free, host.num_held) == (0, 3)
+        with pytest.raises(mc.PoolExhaustedError):
+            mgr.offload(a)
+        mgr.flush_nowait()
+        for h in (1, 2, 3):
+            mgr.drop(h)
+        mgr.release(a)
+
+
+def test_state_indices_calls_with_bad_arguments_are_typed_errors_that_change_nothing() -> None:
+    np = pytest.importorskip("numpy")
+    for kwargs in (
+        {"capacity": 0}, {"capacity": True}, {"capacity": 2.0}, {"capacity": None}, {"num_slots": 0},
+        {"num_slots": True}, {"num_slots": "8"}, {"device": "nonsense"}, {"device": 3.5},
+    ):  # fmt: skip
+        with pytest.raises(mc.InvalidArgumentError):
+            mc.StateIndices(**{"capacity": 4, **kwargs})
+    idx = mc.StateIndices(4, num_slots=8)
+    ptr = idx.update([3, 1]).data_ptr()
+    for bad, error in (
+        ([1] * 5, mc.InvalidArgumentError), ([9], mc.InvalidSlotError), ([-1], mc.InvalidSlotError),
+        ([True], mc.InvalidSlotError), ([1.0], mc.InvalidSlotError), (["1"], mc.InvalidSlotError),
+        ([None], mc.InvalidSlotError), (None, mc.InvalidSlotError), ("12", mc.InvalidSlotError),
+        (5, mc.InvalidSlotError), (np.array([1.0]), mc.InvalidSlotError), (np.array([[1]]), mc.InvalidSlotError),
+        (torch.tensor([1.0]), mc.InvalidSlotError), (torch.tensor([[1]]), mc.InvalidSlotError),
+        (torch.tensor([True]), mc.InvalidSlotError), (torch.tensor([1j]), mc.InvalidSlotError),
+        ([1, 2, 3, 9], mc.InvalidSlotError),  # a bad slot after good ones: nothing written either
+    ):  # fmt: skip
+        with pytest.raises(error):
+            idx.update(bad)
+        assert idx.tensor.tolist() == [3, 1, 0, 0] and idx.size == 2 and idx.tensor.data_ptr() == ptr
+    # A tensor already on the index's device takes the device-to-device path (unchecked values, checked kind).
+    meta = mc.StateIndices(4, device="meta", num_slots=8)
+    meta.update(torch.tensor([1, 2], device="meta"))
+    for bad in (
+        torch.zeros(5, dtype=torch.int32, device="meta"), torch.zeros(1, 1, dtype=torch.int32, device="meta"),
+        torch.zeros(1, device="meta"), torch.zeros(1, dtype=torch.bool, device="meta"),
+        torch.zeros(1, dtype=torch.complex64, device="meta"),
+    ):  # fmt: skip
+        with pytest.raises(mc.InvalidArgumentError):
+            meta.update(bad)
+        assert meta.size == 2

@@ -354,3 +354,199 @@ def test_insert_with_a_bad_slot_is_a_typed_error_that_changes_nothing(bad: Any) 
         cache.clear()
         mgr.flush_nowait()
         mgr.check_idle()
+
+
+def trie(cache: mc.PrefixCache) -> dict[tuple[int, ...], tuple[str, int]]:
+    """Every checkpoint the cache holds: its prefix -> (tier, pool or host slot)."""
+    out: dict[tuple[int, ...], tuple[str, int]] = {}
+    stack: list[tuple[Any, tuple[int, ...]]] = [(cache._root, ())]
+    while stack:
+        node, prefix = stack.pop()
+        if node.slot or node.host:
+            out[prefix] = ("device", node.slot) if node.slot else ("host", node.host)
+        stack += [(child, prefix + key) for key, child in node.children.items()]
+    return out
+
+
+def host_value(host: mc.HostPool, h: int) -> float:
+    values = {float(v) for t in host.tensors for v in t[:, h].flatten().tolist()}
+    assert len(values) == 1, f"host slot {h} holds a mix of states: {sorted(values)[:4]}"
+    return values.pop()
+
+
+def _snapshot(mgr: mc.CacheManager, cache: mc.PrefixCache) -> tuple[Any, ...]:
+    host = mgr.host_pool
+    assert host is not None
+    return (mgr.held(), host.held(), trie(cache), len(cache), cache.stats, mgr.pending, list(cache._device))
+
+
+def _full_tiers() -> tuple[mc.StatePool, mc.CacheManager, mc.PrefixCache, int, mc.PrefixHit]:
+    """A cache whose device budget and host tier are both full, so any insert or fork would evict."""
+    pool = mc.StatePool(SPEC, 5)
+    host = mc.HostPool(SPEC, 2)
+    mgr = mc.CacheManager(pool, host_pool=host).__enter__()
+    cache = mc.PrefixCache(mgr, block_size=B, max_checkpoints=1, host_checkpoints=2)
+    (s,) = mgr.alloc(1, request_id="s")
+    for i in range(3):
+        assert cache.insert([i, i], s)
+    mgr.flush_nowait()
+    hit = cache.match([2, 2])
+    assert hit is not None and hit.tier == "device"
+    assert (cache.stats.device_checkpoints, cache.stats.host_checkpoints, host.num_free) == (1, 2, 0)
+    return pool, mgr, cache, s, hit
+
+
+BAD_CACHE_KWARGS: list[dict[str, Any]] = [
+    {"block_size": 0}, {"block_size": True}, {"block_size": 2.0}, {"max_checkpoints": -1},
+    {"max_checkpoints": None}, {"host_checkpoints": "1"}, {"host_checkpoints": -1},
+]  # fmt: skip
+
+
+def test_every_public_call_with_a_bad_argument_is_a_typed_error_that_changes_nothing() -> None:
+    np = pytest.importorskip("numpy")
+    pool, mgr, cache, s, hit = _full_tiers()
+    other_pool = mc.StatePool(SPEC, 3)
+    with mc.CacheManager(other_pool) as other_mgr:
+        other = mc.PrefixCache(other_mgr, block_size=B, max_checkpoints=1)
+        (o,) = other_mgr.alloc(1)
+        assert other.insert([2, 2], o)
+        foreign = other.match([2, 2])
+        assert foreign is not None
+        before = _snapshot(mgr, cache)
+        bad_calls: list[tuple[Any, type[Exception]]] = [
+            # the constructor
+            (lambda: mc.PrefixCache(pool), mc.InvalidArgumentError),  # type: ignore[arg-type]
+            *[(lambda kw=kw: mc.PrefixCache(mgr, **kw), mc.InvalidArgumentError) for kw in BAD_CACHE_KWARGS],
+            # match: tokens only
+            *[
+                (lambda t=t: cache.match(t), mc.InvalidArgumentError)
+                for t in ("ab", b"ab", 5, None, [1.0, 2.0], [True, 2], [np.int64(2), 2], np.array([1.5, 2.5]))
+            ],
+            (lambda: cache.match(torch.tensor([[2, 2]])), mc.InvalidArgumentError),
+            # fork: the hit and the request id
+            *[
+                (lambda h=h: cache.fork(h), mc.InvalidArgumentError)
+                for h in (None, mc.PrefixHit(2, "device"), (2, "device"), foreign)
+            ],
+            *[(lambda r=r: cache.fork(hit, request_id=r), mc.InvalidArgumentError) for r in (1, b"r", ["r"])],
+            # insert: the tokens, then the slot
+            *[(lambda t=t: cache.insert(t, s), mc.InvalidArgumentError) for t in ([], [3], [3, 3, 3], "ab", [3.0, 3])],
+            *[
+                (lambda v=v: cache.insert([3, 3], v), mc.InvalidSlotError)
+                for v in (1.0, "1", None, True, np.float64(1), np.bool_(True), torch.tensor([1]), 0, 99, -1)
+            ],
+            (lambda: cache.insert([3, 3], 5), mc.SlotStateError),  # in range, not allocated
+        ]
+        for call, error in bad_calls:
+            with pytest.raises(error):
+                call()
+            assert _snapshot(mgr, cache) == before
+        assert foreign._node is not None and foreign._node.slot  # the other cache was not touched either
+    mgr.flush_nowait()
+    mgr.release(s, request_id="s")
+    cache.clear()
+    mgr.flush_nowait()
+    mgr.check_idle()
+    mgr.__exit__(None, None, None)
+
+
+def test_calls_on_a_closed_manager_are_refused_before_anything_changes() -> None:
+    """insert, fork, evict and clear on a full cache would each evict, drop or release: the manager's refusal
+    comes first, so the cache still tracks every checkpoint (no checkpoint lost, no slot untracked)."""
+    _pool, mgr, cache, s, hit = _full_tiers()
+    host_hit = cache.match([0, 0])
+    assert host_hit is not None and host_hit.tier == "host"
+    mgr.__exit__(None, None, None)
+    before = _snapshot(mgr, cache)
+    for call in (
+        lambda: cache.insert([7, 7], s),
+        lambda: cache.fork(hit),
+        lambda: cache.fork(host_hit),
+        cache.evict,
+        cache.clear,
+    ):
+        with pytest.raises(mc.ManagerClosedError):
+            call()
+        assert _snapshot(mgr, cache) == before
+
+
+def test_the_host_tier_evicts_in_recency_order_many_times_in_one_step() -> None:
+    """A full host tier (HostPool of exactly host_checkpoints slots): a match refreshes a host checkpoint, and two
+    evictions in one step drop exactly the two least recently used, each new host checkpoint taking a slot freed
+    in that step; the survivors and the new ones restore exactly."""
+    k = 3
+    pool, host = mc.StatePool(SPEC, 8), mc.HostPool(SPEC, k)
+    with mc.CacheManager(pool, host_pool=host) as mgr:
+        cache = mc.PrefixCache(mgr, block_size=B, max_checkpoints=1, host_checkpoints=k)
+        (src,) = mgr.alloc(1, request_id="src")
+        mgr.flush_nowait()
+        for i in range(k + 1):  # [0 0] [1 1] [2 2] on the host, [3 3] on the device
+            fill(pool, src, 100.0 + i)
+            assert cache.insert([i, i], src)
+            mgr.flush_nowait()
+        assert cache.match([0, 0]) is not None  # host LRU order now: [1 1] [2 2] [0 0]
+        held_before = host.held()
+        for i in (4, 5):  # one step: [3 3] then [4 4] go to the host, dropping [1 1] then [2 2]
+            fill(pool, src, 100.0 + i)  # the insert's copy reads src at the flush; both read this value
+            assert cache.insert([i, i], src)
+        assert cache.stats.host_drops == 2 and host.num_free == 0
+        assert set(host.held()) == set(held_before)  # the two new host checkpoints took the two freed slots
+        mgr.flush_nowait()
+        want = {(0, 0): 100.0, (3, 3): 103.0, (4, 4): 105.0, (5, 5): 105.0}
+        assert {key: tier for key, (tier, _) in trie(cache).items()} == {
+            (0, 0): "host", (3, 3): "host", (4, 4): "host", (5, 5): "device",
+        }  # fmt: skip
+        for key, value in want.items():
+            got = cache.match(list(key))
+            assert got is not None and got.length == 2
+            slot = cache.fork(got, request_id="q")
+            mgr.flush_nowait()
+            assert value_of(pool, slot) == value, key
+            mgr.release(slot, request_id="q")
+        mgr.release(src, request_id="src")
+        cache.clear()
+        mgr.flush_nowait()
+        mgr.check_idle()
+
+
+@pytest.mark.parametrize("filled_by_swap", [False, True], ids=["tier-sized", "filled-by-swap"])
+def test_a_restore_reads_a_host_checkpoint_dropped_and_rewritten_later_in_its_step(filled_by_swap: bool) -> None:
+    """Fork from a host checkpoint, then evict it in the same step: the offload that takes its host slot runs after
+    the restore read the old state."""
+    k = 2
+    pool, host = mc.StatePool(SPEC, 8), mc.HostPool(SPEC, k + filled_by_swap)
+    with mc.CacheManager(pool, host_pool=host) as mgr:
+        cache = mc.PrefixCache(mgr, block_size=B, max_checkpoints=1, host_checkpoints=k)
+        if filled_by_swap:
+            (r,) = mgr.alloc(1, request_id="swapped")
+            mgr.flush_nowait()
+            fill(pool, r, 55.0)
+            swapped = mgr.offload(r, request_id="swapped")
+            mgr.release(r, request_id="swapped")
+        (src,) = mgr.alloc(1, request_id="src")
+        mgr.flush_nowait()
+        for i in range(k + 1):  # [0 0] [1 1] on the host, [2 2] on the device
+            fill(pool, src, 100.0 + i)
+            assert cache.insert([i, i], src)
+            mgr.flush_nowait()
+        assert host.num_free == 0
+        hit = cache.match([0, 0])
+        assert hit is not None and hit.tier == "host"
+        (h0,) = (h for key, (tier, h) in trie(cache).items() if key == (0, 0))
+        forked = cache.fork(hit, request_id="f")  # restore(h0, keep=True)
+        cache.match([1, 1])  # [0 0] is the least recently used host checkpoint again
+        fill(pool, src, 103.0)
+        assert cache.insert([3, 3], src)  # evicts [2 2] to the host: drops [0 0] and takes h0
+        assert trie(cache)[(2, 2)] == ("host", h0) and cache.match([0, 0]) is None
+        assert trie(cache)[(1, 1)][0] == "host" and cache.stats.host_drops == 1  # only the LRU one went
+        mgr.flush_nowait()
+        assert value_of(pool, forked) == 100.0
+        assert host_value(host, h0) == 102.0
+        if filled_by_swap:
+            assert host_value(host, swapped) == 55.0
+            mgr.drop(swapped)
+        mgr.release(forked, request_id="f")
+        mgr.release(src, request_id="src")
+        cache.clear()
+        mgr.flush_nowait()
+        mgr.check_idle()

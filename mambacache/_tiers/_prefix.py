@@ -93,7 +93,11 @@ class PrefixCache:
       prompt shrinks from its end; with ``host_checkpoints > 0`` the evicted
       state moves to the host tier, and a later hit restores it;
     * a hit stays usable until its checkpoint leaves both tiers; ``fork`` on a
-      hit whose checkpoint is gone raises :class:`StaleHitError`.
+      hit whose checkpoint is gone raises :class:`StaleHitError`;
+    * every public call checks all its arguments, and that the manager takes
+      events, before it evicts, allocates or links anything: a refused call
+      (a typed error of :mod:`mambacache`) leaves the cache, the pool and the
+      host pool as they were.
 
     Not thread-safe: use it from the task or thread that schedules steps.
     """
@@ -183,6 +187,9 @@ class PrefixCache:
             raise StaleHitError(
                 f"the checkpoint of this {hit.length}-token hit was evicted and dropped since match(): match again"
             )
+        if not self._owns(node):  # another cache's slots: possibly another manager's pool
+            raise InvalidArgumentError("fork takes a PrefixHit from this cache's match(), not another cache's")
+        self._mgr._check_open()
         slot = self._alloc(request_id, protect=node)
         if node.slot:
             self._mgr.copy_on_write(node.slot, slot, request_id=request_id)
@@ -218,6 +225,7 @@ class PrefixCache:
         slot = as_slot(slot, self._mgr.pool.num_slots)
         if not self._mgr.pool.is_allocated(slot):
             raise SlotStateError(f"insert: slot {slot!r} is not allocated")
+        self._mgr._check_open()
         blocks = list(self._blocks(tokens, n // self.block_size))
         node: _Node | None = self._root
         for key in blocks:
@@ -253,10 +261,12 @@ class PrefixCache:
 
     def evict(self) -> bool:
         """Evict the least recently used leaf checkpoint now (to the host tier if it has room); False if none."""
+        self._mgr._check_open()
         return self._evict_one(protect=None)
 
     def clear(self) -> None:
         """Release every checkpoint slot and drop every host checkpoint (before an idle leak check, say)."""
+        self._mgr._check_open()
         for node in list(self._device):
             self._mgr.release(node.slot, request_id=CHECKPOINT_TENANT)
             node.slot = 0
@@ -286,6 +296,9 @@ class PrefixCache:
         if self.host_checkpoints:
             hp = mgr.host_pool
             assert hp is not None
+            # The host tier is LRU: drop its least recently used checkpoints, one per host slot missing. A dropped
+            # slot counts in num_free at once (an offload takes it in this same step when no other is free, the
+            # planner reading its old content first), so a full tier drops exactly one, not all of them.
             while (len(self._host) >= self.host_checkpoints or hp.num_free == 0) and self._drop_host_one(protect):
                 pass
             if len(self._host) < self.host_checkpoints and hp.num_free:
@@ -314,8 +327,8 @@ class PrefixCache:
         node = next((n for n in self._host if n is not protect), None)
         if node is None:
             return False
+        self._mgr.drop(node.host)  # first: if the manager refuses it, the cache still tracks the checkpoint
         del self._host[node]
-        self._mgr.drop(node.host)
         slot_log = _tracing.state.slot_log
         if slot_log is not None:
             slot_log.debug("prefix.evict", host=node.host, length=node.length, to="dropped", step=self._mgr.step)
@@ -325,6 +338,11 @@ class PrefixCache:
         return True
 
     # -- the trie --------------------------------------------------------
+    def _owns(self, node: _Node) -> bool:
+        while node.parent is not None:
+            node = node.parent
+        return node is self._root
+
     def _touch(self, node: _Node) -> None:
         if node.slot:
             self._device.move_to_end(node)

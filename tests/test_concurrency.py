@@ -93,7 +93,8 @@ async def test_submit_from_worker_threads() -> None:
 
 async def test_alloc_wait_never_raises_while_another_thread_allocates() -> None:
     """A real competing thread allocates and releases as fast as it can for seconds; alloc_wait must only
-    ever wait, never raise PoolExhaustedError, and what it returns is held by its caller."""
+    ever wait, never raise PoolExhaustedError, and what it returns is held by its caller. Every third wait
+    gets a deadline of half a millisecond: a cancelled wait holds nothing."""
     pool = mc.StatePool(small_spec(), 4)
     stop = threading.Event()
     thread_allocs = [0]
@@ -112,11 +113,17 @@ async def test_alloc_wait_never_raises_while_another_thread_allocates() -> None:
     async with mc.CacheManager(pool) as mgr:
         thread = threading.Thread(target=competitor, args=(mgr,))
         thread.start()
-        waits = 0
+        waits = attempts = cancelled = 0
         try:
             with anyio.move_on_after(2.5):
                 while True:
-                    slots = await mgr.alloc_wait(3, request_id="waiter")
+                    attempts += 1
+                    with anyio.move_on_after(0.0005 if attempts % 3 == 0 else 60) as scope:
+                        slots = await mgr.alloc_wait(3, request_id="waiter")
+                    if scope.cancelled_caught:
+                        cancelled += 1
+                        assert "waiter" not in mgr.held().values() and mgr._waiters == []
+                        continue
                     held = mgr.held()
                     assert len(slots) == 3 and all(held[s] == "waiter" for s in slots)
                     mgr.release_many(slots, request_id="waiter")
@@ -129,4 +136,31 @@ async def test_alloc_wait_never_raises_while_another_thread_allocates() -> None:
             thread.join(10)
             sys.setswitchinterval(interval)
         await mgr.flush()
-    assert waits > 10 and thread_allocs[0] > 10  # both sides really ran against each other
+    assert waits > 10 and thread_allocs[0] > 10 and cancelled > 0  # both sides really ran against each other
+
+
+async def test_a_waiter_blocked_when_the_manager_closes_raises_closed_and_takes_nothing() -> None:
+    pool = mc.StatePool(small_spec(), 2)
+    mgr = mc.CacheManager(pool)
+    raised: list[mc.ManagerClosedError] = []
+
+    async def waiter() -> None:
+        try:
+            await mgr.alloc_wait(1, request_id="w")
+        except mc.ManagerClosedError as exc:
+            raised.append(exc)
+
+    async with anyio.create_task_group() as tg, mgr:
+        a, b = mgr.alloc(2, request_id="r")
+        tg.start_soon(waiter)
+        with anyio.fail_after(10):  # generous: CI machines are shared
+            while True:
+                if mgr._waiters:
+                    break
+                await anyio.sleep(0.001)
+        # A slot is free while the manager closes: the waiter sees it and must still not take it.
+        mgr.release(a, request_id="r")
+    assert len(raised) == 1 and "closed" in str(raised[0])
+    assert mgr.held() == {b: "r"} and pool.num_free == 1 and mgr._waiters == []
+    with pytest.raises(mc.ManagerClosedError):
+        await mgr.alloc_wait(1)

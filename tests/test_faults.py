@@ -2,9 +2,15 @@
 
 The class of test that finds half-written rotates: every variant of every
 executor (each chunking level of the npu workspace included) runs a step with a
-fault raised before its k-th aten op, for every k the step has, with
-``MemoryError``, ``RuntimeError`` and ``KeyboardInterrupt``; then one good flush
-must leave exactly what one-event-at-a-time execution leaves.
+fault raised before its k-th aten op, with ``MemoryError``, ``RuntimeError`` and
+``KeyboardInterrupt``; then one good flush must leave exactly what
+one-event-at-a-time execution leaves.
+
+Which k: every op of the step under ``MAMBACACHE_FULL_SWEEP=1``, as CI runs it
+(about two minutes, most of it the npu variants with the smallest workspaces);
+by default a deterministic sample of at most 24 (the first and last three and an
+even spread between, ``tests/sweep.py``) on every variant and scenario, a few
+seconds.
 """
 
 from __future__ import annotations
@@ -144,6 +150,20 @@ def test_a_fault_at_every_op_then_one_flush_is_exact(variant: str, scenario: str
     excs: list[type[BaseException]] = [MemoryError, RuntimeError, KeyboardInterrupt]
     for at in fault_points(total):
         run_scenario(make, scenario, at, excs[at % len(excs)])
+
+
+def test_the_sweep_samples_both_ends_and_the_middle_and_runs_every_op_under_the_switch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("MAMBACACHE_FULL_SWEEP", raising=False)
+    points = fault_points(500)
+    assert len(points) <= 24 and points[:3] == [1, 2, 3] and points[-3:] == [498, 499, 500]
+    assert all(any(lo <= p < lo + 50 for p in points) for lo in range(0, 500, 50))  # no stretch left out
+    assert fault_points(500) == points and fault_points(24) == list(range(1, 25))
+    monkeypatch.setenv("MAMBACACHE_FULL_SWEEP", "0")
+    assert fault_points(500) == points
+    monkeypatch.setenv("MAMBACACHE_FULL_SWEEP", "1")  # what .ci/run sets
+    assert fault_points(500) == list(range(1, 501))
 
 
 def test_npu_rotate_stays_within_a_workspace_smaller_than_a_row() -> None:

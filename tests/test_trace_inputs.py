@@ -187,3 +187,52 @@ def test_expect_idle_reports_host_slots_of_a_swapped_out_request_aborted_without
     with path.open("a") as f:
         f.write(line("host.drop", 3, host=h) + "\n")
     assert analyze(path, expect_idle=True).anomalies == [] and main(["trace", str(path), "--expect-idle"]) == 0
+
+
+def test_slot_and_request_views_narrow_host_slots_to_the_slots_they_were_offloaded_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Host slot 0 holds r's state from slot 1; host slot 1 held q's from slot 2, was dropped, and now holds
+    p's from slot 3: it goes with slot 3 only."""
+    lines = [
+        line("slot.alloc", 0, slot=1, request_id="r", cleared=True),
+        line("slot.alloc", 0, slot=2, request_id="q", cleared=True),
+        line("step.flush", 0, events=2, elided=0),
+        line("slot.offload", 1, slot=1, host=0, request_id="r"),
+        line("slot.release", 1, slot=1, request_id="r"),
+        line("slot.offload", 1, slot=2, host=1, request_id="q"),
+        line("slot.release", 1, slot=2, request_id="q"),
+        line("host.drop", 1, host=1),
+        line("step.flush", 1, events=5, elided=0),
+        line("slot.alloc", 2, slot=3, request_id="p", cleared=True),
+        line("step.flush", 2, events=1, elided=0),
+        line("slot.offload", 3, slot=3, host=1, request_id="p"),
+        line("slot.release", 3, slot=3, request_id="p"),
+        line("step.flush", 3, events=2, elided=0),
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    analysis = analyze(path, expect_idle=True)
+    assert analysis.held == {} and analysis.host_held == {0: "r", 1: "p"}
+    assert [(a.kind, a.slot, a.request_id) for a in analysis.anomalies] == [
+        ("host-held-at-end", 1, "r"),
+        ("host-held-at-end", 3, "p"),
+    ]
+    assert analysis.summary["host_held_at_end"] == 2
+    assert [analysis.summary_for([s])["host_held_at_end"] for s in (1, 2, 3)] == [1, 0, 1]
+
+    assert main(["trace", str(path), "--expect-idle", "--json", "-", "--slot", "2"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["host_held"] == {} and data["anomalies"] == [] and data["summary"]["host_held_at_end"] == 0
+    assert main(["trace", str(path), "--expect-idle", "--json", "-", "--slot", "3"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["host_held"] == {"1": "p"} and data["summary"]["host_held_at_end"] == 1
+    assert [(a["kind"], a["slot"], a["request_id"]) for a in data["anomalies"]] == [("host-held-at-end", 3, "p")]
+    assert main(["trace", str(path), "--expect-idle", "--json", "-"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["host_held"] == {"0": "r", "1": "p"} and data["summary"]["host_held_at_end"] == 2
+
+    assert main(["trace", str(path), "--expect-idle", "--request", "r"]) == 1
+    out = capsys.readouterr().out
+    assert "host slots held at the end of the trace: 0 ('r')\n" in out and "'p'" not in out
+    assert "host_held_at_end      1" in out and "host-held-at-end: host slot 0 still holds the state 'r'" in out

@@ -117,9 +117,21 @@ class TraceAnalysis:
             "forks": count["fork-in"],
             "releases": count["release"],
             "held_at_end": len(keep & set(self.held)),
+            "host_held_at_end": len(self._host_held_for(keep)),
             "anomalies": sum(a.slot in keep for a in self.anomalies),
             "bad_lines": len(self.bad_lines),
         }
+
+    def _host_held_for(self, slots: Iterable[int]) -> dict[int, str | None]:
+        """``host_held`` narrowed to host slots offloaded from one of ``slots``: a ``--slot`` or ``--request``
+        view shows the swapped-out states of what it selected, as ``held`` shows its slots."""
+        keep = set(slots)
+        latest: dict[int, tuple[int, int]] = {}  # host slot -> (line, pool slot) of the offload that filled it
+        for s, entries in self.timelines.items():
+            for e in entries:
+                if e.action == "offload" and e.other in self.host_held and e.line >= latest.get(e.other, (-1, 0))[0]:
+                    latest[e.other] = (e.line, s)
+        return {h: t for h, t in self.host_held.items() if h in latest and latest[h][1] in keep}
 
     def to_json(self, slots: Iterable[int] | None = None) -> dict[str, Any]:
         """The analysis as JSON-ready data, narrowed to ``slots`` (summary included) when given."""
@@ -128,7 +140,7 @@ class TraceAnalysis:
             "summary": self.summary if slots is None else self.summary_for(keep),
             "slots": {str(s): [asdict(e) for e in self.timelines[s]] for s in sorted(keep) if s in self.timelines},
             "held": {str(s): t for s, t in sorted(self.held.items()) if s in keep},
-            "host_held": {str(h): t for h, t in sorted(self.host_held.items())},
+            "host_held": {str(h): t for h, t in sorted(self._host_held_for(keep).items())},
             "anomalies": [asdict(a) for a in self.anomalies if a.slot in keep],
             "bad_lines": [asdict(b) for b in self.bad_lines],
         }
@@ -430,13 +442,13 @@ def _analyze_records(records: Iterable[tuple[int, dict[str, Any]]], expect_idle:
         for h, (src, tenant) in sorted(host_from.items()):
             message = (
                 f"host slot {h} still holds the state {tenant!r} offloaded from slot {src} at the end"
-                " (swapped out, then neither restored nor dropped)"
+                " (neither dropped nor restored without keep since)"
             )
             flag("host-held-at-end", src, last_line, last_step, tenant, message)
     counts["slots_used"] = len(out.timelines)
     counts["requests"] = len(requests)
     counts["held_at_end"] = len(out.held)
-    counts["host_held_at_end"] = len(host_held)
+    counts["host_held_at_end"] = len(out.host_held)
     counts["anomalies"] = len(out.anomalies)
     out.summary = counts
     return out

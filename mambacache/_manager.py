@@ -250,13 +250,16 @@ class CacheManager:
         For an engine's idle check: with no request running, no slot should be
         held, and no host slot either (a swapped-out request aborted without
         ``drop``). ``host``: whether to check the host pool too; None (default)
-        checks it when one is attached.
+        checks it when one is attached. The error's ``held`` and ``host_held``
+        map the slots and host slots to their tenants (a host slot's is the
+        ``request_id`` of the offload that filled it).
         """
         if host is not None and type(host) is not bool:
             raise InvalidArgumentError(f"host must be a bool or None, got {host!r}")
-        held = self.held()
         hp = self._host
-        host_held = hp.held() if hp is not None and host is not False else {}
+        with self._lock:  # one snapshot: a swap in or out between two reads could hide a request from both
+            held = self._pool.ledger.held_by()
+            host_held = hp.ledger.held_by() if hp is not None and host is not False else {}
         if held or host_held:
             parts = [_listed(held, "slot"), _listed(host_held, "host slot")]
             raise SlotLeakError("; ".join(p for p in parts if p), held, host_held)

@@ -453,8 +453,9 @@ class CacheManager:
         """``slot`` gets host slot ``host``'s state as of this point of the event order.
 
         ``host`` is freed after the read unless ``keep`` (a checkpoint restored many
-        times); a freed host slot is reused only after the next flush, so the read
-        always sees the offloaded state.
+        times). A host slot freed in a step is handed out again in that step only
+        when no other is free, and the planner orders this read before the offload
+        that rewrites it, so the read always sees the offloaded state.
         """
         hp = self._need_host("restore")
         h = self._host_slot(hp, host)

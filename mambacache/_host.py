@@ -44,6 +44,7 @@ class HostPool:
     exactly, a restore's read of the slot before the offload that rewrites it.
 
     Draft buffers are never offloaded: a host slot holds a slot's state only.
+    As in :class:`StatePool`, ``ledger`` and ``exec_tensors`` belong to the core.
     """
 
     def __init__(self, spec: StateSpec, num_slots: int, *, pin_memory: bool | None = None) -> None:
@@ -69,9 +70,8 @@ class HostPool:
         self.pinned = pin
         self.conv: list[torch.Tensor] = conv
         self.temporal: torch.Tensor = temporal
-        self._exec_tensors = [executor_view(t) for t in (*conv, temporal)]
+        self.exec_tensors = [executor_view(t) for t in (*conv, temporal)]
         self.ledger = SlotLedger(num_slots, "host pool")  # held host slots and their tenants; driven by the manager
-        self._manager: object | None = None
 
     @property
     def tensors(self) -> list[torch.Tensor]:

@@ -1,15 +1,19 @@
 """SlotLedger: which slots of a pool are held, by whom, and which are free; StatePool and HostPool share it.
 
-Pure Python, no torch. The manager drives it under its lock, after validating:
-the ledger trusts its callers' arguments and keeps its invariants cheap.
+Pure Python, no torch. The manager drives it under its lock: the ledger checks
+a batch of events against the slots' state at each event's point of the order
+(:meth:`SlotLedger.check_batch`), and otherwise trusts its callers' arguments
+(ranges and types are checked before) and keeps its invariants cheap.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
-from ._errors import PoolExhaustedError
+from ._errors import InvalidArgumentError, InvalidEventError, PoolExhaustedError, SlotStateError
+from ._events import CommitDraft, CopyOnWrite, Event, Release
 
 __all__ = ["SlotLedger"]
 
@@ -32,7 +36,7 @@ class SlotLedger:
       when nothing else is free, and the planner orders the read first.
     """
 
-    __slots__ = ("_free", "_later", "_num_free", "_pending", "held", "name", "size", "tenants")
+    __slots__ = ("_free", "_later", "_num_free", "_pending", "held", "name", "owner", "size", "tenants")
 
     def __init__(self, size: int, name: str = "pool") -> None:
         self.size = size
@@ -43,6 +47,18 @@ class SlotLedger:
         self._num_free = size  # free slots in the heap (its stale entries aside)
         self._later: list[int] = []  # freed by free_later, in order
         self._pending = bytearray(size + 1)  # 1 for the slots in _later (O(1) membership)
+        self.owner: object | None = None  # the open manager driving this ledger, if any
+
+    def claim(self, owner: object) -> None:
+        """Make ``owner`` (an open manager) the only one driving this ledger."""
+        if self.owner is not None:
+            raise InvalidArgumentError(f"this {self.name} is already managed by another open CacheManager")
+        self.owner = owner
+
+    def unclaim(self, owner: object) -> None:
+        """``owner`` closed: another manager may drive the ledger."""
+        if self.owner is owner:
+            self.owner = None
 
     @property
     def num_free(self) -> int:
@@ -114,3 +130,69 @@ class SlotLedger:
             self._pending[s] = 0
         self._num_free += len(self._later)
         self._later.clear()
+
+    # -- validation ------------------------------------------------------
+    def check_held(self, kind: str, slot: int, tenant: str | None) -> None:
+        """``slot`` is held, by ``tenant`` when one is given; else :class:`SlotStateError`."""
+        if not self.held[slot]:
+            raise not_held(kind, "the", slot)
+        if tenant is not None and self.tenants[slot] != tenant:
+            raise tenant_error(kind, slot, self.tenants[slot], tenant)
+
+    def apply_batch(self, events: Sequence[Event], draft_tokens: int) -> None:
+        """Check ``events`` (clears, copies, commits, releases) in order, then free what they release.
+
+        Each event is checked against the slots' state at its own point of the
+        order: a slot released earlier in the batch is no longer held. All or
+        nothing: the first invalid event raises and the ledger is unchanged.
+        The decode-step hot path, so the checks are inlined.
+        """
+        held, tenants = self.held, self.tenants
+        released: dict[int, None] | None = None  # ordered: freed in release order
+        for ev in events:
+            t = type(ev)
+            rid = ev.request_id  # type: ignore[union-attr]
+            if t is CopyOnWrite:
+                a, b = ev.src, ev.dst  # type: ignore[union-attr]
+                if not held[a] or (released is not None and a in released):
+                    raise not_held("CopyOnWrite", "source", a)
+                if not held[b] or (released is not None and b in released):
+                    raise not_held("CopyOnWrite", "destination", b)
+                if rid is not None and tenants[b] != rid:
+                    raise tenant_error("CopyOnWrite", b, tenants[b], rid)
+            else:
+                slot = ev.slot  # type: ignore[union-attr]
+                if not held[slot] or (released is not None and slot in released):
+                    raise not_held(t.__name__, "the", slot)
+                if t is CommitDraft and not 0 <= ev.accepted <= draft_tokens:  # type: ignore[union-attr]
+                    raise _bad_commit(ev.accepted, draft_tokens)  # type: ignore[union-attr]
+                if rid is not None and tenants[slot] != rid:
+                    raise tenant_error(t.__name__, slot, tenants[slot], rid)
+                if t is Release:
+                    if released is None:
+                        released = {}
+                    released[slot] = None
+        if released is not None:
+            self.give_back(released)
+
+
+def not_held(kind: str, role: str, slot: int) -> SlotStateError:
+    return SlotStateError(
+        f"{kind}: {role} slot {slot} is not allocated at this point of the event order (released, or never allocated)"
+    )
+
+
+def tenant_error(kind: str, slot: int, tenant: str | None, request_id: Any) -> SlotStateError:
+    return SlotStateError(
+        f"{kind}: slot {slot} belongs to {tenant!r}, not {request_id!r} (pass request_id=None to skip the check)"
+    )
+
+
+def _bad_commit(accepted: int, draft_tokens: int) -> Exception:
+    if not draft_tokens:
+        return InvalidEventError(
+            "CommitDraft on a pool without draft buffers: make it with StatePool(..., draft_tokens=k)"
+        )
+    return InvalidArgumentError(
+        f"CommitDraft: accepted must be in 0..{draft_tokens} (the pool's draft_tokens), got {accepted}"
+    )

@@ -50,6 +50,12 @@ class StatePool:
     Surface: O(1) figures are attributes and properties (``num_slots``,
     ``num_free``, ``num_allocated``, ``unfinished``, ``device``, ``spec``); what
     walks the slots is a method (``allocated_slots()``, ``is_allocated(slot)``).
+
+    The core drives three more attributes, which engines leave alone: ``ledger``
+    (held slots and tenants, :class:`~mambacache._ledger.SlotLedger`),
+    ``backlog`` (device work a failed flush left) and ``exec_tensors`` /
+    ``exec_drafts`` (what executors are handed: the same storage as ``tensors``
+    and ``draft_tensors``, as integer views where a dtype needs one).
     """
 
     def __init__(
@@ -96,7 +102,7 @@ class StatePool:
         # writes the state after draft token j at index j; CommitDraft copies one back.
         self.draft_conv: list[torch.Tensor] = list(draft_conv or [])
         self.draft_temporal: torch.Tensor | None = draft_temporal
-        self._exec_drafts = (
+        self.exec_drafts = (
             [executor_view(t) for t in (*self.draft_conv, draft_temporal)] if draft_temporal is not None else []
         )
         self.num_slots = temporal.shape[1] - 1
@@ -104,10 +110,9 @@ class StatePool:
         self.conv: list[torch.Tensor] = conv
         self.temporal: torch.Tensor = temporal
         # What executors are handed: the same storage, as integer views where needed.
-        self._exec_tensors = [executor_view(t) for t in (*conv, temporal)]
+        self.exec_tensors = [executor_view(t) for t in (*conv, temporal)]
         self.ledger = SlotLedger(self.num_slots)  # held slots and tenants; driven by the manager under its lock
-        self._manager: object | None = None  # the open CacheManager driving this pool, if any
-        self._backlog = Backlog()
+        self.backlog = Backlog()
 
     @classmethod
     def from_tensors(
@@ -243,7 +248,7 @@ class StatePool:
     @property
     def unfinished(self) -> int:
         """Stages of device work a failed flush left for the next flush (or the next manager) to run first."""
-        return len(self._backlog)
+        return len(self.backlog)
 
     def discard_unfinished(self) -> int:
         """Drop the unfinished work; returns how many stages were dropped.
@@ -252,9 +257,9 @@ class StatePool:
         it: the slots it would have written hold unspecified content afterwards,
         so release them, or clear them before use. Refused while a manager is open.
         """
-        if self._manager is not None:
+        if self.ledger.owner is not None:
             raise InvalidArgumentError("discard_unfinished() while a CacheManager is open on this pool")
-        return self._backlog.clear()
+        return self.backlog.clear()
 
     def __repr__(self) -> str:
         return (

@@ -9,6 +9,7 @@ outlives the manager) and the count of failures in a row that breaks it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -143,9 +144,9 @@ class StepRunner:
     __slots__ = ("_backlog", "_broken", "_device", "_drafts", "_failures", "_max_failures", "_tensors")
 
     def __init__(self, pool: Any, max_failures: int) -> None:
-        self._backlog: Backlog = pool._backlog
-        self._tensors: list[torch.Tensor] = pool._exec_tensors
-        self._drafts: list[torch.Tensor] = pool._exec_drafts
+        self._backlog: Backlog = pool.backlog
+        self._tensors: list[torch.Tensor] = pool.exec_tensors
+        self._drafts: list[torch.Tensor] = pool.exec_drafts
         self._device: torch.device = pool.device
         self._max_failures = max_failures
         self._failures = 0
@@ -157,8 +158,22 @@ class StepRunner:
         return self._broken
 
     def raise_if_broken(self) -> None:
+        """Raise :class:`ManagerBrokenError` once the failure budget is spent."""
         if self._broken is not None:
             raise ManagerBrokenError(self._broken)
+
+    @property
+    def pending(self) -> int:
+        """Stages in the backlog: kept by failed flushes, or pushed and not run yet."""
+        return len(self._backlog)
+
+    def push(self, stages: Iterable[Stage], executor: Executor, host: list[torch.Tensor] | None) -> None:
+        """Queue ``stages`` behind the backlog, to run on ``executor`` (with ``host``'s tensors)."""
+        self._backlog.push(stages, executor, host)
+
+    def check(self, executor: Executor) -> None:
+        """:func:`check_executor` on this pool's tensors: refuse an executor that cannot run a dtype."""
+        check_executor(executor, self._tensors, self._drafts)
 
     def run(self, stream: Any | None, step: int) -> int:
         """Run the backlog to the end on ``stream``; returns the stages run.
@@ -187,9 +202,7 @@ class StepRunner:
         left = len(self._backlog)
         self._failures += 1
         where = f"executor {executor.name!r} failed on {type(stage).__name__} (tensor {self._backlog.next_tensor})"
-        log = _tracing.state.step_log
-        if log is not None:
-            log.error("step.error", step=step, stage=type(stage).__name__, error=repr(exc), failures=self._failures)
+        _tracing.tracer.failed(step, type(stage).__name__, repr(exc), self._failures)
         if self._failures >= self._max_failures:
             self._broken = (
                 f"CacheManager is broken: {self._failures} flushes in a row failed (last: {where}: {exc!r});"

@@ -1,27 +1,106 @@
-"""Where lifecycle events go. Off by default, and then nearly free.
+"""The one hook through which the core reports slot lifecycle events. Off by default, and then nearly free.
 
-The manager reads ``state.slot_log`` / ``state.step_log`` once per call: both are
-None until :func:`mambacache.tracing.configure` or ``tracing.enable`` is called,
-so with tracing off a submit costs one attribute read and a comparison.
+The core calls ``_tracing.tracer`` at three kinds of site: after a batch of
+events is queued (:meth:`Tracer.events`), after a flush (:meth:`Tracer.flushed`)
+and when an executor fails (:meth:`Tracer.failed`); the tiers add their own
+events with :meth:`Tracer.note`. The base :class:`Tracer` does nothing, so with
+tracing off a submit pays one no-op call and no site tests for a logger.
+:func:`mambacache.tracing.configure` installs a :class:`LogTracer` once; this
+module imports no structlog, so ``import mambacache`` does not either.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
-import structlog
+from ._events import Alloc, Clear, CommitDraft, CopyOnWrite, DropHost, Offload, Release, Restore, StepReport
 
-# A lazy proxy: it follows whatever the application configured, when it logs.
-logger = structlog.get_logger("mambacache")
+if TYPE_CHECKING:
+    from ._events import Event
 
-
-class _State:
-    __slots__ = ("close", "slot_log", "step_log")
-
-    def __init__(self) -> None:
-        self.slot_log: Any | None = None  # per-slot events (debug level)
-        self.step_log: Any | None = None  # flush summaries (info level)
-        self.close: Any | None = None
+__all__ = ["LogTracer", "Tracer", "install", "tracer"]
 
 
-state = _State()
+class Tracer:
+    """Receives the core's lifecycle events; this base ignores them (tracing off)."""
+
+    __slots__ = ()
+
+    def events(self, events: Sequence[Event], step: int) -> None:
+        """``events`` were queued for ``step``, in this order."""
+
+    def flushed(self, report: StepReport) -> None:
+        """A flush ran ``report.step``."""
+
+    def failed(self, step: int, stage: str, error: str, failures: int) -> None:
+        """An executor failed on a ``stage`` of ``step``; the work is kept (``failures`` in a row)."""
+
+    def note(self, event: str, **fields: Any) -> None:
+        """A tier's own debug event (``prefix.hit`` and the like)."""
+
+
+def _fields(ev: Event) -> tuple[str, dict[str, Any]]:
+    """The trace name and fields of a queued event (the analyzer reads these keys)."""
+    t = type(ev)
+    if t is Clear or t is Release:
+        return ("slot.clear" if t is Clear else "slot.release"), {"slot": ev.slot, "request_id": ev.request_id}  # type: ignore[union-attr]
+    if t is CopyOnWrite:
+        return "slot.cow", {"src": ev.src, "dst": ev.dst, "request_id": ev.request_id}  # type: ignore[union-attr]
+    if t is Alloc:
+        return "slot.alloc", {"slot": ev.slot, "request_id": ev.request_id, "cleared": ev.clear}  # type: ignore[union-attr]
+    if t is CommitDraft:
+        return "slot.commit", {"slot": ev.slot, "accepted": ev.accepted, "request_id": ev.request_id}  # type: ignore[union-attr]
+    if t is Offload:
+        return "slot.offload", {"slot": ev.slot, "host": ev.host, "request_id": ev.request_id}  # type: ignore[union-attr]
+    if t is Restore:
+        return "slot.restore", {"host": ev.host, "slot": ev.slot, "request_id": ev.request_id, "keep": ev.keep}  # type: ignore[union-attr]
+    assert t is DropHost
+    return "host.drop", {"host": ev.host}  # type: ignore[union-attr]
+
+
+# Every count of a report; its seconds go out rounded to microseconds instead.
+_REPORT_FIELDS = tuple(f.name for f in dataclasses.fields(StepReport) if not f.name.endswith("_s"))
+
+
+class LogTracer(Tracer):
+    """Writes events to structlog loggers: ``slots`` (debug, per slot; None to skip) and ``steps`` (flushes)."""
+
+    __slots__ = ("_slots", "_steps", "close")
+
+    def __init__(self, slots: Any | None, steps: Any, close: Callable[[], None] | None = None) -> None:
+        self._slots = slots
+        self._steps = steps
+        self.close = close  # closes the file configure() opened, if any
+
+    def events(self, events: Sequence[Event], step: int) -> None:
+        log = self._slots
+        if log is not None:
+            for ev in events:
+                name, fields = _fields(ev)
+                log.debug(name, **fields, step=step)
+
+    def flushed(self, report: StepReport) -> None:
+        figures = {name: getattr(report, name) for name in _REPORT_FIELDS}
+        self._steps.info(
+            "step.flush", **figures, plan_us=round(report.plan_s * 1e6, 1), execute_us=round(report.execute_s * 1e6, 1)
+        )
+
+    def failed(self, step: int, stage: str, error: str, failures: int) -> None:
+        self._steps.error("step.error", step=step, stage=stage, error=error, failures=failures)
+
+    def note(self, event: str, **fields: Any) -> None:
+        if self._slots is not None:
+            self._slots.debug(event, **fields)
+
+
+OFF = Tracer()
+tracer: Tracer = OFF
+
+
+def install(new: Tracer) -> Tracer:
+    """Make ``new`` the core's tracer; returns the one it replaces."""
+    global tracer
+    old, tracer = tracer, new
+    return old

@@ -90,7 +90,7 @@ def test_every_rank_applies_the_source_plan_exactly(raw: list[tuple[str, int, in
         for events, _, _ in host_events_from_ops(raw, N, set(initially), H, set()):
             before = mgrs[0].pending
             submit(mgrs[0], events, host_of)
-            queued = mgrs[0]._events[before:]
+            queued = mgrs[0].queued()[before:]
             reports = flush_all(mgrs)
             assert len({(r.step, r.events, r.zeroed, r.copied, r.offloaded, r.restored) for r in reports}) == 1
             for o, p, h in zip(oracles, pools, hosts, strict=True):

@@ -122,7 +122,7 @@ async def test_alloc_wait_never_raises_while_another_thread_allocates() -> None:
                         slots = await mgr.alloc_wait(3, request_id="waiter")
                     if scope.cancelled_caught:
                         cancelled += 1
-                        assert "waiter" not in mgr.held().values() and mgr._waiters == []
+                        assert "waiter" not in mgr.held().values() and mgr.waiting == 0
                         continue
                     held = mgr.held()
                     assert len(slots) == 3 and all(held[s] == "waiter" for s in slots)
@@ -155,12 +155,12 @@ async def test_a_waiter_blocked_when_the_manager_closes_raises_closed_and_takes_
         tg.start_soon(waiter)
         with anyio.fail_after(10):  # generous: CI machines are shared
             while True:
-                if mgr._waiters:
+                if mgr.waiting:
                     break
                 await anyio.sleep(0.001)
         # A slot is free while the manager closes: the waiter sees it and must still not take it.
         mgr.release(a, request_id="r")
     assert len(raised) == 1 and "closed" in str(raised[0])
-    assert mgr.held() == {b: "r"} and pool.num_free == 1 and mgr._waiters == []
+    assert mgr.held() == {b: "r"} and pool.num_free == 1 and mgr.waiting == 0
     with pytest.raises(mc.ManagerClosedError):
         await mgr.alloc_wait(1)

@@ -55,7 +55,7 @@ def exit_under_load(seed: int, sync: bool) -> None:
         mgr = anyio.run(body)
     assert refused.is_set()
     # Every accepted submit was taken by the exit flush: nothing is left queued or planned.
-    assert mgr.pending == 0 and pool.unfinished == 0 and pool._manager is None
+    assert mgr.pending == 0 and pool.unfinished == 0 and pool.ledger.owner is None
 
 
 @pytest.mark.parametrize("sync", [False, True])
@@ -84,7 +84,7 @@ def test_an_executor_that_cannot_run_every_stage_kind_is_refused_when_the_manage
     with pytest.raises(mc.UnsupportedDtypeError, match=r"no-rotate-f64.*RotateStage.*torch\.float64") as info:
         mc.CacheManager(pool, executor=NoRotateFor())
     assert isinstance(info.value, TypeError)
-    assert pool._manager is None
+    assert pool.ledger.owner is None
     mc.CacheManager(mc.StatePool(small_spec(), 4), executor=NoRotateFor())  # no float64 there: accepted
 
 
@@ -206,7 +206,7 @@ def test_slots_from_numpy_and_cpu_tensors_are_ints(form: int) -> None:
         oracle = SequentialOracle(pool)
         mgr.copy_on_write(as_form(a), as_form(b))
         mgr.submit(mc.Clear(as_form(c)), mc.CopyOnWrite(as_form(c), as_form(a)))  # type: ignore[arg-type]
-        queued = list(mgr._events)
+        queued = mgr.queued()
         assert all(type(x) is int for ev in queued for x in (getattr(ev, "slot", 1), getattr(ev, "src", 1)))
         oracle.apply([mc.CopyOnWrite(a, b), mc.Clear(c), mc.CopyOnWrite(c, a)])
         mgr.flush_nowait()

@@ -186,9 +186,9 @@ async def test_alloc_wait_waits_first_come_first_served_and_cancels_cleanly() ->
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(want, 2, "big")
-            await until(lambda: len(mgr._waiters) == 1, "big waits")
+            await until(lambda: mgr.waiting == 1, "big waits")
             tg.start_soon(want, 1, "small")
-            await until(lambda: len(mgr._waiters) == 2, "small waits")
+            await until(lambda: mgr.waiting == 2, "small waits")
             mgr.release(held[0])  # one free: "small" fits but must not overtake "big"
             await anyio.sleep(0.02)
             assert got == []
@@ -199,7 +199,7 @@ async def test_alloc_wait_waits_first_come_first_served_and_cancels_cleanly() ->
         assert got == [("big", [1, 2]), ("small", [3])]
         with anyio.move_on_after(0.02):
             await mgr.alloc_wait(1, request_id="never")
-        assert pool.num_free == 0 and "never" not in mgr.held().values() and mgr._waiters == []
+        assert pool.num_free == 0 and "never" not in mgr.held().values() and mgr.waiting == 0
         with pytest.raises(mc.InvalidArgumentError, match="never be met"):
             await mgr.alloc_wait(4)
 

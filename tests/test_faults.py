@@ -138,7 +138,7 @@ def run_scenario(make: Callable[[], mc.Executor], scenario: str, at: int, exc: t
 
 
 def _queued(mgr: mc.CacheManager) -> list[Any]:
-    return list(mgr._events)
+    return mgr.queued()
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
@@ -187,7 +187,7 @@ def test_a_workspace_below_one_element_is_refused_when_the_manager_is_made() -> 
     pool = mc.StatePool(SPEC, 4)
     with pytest.raises(mc.UnsupportedDtypeError, match=r"smaller than one torch\.float32 element"):
         mc.CacheManager(pool, executor=NpuExecutor(2))
-    assert pool._manager is None
+    assert pool.ledger.owner is None
 
 
 class Flaky:
@@ -303,7 +303,7 @@ def test_work_kept_by_a_failed_exit_flush_runs_first_in_the_next_manager(variant
         # Leaving the block runs the exit flush, which faults part-way (maybe mid-rotate).
         with pytest.raises(mc.ExecutorError), FaultAt(at, MemoryError):
             mgr.__exit__(None, None, None)
-        assert pool.unfinished >= 1 and pool._manager is None
+        assert pool.unfinished >= 1 and pool.ledger.owner is None
         # A new manager runs the kept work first, on the executor that started it.
         with mc.CacheManager(pool, executor="reference") as mgr2:
             report = mgr2.flush_nowait()

@@ -164,7 +164,7 @@ def run_host_scenario(variant: str, at: int, exc: type[BaseException]) -> int:
         oracle = SequentialOracle(pool, host)
         before = mgr.pending
         host_scenario(mgr, slots, h0)
-        oracle.apply(list(mgr._events)[before:])
+        oracle.apply(mgr.queued()[before:])
         mode = FaultAt(at, exc)
         try:
             with mode:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mambacache as mc
-from mambacache import _manager
+from mambacache import _flush
 
 from .oracle import SequentialOracle
 
@@ -41,7 +41,7 @@ def test_five_thousand_requests_committed_and_swapped_in_one_step_are_exact(reus
             mgr.release(s, request_id="old")
             if reuse:
                 assert mgr.alloc(1, request_id="new") == [s]
-        events = mgr._events[before:]
+        events = mgr.queued()[before:]
         report = mgr.flush_nowait()
         oracle.apply(events)
         oracle.assert_matches(pool, host)
@@ -70,23 +70,23 @@ def test_a_planner_failure_after_the_events_are_taken_loses_nothing(monkeypatch:
         mgr.copy_on_write(a, b)
         mgr.release(a)
         mgr.clear(c)
-        events, step = list(mgr._events), mgr.step
+        events, step = mgr.queued(), mgr.step
 
-        real = _manager.plan_step
+        real = _flush.plan_step
         calls = []
 
         def failing(log: object) -> mc.Plan:
             calls.append(log)
             raise MemoryError("no memory for the plan")
 
-        monkeypatch.setattr(_manager, "plan_step", failing)
+        monkeypatch.setattr(_flush, "plan_step", failing)
         with pytest.raises(mc.PlanError, match="queued again") as info:
             mgr.flush_nowait()
         assert isinstance(info.value, RuntimeError) and isinstance(info.value.__cause__, MemoryError)
         # Nothing ran, nothing was lost: the same events, in order, for the same step.
-        assert mgr._events == events and mgr.step == step and calls
+        assert mgr.queued() == events and mgr.step == step and calls
         mgr.clear(b)  # submitting goes on meanwhile; it lands after the kept events
-        monkeypatch.setattr(_manager, "plan_step", real)
+        monkeypatch.setattr(_flush, "plan_step", real)
         report = mgr.flush_nowait()
         assert report.step == step and report.events == len(events) + 1
         oracle.apply([*events, mc.Clear(b)])

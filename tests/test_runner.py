@@ -48,7 +48,7 @@ def mixed_plan() -> mc.Plan:
 
 def run_all(executor: mc.Executor, pool: mc.StatePool, host: mc.HostPool, plan: mc.Plan) -> None:
     for stage in plan.stages:
-        run_stage(executor, stage, pool._exec_tensors, pool._exec_drafts, host._exec_tensors)
+        run_stage(executor, stage, pool.exec_tensors, pool.exec_drafts, host.exec_tensors)
 
 
 @pytest.mark.parametrize("fail_at", [1, 2, 3, 5, 8, 11, 14])
@@ -64,7 +64,7 @@ def test_a_stage_resumes_at_the_tensor_that_failed_and_matches_an_uninterrupted_
     run_all(ReferenceExecutor(), want_pool, want_host, plan)
     runner = StepRunner(got_pool, max_failures=3)
     executor = Failing({fail_at})
-    got_pool._backlog.push(plan.stages, executor, got_host._exec_tensors)
+    got_pool.backlog.push(plan.stages, executor, got_host.exec_tensors)
     with pytest.raises(mc.ExecutorError, match="stage\\(s\\) are kept") as info:
         runner.run(None, 0)
     assert isinstance(info.value.__cause__, MemoryError)
@@ -78,7 +78,7 @@ def test_a_stage_resumes_at_the_tensor_that_failed_and_matches_an_uninterrupted_
 def test_the_failure_budget_breaks_the_runner_and_keeps_the_work() -> None:
     pool = mc.StatePool(small_spec(), 4)
     runner = StepRunner(pool, max_failures=2)
-    pool._backlog.push(plan_step([mc.Clear(1)]).stages, Failing(set(range(1, 100))))
+    pool.backlog.push(plan_step([mc.Clear(1)]).stages, Failing(set(range(1, 100))))
     with pytest.raises(mc.ExecutorError) as first:
         runner.run(None, 0)
     assert not isinstance(first.value, mc.ManagerBrokenError)
@@ -92,7 +92,7 @@ def test_the_failure_budget_breaks_the_runner_and_keeps_the_work() -> None:
 def test_an_offload_without_host_tensors_is_a_typed_failure() -> None:
     pool = mc.StatePool(small_spec(), 4)
     runner = StepRunner(pool, max_failures=5)
-    pool._backlog.push(plan_step([mc.Offload(1, 1)]).stages, ReferenceExecutor(), None)
+    pool.backlog.push(plan_step([mc.Offload(1, 1)]).stages, ReferenceExecutor(), None)
     with pytest.raises(mc.ExecutorError, match="OffloadStage") as info:
         runner.run(None, 0)
     assert isinstance(info.value.__cause__, mc.InvalidArgumentError)
@@ -119,12 +119,12 @@ def test_duck_typed_executors_are_adapted_once_and_keep_their_own_paths() -> Non
     assert as_executor(duck) is duck and as_executor(object()) is None and as_executor("torch") is None
     pool, host = mc.StatePool(small_spec(), 4), mc.HostPool(small_spec(), 2)
     for stage in plan_step([mc.Clear(1), mc.Offload(2, 1)]).stages:
-        run_stage(duck, stage, pool._exec_tensors, None, host._exec_tensors)
+        run_stage(duck, stage, pool.exec_tensors, None, host.exec_tensors)
     assert calls == ["execute"] * len(pool.tensors)  # the offload took the default copy_host
     calls.clear()
     with_host = as_executor(DuckWithHost())
     assert with_host is not None
-    run_stage(with_host, plan_step([mc.Offload(2, 1)]).stages[0], pool._exec_tensors, None, host._exec_tensors)
+    run_stage(with_host, plan_step([mc.Offload(2, 1)]).stages[0], pool.exec_tensors, None, host.exec_tensors)
     assert calls == ["host"] * len(pool.tensors)
     with pytest.raises(TypeError):
         mc.Executor()  # type: ignore[abstract]
@@ -141,7 +141,7 @@ def test_whole_stage_paths_are_taken_only_for_a_zero_or_copy_stage_not_yet_start
     pool = mc.StatePool(small_spec(), 6, draft_tokens=1)
     ex = Whole()
     for stage in plan_step([mc.Clear(1), mc.CopyOnWrite(2, 3), mc.CommitDraft(4, 1)]).stages:
-        run_stage(ex, stage, pool._exec_tensors, pool._exec_drafts)
+        run_stage(ex, stage, pool.exec_tensors, pool.exec_drafts)
     assert seen == ["CopyStage", "ZeroStage"]
-    check_executor(ex, pool._exec_tensors, pool._exec_drafts)  # the probe goes through the same dispatch
+    check_executor(ex, pool.exec_tensors, pool.exec_drafts)  # the probe goes through the same dispatch
     assert "RotateStage" not in seen and seen.count("ZeroStage") > 1

@@ -156,20 +156,17 @@ class PrefixCache:
             node = child
             if node.slot or node.host:
                 best = node
-        slot_log = _tracing.state.slot_log
         if best is None:
             self._counts["misses"] += 1
-            if slot_log is not None:
-                slot_log.debug("prefix.miss", tokens=len(tokens), step=self._mgr.step)
+            _tracing.tracer.note("prefix.miss", tokens=len(tokens), step=self._mgr.step)
             return None
         self._counts["hits"] += 1
         self._touch(best)
         tier = "device" if best.slot else "host"
-        if slot_log is not None:
-            slot_log.debug(
-                "prefix.hit", length=best.length, tier=tier, slot=best.slot or None, host=best.host or None,
-                tokens=len(tokens), step=self._mgr.step,
-            )  # fmt: skip
+        _tracing.tracer.note(
+            "prefix.hit", length=best.length, tier=tier, slot=best.slot or None, host=best.host or None,
+            tokens=len(tokens), step=self._mgr.step,
+        )  # fmt: skip
         return PrefixHit(best.length, tier, best.payload, best)
 
     def fork(self, hit: PrefixHit, request_id: str | None = None) -> int:
@@ -189,7 +186,7 @@ class PrefixCache:
             )
         if not self._owns(node):  # another cache's slots: possibly another manager's pool
             raise InvalidArgumentError("fork takes a PrefixHit from this cache's match(), not another cache's")
-        self._mgr._check_open()
+        self._mgr.check_open()
         slot = self._alloc(request_id, protect=node)
         if node.slot:
             self._mgr.copy_on_write(node.slot, slot, request_id=request_id)
@@ -198,12 +195,10 @@ class PrefixCache:
             self._counts["restores"] += 1
         self._counts["tokens_saved"] += node.length
         self._touch(node)
-        slot_log = _tracing.state.slot_log
-        if slot_log is not None:
-            slot_log.debug(
-                "prefix.fork", slot=slot, length=node.length, src=node.slot or None, host=node.host or None,
-                request_id=request_id, step=self._mgr.step,
-            )  # fmt: skip
+        _tracing.tracer.note(
+            "prefix.fork", slot=slot, length=node.length, src=node.slot or None, host=node.host or None,
+            request_id=request_id, step=self._mgr.step,
+        )  # fmt: skip
         return slot
 
     # -- inserting and evicting ------------------------------------------
@@ -225,7 +220,7 @@ class PrefixCache:
         slot = as_slot(slot, self._mgr.pool.num_slots)
         if not self._mgr.pool.is_allocated(slot):
             raise SlotStateError(f"insert: slot {slot!r} is not allocated")
-        self._mgr._check_open()
+        self._mgr.check_open()
         blocks = list(self._blocks(tokens, n // self.block_size))
         node: _Node | None = self._root
         for key in blocks:
@@ -254,19 +249,17 @@ class PrefixCache:
         self._device[node] = None
         self._adjust_below(node, +1)
         self._counts["inserts"] += 1
-        slot_log = _tracing.state.slot_log
-        if slot_log is not None:
-            slot_log.debug("prefix.insert", slot=checkpoint, src=slot, length=n, step=self._mgr.step)
+        _tracing.tracer.note("prefix.insert", slot=checkpoint, src=slot, length=n, step=self._mgr.step)
         return True
 
     def evict(self) -> bool:
         """Evict the least recently used leaf checkpoint now (to the host tier if it has room); False if none."""
-        self._mgr._check_open()
+        self._mgr.check_open()
         return self._evict_one(protect=None)
 
     def clear(self) -> None:
         """Release every checkpoint slot and drop every host checkpoint (before an idle leak check, say)."""
-        self._mgr._check_open()
+        self._mgr.check_open()
         for node in list(self._device):
             self._mgr.release(node.slot, request_id=CHECKPOINT_TENANT)
             node.slot = 0
@@ -315,12 +308,10 @@ class PrefixCache:
             self._counts["offloads"] += 1
         else:
             self._prune(victim)
-        slot_log = _tracing.state.slot_log
-        if slot_log is not None:
-            slot_log.debug(
-                "prefix.evict", slot=slot, length=victim.length, to="host" if host else "dropped",
-                host=host or None, step=mgr.step,
-            )  # fmt: skip
+        _tracing.tracer.note(
+            "prefix.evict", slot=slot, length=victim.length, to="host" if host else "dropped",
+            host=host or None, step=mgr.step,
+        )  # fmt: skip
         return True
 
     def _drop_host_one(self, protect: _Node | None) -> bool:
@@ -329,9 +320,7 @@ class PrefixCache:
             return False
         self._mgr.drop(node.host)  # first: if the manager refuses it, the cache still tracks the checkpoint
         del self._host[node]
-        slot_log = _tracing.state.slot_log
-        if slot_log is not None:
-            slot_log.debug("prefix.evict", host=node.host, length=node.length, to="dropped", step=self._mgr.step)
+        _tracing.tracer.note("prefix.evict", host=node.host, length=node.length, to="dropped", step=self._mgr.step)
         node.host = 0
         self._counts["host_drops"] += 1
         self._prune(node)

@@ -9,12 +9,16 @@ and, from :func:`configure`'s own pipeline, ``timestamp`` and ``level``:
 ``slot.cow``       debug  ``src``, ``dst``, ``request_id``
 ``slot.commit``    debug  ``slot``, ``accepted``, ``request_id``
 ``slot.release``   debug  ``slot``, ``request_id``
+``slot.offload``   debug  ``slot``, ``host``, ``request_id``
+``slot.restore``   debug  ``host``, ``slot``, ``request_id``, ``keep``
+``host.drop``      debug  ``host``
+``prefix.*``       debug  the prefix cache's hits, misses, inserts, evictions
 ``step.flush``     info   the StepReport figures, ``plan_us``, ``execute_us``
 ``step.error``     error  ``stage``, ``error``: an executor failed; work kept
 =================  =====  =====================================================
 
-Tracing is off until :func:`configure` is called; off, it costs one attribute
-read per submit. The default level, ``info``, writes only ``step.flush`` and
+Tracing is off until :func:`configure` is called; off, it costs one no-op
+call per submit, and structlog is not imported. The default level, ``info``, writes only ``step.flush`` and
 ``step.error``: to analyse slots (``mambacache trace``, :func:`analyze`), trace at
 ``level="debug"``; an info-level trace is refused by the analyzer, with that hint.
 
@@ -32,8 +36,6 @@ import logging
 import sys
 from pathlib import Path
 from typing import IO, Any
-
-import structlog
 
 from .. import _tracing
 from .._errors import InvalidArgumentError
@@ -62,6 +64,8 @@ __all__ = [
 
 def processors() -> list[Any]:
     """The pipeline of :func:`configure`: level, ISO timestamp, JSON."""
+    import structlog  # here, not at import: `import mambacache` stays free of structlog until tracing is used
+
     return [
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -87,19 +91,23 @@ def configure(path: str | Path | None = None, level: str | int = "info", *, use_
     own structlog configuration (``structlog.get_logger("mambacache")``), which
     decides format and destination; ``path`` must then be None.
     """
+    import structlog
+
     numeric = _level(level)
+    if use_structlog_config and path is not None:
+        raise InvalidArgumentError("path and use_structlog_config=True exclude each other")
     disable()
+    close = None
     if use_structlog_config:
-        if path is not None:
-            raise InvalidArgumentError("path and use_structlog_config=True exclude each other")
-        logger: Any = _tracing.logger
+        # A lazy proxy: it follows whatever the application configured, when it logs.
+        logger: Any = structlog.get_logger("mambacache")
     else:
         stream: IO[str]
         if path is None:
             stream = sys.stderr
         else:
             stream = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by disable()
-            _tracing.state.close = stream.close
+            close = stream.close
         logger = structlog.wrap_logger(
             structlog.WriteLogger(stream),
             processors=processors(),
@@ -109,19 +117,16 @@ def configure(path: str | Path | None = None, level: str | int = "info", *, use_
         )
     # Flush summaries and errors are filtered by the logger itself; per-slot events
     # are skipped before their arguments are even built when debug is off.
-    _tracing.state.step_log = logger
-    _tracing.state.slot_log = logger if numeric <= logging.DEBUG else None
+    _tracing.install(_tracing.LogTracer(logger if numeric <= logging.DEBUG else None, logger, close))
 
 
 def disable() -> None:
     """Turn tracing off and close the file :func:`configure` opened."""
-    state = _tracing.state
-    state.slot_log = state.step_log = None
-    if state.close is not None:
-        state.close()
-        state.close = None
+    old = _tracing.install(_tracing.OFF)
+    if isinstance(old, _tracing.LogTracer) and old.close is not None:
+        old.close()
 
 
 def is_enabled() -> bool:
     """Whether :func:`configure` has turned tracing on."""
-    return _tracing.state.step_log is not None or _tracing.state.slot_log is not None
+    return _tracing.tracer is not _tracing.OFF

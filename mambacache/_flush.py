@@ -1,0 +1,181 @@
+"""FlushCore: one step's flush, the same core for the sync and the async form.
+
+A flush takes the queued events (or, on a receiving tensor-parallel rank, the
+source's plan), plans them, queues the stages behind any unfinished work and
+runs it all through the :class:`~mambacache._runner.StepRunner`. The two forms
+differ only in how they wait: without a channel nothing waits, and both call
+:meth:`FlushCore.local` directly (no generator on the decode-step path); with
+one, :meth:`FlushCore.channel` yields each blocking call (a plan's send or
+receive), which the sync driver makes in place and the async one in a worker
+thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Generator
+from functools import partial
+from typing import Any
+
+import anyio
+
+from . import _tracing
+from ._channel import Channel
+from ._errors import InvalidArgumentError, PlanError
+from ._events import StepReport
+from ._executors import Executor
+from ._planner import Plan, plan_step
+from ._queue import StepQueue
+from ._runner import StepRunner
+
+__all__ = ["FlushCore"]
+
+Core = Generator[Callable[[], Any], Any, StepReport]
+
+
+class FlushCore:
+    """Runs flushes one at a time, from any thread or task.
+
+    Invariants: at most one flush runs (``_mutex``, held across the whole flush,
+    the channel's wait included); unfinished work runs before anything newer,
+    and while it fails new events stay queued and unplanned, so kept work never
+    grows past one step's plan; a plan that fails puts its events back (see
+    :meth:`take_plan`); once the source has taken its events the broadcast and
+    the local run both happen (shielded), or the ranks would part.
+    """
+
+    __slots__ = ("_executor", "_flusher", "_host", "_mutex", "_queue", "_runner", "_slot_bytes", "channel")
+
+    def __init__(
+        self,
+        queue: StepQueue,
+        runner: StepRunner,
+        executor: Executor,
+        host_tensors: list[Any] | None,
+        slot_bytes: int,
+        channel: Channel | None,
+    ) -> None:
+        self._queue = queue
+        self._runner = runner
+        self._executor = executor
+        self._host = host_tensors
+        self._slot_bytes = slot_bytes
+        self.channel = channel
+        self._mutex = threading.Lock()
+        self._flusher: int | None = None  # the thread holding _mutex
+
+    # -- the core --------------------------------------------------------
+    def local(self, stream: Any | None) -> StepReport:
+        """The whole flush, when no channel makes it wait."""
+        self._runner.raise_if_broken()
+        resumed = 0
+        if self._runner.pending:
+            # Earlier work first; if it fails again the new events stay queued, unplanned.
+            resumed = self._runner.run(stream, self._queue.step)
+        plan, step, plan_s = self.take_plan()
+        return self._apply(plan, step, stream, plan_s, resumed)
+
+    def over_channel(self, channel: Channel, stream: Any | None) -> Core:
+        """The flush of a tensor-parallel rank, yielding its one blocking call."""
+        self._runner.raise_if_broken()
+        if channel.is_source:
+            plan, step, plan_s = self.take_plan()
+            yield partial(channel.send, step, plan)
+        else:
+            step, plan = yield channel.receive
+            plan_s = 0.0
+            self._queue.follow(step)
+        return self._apply(plan, step, stream, plan_s, 0)
+
+    def take_plan(self) -> tuple[Plan, int, float]:
+        """Take the queued events and plan them: ``(plan, step, seconds)``.
+
+        The planner is pure, so if it fails (out of memory on a huge step, say) the
+        events go back to the front of the queue, in order, and the step number
+        with them: the next flush plans them again, as if this one never ran.
+        """
+        events, step = self._queue.take()
+        t0 = time.perf_counter()
+        try:
+            plan = plan_step(events)
+        except Exception as exc:
+            self._queue.put_back(events, step)
+            raise PlanError(
+                f"planning step {step} ({len(events)} events) failed: {exc!r}; the events are queued again"
+            ) from exc
+        return plan, step, time.perf_counter() - t0
+
+    def _apply(self, plan: Plan, step: int, stream: Any | None, plan_s: float, resumed: int) -> StepReport:
+        """Queue the plan behind any unfinished work and run it all, oldest first."""
+        t1 = time.perf_counter()
+        runner = self._runner
+        resumed += runner.pending
+        if plan.stages:
+            runner.push(plan.stages, self._executor, self._host)
+        if runner.pending:
+            runner.run(stream, step)
+        report = StepReport.from_plan(
+            plan, step, self._slot_bytes, plan_s=plan_s, execute_s=time.perf_counter() - t1, resumed_stages=resumed
+        )
+        _tracing.tracer.flushed(report)
+        return report
+
+    def push_unplanned(self, events: list[Any]) -> None:
+        """Plan ``events`` no flush took (the manager closes) into the backlog, for the pool's next manager."""
+        if events:
+            self._runner.push(plan_step(events).stages, self._executor, self._host)
+
+    # -- the two drivers -------------------------------------------------
+    async def flush_async(self, stream: Any | None) -> StepReport:
+        mutex = self._mutex
+        # No checkpoint when uncontended: a flush is a few microseconds of host work.
+        # Contended (another thread flushes, or a tensor-parallel flush awaits its
+        # broadcast): poll, so that cancelling the wait is clean.
+        delay = 0.0
+        while not mutex.acquire(blocking=False):
+            await anyio.sleep(delay)
+            delay = min(0.001, delay + 0.0001)
+        self._flusher = threading.get_ident()
+        try:
+            if self.channel is None:
+                return self.local(stream)  # no wait, no checkpoint
+            core = self.over_channel(self.channel, stream)
+            # Shielded, bounded by the channel's timeout: see the class invariants.
+            with anyio.CancelScope(shield=True):
+                try:
+                    call = next(core)
+                    while True:
+                        call = core.send(await anyio.to_thread.run_sync(call))
+                except StopIteration as done:
+                    report: StepReport = done.value
+            return report
+        finally:
+            self._flusher = None
+            mutex.release()
+
+    def flush_sync(self, stream: Any | None) -> StepReport:
+        me = threading.get_ident()
+        if self._flusher == me:
+            raise InvalidArgumentError(
+                "flush_nowait() while a flush of this thread is awaiting (a tensor-parallel broadcast):"
+                " it would deadlock; await that flush instead"
+            )
+        with self._mutex:
+            self._flusher = me
+            try:
+                if self.channel is None:
+                    return self.local(stream)
+                return finish(self.over_channel(self.channel, stream))
+            finally:
+                self._flusher = None
+
+
+def finish(core: Core) -> StepReport:
+    """Drive a flush core, making each blocking call it yields in this thread."""
+    try:
+        call = next(core)
+        while True:
+            call = core.send(call())
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]

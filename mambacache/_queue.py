@@ -1,0 +1,276 @@
+"""StepQueue: the next step's events, checked against the pools' ledgers as they are queued.
+
+The coordinator under :class:`~mambacache.CacheManager` (which only checks
+arguments and delegates): it owns the manager's lock, the lifecycle state, the
+event queue and the step number, and changes the ledgers only under the lock,
+in the same hold as the queue, so the two never disagree. Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from . import _tracing
+from ._errors import ManagerClosedError, SlotLeakError, SlotStateError
+from ._events import Alloc, DropHost, Event, Offload, Restore
+from ._ledger import SlotLedger
+
+if TYPE_CHECKING:
+    import threading
+
+    from ._channel import Channel
+    from ._runner import StepRunner
+
+__all__ = ["CLOSED", "CLOSING", "NEW", "OPEN", "StepQueue"]
+
+NEW, OPEN, CLOSING, CLOSED = range(4)
+
+
+class StepQueue:
+    """Events of the step that the next flush takes, in submission order.
+
+    Invariants (each holds whenever ``lock`` is free):
+
+    * the ledgers describe the state at the *end* of the queue: an alloc or an
+      offload holds its slots at once, a release frees its slot at once, and a
+      drop or a restore without ``keep`` frees its host slot for the next step;
+    * every queued event was valid at its own point of the order, checked
+      against the ledgers in the same hold of the lock that queued it, so a
+      batch is queued whole or not at all and a failed submit changes nothing;
+    * nothing is queued unless the state is OPEN, the runner is not broken and
+      this is the channel's source rank, all read under the lock: a submit is
+      either taken by a flush or raises, never both.
+    """
+
+    __slots__ = (
+        "_channel", "_draft_tokens", "_host", "_runner", "_ticket", "_waiters", "events", "ledger", "lock", "state",
+        "step",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        lock: threading.Lock,
+        ledger: SlotLedger,
+        host: SlotLedger | None,
+        draft_tokens: int,
+        runner: StepRunner,
+        channel: Channel | None,
+    ) -> None:
+        self.lock = lock
+        self.ledger = ledger
+        self._host = host
+        self._draft_tokens = draft_tokens
+        self._runner = runner
+        self._channel = channel
+        self.events: list[Event] = []
+        self.step = 0
+        self.state = NEW
+        self._waiters: list[int] = []  # alloc_wait tickets, first come first served
+        self._ticket = 0
+
+    # -- lifecycle -------------------------------------------------------
+    def closed_error(self) -> ManagerClosedError:
+        if self.state == NEW:
+            return ManagerClosedError("CacheManager is not entered (use `with` or `async with`)")
+        return ManagerClosedError("CacheManager is closed" + (" (closing)" if self.state == CLOSING else ""))
+
+    def check(self) -> None:
+        """Under the lock: the authoritative check before anything is queued."""
+        if self.state != OPEN:
+            raise self.closed_error()
+        self._runner.raise_if_broken()
+        if self._channel is not None:
+            self._channel.check_source("submit")
+
+    def open(self, owner: object) -> None:
+        """Claim the ledgers for ``owner`` and take events from now on."""
+        if self.state != NEW:
+            raise ManagerClosedError("a CacheManager can be entered once")
+        with self.lock:
+            self.ledger.claim(owner)
+            if self._host is not None:
+                try:
+                    self._host.claim(owner)
+                except Exception:
+                    self.ledger.unclaim(owner)
+                    raise
+            self.state = OPEN
+
+    def begin_close(self) -> bool:
+        """Refuse new events from here on; True when events are queued."""
+        with self.lock:
+            if self.state == OPEN:
+                self.state = CLOSING
+            return bool(self.events)
+
+    def close(self, owner: object) -> list[Event]:
+        """Closed for good: returns what no flush took, and frees the ledgers for the next manager."""
+        with self.lock:
+            events, self.events = self.events, []
+            self.state = CLOSED
+            if self._host is not None:
+                self._host.reuse_freed()
+                self._host.unclaim(owner)
+            self.ledger.unclaim(owner)
+        return events
+
+    # -- queueing --------------------------------------------------------
+    def submit(self, events: Sequence[Event]) -> None:
+        """Queue clears, copies, commits and releases, all or none (see :meth:`SlotLedger.apply_batch`)."""
+        with self.lock:
+            if self.state != OPEN or self._runner.broken is not None or self._channel is not None:
+                self.check()  # the common case is one test; this raises or checks the source rank
+            self.ledger.apply_batch(events, self._draft_tokens)
+            self.events.extend(events)
+            step = self.step
+        _tracing.tracer.events(events, step)
+
+    def alloc(self, n: int, tenant: str | None, clear: bool) -> list[int]:
+        """The ``n`` lowest free slots, held by ``tenant``, each with its queued alloc."""
+        with self.lock:
+            self.check()
+            slots = self.ledger.take(n, tenant)
+            events = self._queue_allocs(slots, tenant, clear)
+            step = self.step
+        _tracing.tracer.events(events, step)
+        return slots
+
+    def alloc_exact(self, slots: list[int], tenant: str | None, clear: bool) -> None:
+        """Hold exactly ``slots`` (in range, unique) for ``tenant``; :class:`SlotStateError` if one is held."""
+        with self.lock:
+            self.check()
+            ledger = self.ledger
+            taken = [s for s in slots if ledger.held[s]]
+            if taken:
+                tenants = [ledger.tenants[s] for s in taken[:20]]
+                raise SlotStateError(f"alloc_slots: slot(s) {taken[:20]} already held (tenants {tenants})")
+            ledger.take_exact(slots, tenant)
+            events = self._queue_allocs(slots, tenant, clear)
+            step = self.step
+        _tracing.tracer.events(events, step)
+
+    def _queue_allocs(self, slots: list[int], tenant: str | None, clear: bool) -> list[Event]:
+        events: list[Event] = [Alloc(s, tenant, clear) for s in slots]
+        self.events.extend(events)
+        return events
+
+    def new_ticket(self) -> int:
+        """A place in the ``alloc_wait`` line."""
+        with self.lock:
+            ticket = self._ticket
+            self._ticket += 1
+            self._waiters.append(ticket)
+        return ticket
+
+    def alloc_in_turn(self, ticket: int, n: int, tenant: str | None, clear: bool) -> list[int] | None:
+        """:meth:`alloc` when ``ticket`` is first in line and ``n`` slots are free, else None.
+
+        The check and the allocation happen in one hold of the lock, so another
+        thread's alloc cannot take the slots in between.
+        """
+        with self.lock:
+            if self._waiters[0] != ticket or self.ledger.num_free < n:
+                return None
+            self.check()
+            slots = self.ledger.take(n, tenant)
+            events = self._queue_allocs(slots, tenant, clear)
+            step = self.step
+        _tracing.tracer.events(events, step)
+        return slots
+
+    @property
+    def waiting(self) -> int:
+        """Tickets in the ``alloc_wait`` line."""
+        return len(self._waiters)
+
+    def leave_line(self, ticket: int) -> None:
+        with self.lock:
+            self._waiters.remove(ticket)
+
+    # -- the host tier ---------------------------------------------------
+    def offload(self, slot: int, tenant: str | None) -> int:
+        """Queue an offload of ``slot`` into the lowest free host slot; returns the host slot."""
+        assert self._host is not None
+        with self.lock:
+            self.check()
+            self.ledger.check_held("Offload", slot, tenant)
+            h = self._host.take(1, tenant)[0]
+            ev = Offload(slot, h, tenant)
+            self.events.append(ev)
+            step = self.step
+        _tracing.tracer.events((ev,), step)
+        return h
+
+    def restore(self, host: int, slot: int, tenant: str | None, keep: bool) -> None:
+        """Queue a read of host slot ``host`` into ``slot``; frees ``host`` for the next step unless ``keep``."""
+        assert self._host is not None
+        with self.lock:
+            self.check()
+            self._check_host_held("Restore", host)
+            self.ledger.check_held("Restore", slot, tenant)
+            ev = Restore(host, slot, tenant, keep)
+            self.events.append(ev)
+            if not keep:
+                self._host.free_later(host)
+            step = self.step
+        _tracing.tracer.events((ev,), step)
+
+    def drop(self, host: int) -> None:
+        """Queue the end of host slot ``host``: free for the next step, earlier reads still see it."""
+        assert self._host is not None
+        with self.lock:
+            self.check()
+            self._check_host_held("DropHost", host)
+            ev = DropHost(host)
+            self.events.append(ev)
+            self._host.free_later(host)
+            step = self.step
+        _tracing.tracer.events((ev,), step)
+
+    def _check_host_held(self, kind: str, host: int) -> None:
+        assert self._host is not None
+        if not self._host.held[host]:
+            raise SlotStateError(f"{kind}: host slot {host} holds no state (dropped, restored, or never offloaded)")
+
+    # -- the flush's side ------------------------------------------------
+    def take(self) -> tuple[list[Event], int]:
+        """Swap the queue out (vLLM's ``take_events``) and advance the step: ``(events, step)``."""
+        with self.lock:
+            events, self.events = self.events, []
+            step = self.step
+            self.step += 1
+            if self._host is not None:
+                self._host.reuse_freed()  # host slots freed by these events: their reads are planned now
+        return events, step
+
+    def put_back(self, events: list[Event], step: int) -> None:
+        """Undo :meth:`take` (the plan failed): ``events`` go back to the front, in order, with their step."""
+        with self.lock:
+            self.events[:0] = events
+            self.step = step
+
+    def follow(self, step: int) -> None:
+        """On a receiving rank: the source ran ``step``, so the next flush runs the one after."""
+        with self.lock:
+            self.step = step + 1
+
+    def check_idle(self, host: bool) -> None:
+        """Raise :class:`SlotLeakError` if a slot (or, with ``host``, a host slot) is held.
+
+        One hold of the lock: a swap in or out between two reads could hide a request from both.
+        """
+        with self.lock:
+            held = self.ledger.held_by()
+            host_held = self._host.held_by() if self._host is not None and host else {}
+        if held or host_held:
+            parts = [_listed(held, "slot"), _listed(host_held, "host slot")]
+            raise SlotLeakError("; ".join(p for p in parts if p), held, host_held)
+
+
+def _listed(held: dict[int, str | None], what: str) -> str:
+    if not held:
+        return ""
+    shown = ", ".join(f"{s} ({t!r})" for s, t in list(held.items())[:20])
+    more = f" and {len(held) - 20} more" if len(held) > 20 else ""
+    return f"{len(held)} {what}(s) held while idle: {shown}{more}"

@@ -22,7 +22,7 @@ import anyio
 
 from . import _tracing
 from ._channel import Channel
-from ._errors import InvalidArgumentError, PlanError
+from ._errors import InvalidArgumentError, MambaCacheError, PlanError
 from ._events import StepReport
 from ._executors import Executor
 from ._planner import Plan, plan_step
@@ -121,10 +121,40 @@ class FlushCore:
         _tracing.tracer.flushed(report)
         return report
 
-    def push_unplanned(self, events: list[Any]) -> None:
-        """Plan ``events`` no flush took (the manager closes) into the backlog, for the pool's next manager."""
+    # -- closing ---------------------------------------------------------
+    def _begin_close(self) -> bool:
+        """Refuse new submits from here on; True when a final flush has work to do."""
+        queued = self._queue.begin_close()
+        # In tensor-parallel mode every rank flushes on exit, so the ranks stay in step.
+        return queued or self.channel is not None or bool(self._runner.pending)
+
+    def _finish_close(self, owner: object) -> None:
+        # What no flush took (the manager was broken, or the backlog failed) is planned
+        # into the pool's backlog, so the next manager on this pool runs it first.
+        events = self._queue.close(owner)
         if events:
             self._runner.push(plan_step(events).stages, self._executor, self._host)
+
+    def close_sync(self, owner: object, exc: BaseException | None) -> None:
+        """Leave the manager's ``with`` block: a last flush, then closed for good (``exc``: the block's error)."""
+        try:
+            if self._begin_close():
+                self.flush_sync(None)
+        except MambaCacheError as flush_error:
+            _raise_unless_masking(exc, flush_error)
+        finally:
+            self._finish_close(owner)
+
+    async def close_async(self, owner: object, exc: BaseException | None) -> None:
+        """:meth:`close_sync` for ``async with``; the last flush is shielded from cancellation."""
+        try:
+            if self._begin_close():
+                with anyio.CancelScope(shield=True):
+                    await self.flush_async(None)
+        except MambaCacheError as flush_error:
+            _raise_unless_masking(exc, flush_error)
+        finally:
+            self._finish_close(owner)
 
     # -- the two drivers -------------------------------------------------
     async def flush_async(self, stream: Any | None) -> StepReport:
@@ -179,3 +209,11 @@ def finish(core: Core) -> StepReport:
             call = core.send(call())
     except StopIteration as done:
         return done.value  # type: ignore[no-any-return]
+
+
+def _raise_unless_masking(exc: BaseException | None, flush_error: MambaCacheError) -> None:
+    if exc is None:
+        raise flush_error
+    # The block is already failing: its error is the one to see, not this echo of it.
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"mambacache: the flush on leaving the block failed too: {flush_error!r}")

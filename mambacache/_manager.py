@@ -14,10 +14,8 @@ import threading
 from types import TracebackType
 from typing import Any
 
-import anyio
-
 from ._channel import Channel
-from ._errors import InvalidArgumentError, InvalidSlotError, MambaCacheError
+from ._errors import InvalidArgumentError, InvalidSlotError
 from ._events import Clear, CommitDraft, CopyOnWrite, Event, Release, StepReport
 from ._executors import Executor, resolve_executor
 from ._flush import FlushCore
@@ -28,6 +26,34 @@ from ._runner import StepRunner
 from ._validate import as_slot, check_request_id, normalised, slot_list
 
 __all__ = ["CacheManager"]
+
+
+def _check_args(
+    pool: Any, workspace: Any, clear_on_alloc: Any, max_failed: Any, host_pool: Any, channel: Any, group: Any
+) -> None:
+    """The constructor's argument checks, all made before anything is built."""
+    if not isinstance(pool, StatePool):
+        raise InvalidArgumentError(f"pool must be a StatePool, got {type(pool).__name__}")
+    _positive_int("copy_workspace_bytes", workspace)
+    _positive_int("max_failed_flushes", max_failed)
+    if type(clear_on_alloc) is not bool:
+        raise InvalidArgumentError(f"clear_on_alloc must be a bool, got {clear_on_alloc!r}")
+    if channel is not None and (group is not None or not isinstance(channel, Channel)):
+        raise InvalidArgumentError(
+            f"channel must be a mambacache Channel, and not given with group=; got {type(channel).__name__}"
+        )
+    if host_pool is not None and not isinstance(host_pool, HostPool):
+        raise InvalidArgumentError(f"host_pool must be a HostPool, got {type(host_pool).__name__}")
+    if host_pool is not None and not host_pool.compatible_with(pool.spec):
+        raise InvalidArgumentError(
+            f"host_pool holds states of {host_pool.spec}, the pool {pool.spec}: make it with the pool's spec"
+        )
+
+
+def _distributed_channel(group: Any, src_rank: int, num_slots: int, timeout: float) -> Channel:
+    from ._distributed import DistributedChannel  # torch.distributed only when asked for
+
+    return DistributedChannel(group, src_rank, num_slots, timeout)
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -73,46 +99,18 @@ class CacheManager:
         host_pool: HostPool | None = None,
         channel: Channel | None = None,
     ) -> None:
-        if not isinstance(pool, StatePool):
-            raise InvalidArgumentError(f"pool must be a StatePool, got {type(pool).__name__}")
-        _positive_int("copy_workspace_bytes", copy_workspace_bytes)
-        _positive_int("max_failed_flushes", max_failed_flushes)
-        if type(clear_on_alloc) is not bool:
-            raise InvalidArgumentError(f"clear_on_alloc must be a bool, got {clear_on_alloc!r}")
-        if channel is not None and (group is not None or not isinstance(channel, Channel)):
-            raise InvalidArgumentError(
-                f"channel must be a mambacache Channel, and not given with group=; got {type(channel).__name__}"
-            )
-        if host_pool is not None and not isinstance(host_pool, HostPool):
-            raise InvalidArgumentError(f"host_pool must be a HostPool, got {type(host_pool).__name__}")
-        if host_pool is not None and not host_pool.compatible_with(pool.spec):
-            raise InvalidArgumentError(
-                f"host_pool holds states of {host_pool.spec}, the pool {pool.spec}: make it with the pool's spec"
-            )
+        _check_args(pool, copy_workspace_bytes, clear_on_alloc, max_failed_flushes, host_pool, channel, group)
         self._pool, self._host, self._clear_on_alloc = pool, host_pool, clear_on_alloc
         self._executor: Executor = resolve_executor(executor, pool.device, copy_workspace_bytes)
         self._runner = runner = StepRunner(pool, max_failed_flushes)
         runner.check(self._executor)
-        if group is not None:
-            from ._distributed import DistributedChannel  # torch.distributed only when asked for
-
-            channel = DistributedChannel(group, src_rank, pool.num_slots, timeout)
+        channel = channel if group is None else _distributed_channel(group, src_rank, pool.num_slots, timeout)
         host_ledger = host_pool.ledger if host_pool is not None else None
         self._queue = StepQueue(threading.Lock(), pool.ledger, host_ledger, pool.spec.draft_tokens, runner, channel)
         host_tensors = host_pool.exec_tensors if host_pool is not None else None
         self._core = FlushCore(self._queue, runner, self._executor, host_tensors, pool.spec.slot_bytes, channel)
 
     # -- lifecycle -------------------------------------------------------
-    def _begin_close(self) -> bool:
-        """Refuse new submits from here on; True when a final flush has work to do."""
-        queued = self._queue.begin_close()
-        return queued or self._core.channel is not None or bool(self._runner.pending)
-
-    def _finish_close(self) -> None:
-        # What no flush took (the manager was broken, or the backlog failed) is planned
-        # into the pool's backlog, so the next manager on this pool runs it first.
-        self._core.push_unplanned(self._queue.close(self))
-
     async def __aenter__(self) -> CacheManager:
         self._queue.open(self)
         return self
@@ -120,15 +118,7 @@ class CacheManager:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        try:
-            if self._begin_close():
-                # In tensor-parallel mode every rank flushes on exit, so the ranks stay in step.
-                with anyio.CancelScope(shield=True):
-                    await self._core.flush_async(None)
-        except MambaCacheError as flush_error:
-            _raise_unless_masking(exc, flush_error)
-        finally:
-            self._finish_close()
+        await self._core.close_async(self, exc)
 
     def __enter__(self) -> CacheManager:
         self._queue.open(self)
@@ -137,17 +127,10 @@ class CacheManager:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        try:
-            if self._begin_close():
-                self._core.flush_sync(None)
-        except MambaCacheError as flush_error:
-            _raise_unless_masking(exc, flush_error)
-        finally:
-            self._finish_close()
+        self._core.close_sync(self, exc)
 
     def check_open(self) -> None:
-        """Raise :class:`ManagerClosedError` (not entered, closing, closed) or :class:`ManagerBrokenError`
-        unless the manager takes work; for a tier about to change its own state before submitting."""
+        """Raise :class:`ManagerClosedError` or :class:`ManagerBrokenError` unless the manager takes work."""
         # Read without the lock for the common case; submits re-check under it.
         if self._queue.state != OPEN:
             raise self._queue.closed_error()
@@ -186,8 +169,7 @@ class CacheManager:
 
     def queued(self) -> list[Event]:
         """A copy of the events queued for the next flush, in submission order (allocs and host events included)."""
-        with self._queue.lock:
-            return list(self._queue.events)
+        return self._queue.snapshot()
 
     @property
     def waiting(self) -> int:
@@ -206,25 +188,18 @@ class CacheManager:
 
     def held(self) -> dict[int, str | None]:
         """Held slots and their tenants (the ``request_id`` they were allocated with)."""
-        with self._queue.lock:
-            return self._pool.ledger.held_by()
+        return self._queue.held()
 
     def check_idle(self, host: bool | None = None) -> None:
         """Raise :class:`SlotLeakError` naming every held slot and its tenant, if any is held.
 
         For an engine's idle check: with no request running, no slot should be
-        held, and no host slot either (a swapped-out request aborted without
-        ``drop``). ``host``: whether to check the host pool too; None (default)
-        checks it when one is attached, True without one raises
-        :class:`InvalidArgumentError`. The error's ``held`` and ``host_held``
-        map the slots and host slots to their tenants (a host slot's is the
-        ``request_id`` of the offload that filled it).
+        held, nor a host slot (a swapped-out request aborted without ``drop``).
+        ``host``: whether to check the host pool too (None: when one is
+        attached). The error's ``held`` and ``host_held`` map slots and host
+        slots to their tenants (a host slot's: the ``request_id`` of its offload).
         """
-        if host is not None and type(host) is not bool:
-            raise InvalidArgumentError(f"host must be a bool or None, got {host!r}")
-        if host and self._host is None:
-            raise InvalidArgumentError("check_idle(host=True) on a manager without a host pool")
-        self._queue.check_idle(host is not False)
+        self._queue.check_idle(host)
 
     # -- allocating ------------------------------------------------------
     def alloc(self, n: int, request_id: str | None = None, *, clear: bool | None = None) -> list[int]:
@@ -235,9 +210,7 @@ class CacheManager:
         for a scheduler that always forks or clears a new slot itself. Raises
         :class:`PoolExhaustedError` (nothing allocated) when fewer than ``n`` are free.
         """
-        self.check_open()
-        _check_count(n)
-        return self._queue.alloc(n, request_id, self._alloc_clear(request_id, clear))
+        return self._queue.alloc(n, request_id, _alloc_args(self, n, request_id, clear))
 
     def alloc_slots(self, slots: Any, request_id: str | None = None, *, clear: bool | None = None) -> list[int]:
         """Allocate exactly ``slots`` (for engines that pick slot ids); returns them as ints.
@@ -245,9 +218,8 @@ class CacheManager:
         All or nothing: a slot that is out of range or repeated raises
         :class:`InvalidSlotError`, one already held raises :class:`SlotStateError`.
         """
-        self.check_open()
+        cleared = _alloc_args(self, 0, request_id, clear)
         wanted = slot_list(slots, self._pool.num_slots)
-        cleared = self._alloc_clear(request_id, clear)
         if len(set(wanted)) != len(wanted):
             raise InvalidSlotError(f"alloc_slots: a slot is repeated in {wanted[:20]}")
         self._queue.alloc_exact(wanted, request_id, cleared)
@@ -256,38 +228,15 @@ class CacheManager:
     async def alloc_wait(self, n: int, request_id: str | None = None, *, clear: bool | None = None) -> list[int]:
         """Like :meth:`alloc`, but wait until ``n`` slots are free instead of raising: backpressure.
 
-        Waiters are served first come, first served; a count larger than the pool
-        raises :class:`InvalidArgumentError` at once, since it could never be met.
-        The check that ``n`` are free and the allocation happen under one hold of
-        the manager's lock, so a concurrent ``alloc`` from another thread makes it
-        wait longer, never raise :class:`PoolExhaustedError`. Cancelling the wait
-        allocates nothing.
+        Waiters are served first come, first served, and a concurrent ``alloc``
+        from another thread makes one wait longer, never raise; a count larger
+        than the pool raises :class:`InvalidArgumentError` at once. Cancelling the
+        wait allocates nothing.
         """
-        self.check_open()
-        _check_count(n)
+        cleared = _alloc_args(self, n, request_id, clear)
         if n > self._pool.num_slots:
             raise InvalidArgumentError(f"alloc_wait({n}) can never be met: the pool has {self._pool.num_slots} slots")
-        cleared = self._alloc_clear(request_id, clear)
-        queue = self._queue
-        ticket = queue.new_ticket()
-        try:
-            delay = 0.0
-            while (slots := queue.alloc_in_turn(ticket, n, request_id, cleared)) is None:
-                self.check_open()
-                # Releases come from any thread, so this polls (briefly, then every ms).
-                await anyio.sleep(delay)
-                delay = min(0.001, delay + 0.0001)
-            return slots
-        finally:
-            queue.leave_line(ticket)
-
-    def _alloc_clear(self, request_id: Any, clear: Any) -> bool:
-        check_request_id(request_id)
-        if clear is None:
-            return self._clear_on_alloc
-        if type(clear) is not bool:
-            raise InvalidArgumentError(f"clear must be a bool or None, got {clear!r}")
-        return clear
+        return await self._queue.alloc_in_turn(n, request_id, cleared, self.check_open)
 
     # -- submitting ------------------------------------------------------
     # The single-event forms are the decode-step hot path: plain int slots and str
@@ -307,14 +256,8 @@ class CacheManager:
     def copy_on_write(self, src: int, dst: int, request_id: str | None = None) -> None:
         """``dst`` gets ``src``'s state as of this point of the event order (a fork)."""
         n = self._pool.num_slots
-        plain = (
-            type(src) is int
-            and type(dst) is int
-            and 0 < src <= n
-            and 0 < dst <= n
-            and (request_id is None or type(request_id) is str)
-        )
-        self._submit((CopyOnWrite(src, dst, request_id),), plain)
+        plain = type(src) is int and type(dst) is int and 0 < src <= n and 0 < dst <= n
+        self._submit((CopyOnWrite(src, dst, request_id),), plain and (request_id is None or type(request_id) is str))
 
     def commit_draft(self, slot: int, accepted: int, request_id: str | None = None) -> None:
         """``slot`` becomes the state after ``accepted`` draft tokens (0: unchanged), read from its draft buffer
@@ -361,9 +304,7 @@ class CacheManager:
         slot. Raises :class:`PoolExhaustedError` when the host pool is full.
         """
         self._need_host("offload")
-        slot = as_slot(slot, self._pool.num_slots)
-        check_request_id(request_id)
-        return self._queue.offload(slot, request_id)
+        return self._queue.offload(_slot_of(self._pool, slot, request_id), request_id)
 
     def restore(self, host: int, slot: int, request_id: str | None = None, *, keep: bool = False) -> None:
         """``slot`` gets host slot ``host``'s state as of this point of the event order.
@@ -373,29 +314,18 @@ class CacheManager:
         when no other is free, and the planner orders this read before the offload
         that rewrites it, so the read always sees the offloaded state.
         """
-        h = self._host_slot(self._need_host("restore"), host)
-        slot = as_slot(slot, self._pool.num_slots)
-        check_request_id(request_id)
-        if type(keep) is not bool:
-            raise InvalidArgumentError(f"keep must be a bool, got {keep!r}")
-        self._queue.restore(h, slot, request_id, keep)
+        h = _host_slot(self._need_host("restore"), host)
+        self._queue.restore(h, _slot_of(self._pool, slot, request_id), request_id, keep)
 
     def drop(self, host: int) -> None:
         """Free host slot ``host`` from this point; earlier restores still read it."""
-        self._queue.drop(self._host_slot(self._need_host("drop"), host))
+        self._queue.drop(_host_slot(self._need_host("drop"), host))
 
     def _need_host(self, what: str) -> HostPool:
         self.check_open()
         if self._host is None:
             raise InvalidArgumentError(f"{what} needs a host pool: CacheManager(pool, host_pool=HostPool(spec, n))")
         return self._host
-
-    @staticmethod
-    def _host_slot(hp: HostPool, host: Any) -> int:
-        try:
-            return as_slot(host, hp.num_slots)
-        except InvalidSlotError as exc:
-            raise InvalidSlotError(f"host {exc}") from None
 
     # -- flushing --------------------------------------------------------
     async def flush(self, stream: Any | None = None) -> StepReport:
@@ -422,14 +352,26 @@ class CacheManager:
         return self._core.flush_sync(stream)
 
 
-def _check_count(n: Any) -> None:
+def _slot_of(pool: StatePool, slot: Any, request_id: Any) -> int:
+    check_request_id(request_id)
+    return as_slot(slot, pool.num_slots)
+
+
+def _host_slot(hp: HostPool, host: Any) -> int:
+    try:
+        return as_slot(host, hp.num_slots)
+    except InvalidSlotError as exc:
+        raise InvalidSlotError(f"host {exc}") from None
+
+
+def _alloc_args(mgr: CacheManager, n: Any, request_id: Any, clear: Any) -> bool:
+    """The checks every alloc form makes first; returns whether to zero the new slots."""
+    mgr.check_open()
     if type(n) is not int or n < 0:
         raise InvalidArgumentError(f"alloc count must be a non-negative int, got {n!r}")
-
-
-def _raise_unless_masking(exc: BaseException | None, flush_error: MambaCacheError) -> None:
-    if exc is None:
-        raise flush_error
-    # The block is already failing: its error is the one to see, not this echo of it.
-    if hasattr(exc, "add_note"):
-        exc.add_note(f"mambacache: the flush on leaving the block failed too: {flush_error!r}")
+    check_request_id(request_id)
+    if clear is None:
+        return mgr.clear_on_alloc
+    if type(clear) is not bool:
+        raise InvalidArgumentError(f"clear must be a bool or None, got {clear!r}")
+    return clear

@@ -261,6 +261,11 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
     must be the one the offload saw, and it is written even if released. The
     segment ends before the first event that writes a pinned slot with another
     value.
+
+    One function because it is the planner's single pass over the log: the
+    seven maps of symbolic state are locals shared by every event kind, and a
+    call per event (or an object holding them) would cost on every step of the
+    hot path what the flat per-event figures in docs/benchmarks.md measure.
     """
     value: dict[int, int | tuple[int, int]] = {}
     dead: set[int] = set()

@@ -40,6 +40,58 @@ def _with_drafts(spec: object, draft_tokens: int | None) -> StateSpec:
     return dataclasses.replace(spec, draft_tokens=draft_tokens)
 
 
+def _check_adopted(
+    conv: Sequence[torch.Tensor],
+    temporal: torch.Tensor,
+    draft_conv: Sequence[torch.Tensor] | None,
+    draft_temporal: torch.Tensor | None,
+) -> None:
+    """:meth:`StatePool.from_tensors`' checks of the engine's tensors, all before anything is built."""
+    if isinstance(conv, torch.Tensor) or not isinstance(conv, Sequence):
+        raise InvalidArgumentError(f"conv must be a sequence of tensors, got {type(conv).__name__}")
+    if (draft_conv is None) != (draft_temporal is None):
+        raise InvalidArgumentError("give draft_conv and draft_temporal together, or neither")
+    if isinstance(draft_conv, torch.Tensor) or (draft_conv is not None and len(draft_conv) != len(conv)):
+        raise InvalidArgumentError(f"draft_conv must be a sequence of {len(conv)} tensors, one per conv")
+    drafts = [*draft_conv, draft_temporal] if draft_conv is not None and draft_temporal is not None else []
+    tensors = [*conv, temporal, *drafts]
+    for i, t in enumerate(tensors):
+        what = (
+            f"conv[{i}]" if i < len(conv) else "temporal" if i == len(conv) else f"draft buffer {i - len(conv) - 1}"
+        )
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgumentError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+        if t.ndim < 3:
+            raise InvalidArgumentError(f"{what} must be [num_layers, num_slots + 1, *state], got {tuple(t.shape)}")
+        if not t.is_contiguous():
+            raise InvalidArgumentError(f"{what} must be contiguous (a view with strides {t.stride()} is not)")
+        if t.requires_grad:
+            raise InvalidArgumentError(f"{what} requires grad: state tensors are written in place")
+        if t.device != temporal.device:
+            raise InvalidArgumentError(f"{what} is on {t.device}, temporal on {temporal.device}")
+        if t.shape[:2] != temporal.shape[:2] and i <= len(conv):
+            raise InvalidArgumentError(
+                f"{what} has {tuple(t.shape[:2])} (layers, slots + 1), temporal {tuple(temporal.shape[:2])}"
+            )
+    if temporal.shape[1] < 2:
+        raise InvalidArgumentError("tensors need at least 2 slots along dim 1 (slot 0 is padding)")
+    for i, (d, t) in enumerate(zip(drafts, [*conv, temporal], strict=False)):
+        what = f"draft_conv[{i}]" if i < len(conv) else "draft_temporal"
+        if d.ndim != t.ndim + 1 or d.shape[:2] != t.shape[:2] or d.shape[3:] != t.shape[2:] or d.dtype != t.dtype:
+            raise InvalidArgumentError(
+                f"{what} is {tuple(d.shape)} {d.dtype}; [num_layers, num_slots + 1, draft_tokens, *state] of"
+                f" its state tensor {tuple(t.shape)} {t.dtype} expected"
+            )
+        if d.shape[2] != drafts[-1].shape[2] or d.shape[2] < 1:
+            raise InvalidArgumentError("every draft buffer needs the same draft_tokens (at least 1)")
+    if len({c.dtype for c in conv}) > 1:
+        raise InvalidArgumentError(f"conv tensors must share one dtype, got {[c.dtype for c in conv]}")
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i) for i, t in enumerate(tensors))
+    for (_, end, i), (start, _, j) in itertools.pairwise(spans):
+        if start < end:
+            raise InvalidArgumentError(f"pool tensors {min(i, j)} and {max(i, j)} overlap in memory")
+
+
 class StatePool:
     """Per-layer conv and temporal state for ``num_slots`` slots plus padding slot 0.
 
@@ -136,49 +188,7 @@ class StatePool:
         ``[num_layers, num_slots + 1, draft_tokens, *state]``, matching the state
         tensors' shapes and dtypes, given together.
         """
-        if isinstance(conv, torch.Tensor) or not isinstance(conv, Sequence):
-            raise InvalidArgumentError(f"conv must be a sequence of tensors, got {type(conv).__name__}")
-        if (draft_conv is None) != (draft_temporal is None):
-            raise InvalidArgumentError("give draft_conv and draft_temporal together, or neither")
-        if isinstance(draft_conv, torch.Tensor) or (draft_conv is not None and len(draft_conv) != len(conv)):
-            raise InvalidArgumentError(f"draft_conv must be a sequence of {len(conv)} tensors, one per conv")
-        drafts = [*draft_conv, draft_temporal] if draft_conv is not None and draft_temporal is not None else []
-        tensors = [*conv, temporal, *drafts]
-        for i, t in enumerate(tensors):
-            what = (
-                f"conv[{i}]" if i < len(conv) else "temporal" if i == len(conv) else f"draft buffer {i - len(conv) - 1}"
-            )
-            if not isinstance(t, torch.Tensor):
-                raise InvalidArgumentError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-            if t.ndim < 3:
-                raise InvalidArgumentError(f"{what} must be [num_layers, num_slots + 1, *state], got {tuple(t.shape)}")
-            if not t.is_contiguous():
-                raise InvalidArgumentError(f"{what} must be contiguous (a view with strides {t.stride()} is not)")
-            if t.requires_grad:
-                raise InvalidArgumentError(f"{what} requires grad: state tensors are written in place")
-            if t.device != temporal.device:
-                raise InvalidArgumentError(f"{what} is on {t.device}, temporal on {temporal.device}")
-            if t.shape[:2] != temporal.shape[:2] and i <= len(conv):
-                raise InvalidArgumentError(
-                    f"{what} has {tuple(t.shape[:2])} (layers, slots + 1), temporal {tuple(temporal.shape[:2])}"
-                )
-        if temporal.shape[1] < 2:
-            raise InvalidArgumentError("tensors need at least 2 slots along dim 1 (slot 0 is padding)")
-        for i, (d, t) in enumerate(zip(drafts, [*conv, temporal], strict=False)):
-            what = f"draft_conv[{i}]" if i < len(conv) else "draft_temporal"
-            if d.ndim != t.ndim + 1 or d.shape[:2] != t.shape[:2] or d.shape[3:] != t.shape[2:] or d.dtype != t.dtype:
-                raise InvalidArgumentError(
-                    f"{what} is {tuple(d.shape)} {d.dtype}; [num_layers, num_slots + 1, draft_tokens, *state] of"
-                    f" its state tensor {tuple(t.shape)} {t.dtype} expected"
-                )
-            if d.shape[2] != drafts[-1].shape[2] or d.shape[2] < 1:
-                raise InvalidArgumentError("every draft buffer needs the same draft_tokens (at least 1)")
-        if len({c.dtype for c in conv}) > 1:
-            raise InvalidArgumentError(f"conv tensors must share one dtype, got {[c.dtype for c in conv]}")
-        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i) for i, t in enumerate(tensors))
-        for (_, end, i), (start, _, j) in itertools.pairwise(spans):
-            if start < end:
-                raise InvalidArgumentError(f"pool tensors {min(i, j)} and {max(i, j)} overlap in memory")
+        _check_adopted(conv, temporal, draft_conv, draft_temporal)
         spec = StateSpec(
             num_layers=temporal.shape[0],
             conv_shapes=[tuple(c.shape[2:]) for c in conv],

@@ -3,16 +3,18 @@
 The coordinator under :class:`~mambacache.CacheManager` (which only checks
 arguments and delegates): it owns the manager's lock, the lifecycle state, the
 event queue and the step number, and changes the ledgers only under the lock,
-in the same hold as the queue, so the two never disagree. Pure Python, no torch.
+in the same hold as the queue, so the two never disagree. No torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import anyio
+
 from . import _tracing
-from ._errors import ManagerClosedError, SlotLeakError, SlotStateError
+from ._errors import InvalidArgumentError, ManagerClosedError, SlotLeakError, SlotStateError
 from ._events import Alloc, DropHost, Event, Offload, Restore
 from ._ledger import SlotLedger
 
@@ -155,27 +157,36 @@ class StepQueue:
         self.events.extend(events)
         return events
 
-    def new_ticket(self) -> int:
-        """A place in the ``alloc_wait`` line."""
+    async def alloc_in_turn(self, n: int, tenant: str | None, clear: bool, check_open: Callable[[], None]) -> list[int]:
+        """:meth:`alloc` once ``n`` slots are free and every earlier caller was served (first come, first served).
+
+        The check that it is this call's turn and that ``n`` are free, and the
+        allocation, happen in one hold of the lock, so another thread's alloc
+        cannot take the slots in between. ``check_open`` runs between polls, so
+        a manager that closes or breaks wakes the waiter with its error.
+        Cancelled, the call leaves the line and holds nothing.
+        """
         with self.lock:
             ticket = self._ticket
             self._ticket += 1
             self._waiters.append(ticket)
-        return ticket
-
-    def alloc_in_turn(self, ticket: int, n: int, tenant: str | None, clear: bool) -> list[int] | None:
-        """:meth:`alloc` when ``ticket`` is first in line and ``n`` slots are free, else None.
-
-        The check and the allocation happen in one hold of the lock, so another
-        thread's alloc cannot take the slots in between.
-        """
-        with self.lock:
-            if self._waiters[0] != ticket or self.ledger.num_free < n:
-                return None
-            self.check()
-            slots = self.ledger.take(n, tenant)
-            events = self._queue_allocs(slots, tenant, clear)
-            step = self.step
+        try:
+            delay = 0.0
+            while True:
+                with self.lock:
+                    if self._waiters[0] == ticket and self.ledger.num_free >= n:
+                        self.check()
+                        slots = self.ledger.take(n, tenant)
+                        events = self._queue_allocs(slots, tenant, clear)
+                        step = self.step
+                        break
+                check_open()
+                # Releases come from any thread, so this polls (briefly, then every ms).
+                await anyio.sleep(delay)
+                delay = min(0.001, delay + 0.0001)
+        finally:
+            with self.lock:
+                self._waiters.remove(ticket)
         _tracing.tracer.events(events, step)
         return slots
 
@@ -183,10 +194,6 @@ class StepQueue:
     def waiting(self) -> int:
         """Tickets in the ``alloc_wait`` line."""
         return len(self._waiters)
-
-    def leave_line(self, ticket: int) -> None:
-        with self.lock:
-            self._waiters.remove(ticket)
 
     # -- the host tier ---------------------------------------------------
     def offload(self, slot: int, tenant: str | None) -> int:
@@ -205,6 +212,8 @@ class StepQueue:
     def restore(self, host: int, slot: int, tenant: str | None, keep: bool) -> None:
         """Queue a read of host slot ``host`` into ``slot``; frees ``host`` for the next step unless ``keep``."""
         assert self._host is not None
+        if type(keep) is not bool:
+            raise InvalidArgumentError(f"keep must be a bool, got {keep!r}")
         with self.lock:
             self.check()
             self._check_host_held("Restore", host)
@@ -255,14 +264,28 @@ class StepQueue:
         with self.lock:
             self.step = step + 1
 
-    def check_idle(self, host: bool) -> None:
-        """Raise :class:`SlotLeakError` if a slot (or, with ``host``, a host slot) is held.
+    def snapshot(self) -> list[Event]:
+        """A copy of the queued events."""
+        with self.lock:
+            return list(self.events)
+
+    def held(self) -> dict[int, str | None]:
+        """Held pool slots and their tenants."""
+        with self.lock:
+            return self.ledger.held_by()
+
+    def check_idle(self, host: bool | None) -> None:
+        """Raise :class:`SlotLeakError` if a slot (or, unless ``host`` is False, a host slot) is held.
 
         One hold of the lock: a swap in or out between two reads could hide a request from both.
         """
+        if host is not None and type(host) is not bool:
+            raise InvalidArgumentError(f"host must be a bool or None, got {host!r}")
+        if host and self._host is None:
+            raise InvalidArgumentError("check_idle(host=True) on a manager without a host pool")
         with self.lock:
             held = self.ledger.held_by()
-            host_held = self._host.held_by() if self._host is not None and host else {}
+            host_held = self._host.held_by() if self._host is not None and host is not False else {}
         if held or host_held:
             parts = [_listed(held, "slot"), _listed(host_held, "host slot")]
             raise SlotLeakError("; ".join(p for p in parts if p), held, host_held)

@@ -27,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["AuditReport", "OpAudit", "SYNC_OPS"]
+__all__ = ["SYNC_OPS", "AuditReport", "OpAudit"]
 
 _aten = torch.ops.aten
 SYNC_OPS = frozenset(

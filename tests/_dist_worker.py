@@ -13,9 +13,9 @@ import torch.distributed as dist
 
 import mambacache as mc
 
-from .conftest import fill_random
 from .oracle import SequentialOracle
 from .strategies import KINDS, events_from_ops
+from .util import drive, fill_random
 
 N = 12
 
@@ -36,11 +36,7 @@ def plan_of_steps(seed: int, n_ops: int) -> list[list[object]]:
 
 def submit_all(mgr: mc.CacheManager, events: list[object]) -> None:
     """The source rank's submits: allocs reproduce the drawn slot (the lowest free one)."""
-    for ev in events:
-        if isinstance(ev, mc.Alloc):
-            assert mgr.alloc(1, clear=ev.clear) == [ev.slot]
-        else:
-            mgr.submit(ev)  # type: ignore[arg-type]
+    drive(mgr, events)
 
 
 def shard_pool(seed: int, rank: int) -> mc.StatePool:
@@ -236,7 +232,7 @@ class _Recorder(SequentialOracle):
 
 def host_worker(rank: int, world: int, port: int, seed: int) -> None:
     """Offload, restore and drop cross the wire: every rank's pool and host shard match its oracle."""
-    from .test_host_tier import Driver
+    from .util import Driver
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=30)

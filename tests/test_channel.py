@@ -18,6 +18,7 @@ import mambacache as mc
 
 from .oracle import SequentialOracle
 from .strategies import host_events_from_ops, host_ops
+from .util import drive
 
 N, H = 8, 4
 
@@ -36,17 +37,7 @@ def fill(pool: mc.StatePool, seed: int) -> None:
 def submit(mgr: mc.CacheManager, events: list[object], hosts: dict[int, int]) -> None:
     """Replay a valid log on the source: allocs of exact slots, host slots mapped to the ones the manager
     hands out (``hosts``: the log's host slot -> the manager's), the rest as events."""
-    for ev in events:
-        if isinstance(ev, mc.Alloc):
-            mgr.alloc_slots([ev.slot], clear=ev.clear)
-        elif isinstance(ev, mc.Offload):
-            hosts[ev.host] = mgr.offload(ev.slot)
-        elif isinstance(ev, mc.Restore):
-            mgr.restore(hosts[ev.host], ev.slot, keep=ev.keep)
-        elif isinstance(ev, mc.DropHost):
-            mgr.drop(hosts[ev.host])
-        else:
-            mgr.submit(ev)  # type: ignore[arg-type]
+    drive(mgr, events, exact=True, hosts=hosts)
 
 
 def flush_all(mgrs: list[mc.CacheManager]) -> list[mc.StepReport]:

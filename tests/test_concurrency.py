@@ -11,7 +11,7 @@ import pytest
 
 import mambacache as mc
 
-from .conftest import small_spec
+from .util import small_spec
 
 pytestmark = pytest.mark.anyio
 

@@ -15,6 +15,7 @@ from mambacache._planner import plan_step
 from mambacache.audit import OpAudit
 
 from .strategies import events_from_ops, ops
+from .util import drive
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.uint16]
 
@@ -49,11 +50,7 @@ def test_direct_path_equals_the_reference_on_every_stage_kind(
         random_bytes(pool, seed)
         with mc.CacheManager(pool, executor=executor) as mgr:
             for events, _ in events_from_ops(raw0, 10, set()):
-                for ev in events:
-                    if isinstance(ev, mc.Alloc):
-                        mgr.alloc(1, clear=ev.clear)
-                    else:
-                        mgr.submit(ev)  # type: ignore[arg-type]
+                drive(mgr, events)
                 mgr.flush_nowait()
         pools.append(pool)
     direct, ref = pools

@@ -15,9 +15,9 @@ import mambacache as mc
 from mambacache._executors._torch import TorchExecutor
 from mambacache._planner import RotateStage, Stage
 
-from .conftest import fill_random, small_spec
 from .oracle import SequentialOracle
 from .strategies import events_from_ops, ops
+from .util import drive, fill_random, small_spec
 
 
 def exit_under_load(seed: int, sync: bool) -> None:
@@ -109,12 +109,7 @@ def test_dtypes_without_index_kernels_run_every_stage_kind(
         oracle = BytesOracle(pool)
         raw0 = [(k, 0 if k == "alloc" else a, b) for k, a, b in raw]  # alloc hands out the lowest free slot
         for events, _ in events_from_ops(raw0, 8, set()):
-            for ev in events:
-                if isinstance(ev, mc.Alloc):
-                    ev = mc.Alloc(mgr.alloc(1, clear=ev.clear)[0], clear=ev.clear)
-                else:
-                    mgr.submit(ev)  # type: ignore[arg-type]
-                oracle.apply([ev])
+            drive(mgr, events, oracle)
             mgr.flush_nowait()
             oracle.assert_matches(pool)
 

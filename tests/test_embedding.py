@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 import mambacache as mc
 from mambacache.audit import OpAudit
 
-from .conftest import fill_random, small_spec
 from .oracle import SequentialOracle
 from .strategies import events_from_ops, ops
+from .util import fill_random, small_spec
 
 # -- synchronous use -------------------------------------------------------
 

@@ -8,7 +8,7 @@ import torch
 
 import mambacache as mc
 
-from .conftest import fill_random, small_spec
+from .util import fill_random, small_spec
 
 pytestmark = pytest.mark.anyio
 

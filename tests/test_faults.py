@@ -23,54 +23,16 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import mambacache as mc
 from mambacache._executors._npu import NpuExecutor
-from mambacache._executors._reference import ReferenceExecutor
 from mambacache._executors._torch import TorchExecutor
 from mambacache._planner import Stage
 
-from .conftest import fill_random, small_spec
 from .oracle import SequentialOracle
 from .strategies import events_from_ops, ops
 from .sweep import fault_points
-
-SPEC = small_spec()
-ROW = max(SPEC.layer_bytes())  # the largest state of one slot in one layer, in bytes
-
-
-def variants() -> dict[str, Callable[[], mc.Executor]]:
-    """Fresh instances: executors keep progress records and workspaces."""
-    return {
-        "torch": lambda: TorchExecutor(),
-        "torch-runs": lambda: TorchExecutor(min_run_bytes=0),
-        "torch-index": lambda: TorchExecutor(path="index"),
-        "torch-direct": lambda: TorchExecutor(path="direct"),
-        "npu-whole": lambda: NpuExecutor(64 << 20),
-        "npu-slot-chunks": lambda: NpuExecutor(SPEC.num_layers * ROW * 2),
-        "npu-one-layer": lambda: NpuExecutor(ROW * 2),
-        "npu-rows": lambda: NpuExecutor(8),
-        "npu-one-element": lambda: NpuExecutor(4),  # fp32 temporal: one element of scratch
-        "reference": lambda: ReferenceExecutor(),
-    }
-
-
-VARIANTS = variants()
-
-
-class FaultAt(TorchDispatchMode):
-    """Raises ``exc`` before the ``at``-th aten op of the block (1-based); counts ops."""
-
-    def __init__(self, at: int = 0, exc: type[BaseException] = MemoryError) -> None:
-        super().__init__()
-        self.at, self.exc, self.ops = at, exc, 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops += 1
-        if self.ops == self.at:
-            raise self.exc(f"injected before op {self.ops}: {func}")
-        return func(*args, **(kwargs or {}))
+from .util import SPEC, VARIANTS, FaultAt, drive, fill_random, small_spec
 
 
 def swap_via_temp(mgr: mc.CacheManager, slots: list[int]) -> None:
@@ -229,12 +191,7 @@ def test_faults_lose_nothing(variant: str, raw: list[tuple[str, int, int]], fail
             oracle = SequentialOracle(pool)
             raw0 = [(k, 0 if k == "alloc" else a, b) for k, a, b in raw]
             for events, _ in events_from_ops(raw0, n, set(pool.allocated_slots())):
-                for ev in events:
-                    if isinstance(ev, mc.Alloc):
-                        ev = mc.Alloc(mgr.alloc(1)[0])
-                    else:
-                        mgr.submit(ev)  # type: ignore[arg-type]
-                    oracle.apply([ev])
+                drive(mgr, events, oracle)
                 try:
                     await mgr.flush()
                 except mc.ExecutorError as exc:

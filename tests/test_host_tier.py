@@ -20,11 +20,10 @@ from mambacache._planner import (
     plan_step,
 )
 
-from .conftest import fill_random, small_spec
 from .oracle import SequentialOracle
 from .strategies import host_ops
 from .sweep import fault_points
-from .test_faults import VARIANTS, FaultAt
+from .util import VARIANTS, Driver, FaultAt, fill_random, small_spec
 
 N, H = 10, 6
 SPEC = small_spec()
@@ -55,51 +54,6 @@ def test_plan_examples() -> None:
 
 
 # -- through the manager, on every executor ---------------------------------------
-class Driver:
-    """Turns raw draws into manager calls on live state, recording the events for the oracle."""
-
-    def __init__(self, mgr: mc.CacheManager, oracle: SequentialOracle) -> None:
-        self.mgr, self.oracle = mgr, oracle
-
-    def apply(self, kind: str, a: int, b: int) -> None:
-        mgr, pool = self.mgr, self.mgr.pool
-        live = pool.allocated_slots()
-        host = mgr.host_pool
-        assert host is not None
-        held = sorted(host.held())
-        ev: Any = None
-        if kind == "alloc" and pool.num_free:
-            ev = mc.Alloc(mgr.alloc(1, clear=b % 4 != 0)[0], clear=b % 4 != 0)
-        elif kind == "clear" and live:
-            ev = mc.Clear(live[a % len(live)])
-            mgr.clear(ev.slot)
-        elif kind == "cow" and live:
-            ev = mc.CopyOnWrite(live[a % len(live)], live[b % len(live)])
-            mgr.copy_on_write(ev.src, ev.dst)
-        elif kind == "release" and live:
-            ev = mc.Release(live[a % len(live)])
-            mgr.release(ev.slot)
-        elif kind == "offload" and live and host.num_free:
-            slot = live[a % len(live)]
-            ev = mc.Offload(slot, mgr.offload(slot))
-        elif kind == "restore" and live and held:
-            ev = mc.Restore(held[b % len(held)], live[a % len(live)], keep=a % 3 == 0)
-            mgr.restore(ev.host, ev.slot, keep=ev.keep)
-        elif kind == "drop" and held:
-            ev = mc.DropHost(held[a % len(held)])
-            mgr.drop(ev.host)
-        if ev is not None:
-            self.oracle.apply([ev])
-
-    def forward(self, step: int) -> None:
-        """A forward writes every live slot between flushes."""
-        for s in self.mgr.pool.allocated_slots():
-            value = float(step * 100 + s)
-            self.oracle.write(s, value)
-            for t in self.mgr.pool.tensors:
-                t[:, s] = value
-
-
 def _open(executor: Any) -> tuple[mc.StatePool, mc.HostPool, mc.CacheManager]:
     pool, host = mc.StatePool(SPEC, N), mc.HostPool(SPEC, H)
     return pool, host, mc.CacheManager(pool, executor=executor, host_pool=host, max_failed_flushes=1000)

@@ -14,7 +14,7 @@ from mambacache._executors._torch import TorchExecutor
 from mambacache._planner import plan_step
 from mambacache._runner import StepRunner, check_executor, run_stage
 
-from .conftest import fill_random, small_spec
+from .util import fill_random, small_spec
 
 
 class Failing(mc.Executor):

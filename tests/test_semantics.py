@@ -11,9 +11,9 @@ import mambacache as mc
 from mambacache._executors._npu import NpuExecutor
 from mambacache._executors._torch import TorchExecutor
 
-from .conftest import fill_random, small_spec
 from .oracle import SequentialOracle
 from .strategies import events_from_ops, ops
+from .util import drive, fill_random, small_spec
 
 N = 10
 
@@ -47,14 +47,7 @@ async def run_steps(executor: object, raw: list[tuple[str, int, int]], initially
         fill_random(pool, seed)  # every slot dirty, as after forward steps
         oracle = SequentialOracle(pool)
         for step, (events, _) in enumerate(events_from_ops(raw, N, set(pool.allocated_slots()))):
-            for ev in events:
-                if isinstance(ev, mc.Alloc):
-                    # Reproduce the chosen slot: alloc hands out the lowest free slot.
-                    got = mgr.alloc(1, clear=ev.clear)
-                    ev = mc.Alloc(got[0], clear=ev.clear)
-                else:
-                    mgr.submit(ev)  # type: ignore[arg-type]
-                oracle.apply([ev])
+            drive(mgr, events, oracle)  # alloc hands out the lowest free slot, the one the log drew
             report = await mgr.flush()
             assert report.events == len(events)
             oracle.assert_matches(pool)

@@ -19,7 +19,7 @@ from mambacache.audit import OpAudit
 from .oracle import SequentialOracle
 from .strategies import events_from_ops, ops
 from .sweep import fault_points
-from .test_faults import VARIANTS, FaultAt
+from .util import VARIANTS, FaultAt, drive
 
 K = 3
 N = 8
@@ -112,12 +112,7 @@ def test_commits_mixed_with_every_event_match_the_oracle(
         fill(pool, seed)
         for events, _ in events_from_ops(raw0, N, set(pool.allocated_slots()), draft_tokens=K):
             oracle = SequentialOracle(pool)
-            for ev in events:
-                if isinstance(ev, mc.Alloc):
-                    ev = mc.Alloc(mgr.alloc(1, clear=ev.clear)[0], clear=ev.clear)
-                else:
-                    mgr.submit(ev)  # type: ignore[arg-type]
-                oracle.apply([ev])  # type: ignore[list-item]
+            drive(mgr, events, oracle)
             mgr.flush_nowait()
             oracle.assert_matches(pool)
             fill(pool, seed + 1)  # the next verify forward writes new drafts (and the forward, every slot)

@@ -31,7 +31,7 @@ import mambacache as mc
 from mambacache._tiers._prefix import CHECKPOINT_TENANT
 
 from .sweep import fault_points
-from .test_faults import VARIANTS, FaultAt
+from .util import VARIANTS, FaultAt
 
 SPEC = mc.StateSpec(
     num_layers=2, conv_shapes=[(6, 3), (5, 2)], temporal_shape=(2, 3), conv_dtype=torch.float32, draft_tokens=2

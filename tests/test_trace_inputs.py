@@ -13,7 +13,7 @@ import mambacache as mc
 from mambacache._cli import main
 from mambacache.tracing import analyze, analyze_lines
 
-from .test_tracing import CLEAN, line
+from .util import CLEAN, line, small_spec
 
 BAD_LINES: dict[str, bytes] = {
     "missing slot": b'{"event": "slot.clear", "step": 1}',
@@ -161,8 +161,6 @@ def test_expect_idle_reports_host_slots_of_a_swapped_out_request_aborted_without
 ) -> None:
     """A real trace: request r swapped out (offload, release) and aborted, its host slot never dropped."""
     from mambacache import tracing
-
-    from .conftest import small_spec
 
     path = tmp_path / "swap.jsonl"
     tracing.configure(str(path), level="debug")

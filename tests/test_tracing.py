@@ -14,7 +14,7 @@ from mambacache import tracing
 from mambacache._cli import main
 from mambacache.tracing import analyze, analyze_lines
 
-from .conftest import small_spec
+from .util import CLEAN, line, small_spec
 
 pytestmark = pytest.mark.anyio
 
@@ -101,17 +101,6 @@ async def test_analyzer_on_a_clean_trace(tmp_path: Path) -> None:
     assert main(["trace", str(path)]) == 0
 
 
-def line(event: str, step: int, **kw: object) -> str:
-    return json.dumps({"event": event, "step": step, **kw})
-
-
-CLEAN = [
-    line("slot.alloc", 0, slot=1, request_id="a", cleared=True),
-    line("step.flush", 0, events=1, elided=0),
-    line("slot.release", 1, slot=1, request_id="a"),
-    line("slot.alloc", 1, slot=1, request_id="b", cleared=True),
-    line("step.flush", 1, events=2, elided=0),
-]
 BROKEN = {
     "double-release": [*CLEAN, line("slot.release", 2, slot=1), line("slot.release", 2, slot=1)],
     "use-after-release": [*CLEAN, line("slot.release", 2, slot=1), line("slot.clear", 2, slot=1)],

@@ -91,10 +91,10 @@ def test_new_blocks_are_cleared_before_the_forward_and_released_when_finished(st
     for conv, ssm in layers:
         assert bool((conv[2] == 0).all()) and bool((ssm[4] == 0).all())
         assert bool((conv[3] != 0).any())  # a block nobody got is left alone
-    assert s.owner == {2: "a", 4: "b"}
+    assert s.tenant_of == {2: "a", 4: "b"}
     s.take(step(finished=("a",), copies=((4, 2), (4, 5))))  # copies touch managed blocks only
     s.flush()
-    assert s.owner == {4: "b"} and s.stats.releases == 1 and s.stats.copies == 0
+    assert s.tenant_of == {4: "b"} and s.stats.releases == 1 and s.stats.copies == 0
     assert s.managers[0].held() == {4: "b"}
 
 
@@ -106,12 +106,12 @@ def test_a_block_given_to_another_request_is_taken_back_from_the_preempted_one(s
         conv[2].fill_(7.0)  # a's forward
     s.take(step(new=(("b", [2]),)))  # vLLM preempted a and gave its block to b
     s.flush()
-    assert s.owner == {2: "b"} and s.stats.reclaimed == 1
+    assert s.tenant_of == {2: "b"} and s.stats.reclaimed == 1
     assert all(bool((conv[2] == 0).all()) for conv, _ in layers)
     s.take(step(cached=(("a", [3]),), resumed=("a",)))  # a resumes in another block, from scratch
     s.take(step(cached=(("b", [5]),)))  # b grows by a block (speculative or checkpoint blocks)
     s.flush()
-    assert s.owner == {2: "b", 3: "a", 5: "b"} and s.blocks["b"] == [2, 5]
+    assert s.tenant_of == {2: "b", 3: "a", 5: "b"} and s.blocks["b"] == [2, 5]
     s.take(step(copies=((2, 5),)))
     s.flush()
     assert s.stats.copies == 1
@@ -161,5 +161,5 @@ def test_a_streaming_request_continued_under_its_id_keeps_its_state(states: Any)
         conv[2].fill_(3.0)  # a's forward
     s.take(step(new=(("a", [2, 4]),)))  # vLLM's streaming input: the same request, one more block
     s.flush()
-    assert s.owner == {2: "a", 4: "a"} and s.stats.releases == 0
+    assert s.tenant_of == {2: "a", 4: "a"} and s.stats.releases == 0
     assert all(bool((conv[2] == 3.0).all()) and bool((conv[4] == 0).all()) for conv, _ in layers)

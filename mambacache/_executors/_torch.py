@@ -139,6 +139,10 @@ class TorchExecutor(Executor):
         Only for stages that are idempotent (a repeat after a fault is harmless), on
         the runs and direct paths: it halves the ops of a decode step, whose stages
         touch a few slots of a few tensors.
+
+        One function because it is the whole choice for one stage, path by path
+        (runs, direct zero, direct copy), each branch one foreach op over the
+        views it gathers; split, each piece would re-derive the same path set.
         """
         if isinstance(stage, ZeroStage):
             slots, runs = len(stage.slots), len(stage.runs)

@@ -37,6 +37,7 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``bench`` command to the ``mambacache`` command line."""
     p = sub.add_parser(
         "bench",
         help="clear/copy speed, workspace and host overhead against the bandwidth bound and the seed path",

@@ -163,7 +163,7 @@ class VllmStates:
         self.pools = pools
         self.groups = groups  # indices of the mamba KV cache groups
         self.managers = [CacheManager(p).__enter__() for p in pools]
-        self.owner: dict[int, str] = {}
+        self.tenant_of: dict[int, str] = {}
         self.blocks: dict[str, list[int]] = {}
         self.clear = os.environ.get("MAMBACACHE_VLLM_FAULT") != "skip-clear"
         self._counts = dict.fromkeys(VllmStats.__slots__, 0)
@@ -210,7 +210,7 @@ class VllmStates:
         gone = [b for b in held if blocks is None or b in blocks]
         for b in gone:
             self._each("release", b, request_id=req_id)
-            del self.owner[b]
+            del self.tenant_of[b]
         self._counts["releases"] += len(gone)
         rest = [b for b in held if b not in gone]
         if rest:
@@ -219,9 +219,9 @@ class VllmStates:
             self.blocks.pop(req_id, None)
 
     def _give(self, req_id: str, blocks: list[int]) -> None:
-        new = [b for b in blocks if self.owner.get(b) != req_id]
+        new = [b for b in blocks if self.tenant_of.get(b) != req_id]
         for b in new:
-            tenant = self.owner.get(b)
+            tenant = self.tenant_of.get(b)
             if tenant is not None:  # vLLM took it back from a preempted request
                 self._release(tenant, [b])
                 self._counts["reclaimed"] += 1
@@ -229,7 +229,7 @@ class VllmStates:
             return
         self._each("alloc_slots", new, request_id=req_id, clear=self.clear)
         for b in new:
-            self.owner[b] = req_id
+            self.tenant_of[b] = req_id
         self.blocks.setdefault(req_id, []).extend(new)
         self._counts["allocs"] += len(new)
         self._counts["clears"] += len(new) if self.clear else 0
@@ -252,7 +252,7 @@ class VllmStates:
             self._give(req_id, self._mamba_ids(block_ids))
         for copy in so.kv_cache_block_copies or ():
             src, dst = int(copy[0]), int(copy[1])
-            if src in self.owner and dst in self.owner:
+            if src in self.tenant_of and dst in self.tenant_of:
                 self._each("copy_on_write", src, dst)
                 self._counts["copies"] += 1
 
@@ -262,5 +262,6 @@ class VllmStates:
         self._counts["flushes"] += 1
 
     def close(self) -> None:
+        """Close every manager the plugin opened (each runs its last flush)."""
         for mgr in self.managers:
             mgr.__exit__(None, None, None)

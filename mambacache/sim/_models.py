@@ -19,7 +19,7 @@ from .._spec import StateSpec
 from ..hf import bind_cache, cache_keyword, check_seq_length
 from ..hf import drop_tokens as hf_drop_tokens
 
-__all__ = ["HFModel", "SimModel", "ToyModel", "build_model", "MODELS"]
+__all__ = ["MODELS", "HFModel", "SimModel", "ToyModel", "build_model"]
 
 MODELS = ("toy", "mamba2", "qwen3-next")
 
@@ -32,7 +32,8 @@ class SimModel(abc.ABC):
     vocab_size: int
 
     @abc.abstractmethod
-    def new_context(self) -> Any: ...
+    def new_context(self) -> Any:
+        """A fresh model-side cache for one request (bound to a pool slot before each forward)."""
 
     # ``seen`` below is always the scheduler's own count of the tokens the bound state has
     # consumed: a model checks its cache object agrees, and takes positions from it.
@@ -222,6 +223,8 @@ class HFModel(SimModel):
 
 
 def build_model(name: str, seed: int = 0) -> SimModel:
+    """The simulator's model ``name`` (``toy``, ``mamba2``, ``qwen3-next``), random weights from ``seed``, built
+    locally: nothing is downloaded."""
     if name == "toy":
         return ToyModel(seed)
     if name in ("mamba2", "qwen3-next"):

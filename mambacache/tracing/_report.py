@@ -74,7 +74,7 @@ def render_text(analysis: TraceAnalysis, slots: list[int], max_entries: int = 50
     held = {s: t for s, t in analysis.held.items() if s in set(slots)}
     if held:
         out.append(f"held at the end of the trace: {_held_text(held)}")
-    host_held = analysis._host_held_for(slots)
+    host_held = analysis.host_held_for(slots)
     if host_held:
         out.append(f"host slots held at the end of the trace: {_held_text(host_held)}")
     if analysis.bad_lines:

@@ -1,0 +1,169 @@
+"""Helpers the tests share: specs and fills, the drive loop, fault injection, the host-tier driver, trace lines.
+
+Tests import them from here, never from conftest (fixtures only) or from
+another test file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mambacache as mc
+from mambacache._executors._npu import NpuExecutor
+from mambacache._executors._reference import ReferenceExecutor
+from mambacache._executors._torch import TorchExecutor
+
+from .oracle import SequentialOracle
+
+
+def small_spec(layers: int = 3) -> mc.StateSpec:
+    # Odd sizes and both dtypes on purpose: layouts must not depend on round numbers.
+    return mc.StateSpec(num_layers=layers, conv_shapes=[(6, 3), (5, 2)], temporal_shape=(2, 3, 4))
+
+
+def fill_random(pool: mc.StatePool, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for t in pool.tensors:
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype) + 1.0)
+
+
+def drive(
+    mgr: mc.CacheManager,
+    events: Iterable[Any],
+    oracle: SequentialOracle | None = None,
+    *,
+    exact: bool = False,
+    hosts: dict[int, int] | None = None,
+) -> list[Any]:
+    """Submit a drawn log through the manager's own calls, in order; returns the events as submitted.
+
+    An ``Alloc`` becomes ``alloc(1)``, which must hand out the drawn slot (the
+    lowest free one), or ``alloc_slots([slot])`` with ``exact``; host events go
+    through ``offload`` / ``restore`` / ``drop``, the log's host slots mapped to
+    the manager's in ``hosts``; the rest through ``submit``. Each event is
+    applied to ``oracle`` (if given) right after the manager took it.
+    """
+    hosts = {} if hosts is None else hosts
+    done: list[Any] = []
+    for ev in events:
+        if isinstance(ev, mc.Alloc):
+            if exact:
+                mgr.alloc_slots([ev.slot], clear=ev.clear)
+            else:
+                got = mgr.alloc(1, clear=ev.clear)
+                assert got == [ev.slot], f"alloc handed out {got}, the log drew {ev.slot}"
+        elif isinstance(ev, mc.Offload):
+            hosts[ev.host] = mgr.offload(ev.slot)
+        elif isinstance(ev, mc.Restore):
+            mgr.restore(hosts.get(ev.host, ev.host), ev.slot, keep=ev.keep)
+        elif isinstance(ev, mc.DropHost):
+            mgr.drop(hosts.get(ev.host, ev.host))
+        else:
+            mgr.submit(ev)
+        if oracle is not None:
+            oracle.apply([ev])
+        done.append(ev)
+    return done
+
+
+# -- fault injection (tests/sweep.py says which ops) ---------------------
+SPEC = small_spec()
+ROW = max(SPEC.layer_bytes())  # the largest state of one slot in one layer, in bytes
+
+
+def variants() -> dict[str, Callable[[], mc.Executor]]:
+    """Fresh instances: executors keep progress records and workspaces."""
+    return {
+        "torch": lambda: TorchExecutor(),
+        "torch-runs": lambda: TorchExecutor(min_run_bytes=0),
+        "torch-index": lambda: TorchExecutor(path="index"),
+        "torch-direct": lambda: TorchExecutor(path="direct"),
+        "npu-whole": lambda: NpuExecutor(64 << 20),
+        "npu-slot-chunks": lambda: NpuExecutor(SPEC.num_layers * ROW * 2),
+        "npu-one-layer": lambda: NpuExecutor(ROW * 2),
+        "npu-rows": lambda: NpuExecutor(8),
+        "npu-one-element": lambda: NpuExecutor(4),  # fp32 temporal: one element of scratch
+        "reference": lambda: ReferenceExecutor(),
+    }
+
+
+VARIANTS = variants()
+
+
+class FaultAt(TorchDispatchMode):
+    """Raises ``exc`` before the ``at``-th aten op of the block (1-based); counts ops."""
+
+    def __init__(self, at: int = 0, exc: type[BaseException] = MemoryError) -> None:
+        super().__init__()
+        self.at, self.exc, self.ops = at, exc, 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        if self.ops == self.at:
+            raise self.exc(f"injected before op {self.ops}: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+# -- the host tier --------------------------------------------------------
+class Driver:
+    """Turns raw draws into manager calls on live state, recording the events for the oracle."""
+
+    def __init__(self, mgr: mc.CacheManager, oracle: SequentialOracle) -> None:
+        self.mgr, self.oracle = mgr, oracle
+
+    def apply(self, kind: str, a: int, b: int) -> None:
+        mgr, pool = self.mgr, self.mgr.pool
+        live = pool.allocated_slots()
+        host = mgr.host_pool
+        assert host is not None
+        held = sorted(host.held())
+        ev: Any = None
+        if kind == "alloc" and pool.num_free:
+            ev = mc.Alloc(mgr.alloc(1, clear=b % 4 != 0)[0], clear=b % 4 != 0)
+        elif kind == "clear" and live:
+            ev = mc.Clear(live[a % len(live)])
+            mgr.clear(ev.slot)
+        elif kind == "cow" and live:
+            ev = mc.CopyOnWrite(live[a % len(live)], live[b % len(live)])
+            mgr.copy_on_write(ev.src, ev.dst)
+        elif kind == "release" and live:
+            ev = mc.Release(live[a % len(live)])
+            mgr.release(ev.slot)
+        elif kind == "offload" and live and host.num_free:
+            slot = live[a % len(live)]
+            ev = mc.Offload(slot, mgr.offload(slot))
+        elif kind == "restore" and live and held:
+            ev = mc.Restore(held[b % len(held)], live[a % len(live)], keep=a % 3 == 0)
+            mgr.restore(ev.host, ev.slot, keep=ev.keep)
+        elif kind == "drop" and held:
+            ev = mc.DropHost(held[a % len(held)])
+            mgr.drop(ev.host)
+        if ev is not None:
+            self.oracle.apply([ev])
+
+    def forward(self, step: int) -> None:
+        """A forward writes every live slot between flushes."""
+        for s in self.mgr.pool.allocated_slots():
+            value = float(step * 100 + s)
+            self.oracle.write(s, value)
+            for t in self.mgr.pool.tensors:
+                t[:, s] = value
+
+
+# -- trace lines ----------------------------------------------------------
+def line(event: str, step: int, **kw: object) -> str:
+    return json.dumps({"event": event, "step": step, **kw})
+
+
+CLEAN = [
+    line("slot.alloc", 0, slot=1, request_id="a", cleared=True),
+    line("step.flush", 0, events=1, elided=0),
+    line("slot.release", 1, slot=1, request_id="a"),
+    line("slot.alloc", 1, slot=1, request_id="b", cleared=True),
+    line("step.flush", 1, events=2, elided=0),
+]

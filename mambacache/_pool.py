@@ -56,9 +56,7 @@ def _check_adopted(
     drafts = [*draft_conv, draft_temporal] if draft_conv is not None and draft_temporal is not None else []
     tensors = [*conv, temporal, *drafts]
     for i, t in enumerate(tensors):
-        what = (
-            f"conv[{i}]" if i < len(conv) else "temporal" if i == len(conv) else f"draft buffer {i - len(conv) - 1}"
-        )
+        what = f"conv[{i}]" if i < len(conv) else "temporal" if i == len(conv) else f"draft buffer {i - len(conv) - 1}"
         if not isinstance(t, torch.Tensor):
             raise InvalidArgumentError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
         if t.ndim < 3:

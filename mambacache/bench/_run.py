@@ -63,6 +63,7 @@ class Result:
     launches: int | None = None  # device kernels of one warm step (CUDA only, from the profiler)
 
     def to_json(self) -> dict[str, Any]:
+        """The row as a JSON-ready dict (``mambacache bench --json``)."""
         return asdict(self)
 
 
@@ -230,34 +231,9 @@ def run_preset(
     rng = random.Random(seed)
     impls = {e: make_executor(e, device, workspace_bytes) for e in executors}
     for n in sizes:
-        chosen = rng.sample(range(1, num_slots + 1), 2 * n)
-        zero_slots, src, dst = sorted(chosen[:n]), chosen[:n], chosen[n:]
         nbytes = n * spec.slot_bytes
-        # The bandwidth bound: contiguous buffers holding the same bytes, warm.
-        bufs = [torch.empty(t.shape[0], n, *t.shape[2:], dtype=t.dtype, device=device) for t in pool.tensors]
-        bufs2 = [torch.empty_like(b) for b in bufs]
-        zidx = torch.tensor(zero_slots, device=device)
-        sidx, didx = torch.tensor(src, device=device), torch.tensor(dst, device=device)
-        (zstage,) = plan_step([Clear(s) for s in zero_slots]).stages
-        (cstage,) = plan_step([CopyOnWrite(s, d) for s, d in zip(src, dst, strict=True)]).stages
-        positions = [rng.randrange(DRAFTS) for _ in dst]
-        (mstage,) = plan_step([CommitDraft(d, j + 1) for d, j in zip(dst, positions, strict=True)]).stages
-        pidx = torch.tensor([j for _, j, _ in mstage.entries], device=device)  # type: ignore[union-attr]
-        midx = torch.tensor([d for _, _, d in mstage.entries], device=device)  # type: ignore[union-attr]
-        offloads = [(s, h) for h, s in enumerate(src, start=1)]
-        restores = [(h, d) for h, d in enumerate(dst, start=1)]
-        (ostage,) = plan_step([Offload(s, h) for s, h in offloads]).stages
-        (rstage,) = plan_step([Restore(h, d, keep=True) for h, d in restores]).stages
-        hbufs = [torch.empty(b.shape, dtype=b.dtype, pin_memory=host.pinned) for b in bufs]
-        for op, bound, stage, seed_fn, bound_fn in (
-            ("clear", "memset", zstage, partial(_seed_clear, pool, zidx), partial(_zero_all, bufs)),
-            ("copy", "memcpy", cstage, partial(_seed_copy, pool, sidx, didx), partial(_copy_all, bufs, bufs2)),
-            ("commit", "memcpy", mstage, partial(_seed_commit, pool, midx, pidx), partial(_copy_all, bufs, bufs2)),
-            ("offload", "memcpy", ostage, partial(_seed_host, pool, host, offloads, True),
-             partial(_copy_all, bufs, hbufs)),
-            ("restore", "memcpy", rstage, partial(_seed_host, pool, host, restores, False),
-             partial(_copy_all, hbufs, bufs)),
-        ):  # fmt: skip
+        cases = _preset_cases(pool, host, num_slots, n, rng, device)
+        for op, bound, stage, seed_fn, bound_fn in cases:
             fns: dict[str, Callable[[], object]] = {bound: bound_fn, "seed": seed_fn}
             fns.update({e: _run_stage(ex, stage, pool, host) for e, ex in impls.items()})
             timings = measure(fns, device, repeats)
@@ -275,7 +251,46 @@ def run_preset(
                 yield Result(name, spec.num_layers, n, op, path, median, low, high, nbytes, nbytes / median / 1e9,
                              timings[bound][0] / median, timings["seed"][0] / median, peak, noncontig, syncs,
                              ops, _launches(fns[path], device))  # fmt: skip
-        del bufs, bufs2, hbufs
+        del cases
+
+
+_Case = tuple[str, str, Stage, Callable[[], object], Callable[[], object]]
+
+
+def _preset_cases(
+    pool: StatePool, host: HostPool, num_slots: int, n: int, rng: random.Random, device: torch.device
+) -> list[_Case]:
+    """For ``n`` random slots: each op's name, its bound's name, its planned stage, the seed path and the bound.
+
+    The bound works on contiguous buffers holding the same bytes, allocated here
+    and held by the returned callables until the list is dropped.
+    """
+    chosen = rng.sample(range(1, num_slots + 1), 2 * n)
+    zero_slots, src, dst = sorted(chosen[:n]), chosen[:n], chosen[n:]
+    bufs = [torch.empty(t.shape[0], n, *t.shape[2:], dtype=t.dtype, device=device) for t in pool.tensors]
+    bufs2 = [torch.empty_like(b) for b in bufs]
+    zidx = torch.tensor(zero_slots, device=device)
+    sidx, didx = torch.tensor(src, device=device), torch.tensor(dst, device=device)
+    (zstage,) = plan_step([Clear(s) for s in zero_slots]).stages
+    (cstage,) = plan_step([CopyOnWrite(s, d) for s, d in zip(src, dst, strict=True)]).stages
+    positions = [rng.randrange(DRAFTS) for _ in dst]
+    (mstage,) = plan_step([CommitDraft(d, j + 1) for d, j in zip(dst, positions, strict=True)]).stages
+    pidx = torch.tensor([j for _, j, _ in mstage.entries], device=device)  # type: ignore[union-attr]
+    midx = torch.tensor([d for _, _, d in mstage.entries], device=device)  # type: ignore[union-attr]
+    offloads = [(s, h) for h, s in enumerate(src, start=1)]
+    restores = [(h, d) for h, d in enumerate(dst, start=1)]
+    (ostage,) = plan_step([Offload(s, h) for s, h in offloads]).stages
+    (rstage,) = plan_step([Restore(h, d, keep=True) for h, d in restores]).stages
+    hbufs = [torch.empty(b.shape, dtype=b.dtype, pin_memory=host.pinned) for b in bufs]
+    return [
+        ("clear", "memset", zstage, partial(_seed_clear, pool, zidx), partial(_zero_all, bufs)),
+        ("copy", "memcpy", cstage, partial(_seed_copy, pool, sidx, didx), partial(_copy_all, bufs, bufs2)),
+        ("commit", "memcpy", mstage, partial(_seed_commit, pool, midx, pidx), partial(_copy_all, bufs, bufs2)),
+        ("offload", "memcpy", ostage, partial(_seed_host, pool, host, offloads, True),
+         partial(_copy_all, bufs, hbufs)),
+        ("restore", "memcpy", rstage, partial(_seed_host, pool, host, restores, False),
+         partial(_copy_all, hbufs, bufs)),
+    ]  # fmt: skip
 
 
 class _NullExecutor:

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -93,6 +94,31 @@ def run(args: argparse.Namespace) -> int:
             m for choice in (args.model or ["all"]) for m in (DEFAULT_MODELS if choice == "all" else [choice])
         )
     )
+    scenario = _scenario(args)
+    check_output_path(args.json)
+    traces = _traces(args, models)
+    _load_transformers(models)
+    reports = _simulate_all(args, models, scenario, traces)
+    if args.json != "-":
+        sys.stdout.write(_table(args, scenario, reports) + "\n")
+        if args.no_verify:
+            sys.stdout.write("verification was off (--no-verify): outputs were not checked\n")
+        for name, path in traces.items():
+            if path is not None:
+                sys.stdout.write(f"trace of {name}: {path}\n")
+    if args.json:
+        write_json(args.json, [{**dataclasses.asdict(r), "verified": not args.no_verify} for r in reports])
+    bad = [r for r in reports if (r.mismatches > 0) == (args.fault == "none")]
+    if args.no_verify:
+        return 0
+    for r in bad:
+        what = f"{r.mismatches} mismatches: {', '.join(r.mismatched_requests[:5])}" if r.mismatches else "no mismatch"
+        sys.stderr.write(f"{r.model}: {what} (fault {args.fault})\n")
+    return 1 if bad else 0
+
+
+def _scenario(args: argparse.Namespace) -> dict[str, Any]:
+    """The named scenario's SimConfig fields with the explicit options over them; UsageError when they clash."""
     if args.fault == "wrong-commit" and not args.speculative:
         raise UsageError("--fault wrong-commit needs --speculative K")
     scenario = dict(SCENARIOS[args.scenario])
@@ -107,12 +133,21 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--slots ({slots}) must exceed --max-running ({scenario['max_running']}) without --preempt")
     if args.fault == "skip-restore" and scenario.get("preempt") != "swap":
         raise UsageError("--fault skip-restore needs preemption by swap: --scenario swap")
-    check_output_path(args.json)
+    return scenario
+
+
+def _traces(args: argparse.Namespace, models: list[str]) -> dict[str, str | None]:
+    """Each model's trace file, checked to be writable and, without ``--append``, new."""
     traces = {name: _trace_path(args.trace, name, len(models) > 1) for name in models}
     for path in traces.values():
         check_output_path(path)
         if path is not None and Path(path).exists() and not args.append:
             raise UsageError(f"--trace {path} exists: a second run would read as double allocations; pass --append")
+    return traces
+
+
+def _load_transformers(models: list[str]) -> None:
+    """Refuse the Hugging Face models without transformers, before any model runs; quiet it where present."""
     if any(m != "toy" for m in models):
         try:
             import transformers
@@ -124,6 +159,12 @@ def run(args: argparse.Namespace) -> int:
         transformers.logging.set_verbosity_error()  # type: ignore[no-untyped-call]  # the "falling back to PyTorch" notices
     except ImportError:
         pass
+
+
+def _simulate_all(
+    args: argparse.Namespace, models: list[str], scenario: dict[str, Any], traces: dict[str, str | None]
+) -> list[SimReport]:
+    """One simulation per model, in order, under one progress bar over all their requests."""
     progress = Progress(args.requests * len(models), "simulate")
     reports: list[SimReport] = []
     for name in models:
@@ -144,6 +185,11 @@ def run(args: argparse.Namespace) -> int:
         model = build_model(name, args.seed)
         reports.append(anyio.run(simulate, cfg, model, lambda _r, n=name: progress.advance(1, n)))
     progress.close()
+    return reports
+
+
+def _table(args: argparse.Namespace, scenario: dict[str, Any], reports: list[SimReport]) -> str:
+    """The reports as the text table, one row per model."""
     rows = [
         [r.model, r.completed, "-" if args.no_verify else r.mismatches, r.forks,
          f"{r.prefix_hits} ({100 * r.hit_rate:.0f}%)", r.tokens_saved, r.clears, r.clears_elided, r.evictions,
@@ -175,19 +221,4 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.speculative:
         title += f", speculative {args.speculative} draft tokens"
-    if args.json != "-":
-        sys.stdout.write(table(headers, rows, title=title) + "\n")
-        if args.no_verify:
-            sys.stdout.write("verification was off (--no-verify): outputs were not checked\n")
-        for name, path in traces.items():
-            if path is not None:
-                sys.stdout.write(f"trace of {name}: {path}\n")
-    if args.json:
-        write_json(args.json, [{**dataclasses.asdict(r), "verified": not args.no_verify} for r in reports])
-    bad = [r for r in reports if (r.mismatches > 0) == (args.fault == "none")]
-    if args.no_verify:
-        return 0
-    for r in bad:
-        what = f"{r.mismatches} mismatches: {', '.join(r.mismatched_requests[:5])}" if r.mismatches else "no mismatch"
-        sys.stderr.write(f"{r.model}: {what} (fault {args.fault})\n")
-    return 1 if bad else 0
+    return table(headers, rows, title=title)

@@ -322,34 +322,14 @@ async def simulate(
     cfg: SimConfig, model: SimModel | None = None, on_done: Callable[[_Request], None] | None = None
 ) -> SimReport:
     """Run the workload through a CacheManager; with ``verify``, compare every request to ``generate``."""
-    if cfg.fault not in FAULTS:
-        raise ValueError(f"unknown fault {cfg.fault!r}; choose from {FAULTS}")
-    if cfg.preempt not in PREEMPT:
-        raise ValueError(f"unknown preempt {cfg.preempt!r}; choose from {PREEMPT}")
-    if cfg.suffix_len[0] < 1 or cfg.new_tokens[0] < 1:
-        raise ValueError("prompts need a suffix after the prefix, and requests at least one new token")
-    if cfg.fault == "wrong-commit" and not cfg.speculative:
-        raise ValueError("the wrong-commit fault needs speculative decoding (speculative > 0)")
-    if cfg.fault == "skip-restore" and cfg.preempt != "swap":
-        raise ValueError("the skip-restore fault needs preemption by swap (preempt='swap')")
+    _check_config(cfg)
     model = model if model is not None else build_model(cfg.model, cfg.seed)
     workload = make_workload(cfg, model.vocab_size)
     if cfg.speculative:
         # The drafts' source, and the verification's reference: one isolated greedy run each.
         for req in workload:
             req.reference = model.generate(req.prompt, req.n_new + cfg.speculative + 1)
-    num_slots = cfg.slots if cfg.slots is not None else cfg.max_running + max(2, cfg.max_running // 2)
-    if num_slots < 2 or (cfg.preempt == "none" and num_slots < cfg.max_running + 1):
-        raise ValueError(f"slots ({num_slots}) must exceed max_running ({cfg.max_running}) without preemption")
-    max_checkpoints = cfg.max_checkpoints if cfg.max_checkpoints is not None else max(1, num_slots - cfg.max_running)
-    pool = StatePool(model.spec, num_slots, draft_tokens=cfg.speculative + 1 if cfg.speculative else 0)
-    host = None
-    if cfg.host_checkpoints or cfg.preempt == "swap":
-        host = HostPool(model.spec, cfg.host_checkpoints + cfg.requests)
-    # Dirty from the start, as a pool reused across server restarts would be.
-    generator = torch.Generator().manual_seed(cfg.seed)
-    for t in pool.tensors:
-        t[:, 1:].normal_(generator=generator)
+    num_slots, max_checkpoints, pool, host = _pools(cfg, model)
     if cfg.trace:
         tracing.configure(cfg.trace, level="debug")
     done: list[_Request] = []
@@ -373,6 +353,51 @@ async def simulate(
         if cfg.trace:
             tracing.disable()
     seconds = time.perf_counter() - t0
+    return _report(cfg, model, done, sched, cache, num_slots, steps, seconds)
+
+
+def _check_config(cfg: SimConfig) -> None:
+    """Refuse, with ValueError, the settings the simulation cannot honour (all but the slot count)."""
+    if cfg.fault not in FAULTS:
+        raise ValueError(f"unknown fault {cfg.fault!r}; choose from {FAULTS}")
+    if cfg.preempt not in PREEMPT:
+        raise ValueError(f"unknown preempt {cfg.preempt!r}; choose from {PREEMPT}")
+    if cfg.suffix_len[0] < 1 or cfg.new_tokens[0] < 1:
+        raise ValueError("prompts need a suffix after the prefix, and requests at least one new token")
+    if cfg.fault == "wrong-commit" and not cfg.speculative:
+        raise ValueError("the wrong-commit fault needs speculative decoding (speculative > 0)")
+    if cfg.fault == "skip-restore" and cfg.preempt != "swap":
+        raise ValueError("the skip-restore fault needs preemption by swap (preempt='swap')")
+
+
+def _pools(cfg: SimConfig, model: SimModel) -> tuple[int, int, StatePool, HostPool | None]:
+    """The slot count, the checkpoint limit, the dirty state pool and the host pool (None when unused)."""
+    num_slots = cfg.slots if cfg.slots is not None else cfg.max_running + max(2, cfg.max_running // 2)
+    if num_slots < 2 or (cfg.preempt == "none" and num_slots < cfg.max_running + 1):
+        raise ValueError(f"slots ({num_slots}) must exceed max_running ({cfg.max_running}) without preemption")
+    max_checkpoints = cfg.max_checkpoints if cfg.max_checkpoints is not None else max(1, num_slots - cfg.max_running)
+    pool = StatePool(model.spec, num_slots, draft_tokens=cfg.speculative + 1 if cfg.speculative else 0)
+    host = None
+    if cfg.host_checkpoints or cfg.preempt == "swap":
+        host = HostPool(model.spec, cfg.host_checkpoints + cfg.requests)
+    # Dirty from the start, as a pool reused across server restarts would be.
+    generator = torch.Generator().manual_seed(cfg.seed)
+    for t in pool.tensors:
+        t[:, 1:].normal_(generator=generator)
+    return num_slots, max_checkpoints, pool, host
+
+
+def _report(
+    cfg: SimConfig,
+    model: SimModel,
+    done: list[_Request],
+    sched: _Scheduler,
+    cache: PrefixCache,
+    num_slots: int,
+    steps: int,
+    seconds: float,
+) -> SimReport:
+    """The finished run's report; with ``verify``, each request checked against its isolated generation."""
     for r in done:
         del r.out[r.n_new :]  # a speculative step may overshoot the last one
     mismatched = tuple(

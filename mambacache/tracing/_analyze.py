@@ -11,7 +11,7 @@ with the reason, never reported as clean.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,12 +117,12 @@ class TraceAnalysis:
             "forks": count["fork-in"],
             "releases": count["release"],
             "held_at_end": len(keep & set(self.held)),
-            "host_held_at_end": len(self._host_held_for(keep)),
+            "host_held_at_end": len(self.host_held_for(keep)),
             "anomalies": sum(a.slot in keep for a in self.anomalies),
             "bad_lines": len(self.bad_lines),
         }
 
-    def _host_held_for(self, slots: Iterable[int]) -> dict[int, str | None]:
+    def host_held_for(self, slots: Iterable[int]) -> dict[int, str | None]:
         """``host_held`` narrowed to host slots offloaded from one of ``slots``: a ``--slot`` or ``--request``
         view shows the swapped-out states of what it selected, as ``held`` shows its slots."""
         keep = set(slots)
@@ -140,7 +140,7 @@ class TraceAnalysis:
             "summary": self.summary if slots is None else self.summary_for(keep),
             "slots": {str(s): [asdict(e) for e in self.timelines[s]] for s in sorted(keep) if s in self.timelines},
             "held": {str(s): t for s, t in sorted(self.held.items()) if s in keep},
-            "host_held": {str(h): t for h, t in sorted(self._host_held_for(keep).items())},
+            "host_held": {str(h): t for h, t in sorted(self.host_held_for(keep).items())},
             "anomalies": [asdict(a) for a in self.anomalies if a.slot in keep],
             "bad_lines": [asdict(b) for b in self.bad_lines],
         }
@@ -307,151 +307,207 @@ class _Slot:
     taint: str = ""  # why an uninitialised slot is so, for the message
 
 
+_COUNTS = (
+    "steps",
+    "allocs",
+    "allocs_uncleared",
+    "clears",
+    "forks",
+    "commits",
+    "releases",
+    "clears_elided",
+    "events_flushed",
+    "offloads",
+    "restores",
+    "host_drops",
+    "prefix_hits",
+    "prefix_misses",
+    "prefix_inserts",
+    "prefix_evictions",
+)
+
+
+class _Pass:
+    """One pass over the records: each slot's state, the counts, and what the analysis has found so far.
+
+    Each ``slot.*`` event has its handler below, called in trace order; anomalies
+    are appended as they are seen, so their order is the trace's.
+    """
+
+    __slots__ = ("counts", "evicted", "host_from", "host_held", "out", "requests", "slots")
+
+    def __init__(self) -> None:
+        self.out = TraceAnalysis()
+        self.slots: dict[int, _Slot] = {}
+        self.counts = dict.fromkeys(_COUNTS, 0)
+        self.host_held: dict[int, bool] = {}  # held host slot -> whether its state was initialised
+        self.host_from: dict[int, tuple[int, str | None]] = {}  # held host slot -> (pool slot, tenant) of its offload
+        self.evicted: dict[int, int] = {}  # checkpoint slot evicted (and not allocated since) -> line of the eviction
+        self.requests: set[str] = set()
+
+    def flag(self, kind: str, slot: int, line: int, step: int | None, rid: str | None, message: str) -> None:
+        """Record an anomaly."""
+        self.out.anomalies.append(Anomaly(kind, slot, step, line, rid, message))
+
+    def entry(self, slot: int, e: Entry) -> None:
+        """Append ``e`` to the slot's timeline."""
+        self.out.timelines.setdefault(slot, []).append(e)
+
+    def flush(self, r: dict[str, Any], line: int, step: int | None) -> None:
+        """``step.flush``: a step ran, so every allocated slot still uninitialised was used with stale state."""
+        self.counts["steps"] += 1
+        self.counts["clears_elided"] += r["elided"]
+        self.counts["events_flushed"] += r["events"]
+        for s, st in self.slots.items():
+            if st.allocated and not st.initialized and not st.flagged_uncleared:
+                st.flagged_uncleared = True
+                why = st.taint or "with neither a clear nor a fork into it since its alloc"
+                message = f"slot {s} (tenant {st.tenant}) was used by step {step} {why}: it holds stale state"
+                self.flag("uncleared-reuse", s, line, step, st.tenant, message)
+
+    def cow(self, r: dict[str, Any], line: int, step: int | None, rid: str | None) -> None:
+        """``slot.cow``: the fork's target inherits its source's initialisation (or lack of it)."""
+        src, dst = r["src"], r["dst"]
+        s_src, s_dst = self.slots.setdefault(src, _Slot()), self.slots.setdefault(dst, _Slot())
+        self.counts["forks"] += 1
+        if not s_src.allocated:
+            message = f"fork {src} -> {dst} reads slot {src}, which is free"
+            self.flag("copy-from-released", src, line, step, rid, message)
+        if not s_dst.allocated:
+            message = f"fork {src} -> {dst} writes slot {dst}, which is free"
+            self.flag("use-after-release", dst, line, step, rid, message)
+        if src in self.evicted:
+            message = f"fork {src} -> {dst} reads checkpoint slot {src}, evicted on line {self.evicted[src]}"
+            self.flag("fork-from-evicted", src, line, step, rid, message)
+        s_dst.initialized = s_src.initialized
+        s_dst.taint = "" if s_src.initialized else f"forked from slot {src}, itself never cleared"
+        self.entry(src, Entry(line, step, "fork-out", rid, other=dst))
+        self.entry(dst, Entry(line, step, "fork-in", rid, other=src))
+
+    def alloc(self, slot: int, st: _Slot, r: dict[str, Any], line: int, step: int | None, rid: str | None) -> None:
+        """``slot.alloc``: a new tenant; its state is initialised only if the alloc cleared it."""
+        self.counts["allocs"] += 1
+        cleared = r["cleared"]
+        self.counts["allocs_uncleared"] += not cleared
+        if st.allocated:
+            message = f"slot {slot} allocated to {rid} while {st.tenant} holds it"
+            self.flag("double-alloc", slot, line, step, rid, message)
+        st.allocated, st.initialized, st.tenant, st.flagged_uncleared = True, cleared, rid, False
+        st.taint = ""
+        self.evicted.pop(slot, None)
+        self.entry(slot, Entry(line, step, "alloc", rid, cleared=cleared))
+
+    def commit(self, slot: int, st: _Slot, r: dict[str, Any], line: int, step: int | None, rid: str | None) -> None:
+        """``slot.commit``: a speculative step's accepted state written into the slot."""
+        self.counts["commits"] += 1
+        if not st.allocated:
+            self.flag("use-after-release", slot, line, step, rid, f"commit into slot {slot}, which is free")
+        self.entry(slot, Entry(line, step, "commit", rid, other=r["accepted"]))
+
+    def clear(self, slot: int, st: _Slot, r: dict[str, Any], line: int, step: int | None, rid: str | None) -> None:
+        """``slot.clear``: the slot's state is initialised from here on."""
+        self.counts["clears"] += 1
+        if not st.allocated:
+            self.flag("use-after-release", slot, line, step, rid, f"clear of slot {slot}, which is free")
+        st.initialized, st.taint = True, ""
+        self.entry(slot, Entry(line, step, "clear", rid))
+
+    def offload(self, slot: int, st: _Slot, r: dict[str, Any], line: int, step: int | None, rid: str | None) -> None:
+        """``slot.offload``: the host slot now holds this slot's state, initialised or not."""
+        self.counts["offloads"] += 1
+        if not st.allocated:
+            self.flag("use-after-release", slot, line, step, rid, f"offload of slot {slot}, which is free")
+        self.host_held[r["host"]] = st.initialized
+        self.host_from[r["host"]] = (slot, rid)
+        self.entry(slot, Entry(line, step, "offload", rid, other=r["host"]))
+
+    def restore(self, slot: int, st: _Slot, r: dict[str, Any], line: int, step: int | None, rid: str | None) -> None:
+        """``slot.restore``: the slot takes the host slot's state, which stays held only with ``keep``."""
+        self.counts["restores"] += 1
+        h = r["host"]
+        if h not in self.host_held:
+            message = f"restore of host slot {h} into slot {slot}: the host slot holds no state (dropped or freed)"
+            self.flag("restore-from-dropped", slot, line, step, rid, message)
+        if not st.allocated:
+            self.flag("use-after-release", slot, line, step, rid, f"restore into slot {slot}, which is free")
+        st.initialized, st.taint = self.host_held.get(h, False), ""
+        if not r["keep"]:
+            self.host_held.pop(h, None)
+            self.host_from.pop(h, None)
+        self.entry(slot, Entry(line, step, "restore", rid, other=h))
+
+    def release(self, slot: int, st: _Slot, r: dict[str, Any], line: int, step: int | None, rid: str | None) -> None:
+        """``slot.release``: the slot is free; the line is kept to name it in a later double release."""
+        self.counts["releases"] += 1
+        if not st.allocated:
+            kind = "double-release" if st.released_at is not None else "use-after-release"
+            where = f" (first released on line {st.released_at})" if st.released_at is not None else ""
+            self.flag(kind, slot, line, step, rid, f"release of slot {slot}, which is already free{where}")
+        st.allocated, st.released_at = False, line
+        self.entry(slot, Entry(line, step, "release", rid))
+
+    def finish(self, last_line: int, last_step: int | None, expect_idle: bool) -> TraceAnalysis:
+        """The analysis: what is still held at the end (anomalies with ``expect_idle``), and the summary."""
+        out, counts, host_from = self.out, self.counts, self.host_from
+        out.held = {s: st.tenant for s, st in sorted(self.slots.items()) if st.allocated}
+        out.host_held = {h: host_from[h][1] for h in sorted(host_from)}
+        if expect_idle:
+            for s, tenant in out.held.items():
+                message = f"slot {s} is still held by {tenant!r} at the end"
+                self.flag("held-at-end", s, last_line, last_step, tenant, message)
+            for h, (src, tenant) in sorted(host_from.items()):
+                message = (
+                    f"host slot {h} still holds the state {tenant!r} offloaded from slot {src} at the end"
+                    " (neither dropped nor restored without keep since)"
+                )
+                self.flag("host-held-at-end", src, last_line, last_step, tenant, message)
+        counts["slots_used"] = len(out.timelines)
+        counts["requests"] = len(self.requests)
+        counts["held_at_end"] = len(out.held)
+        counts["host_held_at_end"] = len(out.host_held)
+        counts["anomalies"] = len(out.anomalies)
+        out.summary = counts
+        return out
+
+
+_SlotHandler = Callable[[_Pass, int, _Slot, dict[str, Any], int, int | None, str | None], None]
+# A dict lookup rather than a chain of comparisons: the pass runs once per line of traces of millions of lines.
+_SLOT_HANDLERS: dict[str, _SlotHandler] = {
+    "slot.alloc": _Pass.alloc,
+    "slot.commit": _Pass.commit,
+    "slot.clear": _Pass.clear,
+    "slot.offload": _Pass.offload,
+    "slot.restore": _Pass.restore,
+    "slot.release": _Pass.release,
+}
+
+
 def _analyze_records(records: Iterable[tuple[int, dict[str, Any]]], expect_idle: bool = False) -> TraceAnalysis:
-    out = TraceAnalysis()
-    slots: dict[int, _Slot] = {}
-    counts = dict.fromkeys(
-        (
-            "steps",
-            "allocs",
-            "allocs_uncleared",
-            "clears",
-            "forks",
-            "commits",
-            "releases",
-            "clears_elided",
-            "events_flushed",
-            "offloads",
-            "restores",
-            "host_drops",
-            "prefix_hits",
-            "prefix_misses",
-            "prefix_inserts",
-            "prefix_evictions",
-        ),
-        0,
-    )
-    host_held: dict[int, bool] = {}  # held host slot -> whether its state was initialised
-    host_from: dict[int, tuple[int, str | None]] = {}  # held host slot -> (pool slot, tenant) of its offload
-    evicted: dict[int, int] = {}  # checkpoint slot evicted (and not allocated since) -> line of the eviction
-    requests: set[str] = set()
+    """Replay the checked records in order, each slot's state tracked as the engine's would be."""
+    p = _Pass()
     last_line, last_step = 0, None
-
-    def flag(kind: str, slot: int, line: int, step: int | None, rid: str | None, message: str) -> None:
-        out.anomalies.append(Anomaly(kind, slot, step, line, rid, message))
-
-    def entry(slot: int, e: Entry) -> None:
-        out.timelines.setdefault(slot, []).append(e)
-
     for line, r in records:
         event, step, rid = r["event"], r["step"], r["request_id"]
         last_line, last_step = line, step if step is not None else last_step
         if rid is not None:
-            requests.add(rid)
+            p.requests.add(rid)
         if event == "step.error":
             continue
         if event.startswith(("prefix.", "host.")):
-            _tier_event(r, line, counts, host_held, evicted, flag)
+            _tier_event(r, line, p.counts, p.host_held, p.evicted, p.flag)
             if event == "host.drop":
-                host_from.pop(r["host"], None)
-            continue
-        if event == "step.flush":
-            counts["steps"] += 1
-            counts["clears_elided"] += r["elided"]
-            counts["events_flushed"] += r["events"]
-            for s, st in slots.items():
-                if st.allocated and not st.initialized and not st.flagged_uncleared:
-                    st.flagged_uncleared = True
-                    why = st.taint or "with neither a clear nor a fork into it since its alloc"
-                    message = f"slot {s} (tenant {st.tenant}) was used by step {step} {why}: it holds stale state"
-                    flag("uncleared-reuse", s, line, step, st.tenant, message)
-            continue
-        if event == "slot.cow":
-            src, dst = r["src"], r["dst"]
-            s_src, s_dst = slots.setdefault(src, _Slot()), slots.setdefault(dst, _Slot())
-            counts["forks"] += 1
-            if not s_src.allocated:
-                flag("copy-from-released", src, line, step, rid, f"fork {src} -> {dst} reads slot {src}, which is free")
-            if not s_dst.allocated:
-                flag("use-after-release", dst, line, step, rid, f"fork {src} -> {dst} writes slot {dst}, which is free")
-            if src in evicted:
-                message = f"fork {src} -> {dst} reads checkpoint slot {src}, evicted on line {evicted[src]}"
-                flag("fork-from-evicted", src, line, step, rid, message)
-            s_dst.initialized = s_src.initialized
-            s_dst.taint = "" if s_src.initialized else f"forked from slot {src}, itself never cleared"
-            entry(src, Entry(line, step, "fork-out", rid, other=dst))
-            entry(dst, Entry(line, step, "fork-in", rid, other=src))
-            continue
-        slot = r["slot"]
-        st = slots.setdefault(slot, _Slot())
-        if event == "slot.alloc":
-            counts["allocs"] += 1
-            cleared = r["cleared"]
-            counts["allocs_uncleared"] += not cleared
-            if st.allocated:
-                message = f"slot {slot} allocated to {rid} while {st.tenant} holds it"
-                flag("double-alloc", slot, line, step, rid, message)
-            st.allocated, st.initialized, st.tenant, st.flagged_uncleared = True, cleared, rid, False
-            st.taint = ""
-            evicted.pop(slot, None)
-            entry(slot, Entry(line, step, "alloc", rid, cleared=cleared))
-        elif event == "slot.commit":
-            counts["commits"] += 1
-            if not st.allocated:
-                flag("use-after-release", slot, line, step, rid, f"commit into slot {slot}, which is free")
-            entry(slot, Entry(line, step, "commit", rid, other=r["accepted"]))
-        elif event == "slot.clear":
-            counts["clears"] += 1
-            if not st.allocated:
-                flag("use-after-release", slot, line, step, rid, f"clear of slot {slot}, which is free")
-            st.initialized, st.taint = True, ""
-            entry(slot, Entry(line, step, "clear", rid))
-        elif event == "slot.offload":
-            counts["offloads"] += 1
-            if not st.allocated:
-                flag("use-after-release", slot, line, step, rid, f"offload of slot {slot}, which is free")
-            host_held[r["host"]] = st.initialized
-            host_from[r["host"]] = (slot, rid)
-            entry(slot, Entry(line, step, "offload", rid, other=r["host"]))
-        elif event == "slot.restore":
-            counts["restores"] += 1
-            h = r["host"]
-            if h not in host_held:
-                message = f"restore of host slot {h} into slot {slot}: the host slot holds no state (dropped or freed)"
-                flag("restore-from-dropped", slot, line, step, rid, message)
-            if not st.allocated:
-                flag("use-after-release", slot, line, step, rid, f"restore into slot {slot}, which is free")
-            st.initialized, st.taint = host_held.get(h, False), ""
-            if not r["keep"]:
-                host_held.pop(h, None)
-                host_from.pop(h, None)
-            entry(slot, Entry(line, step, "restore", rid, other=h))
-        elif event == "slot.release":
-            counts["releases"] += 1
-            if not st.allocated:
-                kind = "double-release" if st.released_at is not None else "use-after-release"
-                where = f" (first released on line {st.released_at})" if st.released_at is not None else ""
-                flag(kind, slot, line, step, rid, f"release of slot {slot}, which is already free{where}")
-            st.allocated, st.released_at = False, line
-            entry(slot, Entry(line, step, "release", rid))
-    out.held = {s: st.tenant for s, st in sorted(slots.items()) if st.allocated}
-    out.host_held = {h: host_from[h][1] for h in sorted(host_from)}
-    if expect_idle:
-        for s, tenant in out.held.items():
-            flag("held-at-end", s, last_line, last_step, tenant, f"slot {s} is still held by {tenant!r} at the end")
-        for h, (src, tenant) in sorted(host_from.items()):
-            message = (
-                f"host slot {h} still holds the state {tenant!r} offloaded from slot {src} at the end"
-                " (neither dropped nor restored without keep since)"
-            )
-            flag("host-held-at-end", src, last_line, last_step, tenant, message)
-    counts["slots_used"] = len(out.timelines)
-    counts["requests"] = len(requests)
-    counts["held_at_end"] = len(out.held)
-    counts["host_held_at_end"] = len(out.host_held)
-    counts["anomalies"] = len(out.anomalies)
-    out.summary = counts
-    return out
+                p.host_from.pop(r["host"], None)
+        elif event == "step.flush":
+            p.flush(r, line, step)
+        elif event == "slot.cow":
+            p.cow(r, line, step, rid)
+        else:
+            slot = r["slot"]
+            st = p.slots.setdefault(slot, _Slot())
+            handler = _SLOT_HANDLERS.get(event)
+            if handler is not None:
+                handler(p, slot, st, r, line, step, rid)
+    return p.finish(last_line, last_step, expect_idle)
 
 
 def _tier_event(

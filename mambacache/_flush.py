@@ -70,7 +70,7 @@ class FlushCore:
         """The whole flush, when no channel makes it wait."""
         self._runner.raise_if_broken()
         resumed = 0
-        if self._runner.pending:
+        if self._runner.backlog:
             # Earlier work first; if it fails again the new events stay queued, unplanned.
             resumed = self._runner.run(stream, self._queue.step)
         plan, step, plan_s = self.take_plan()
@@ -110,10 +110,11 @@ class FlushCore:
         """Queue the plan behind any unfinished work and run it all, oldest first."""
         t1 = time.perf_counter()
         runner = self._runner
-        resumed += runner.pending
+        backlog = runner.backlog
+        resumed += len(backlog)
         if plan.stages:
-            runner.push(plan.stages, self._executor, self._host)
-        if runner.pending:
+            backlog.push(plan.stages, self._executor, self._host)
+        if backlog:
             runner.run(stream, step)
         report = StepReport.from_plan(
             plan, step, self._slot_bytes, plan_s=plan_s, execute_s=time.perf_counter() - t1, resumed_stages=resumed

@@ -27,6 +27,8 @@ from ._validate import as_slot, check_request_id, normalised, slot_list
 
 __all__ = ["CacheManager"]
 
+_IDS = (str, type(None))  # request id types the hot path takes without normalising
+
 
 def _check_args(
     pool: Any, workspace: Any, clear_on_alloc: Any, max_failed: Any, host_pool: Any, channel: Any, group: Any
@@ -244,20 +246,26 @@ class CacheManager:
     def clear(self, slot: int, request_id: str | None = None) -> None:
         """Zero ``slot`` at this point of the event order (on the next flush)."""
         n = self._pool.num_slots
-        plain = type(slot) is int and 0 < slot <= n and (request_id is None or type(request_id) is str)
-        self._submit((Clear(slot, request_id),), plain)
+        if type(slot) is int and 0 < slot <= n and (request_id is None or type(request_id) is str):
+            self._queue.submit((Clear(slot, request_id),))
+        else:
+            self._submit((Clear(slot, request_id),))
 
     def release(self, slot: int, request_id: str | None = None) -> None:
         """Free ``slot`` from this point; events queued before still see its content."""
         n = self._pool.num_slots
-        plain = type(slot) is int and 0 < slot <= n and (request_id is None or type(request_id) is str)
-        self._submit((Release(slot, request_id),), plain)
+        if type(slot) is int and 0 < slot <= n and (request_id is None or type(request_id) is str):
+            self._queue.submit((Release(slot, request_id),))
+        else:
+            self._submit((Release(slot, request_id),))
 
     def copy_on_write(self, src: int, dst: int, request_id: str | None = None) -> None:
         """``dst`` gets ``src``'s state as of this point of the event order (a fork)."""
         n = self._pool.num_slots
-        plain = type(src) is int and type(dst) is int and 0 < src <= n and 0 < dst <= n
-        self._submit((CopyOnWrite(src, dst, request_id),), plain and (request_id is None or type(request_id) is str))
+        if type(src) is int and type(dst) is int and 0 < src <= n and 0 < dst <= n and type(request_id) in _IDS:
+            self._queue.submit((CopyOnWrite(src, dst, request_id),))
+        else:
+            self._submit((CopyOnWrite(src, dst, request_id),))
 
     def commit_draft(self, slot: int, accepted: int, request_id: str | None = None) -> None:
         """``slot`` becomes the state after ``accepted`` draft tokens (0: unchanged), read from its draft buffer

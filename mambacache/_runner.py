@@ -141,10 +141,10 @@ class StepRunner:
     the next manager opened on it.
     """
 
-    __slots__ = ("_backlog", "_broken", "_device", "_drafts", "_failures", "_max_failures", "_tensors")
+    __slots__ = ("_broken", "_device", "_drafts", "_failures", "_max_failures", "_tensors", "backlog")
 
     def __init__(self, pool: Any, max_failures: int) -> None:
-        self._backlog: Backlog = pool.backlog
+        self.backlog: Backlog = pool.backlog  # the flush core reads its length on every step: no property
         self._tensors: list[torch.Tensor] = pool.exec_tensors
         self._drafts: list[torch.Tensor] = pool.exec_drafts
         self._device: torch.device = pool.device
@@ -165,11 +165,11 @@ class StepRunner:
     @property
     def pending(self) -> int:
         """Stages in the backlog: kept by failed flushes, or pushed and not run yet."""
-        return len(self._backlog)
+        return len(self.backlog)
 
     def push(self, stages: Iterable[Stage], executor: Executor, host: list[torch.Tensor] | None) -> None:
         """Queue ``stages`` behind the backlog, to run on ``executor`` (with ``host``'s tensors)."""
-        self._backlog.push(stages, executor, host)
+        self.backlog.push(stages, executor, host)
 
     def check(self, executor: Executor) -> None:
         """:func:`check_executor` on this pool's tensors: refuse an executor that cannot run a dtype."""
@@ -182,7 +182,7 @@ class StepRunner:
         raises :class:`ExecutorError` (or :class:`ManagerBrokenError` once the
         budget is spent).
         """
-        backlog = self._backlog
+        backlog = self.backlog
         stages = backlog.stages
         done = 0
         with on_stream(self._device, stream):
@@ -199,9 +199,9 @@ class StepRunner:
         return done
 
     def _failed(self, exc: Exception, executor: Executor, stage: Stage, step: int) -> ExecutorError:
-        left = len(self._backlog)
+        left = len(self.backlog)
         self._failures += 1
-        where = f"executor {executor.name!r} failed on {type(stage).__name__} (tensor {self._backlog.next_tensor})"
+        where = f"executor {executor.name!r} failed on {type(stage).__name__} (tensor {self.backlog.next_tensor})"
         _tracing.tracer.failed(step, type(stage).__name__, repr(exc), self._failures)
         if self._failures >= self._max_failures:
             self._broken = (

@@ -26,6 +26,7 @@ from ._errors import InvalidArgumentError, PoolAllocationError
 from ._ledger import SlotLedger
 from ._spec import StateSpec
 from ._torchutil import as_device, executor_view, failure_reason
+from ._validate import as_slot
 
 __all__ = ["StatePool"]
 
@@ -246,8 +247,15 @@ class StatePool:
         return self.num_slots - self.ledger.num_free
 
     def is_allocated(self, slot: int) -> bool:
-        """Whether ``slot`` is held at the end of the event queue."""
-        return type(slot) is int and self.ledger.is_held(slot)
+        """Whether ``slot`` is held at the end of the event queue.
+
+        ``slot`` is checked as the manager checks slots (numpy and 0-d CPU tensor
+        ints taken): a bool, a float, a str or a slot outside ``1..num_slots``
+        raises :class:`InvalidSlotError`, as :meth:`HostPool.is_held` does.
+        """
+        if type(slot) is not int or not 0 < slot <= self.num_slots:
+            slot = as_slot(slot, self.num_slots)
+        return self.ledger.is_held(slot)
 
     def allocated_slots(self) -> list[int]:
         """The held slots, ascending: a method, since it walks every slot (``CacheManager.held`` adds tenants)."""

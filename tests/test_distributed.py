@@ -1,4 +1,12 @@
-"""Tensor-parallel mode on real torch.distributed (gloo on 127.0.0.1), in spawned processes."""
+"""Tensor-parallel mode on real torch.distributed (gloo on 127.0.0.1), in spawned processes.
+
+The plan logic of every rank (each world size, every event kind, sync and async
+flushes) is tested in one process over ``LoopbackChannel`` (tests/test_channel.py),
+through the same wire format; here each behaviour runs once over the real
+transport, at the world size that exercises it most (three ranks where a
+receiver's order matters), plus what only processes can show (a killed peer,
+a cancelled broadcast, a deadline).
+"""
 
 from __future__ import annotations
 
@@ -20,7 +28,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize(("world", "seed"), [(2, 1), (3, 2)])
+@pytest.mark.parametrize(("world", "seed"), [(3, 2)])
 def test_every_shard_matches_sequential_execution(world: int, seed: int) -> None:
     mp.spawn(worker, args=(world, free_port(), seed, "ok"), nprocs=world, join=True)
 
@@ -41,7 +49,7 @@ def test_group_requires_initialized_distributed() -> None:
         mc.CacheManager(mc.StatePool(spec, 2), group=object())
 
 
-@pytest.mark.parametrize(("world", "seed"), [(2, 11), (3, 12), (2, 13)])
+@pytest.mark.parametrize(("world", "seed"), [(3, 12), (2, 13)])
 def test_cancelled_flushes_never_part_the_ranks(world: int, seed: int) -> None:
     mp.spawn(cancel_worker, args=(world, free_port(), seed, "random"), nprocs=world, join=True)
 
@@ -50,11 +58,11 @@ def test_a_long_plan_under_a_deadline_reaches_every_rank_once() -> None:
     mp.spawn(cancel_worker, args=(2, free_port(), 0, "big"), nprocs=2, join=True)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [3])
 def test_the_synchronous_api_in_tensor_parallel_mode(world: int) -> None:
     mp.spawn(sync_worker, args=(world, free_port(), 21), nprocs=world, join=True)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [3])
 def test_offload_restore_and_drop_apply_on_every_rank(world: int) -> None:
     mp.spawn(host_worker, args=(world, free_port(), 5), nprocs=world, join=True)

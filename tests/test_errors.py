@@ -173,3 +173,13 @@ async def test_one_open_manager_per_pool() -> None:
     async with mc.CacheManager(pool) as again:  # free once the first has closed
         assert pool.num_free == 3
         again.alloc(1)
+
+
+def test_is_allocated_checks_its_slot_like_the_manager() -> None:
+    pool = mc.StatePool(small_spec(), 4)
+    with mc.CacheManager(pool) as mgr:
+        (a,) = mgr.alloc(1)
+        assert pool.is_allocated(a) and pool.is_allocated(np.int64(a)) and not pool.is_allocated(a + 1)
+        for bad in (True, 1.0, "1", 0, 5, -1):
+            with pytest.raises(mc.InvalidSlotError):
+                pool.is_allocated(bad)  # type: ignore[arg-type]

@@ -183,3 +183,31 @@ def test_is_allocated_checks_its_slot_like_the_manager() -> None:
         for bad in (True, 1.0, "1", 0, 5, -1):
             with pytest.raises(mc.InvalidSlotError):
                 pool.is_allocated(bad)  # type: ignore[arg-type]
+
+
+def test_check_idle_with_host_true_needs_a_host_pool() -> None:
+    with mc.CacheManager(mc.StatePool(small_spec(), 2)) as mgr:
+        mgr.check_idle()
+        mgr.check_idle(host=False)
+        with pytest.raises(mc.InvalidArgumentError, match="without a host pool"):
+            mgr.check_idle(host=True)
+        with pytest.raises(mc.InvalidArgumentError, match="bool or None"):
+            mgr.check_idle(host=1)  # type: ignore[arg-type]
+
+
+def test_check_open_queued_and_waiting_report_the_manager_state() -> None:
+    pool = mc.StatePool(small_spec(), 3)
+    mgr = mc.CacheManager(pool)
+    with pytest.raises(mc.ManagerClosedError, match="not entered"):
+        mgr.check_open()
+    with mgr:
+        mgr.check_open()
+        (a,) = mgr.alloc(1, "r")
+        mgr.clear(a, "r")
+        assert mgr.queued() == [mc.Alloc(a, "r", True), mc.Clear(a, "r")] and mgr.waiting == 0
+        queued = mgr.queued()
+        queued.clear()  # a copy: the manager's queue is untouched
+        assert mgr.pending == 2
+        mgr.release(a)
+    with pytest.raises(mc.ManagerClosedError, match="closed"):
+        mgr.check_open()

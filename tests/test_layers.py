@@ -7,6 +7,8 @@ import ast
 import importlib
 import inspect
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -176,3 +178,18 @@ def test_every_public_name_has_a_docstring(module: str) -> None:
                 if not (inspect.getdoc(getattr(obj, attr) if inspect.isfunction(value) else value) or "").strip():
                     missing.append(f"{name}.{attr}")
     assert not missing, f"{module}: public names without a docstring: {missing}"
+
+
+def test_import_mambacache_does_not_import_structlog_until_tracing_is_configured() -> None:
+    code = (
+        "import sys, mambacache as mc\n"
+        "assert 'structlog' not in sys.modules, 'import mambacache pulled in structlog'\n"
+        "spec = mc.StateSpec(num_layers=1, conv_shapes=[], temporal_shape=(2,))\n"
+        "with mc.CacheManager(mc.StatePool(spec, 2)) as mgr:\n"
+        "    mgr.alloc(1); mgr.flush_nowait()\n"
+        "assert 'structlog' not in sys.modules, 'a flush with tracing off pulled in structlog'\n"
+        "mc.tracing.configure(level='debug')\n"
+        "assert 'structlog' in sys.modules and mc.tracing.is_enabled()\n"
+        "mc.tracing.disable()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

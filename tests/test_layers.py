@@ -152,6 +152,7 @@ PUBLIC_MODULES = [
     "mambacache.bench",
     "mambacache.sim",
     "mambacache.integrations.vllm",
+    "mambacache.integrations.sglang",
 ]
 
 

@@ -1,0 +1,201 @@
+"""mambacache inside SGLang: a general plugin that runs SGLang's mamba slot work through a CacheManager.
+
+Registered as the SGLang plugin ``mambacache`` (entry point group
+``sglang.srt.plugins``); active only when ``SGLANG_PLUGINS`` names it. SGLang
+loads *every* installed plugin when that variable is unset, so installing
+mambacache next to SGLang changes nothing unless it is asked for by name.
+
+When active it registers hooks with SGLang's ``HookRegistry`` (applied in every
+scheduler process before the pools and the model runner are built):
+
+* ``HybridReqToTokenPool._init_mamba_pool`` (after): adopt the ``MambaPool``'s
+  ``conv`` and ``temporal`` tensors into a :class:`~mambacache.StatePool`,
+  same storage, and open a :class:`~mambacache.CacheManager` on it. SGLang's
+  layout is mambacache's (``[mamba_layers, size + 1, *state]``, slot 0 the
+  padding slot), so SGLang's kernels and indices are unchanged;
+* ``MambaSlotAllocator._do_alloc`` / ``free`` / ``clear`` (after): SGLang's
+  allocator stays the source of slot ids; each allocation becomes an
+  ``alloc_slots`` (without a clear: SGLang decides which slots to clear), each
+  free a ``release``, and a reset releases every held slot, so
+  :meth:`~mambacache.CacheManager.held` and ``check_idle`` agree with SGLang's
+  allocator at every step;
+* ``ModelRunner._maybe_execute_deferred_mamba_cow_and_clear`` (replaced): the
+  step's deferred clears and copy-on-writes become ``clear`` and
+  ``copy_on_write`` events in SGLang's order (clears first), flushed once per
+  forward step on the forward stream: on NPU through the scalar-zeroing
+  executor instead of SGLang's own code.
+
+Left to SGLang's own code, never half taken over: pools with side states
+(PLE ``ShortConvPool``/``NGramPool``, ReplaySSM rings, which ride along on
+SGLang's clear and copy), int8 checkpoints (``mamba_checkpoint_pool.py``), the
+envelope layout, ``MambaPoolHost``/HiCache, and the direct ``clear_slots`` /
+``copy_from`` calls outside the deferred step (chunked-prefill checkpoints,
+retraction backups). Slot ids are read to the host at each allocation and
+free (SGLang keeps its free list on the device).
+
+``MAMBACACHE_TRACE=PATH`` writes the slot-lifecycle trace (debug level);
+``MAMBACACHE_SGLANG_FAULT=skip-clear`` drops the step's clears: a deliberate
+fault for tests.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from .._manager import CacheManager
+from .._pool import StatePool
+
+__all__ = ["PLUGIN_NAME", "active", "adopt", "managers", "register"]
+
+PLUGIN_NAME = "mambacache"
+_ATTR = "_mambacache_manager"  # set on SGLang's pool and allocator objects the plugin drives
+_managers: list[CacheManager] = []
+_registered = False
+
+
+def active() -> bool:
+    """Whether ``SGLANG_PLUGINS`` (comma-separated) names this plugin; unset means no."""
+    names = os.environ.get("SGLANG_PLUGINS")
+    return names is not None and PLUGIN_NAME in {n.strip() for n in names.split(",")}
+
+
+def managers() -> list[CacheManager]:
+    """The managers the plugin opened in this process, one per adopted mamba pool (for tests and operators)."""
+    return list(_managers)
+
+
+def adopt(req_to_token_pool: Any) -> CacheManager | None:
+    """Drive ``req_to_token_pool``'s mamba pool through a new manager; None when the plugin must not.
+
+    Refused (SGLang keeps the pool) when the pool carries state mambacache does
+    not manage: side states, ReplaySSM rings, int8 checkpoints, the envelope
+    layout. Already adopted: the same manager.
+    """
+    existing = getattr(req_to_token_pool, _ATTR, None)
+    if existing is not None:
+        return existing  # type: ignore[no-any-return]
+    mamba_pool = req_to_token_pool.mamba_pool
+    if not _takes_over(req_to_token_pool, mamba_pool):
+        return None
+    cache = mamba_pool.mamba_cache
+    pool = StatePool.from_tensors(list(cache.conv), cache.temporal)
+    mgr = CacheManager(pool).__enter__()
+    allocator = req_to_token_pool.mamba_allocator
+    # The allocator may already hand out slots (a pool made before the plugin loaded).
+    held = sorted(set(range(1, pool.num_slots + 1)) - set(allocator.free_slots.tolist()))
+    if held:
+        mgr.alloc_slots(held, clear=False)
+    setattr(req_to_token_pool, _ATTR, mgr)
+    setattr(allocator, _ATTR, mgr)
+    _managers.append(mgr)
+    return mgr
+
+
+def _takes_over(req_to_token_pool: Any, mamba_pool: Any) -> bool:
+    cache = mamba_pool.mamba_cache
+    return (
+        not getattr(mamba_pool, "_slot_siblings", None)
+        and getattr(mamba_pool, "replayssm_write_pos", None) is None
+        and getattr(req_to_token_pool, "mamba_ckpt_pool", None) is None
+        and getattr(mamba_pool, "_raw", None) is None
+        and cache.temporal.numel() > 0
+        and all(c.is_contiguous() for c in cache.conv)
+        and cache.temporal.is_contiguous()
+    )
+
+
+def _slots(index: Any) -> list[int]:
+    if isinstance(index, torch.Tensor):
+        return [int(s) for s in index.reshape(-1).tolist()]
+    return [int(s) for s in index]
+
+
+# -- the hooks (plain functions: HookRegistry wraps them around SGLang's methods) -------------
+def _after_init_mamba_pool(result: Any, pool: Any, *args: Any, **kwargs: Any) -> None:
+    adopt(pool)
+
+
+def _after_alloc(result: Any, allocator: Any, *args: Any, **kwargs: Any) -> None:
+    mgr: CacheManager | None = getattr(allocator, _ATTR, None)
+    if mgr is not None and result is not None and result.numel():
+        mgr.alloc_slots(_slots(result), clear=False)
+
+
+def _after_free(result: Any, allocator: Any, free_index: Any, *args: Any, **kwargs: Any) -> None:
+    mgr: CacheManager | None = getattr(allocator, _ATTR, None)
+    if mgr is not None and free_index.numel():
+        mgr.release_many(_slots(free_index))
+
+
+def _after_clear(result: Any, allocator: Any, *args: Any, **kwargs: Any) -> None:
+    mgr: CacheManager | None = getattr(allocator, _ATTR, None)
+    if mgr is not None:
+        held = list(mgr.held())
+        if held:
+            mgr.release_many(held)
+
+
+def _deferred_cow_and_clear(original: Any, runner: Any, forward_batch: Any) -> None:
+    pool = runner.req_to_token_pool
+    mgr: CacheManager | None = getattr(pool, _ATTR, None)
+    mode = forward_batch.forward_mode
+    if (
+        mgr is None
+        or runner.is_draft_worker
+        or not mode.is_extend()
+        or mode.is_target_verify()
+        or mode.is_draft_extend_v2()
+    ):
+        return original(runner, forward_batch)  # type: ignore[no-any-return]
+    clear, src, dst = (
+        forward_batch.mamba_clear_indices,
+        forward_batch.mamba_cow_src_indices,
+        forward_batch.mamba_cow_dst_indices,
+    )
+    if clear is not None and len(clear) and os.environ.get("MAMBACACHE_SGLANG_FAULT") != "skip-clear":
+        mgr.clear_many(_slots(pool.translate_mamba_indices(clear)))
+    if src is not None and len(src):
+        counter = getattr(pool, "layer_transfer_counter", None)
+        if counter is not None and counter.consumer_index >= 0:  # HiCache: the states must have landed
+            counter.wait_until(max(pool.mamba_map) - pool.start_layer)
+        a = _slots(pool.translate_mamba_indices(src))
+        b = _slots(pool.translate_mamba_indices(dst))
+        mgr.copy_many(a, b)
+    mgr.flush_nowait()  # on the current stream: the forward's
+    forward_batch.mamba_clear_indices = None
+    forward_batch.mamba_cow_src_indices = None
+    forward_batch.mamba_cow_dst_indices = None
+    return None
+
+
+def register() -> None:
+    """SGLang's general-plugin entry point: register the hooks when active. Idempotent.
+
+    SGLang calls plugins with no arguments in every process that loads them,
+    then applies the registered hooks before building the pools.
+    """
+    global _registered
+    if _registered or not active():
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    pool = "sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool"
+    allocator = "sglang.srt.mem_cache.allocator.mamba.MambaSlotAllocator"
+    HookRegistry.register(f"{pool}._init_mamba_pool", _after_init_mamba_pool, HookType.AFTER)
+    HookRegistry.register(f"{allocator}._do_alloc", _after_alloc, HookType.AFTER)
+    HookRegistry.register(f"{allocator}.free", _after_free, HookType.AFTER)
+    HookRegistry.register(f"{allocator}.clear", _after_clear, HookType.AFTER)
+    HookRegistry.register(
+        "sglang.srt.model_executor.model_runner.ModelRunner._maybe_execute_deferred_mamba_cow_and_clear",
+        _deferred_cow_and_clear,
+        HookType.AROUND,
+    )
+    _registered = True
+    trace = os.environ.get("MAMBACACHE_TRACE")
+    if trace:
+        from .. import tracing
+
+        tracing.configure(trace, level="debug")

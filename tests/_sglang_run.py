@@ -1,0 +1,200 @@
+"""One run of a random request workload through SGLang's own scheduler-side calls, for tests/test_sglang.py.
+
+Run in the SGLang venv as ``python -m tests._sglang_run MODE SEED STEPS``; MODE is
+``plain`` (SGLang alone), ``plugin`` (``SGLANG_PLUGINS=mambacache``, hooks applied
+as SGLang's scheduler applies them) or ``fault`` (the plugin with
+``MAMBACACHE_SGLANG_FAULT=skip-clear``). Prints one JSON object: a digest of
+the mamba pool's bytes after every step, and, with the plugin, the manager's
+step count and whether ``check_idle`` passed after ``cache.reset()`` and
+``pool.clear()``.
+
+The pool starts dirty (random bytes in every slot), so a missed clear shows.
+Requests draw their prompts from a few shared prefixes, so prefix hits copy a
+tree checkpoint into the new request's slot (copy-on-write); each step's
+forward folds a per-request value into its slot's state, so a state that
+started wrong stays wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import json
+import os
+import random
+import sys
+import types
+from array import array
+from types import SimpleNamespace
+from typing import Any
+
+
+def _shim() -> None:
+    """Stand-ins for torchvision and datasets, which SGLang imports at module level but the CPU venv lacks.
+
+    transformers probes torchvision with find_spec first, so it is imported before the stubs exist.
+    """
+    import transformers  # noqa: F401
+
+    class _Any:
+        def __getattr__(self, k: str) -> Any:
+            if k.startswith("__"):
+                raise AttributeError(k)
+            return _Any()
+
+        def __call__(self, *a: Any, **k: Any) -> Any:
+            return _Any()
+
+    def _getattr(k: str) -> Any:
+        if k.startswith("__"):
+            raise AttributeError(k)
+        return _Any()
+
+    for name in (
+        "torchvision",
+        "torchvision.transforms",
+        "torchvision.transforms.functional",
+        "torchvision.transforms.v2",
+        "torchvision.io",
+        "torchvision.ops",
+        "datasets",
+    ):
+        if name in sys.modules:
+            continue
+        try:
+            __import__(name)
+            continue
+        except Exception:
+            pass
+        m = types.ModuleType(name)
+        m.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        m.__path__ = []
+        m.__getattr__ = _getattr  # type: ignore[method-assign]
+        sys.modules[name] = m
+
+
+def main(mode: str, seed: int, steps: int) -> dict[str, Any]:
+    if mode != "plain":
+        os.environ["SGLANG_PLUGINS"] = "mambacache"
+    if mode == "fault":
+        os.environ["MAMBACACHE_SGLANG_FAULT"] = "skip-clear"
+    _shim()
+    import torch
+
+    if mode != "plain":
+        from sglang.srt.plugins import load_plugins
+
+        load_plugins()  # as run_scheduler_process does first: finds mambacache by its entry point
+
+    import sglang.test.kits.unified_radix_cache.fixtures as fx
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req, ScheduleBatch
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
+    from sglang.srt.mem_cache.common import release_kv_cache
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.test.kits.unified_radix_cache.config import CacheConfig
+
+    fx.get_device = lambda *a, **k: "cpu"  # no accelerator here
+    cache, allocator, pool = fx.build_fixture(
+        CacheConfig(components=(ComponentType.FULL, ComponentType.MAMBA), mamba_cache_size=10, max_num_reqs=12)
+    )
+    mp = pool.mamba_pool
+    tensors = [*mp.mamba_cache.conv, mp.mamba_cache.temporal]
+    g = torch.Generator().manual_seed(seed)
+    for t in tensors:  # dirty: every slot holds an old tenant's state
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1, 500) for _ in range(rng.randrange(3, 9))] for _ in range(3)]
+    runner = SimpleNamespace(req_to_token_pool=pool, is_draft_worker=False)
+    running: list[Any] = []
+    digests: list[str] = []
+    counter = 0
+    work = {"clears": 0, "cows": 0, "evictions": 0}
+
+    def forward(reqs: list[Any], step: int) -> None:
+        for r in reqs:
+            s = int(r.kv.mamba_pool_idx)
+            for t in tensors:
+                t[:, s] = t[:, s] * 0.5 + float(int(r.rid[1:]) % 97 + step)
+
+    for step in range(steps):
+        # Finish some running requests: their slots become tree checkpoints or are freed.
+        for r in [r for r in running if rng.random() < 0.4]:
+            r.finished_reason = FINISH_LENGTH(length=0)
+            release_kv_cache(r, cache, checkpoint=True)
+            running.remove(r)
+        new: list[Any] = []
+        for _ in range(rng.randrange(0, 3)):
+            if len(running) + len(new) >= 4:
+                break
+            if pool.mamba_allocator.available_size() < 2:
+                cache.evict(EvictParams(mamba_num=2))
+                work["evictions"] += 1
+            if pool.mamba_allocator.available_size() < 2:
+                break
+            counter += 1
+            ids = prefixes[rng.randrange(len(prefixes))] + [rng.randrange(1, 3) for _ in range(rng.randrange(0, 3))]
+            r = Req(
+                rid=f"r{counter}",
+                origin_input_text="",
+                origin_input_ids=array("q", ids),
+                sampling_params=SamplingParams(temperature=0, max_new_tokens=1),
+            )
+            r.output_ids = array("q")
+            r.extra_key = None
+            r.lock = None
+            r.last_node = cache.root_node_handle()
+            m = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", ids)), cow_mamba=True, req=r))
+            r.prefix_len = r.kv.cache_protected_len = m.device_prefix_len
+            r.last_node = m.last_device_node
+            r.lock = cache.lock(m.last_device_node)
+            pool.alloc([r])
+            if m.device_prefix_len:
+                pool.write((r.kv.req_pool_idx, slice(0, m.device_prefix_len)), cache.prefix_device_indices(r))
+            new.append(r)
+        # The step: collect the deferred clears and copies (prepare_for_extend), run them (the forward).
+        batch = SimpleNamespace()
+        ScheduleBatch._collect_deferred_mamba_cow_and_clear(batch, new)
+        for key, field in (("clears", "mamba_clear_indices"), ("cows", "mamba_cow_src_indices")):
+            got = getattr(batch, field, None)
+            work[key] += 0 if got is None else len(got)
+        fb = SimpleNamespace(forward_mode=ForwardMode.EXTEND, **vars(batch))
+        ModelRunner._maybe_execute_deferred_mamba_cow_and_clear(runner, fb)
+        for r in new:
+            start, n = r.kv.cache_protected_len, len(r.origin_input_ids)
+            pool.write((r.kv.req_pool_idx, slice(start, n)), allocator.alloc(n - start))
+            r.full_untruncated_fill_ids = array("q", r.origin_input_ids)
+            r.kv.kv_committed_len = r.kv.kv_allocated_len = n
+        running += new
+        forward(running, step)
+        digest = hashlib.sha256()
+        for t in tensors:
+            digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+        digests.append(digest.hexdigest()[:16])
+    for r in running:
+        r.finished_reason = FINISH_LENGTH(length=0)
+        release_kv_cache(r, cache, checkpoint=True)
+    out: dict[str, Any] = {"digests": digests, "work": work}
+    if mode != "plain":
+        from mambacache.integrations import sglang as plugin
+
+        (mgr,) = plugin.managers()
+        out["manager_steps"] = mgr.step
+        out["held_matches"] = sorted(mgr.held()) == sorted(
+            set(range(1, mp.size + 1)) - set(pool.mamba_allocator.free_slots.tolist())
+        )
+        cache.reset()
+        pool.clear()
+        try:
+            mgr.check_idle()
+            out["idle"] = True
+        except Exception as exc:
+            out["idle"] = repr(exc)
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))

@@ -1,0 +1,74 @@
+"""mambacache inside SGLang (0.5.23, CPU): the plugin changes no byte of SGLang's mamba pool, step by step.
+
+Each run is a fresh process in the SGLang venv (``tests/_sglang_run.py``): SGLang
+applies a plugin's hooks to its classes for the life of the process, so SGLang
+alone and SGLang with the plugin cannot share one. Skipped where SGLang is not
+installed (the main venv); ``.ci/run`` runs this file in ``.venv-sglang``, where
+``MAMBACACHE_REQUIRE_SGLANG=1`` turns a missing SGLang into a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+if os.environ.get("MAMBACACHE_REQUIRE_SGLANG"):
+    import sglang  # noqa: F401  (CI: a missing SGLang is a failure, not a skip)
+else:
+    pytest.importorskip("sglang", reason="SGLang is not installed (run through .ci/run, or set up .venv-sglang)")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 16
+
+
+def run(mode: str, seed: int, steps: int = STEPS) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_PLUGINS", "MAMBACACHE_SGLANG_FAULT")}
+    out = subprocess.run(
+        [sys.executable, "-m", "tests._sglang_run", mode, str(seed), str(steps)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_plugin_leaves_every_byte_as_sglang_alone_does(seed: int) -> None:
+    plain, plugin = run("plain", seed), run("plugin", seed)
+    assert plain["work"]["clears"] > 0 and plain["work"]["cows"] > 0, plain["work"]  # the workload forks and clears
+    assert plugin["work"] == plain["work"]
+    assert plugin["digests"] == plain["digests"]  # the pool's bytes after every step
+    assert plugin["manager_steps"] == STEPS  # each forward step's clears and copies: one flush
+    assert plugin["held_matches"] is True  # held() is SGLang's allocator's held set
+    assert plugin["idle"] is True  # after cache.reset() and pool.clear(), check_idle passes
+
+
+def test_skipping_the_clears_shows_in_the_bytes() -> None:
+    plain, fault = run("plain", 1), run("fault", 1)
+    assert fault["digests"] != plain["digests"]
+
+
+@pytest.mark.parametrize("plugins", [None, "", "someone-else"])
+def test_the_plugin_changes_nothing_unless_named(plugins: str | None) -> None:
+    """SGLang loads every installed plugin when SGLANG_PLUGINS is unset: mambacache must then do nothing."""
+    code = (
+        "from sglang.srt.plugins import load_plugins\n"
+        "from sglang.srt.plugins.hook_registry import HookRegistry\n"
+        "load_plugins()\n"
+        "from mambacache.integrations import sglang as plugin\n"
+        "ours = [t for t, hooks in HookRegistry._hooks.items() for _, fn, _ in hooks"
+        " if fn.__module__ == plugin.__name__]\n"
+        "assert not ours and not plugin.managers(), ours\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_PLUGINS"}
+    if plugins is not None:
+        env["SGLANG_PLUGINS"] = plugins
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, timeout=300)

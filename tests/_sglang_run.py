@@ -112,7 +112,7 @@ def main(mode: str, seed: int, steps: int) -> dict[str, Any]:
     running: list[Any] = []
     digests: list[str] = []
     counter = 0
-    work = {"clears": 0, "cows": 0, "evictions": 0}
+    work = {"clears": 0, "cows": 0, "evictions": 0, "checkpoints": 0}
 
     def forward(reqs: list[Any], step: int) -> None:
         for r in reqs:
@@ -170,6 +170,11 @@ def main(mode: str, seed: int, steps: int) -> dict[str, Any]:
             r.kv.kv_committed_len = r.kv.kv_allocated_len = n
         running += new
         forward(running, step)
+        # A chunked-prefill style checkpoint of a running request: SGLang copies its slot into a new tree slot.
+        for r in running:
+            if rng.random() < 0.3 and pool.mamba_allocator.available_size() >= 1:
+                cache.checkpoint(r, up_to=r.kv.kv_committed_len)
+                work["checkpoints"] += 1
         digest = hashlib.sha256()
         for t in tensors:
             digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
@@ -183,6 +188,7 @@ def main(mode: str, seed: int, steps: int) -> dict[str, Any]:
 
         (mgr,) = plugin.managers()
         out["manager_steps"] = mgr.step
+        out["counts"] = plugin.counts()
         out["held_matches"] = sorted(mgr.held()) == sorted(
             set(range(1, mp.size + 1)) - set(pool.mamba_allocator.free_slots.tolist())
         )

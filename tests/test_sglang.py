@@ -43,10 +43,14 @@ def run(mode: str, seed: int, steps: int = STEPS) -> dict[str, Any]:
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_the_plugin_leaves_every_byte_as_sglang_alone_does(seed: int) -> None:
     plain, plugin = run("plain", seed), run("plugin", seed)
-    assert plain["work"]["clears"] > 0 and plain["work"]["cows"] > 0, plain["work"]  # the workload forks and clears
-    assert plugin["work"] == plain["work"]
+    work = plain["work"]
+    assert work["clears"] and work["cows"] and work["checkpoints"], work  # the workload clears, forks, checkpoints
+    assert plugin["work"] == work
     assert plugin["digests"] == plain["digests"]  # the pool's bytes after every step
-    assert plugin["manager_steps"] == STEPS  # each forward step's clears and copies: one flush
+    counts = plugin["counts"]
+    # Each forward step's clears and copies: one flush; each checkpoint's copy: one flush; nothing left to SGLang.
+    assert counts == {"steps": STEPS, "direct": work["checkpoints"], "fallbacks": 0}, counts
+    assert plugin["manager_steps"] == STEPS + work["checkpoints"]
     assert plugin["held_matches"] is True  # held() is SGLang's allocator's held set
     assert plugin["idle"] is True  # after cache.reset() and pool.clear(), check_idle passes
 

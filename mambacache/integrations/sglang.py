@@ -19,7 +19,12 @@ scheduler process before the pools and the model runner are built):
   free a ``release``, and a reset releases every held slot, so
   :meth:`~mambacache.CacheManager.held` and ``check_idle`` agree with SGLang's
   allocator at every step;
-* ``ModelRunner._maybe_execute_deferred_mamba_cow_and_clear`` (replaced): the
+* ``MambaPool.clear_slots`` / ``copy_from`` (around): the direct calls outside
+  the deferred step (a chunked-prefill checkpoint's copy of a running slot into
+  a new tree slot, say) become events flushed at once; a call that touches a
+  slot SGLang's allocator did not hand out (the prefill graph runner's dummy
+  slots) stays SGLang's own;
+* ``ModelRunner._maybe_execute_deferred_mamba_cow_and_clear`` (around): the
   step's deferred clears and copy-on-writes become ``clear`` and
   ``copy_on_write`` events in SGLang's order (clears first), flushed once per
   forward step on the forward stream: on NPU through the scalar-zeroing
@@ -28,9 +33,8 @@ scheduler process before the pools and the model runner are built):
 Left to SGLang's own code, never half taken over: pools with side states
 (PLE ``ShortConvPool``/``NGramPool``, ReplaySSM rings, which ride along on
 SGLang's clear and copy), int8 checkpoints (``mamba_checkpoint_pool.py``), the
-envelope layout, ``MambaPoolHost``/HiCache, and the direct ``clear_slots`` /
-``copy_from`` calls outside the deferred step (chunked-prefill checkpoints,
-retraction backups). Slot ids are read to the host at each allocation and
+envelope layout, ``MambaPoolHost``/HiCache, and the retraction backups of
+decode disaggregation (``get_cpu_copy`` / ``load_cpu_copy``). Slot ids are read to the host at each allocation and
 free (SGLang keeps its free list on the device).
 
 ``MAMBACACHE_TRACE=PATH`` writes the slot-lifecycle trace (debug level);
@@ -48,11 +52,13 @@ import torch
 from .._manager import CacheManager
 from .._pool import StatePool
 
-__all__ = ["PLUGIN_NAME", "active", "adopt", "managers", "register"]
+__all__ = ["PLUGIN_NAME", "active", "adopt", "counts", "managers", "register"]
 
 PLUGIN_NAME = "mambacache"
 _ATTR = "_mambacache_manager"  # set on SGLang's pool and allocator objects the plugin drives
 _managers: list[CacheManager] = []
+# What the hooks did in this process: forward steps flushed, direct calls flushed, calls left to SGLang.
+_counts = {"steps": 0, "direct": 0, "fallbacks": 0}
 _registered = False
 
 
@@ -65,6 +71,13 @@ def active() -> bool:
 def managers() -> list[CacheManager]:
     """The managers the plugin opened in this process, one per adopted mamba pool (for tests and operators)."""
     return list(_managers)
+
+
+def counts() -> dict[str, int]:
+    """What the plugin's hooks did in this process: ``steps`` (forward steps whose deferred clears and copies
+    ran as one flush), ``direct`` (direct ``clear_slots`` / ``copy_from`` calls run as a flush of their own)
+    and ``fallbacks`` (calls left to SGLang's own code: a slot the allocator did not hand out)."""
+    return dict(_counts)
 
 
 def adopt(req_to_token_pool: Any) -> CacheManager | None:
@@ -88,8 +101,8 @@ def adopt(req_to_token_pool: Any) -> CacheManager | None:
     held = sorted(set(range(1, pool.num_slots + 1)) - set(allocator.free_slots.tolist()))
     if held:
         mgr.alloc_slots(held, clear=False)
-    setattr(req_to_token_pool, _ATTR, mgr)
-    setattr(allocator, _ATTR, mgr)
+    for obj in (req_to_token_pool, allocator, mamba_pool):
+        setattr(obj, _ATTR, mgr)
     _managers.append(mgr)
     return mgr
 
@@ -138,6 +151,30 @@ def _after_clear(result: Any, allocator: Any, *args: Any, **kwargs: Any) -> None
             mgr.release_many(held)
 
 
+def _direct(original: Any, mamba_pool: Any, slots: list[list[int]], submit: Any, *args: Any) -> Any:
+    """A ``clear_slots`` / ``copy_from`` called outside the deferred step: events flushed at once, or SGLang's own
+    code when a slot is not one SGLang's allocator handed out (the prefill graph runner's dummy slots)."""
+    mgr: CacheManager | None = getattr(mamba_pool, _ATTR, None)
+    if mgr is None:
+        return original(mamba_pool, *args)
+    held = mgr.pool.is_allocated
+    if not all(0 < s <= mgr.pool.num_slots and held(s) for group in slots for s in group):
+        _counts["fallbacks"] += 1
+        return original(mamba_pool, *args)
+    _counts["direct"] += 1
+    submit(mgr, *slots)
+    mgr.flush_nowait()  # the caller expects the work enqueued on return, as SGLang's own does
+    return None
+
+
+def _around_clear_slots(original: Any, mamba_pool: Any, indices: Any) -> Any:
+    return _direct(original, mamba_pool, [_slots(indices)], CacheManager.clear_many, indices)
+
+
+def _around_copy_from(original: Any, mamba_pool: Any, src: Any, dst: Any) -> Any:
+    return _direct(original, mamba_pool, [_slots(src), _slots(dst)], CacheManager.copy_many, src, dst)
+
+
 def _deferred_cow_and_clear(original: Any, runner: Any, forward_batch: Any) -> None:
     pool = runner.req_to_token_pool
     mgr: CacheManager | None = getattr(pool, _ATTR, None)
@@ -165,6 +202,7 @@ def _deferred_cow_and_clear(original: Any, runner: Any, forward_batch: Any) -> N
         b = _slots(pool.translate_mamba_indices(dst))
         mgr.copy_many(a, b)
     mgr.flush_nowait()  # on the current stream: the forward's
+    _counts["steps"] += 1
     forward_batch.mamba_clear_indices = None
     forward_batch.mamba_cow_src_indices = None
     forward_batch.mamba_cow_dst_indices = None
@@ -188,6 +226,9 @@ def register() -> None:
     HookRegistry.register(f"{allocator}._do_alloc", _after_alloc, HookType.AFTER)
     HookRegistry.register(f"{allocator}.free", _after_free, HookType.AFTER)
     HookRegistry.register(f"{allocator}.clear", _after_clear, HookType.AFTER)
+    mamba_pool = "sglang.srt.mem_cache.memory_pool.MambaPool"
+    HookRegistry.register(f"{mamba_pool}.clear_slots", _around_clear_slots, HookType.AROUND)
+    HookRegistry.register(f"{mamba_pool}.copy_from", _around_copy_from, HookType.AROUND)
     HookRegistry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner._maybe_execute_deferred_mamba_cow_and_clear",
         _deferred_cow_and_clear,

@@ -302,6 +302,12 @@ class CacheManager:
         # `checked`: slots and request ids are plain and in range (the hot path).
         self._queue.submit(events if checked else normalised(events, self._pool.num_slots))
 
+    def hand_over(self, slot: int, to: str | None, request_id: str | None = None) -> None:
+        """``slot``'s tenant becomes ``to`` from this point (an engine's cache takes a finished request's slot):
+        bookkeeping only, no device work; ``request_id`` checks the current tenant, as for every event."""
+        check_request_id(to)
+        self._queue.hand_over(_slot_of(self._pool, slot, request_id), request_id, to)
+
     # -- the host tier ---------------------------------------------------
     def offload(self, slot: int, request_id: str | None = None) -> int:
         """Copy ``slot``'s state as of this point of the event order to a free host slot; returns the host slot.
@@ -311,7 +317,7 @@ class CacheManager:
         runs on the next flush's stream, before anything in that step writes the
         slot. Raises :class:`PoolExhaustedError` when the host pool is full.
         """
-        self._need_host("offload")
+        _need_host(self, "offload")
         return self._queue.offload(_slot_of(self._pool, slot, request_id), request_id)
 
     def restore(self, host: int, slot: int, request_id: str | None = None, *, keep: bool = False) -> None:
@@ -322,18 +328,12 @@ class CacheManager:
         when no other is free, and the planner orders this read before the offload
         that rewrites it, so the read always sees the offloaded state.
         """
-        h = _host_slot(self._need_host("restore"), host)
+        h = _host_slot(_need_host(self, "restore"), host)
         self._queue.restore(h, _slot_of(self._pool, slot, request_id), request_id, keep)
 
     def drop(self, host: int) -> None:
         """Free host slot ``host`` from this point; earlier restores still read it."""
-        self._queue.drop(_host_slot(self._need_host("drop"), host))
-
-    def _need_host(self, what: str) -> HostPool:
-        self.check_open()
-        if self._host is None:
-            raise InvalidArgumentError(f"{what} needs a host pool: CacheManager(pool, host_pool=HostPool(spec, n))")
-        return self._host
+        self._queue.drop(_host_slot(_need_host(self, "drop"), host))
 
     # -- flushing --------------------------------------------------------
     async def flush(self, stream: Any | None = None) -> StepReport:
@@ -358,6 +358,13 @@ class CacheManager:
         """
         self.check_open()
         return self._core.flush_sync(stream)
+
+
+def _need_host(mgr: CacheManager, what: str) -> HostPool:
+    mgr.check_open()
+    if mgr.host_pool is None:
+        raise InvalidArgumentError(f"{what} needs a host pool: CacheManager(pool, host_pool=HostPool(spec, n))")
+    return mgr.host_pool
 
 
 def _slot_of(pool: StatePool, slot: Any, request_id: Any) -> int:

@@ -195,6 +195,15 @@ class StepQueue:
         """Tickets in the ``alloc_wait`` line."""
         return len(self._waiters)
 
+    def hand_over(self, slot: int, tenant: str | None, to: str | None) -> None:
+        """``slot``'s tenant becomes ``to`` (checked to be ``tenant`` first, unless None): no event, no device work."""
+        with self.lock:
+            self.check()
+            self.ledger.check_held("HandOver", slot, tenant)
+            old, self.ledger.tenants[slot] = self.ledger.tenants[slot], to
+            step = self.step
+        _tracing.tracer.note("slot.handover", slot=slot, request_id=old, to=to, step=step)
+
     # -- the host tier ---------------------------------------------------
     def offload(self, slot: int, tenant: str | None) -> int:
         """Queue an offload of ``slot`` into the lowest free host slot; returns the host slot."""

@@ -113,6 +113,9 @@ def main(mode: str, seed: int, steps: int) -> dict[str, Any]:
     digests: list[str] = []
     counter = 0
     work = {"clears": 0, "cows": 0, "evictions": 0, "checkpoints": 0}
+    tenant_errors: list[dict[str, Any]] = []
+    if mode != "plain":
+        from mambacache.integrations import sglang as plugin
 
     def forward(reqs: list[Any], step: int) -> None:
         for r in reqs:
@@ -175,6 +178,12 @@ def main(mode: str, seed: int, steps: int) -> dict[str, Any]:
             if rng.random() < 0.3 and pool.mamba_allocator.available_size() >= 1:
                 cache.checkpoint(r, up_to=r.kv.kv_committed_len)
                 work["checkpoints"] += 1
+        if mode != "plain":  # held() names each slot's request, or the tree for its checkpoints
+            tree = {int(v) for v in cache.all_mamba_values_flatten().tolist()}
+            want = {s: plugin.TREE_TENANT for s in tree} | {int(r.kv.mamba_pool_idx): r.rid for r in running}
+            got = plugin.managers()[0].held()
+            if got != dict(sorted(want.items())):
+                tenant_errors.append({"step": step, "held": got, "want": want})
         digest = hashlib.sha256()
         for t in tensors:
             digest.update(t.contiguous().view(torch.uint8).numpy().tobytes())
@@ -184,9 +193,8 @@ def main(mode: str, seed: int, steps: int) -> dict[str, Any]:
         release_kv_cache(r, cache, checkpoint=True)
     out: dict[str, Any] = {"digests": digests, "work": work}
     if mode != "plain":
-        from mambacache.integrations import sglang as plugin
-
         (mgr,) = plugin.managers()
+        out["tenant_errors"] = tenant_errors[:3]
         out["manager_steps"] = mgr.step
         out["counts"] = plugin.counts()
         out["held_matches"] = sorted(mgr.held()) == sorted(

@@ -52,6 +52,7 @@ def test_the_plugin_leaves_every_byte_as_sglang_alone_does(seed: int) -> None:
     assert counts == {"steps": STEPS, "direct": work["checkpoints"], "fallbacks": 0}, counts
     assert plugin["manager_steps"] == STEPS + work["checkpoints"]
     assert plugin["held_matches"] is True  # held() is SGLang's allocator's held set
+    assert plugin["tenant_errors"] == []  # after every step: each running request's slot, and the tree's checkpoints
     assert plugin["idle"] is True  # after cache.reset() and pool.clear(), check_idle passes
 
 

@@ -19,6 +19,12 @@ scheduler process before the pools and the model runner are built):
   free a ``release``, and a reset releases every held slot, so
   :meth:`~mambacache.CacheManager.held` and ``check_idle`` agree with SGLang's
   allocator at every step;
+* ``HybridReqToTokenPool.alloc``, ``MambaComponent.finalize_match_result_in_cache``
+  (after): the request's new slot gets its ``rid`` as tenant (SGLang's allocator
+  hands slots out without one); ``MambaComponent.commit_insert_component_data``
+  (around): a slot the radix tree takes (a finished request's, or a chunked
+  checkpoint's copy) is handed over to :data:`TREE_TENANT`, since SGLang moves
+  it without an event; so ``held()`` names each slot's request or the tree;
 * ``MambaPool.clear_slots`` / ``copy_from`` (around): the direct calls outside
   the deferred step (a chunked-prefill checkpoint's copy of a running slot into
   a new tree slot, say) become events flushed at once; a call that touches a
@@ -52,9 +58,10 @@ import torch
 from .._manager import CacheManager
 from .._pool import StatePool
 
-__all__ = ["PLUGIN_NAME", "active", "adopt", "counts", "managers", "register"]
+__all__ = ["PLUGIN_NAME", "TREE_TENANT", "active", "adopt", "counts", "managers", "register"]
 
 PLUGIN_NAME = "mambacache"
+TREE_TENANT = "sglang-tree"  # the tenant of a slot SGLang's radix tree holds (a prefix checkpoint)
 _ATTR = "_mambacache_manager"  # set on SGLang's pool and allocator objects the plugin drives
 _managers: list[CacheManager] = []
 # What the hooks did in this process: forward steps flushed, direct calls flushed, calls left to SGLang.
@@ -143,6 +150,40 @@ def _after_free(result: Any, allocator: Any, free_index: Any, *args: Any, **kwar
         mgr.release_many(_slots(free_index))
 
 
+def _tenant(mgr: CacheManager, slot: int, rid: Any) -> None:
+    """A slot SGLang's allocator handed out without a request gets its request as tenant."""
+    if mgr.pool.ledger.tenants[slot] is None and rid is not None:
+        mgr.hand_over(slot, str(rid))
+
+
+def _after_pool_alloc(result: Any, pool: Any, reqs: Any, *args: Any, **kwargs: Any) -> None:
+    mgr: CacheManager | None = getattr(pool, _ATTR, None)
+    if mgr is not None and result is not None:
+        for req in reqs:
+            if req.kv.mamba_pool_idx is not None:
+                _tenant(mgr, int(req.kv.mamba_pool_idx), req.rid)
+
+
+def _after_match(result: Any, component: Any, params: Any, *args: Any, **kwargs: Any) -> None:
+    mgr: CacheManager | None = getattr(component.cache.req_to_token_pool, _ATTR, None)
+    req = params.req
+    if mgr is not None and req is not None and req.kv.mamba_pool_idx is not None:
+        _tenant(mgr, int(req.kv.mamba_pool_idx), req.rid)  # the copy-on-write's new slot
+
+
+def _around_commit_insert(original: Any, component: Any, *args: Any, **kwargs: Any) -> Any:
+    # SGLang passes (node, is_new_leaf, params, result, cache_actions) by keyword, and one is named `result`:
+    # an around hook, so the names cannot clash with an after hook's own first argument.
+    out = original(component, *args, **kwargs)
+    mgr: CacheManager | None = getattr(component.cache.req_to_token_pool, _ATTR, None)
+    params = kwargs["params"] if "params" in kwargs else args[2]
+    insert = kwargs["result"] if "result" in kwargs else args[3]
+    if mgr is not None and not insert.mamba_exist:  # the tree took the slot: no event in SGLang, a hand-over here
+        for slot in _slots(params.mamba_value):
+            mgr.hand_over(slot, TREE_TENANT)
+    return out
+
+
 def _after_clear(result: Any, allocator: Any, *args: Any, **kwargs: Any) -> None:
     mgr: CacheManager | None = getattr(allocator, _ATTR, None)
     if mgr is not None:
@@ -223,6 +264,10 @@ def register() -> None:
     pool = "sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool"
     allocator = "sglang.srt.mem_cache.allocator.mamba.MambaSlotAllocator"
     HookRegistry.register(f"{pool}._init_mamba_pool", _after_init_mamba_pool, HookType.AFTER)
+    HookRegistry.register(f"{pool}.alloc", _after_pool_alloc, HookType.AFTER)
+    component = "sglang.srt.mem_cache.unified_cache.components.mamba.MambaComponent"
+    HookRegistry.register(f"{component}.finalize_match_result_in_cache", _after_match, HookType.AFTER)
+    HookRegistry.register(f"{component}.commit_insert_component_data", _around_commit_insert, HookType.AROUND)
     HookRegistry.register(f"{allocator}._do_alloc", _after_alloc, HookType.AFTER)
     HookRegistry.register(f"{allocator}.free", _after_free, HookType.AFTER)
     HookRegistry.register(f"{allocator}.clear", _after_clear, HookType.AFTER)

@@ -9,6 +9,7 @@ and, from :func:`configure`'s own pipeline, ``timestamp`` and ``level``:
 ``slot.cow``       debug  ``src``, ``dst``, ``request_id``
 ``slot.commit``    debug  ``slot``, ``accepted``, ``request_id``
 ``slot.release``   debug  ``slot``, ``request_id``
+``slot.handover``  debug  ``slot``, ``request_id`` (the old tenant), ``to``
 ``slot.offload``   debug  ``slot``, ``host``, ``request_id``
 ``slot.restore``   debug  ``host``, ``slot``, ``request_id``, ``keep``
 ``host.drop``      debug  ``host``

@@ -21,7 +21,16 @@ from .._errors import TraceError
 __all__ = ["Anomaly", "BadLine", "Entry", "TraceAnalysis", "analyze", "analyze_lines", "parse_lines"]
 
 SLOT_EVENTS = frozenset(
-    {"slot.alloc", "slot.release", "slot.clear", "slot.cow", "slot.commit", "slot.offload", "slot.restore"}
+    {
+        "slot.alloc",
+        "slot.release",
+        "slot.clear",
+        "slot.cow",
+        "slot.commit",
+        "slot.offload",
+        "slot.restore",
+        "slot.handover",
+    }
 )
 STEP_EVENTS = frozenset({"step.flush", "step.error"})
 TIER_EVENTS = frozenset({"host.drop", "prefix.hit", "prefix.miss", "prefix.insert", "prefix.evict", "prefix.fork"})
@@ -45,7 +54,7 @@ class Entry:
 
     line: int
     step: int | None
-    action: str  # alloc, clear, fork-in, fork-out, commit, offload, restore, release
+    action: str  # alloc, clear, fork-in, fork-out, commit, offload, restore, release, handover
     request_id: str | None
     other: int | None = None  # the other slot of a fork; the accepted count of a commit; the host slot
     cleared: bool | None = None
@@ -187,6 +196,11 @@ def _checked(record: dict[str, Any]) -> dict[str, Any]:
         out["slot"] = _int(record, "slot", required=True)
         if event == "slot.commit":
             out["accepted"] = _int(record, "accepted", required=True)
+        if event == "slot.handover":
+            to = record.get("to")
+            if to is not None and type(to) is not str:
+                raise ValueError(f"'to' must be a string or null, got {type(to).__name__}")
+            out["to"] = to
         if event == "slot.alloc":
             cleared = record.get("cleared", True)
             if type(cleared) is not bool:
@@ -436,6 +450,15 @@ class _Pass:
             self.host_from.pop(h, None)
         self.entry(slot, Entry(line, step, "restore", rid, other=h))
 
+    def handover(self, slot: int, st: _Slot, r: dict[str, Any], line: int, step: int | None, rid: str | None) -> None:
+        """``slot.handover``: the slot keeps its state and gets a new tenant (the timeline names the new one)."""
+        if not st.allocated:
+            self.flag("use-after-release", slot, line, step, rid, f"hand-over of slot {slot}, which is free")
+        st.tenant = r["to"]
+        if r["to"] is not None:
+            self.requests.add(r["to"])
+        self.entry(slot, Entry(line, step, "handover", r["to"]))
+
     def release(self, slot: int, st: _Slot, r: dict[str, Any], line: int, step: int | None, rid: str | None) -> None:
         """``slot.release``: the slot is free; the line is kept to name it in a later double release."""
         self.counts["releases"] += 1
@@ -475,6 +498,7 @@ _SlotHandler = Callable[[_Pass, int, _Slot, dict[str, Any], int, int | None, str
 _SLOT_HANDLERS: dict[str, _SlotHandler] = {
     "slot.alloc": _Pass.alloc,
     "slot.commit": _Pass.commit,
+    "slot.handover": _Pass.handover,
     "slot.clear": _Pass.clear,
     "slot.offload": _Pass.offload,
     "slot.restore": _Pass.restore,

@@ -23,6 +23,7 @@ import json
 import os
 import random
 import sys
+import time
 import types
 from array import array
 from types import SimpleNamespace
@@ -114,6 +115,11 @@ def main(mode: str, seed: int, steps: int) -> dict[str, Any]:
     counter = 0
     work = {"clears": 0, "cows": 0, "evictions": 0, "checkpoints": 0}
     tenant_errors: list[dict[str, Any]] = []
+    step_us: list[float] = []  # host time of each step's deferred clears and copies
+    step_ops: list[int] = []
+    audit = os.environ.get("MAMBACACHE_SGLANG_AUDIT") == "1"
+    from mambacache.audit import OpAudit
+
     if mode != "plain":
         from mambacache.integrations import sglang as plugin
 
@@ -165,7 +171,14 @@ def main(mode: str, seed: int, steps: int) -> dict[str, Any]:
             got = getattr(batch, field, None)
             work[key] += 0 if got is None else len(got)
         fb = SimpleNamespace(forward_mode=ForwardMode.EXTEND, **vars(batch))
-        ModelRunner._maybe_execute_deferred_mamba_cow_and_clear(runner, fb)
+        if audit:  # aten ops of the step's clears and copies (a separate run: the audit's own cost skews timing)
+            with OpAudit() as op_audit:
+                ModelRunner._maybe_execute_deferred_mamba_cow_and_clear(runner, fb)
+            step_ops.append(op_audit.report().ops)
+        else:
+            t0 = time.perf_counter()
+            ModelRunner._maybe_execute_deferred_mamba_cow_and_clear(runner, fb)
+            step_us.append((time.perf_counter() - t0) * 1e6)
         for r in new:
             start, n = r.kv.cache_protected_len, len(r.origin_input_ids)
             pool.write((r.kv.req_pool_idx, slice(start, n)), allocator.alloc(n - start))
@@ -191,7 +204,7 @@ def main(mode: str, seed: int, steps: int) -> dict[str, Any]:
     for r in running:
         r.finished_reason = FINISH_LENGTH(length=0)
         release_kv_cache(r, cache, checkpoint=True)
-    out: dict[str, Any] = {"digests": digests, "work": work}
+    out: dict[str, Any] = {"digests": digests, "work": work, "step_us": step_us, "step_ops": step_ops}
     if mode != "plain":
         (mgr,) = plugin.managers()
         out["tenant_errors"] = tenant_errors[:3]
@@ -207,6 +220,13 @@ def main(mode: str, seed: int, steps: int) -> dict[str, Any]:
             out["idle"] = True
         except Exception as exc:
             out["idle"] = repr(exc)
+        trace = os.environ.get("MAMBACACHE_TRACE")
+        if trace:  # the plugin turned tracing on in register(); what does the trace say about every slot?
+            from mambacache import tracing
+
+            tracing.disable()
+            analysis = tracing.analyze(trace, expect_idle=True)
+            out["trace_anomalies"] = sorted({a.kind for a in analysis.anomalies})
     return out
 
 

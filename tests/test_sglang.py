@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,8 +27,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 16
 
 
-def run(mode: str, seed: int, steps: int = STEPS) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_PLUGINS", "MAMBACACHE_SGLANG_FAULT")}
+def run(mode: str, seed: int, steps: int = STEPS, trace: str | None = None) -> dict[str, Any]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("SGLANG_PLUGINS", "MAMBACACHE_SGLANG_FAULT", "MAMBACACHE_TRACE")
+    }
+    if trace is not None:
+        env["MAMBACACHE_TRACE"] = trace
     out = subprocess.run(
         [sys.executable, "-m", "tests._sglang_run", mode, str(seed), str(steps)],
         cwd=ROOT,
@@ -41,8 +48,8 @@ def run(mode: str, seed: int, steps: int = STEPS) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_the_plugin_leaves_every_byte_as_sglang_alone_does(seed: int) -> None:
-    plain, plugin = run("plain", seed), run("plugin", seed)
+def test_the_plugin_leaves_every_byte_as_sglang_alone_does(seed: int, tmp_path: Path) -> None:
+    plain, plugin = run("plain", seed), run("plugin", seed, trace=str(tmp_path / "trace.jsonl"))
     work = plain["work"]
     assert work["clears"] and work["cows"] and work["checkpoints"], work  # the workload clears, forks, checkpoints
     assert plugin["work"] == work
@@ -54,11 +61,13 @@ def test_the_plugin_leaves_every_byte_as_sglang_alone_does(seed: int) -> None:
     assert plugin["held_matches"] is True  # held() is SGLang's allocator's held set
     assert plugin["tenant_errors"] == []  # after every step: each running request's slot, and the tree's checkpoints
     assert plugin["idle"] is True  # after cache.reset() and pool.clear(), check_idle passes
+    assert plugin["trace_anomalies"] == []  # MAMBACACHE_TRACE: `mambacache trace --expect-idle` is clean
 
 
-def test_skipping_the_clears_shows_in_the_bytes() -> None:
-    plain, fault = run("plain", 1), run("fault", 1)
+def test_skipping_the_clears_shows_in_the_bytes_and_in_the_trace(tmp_path: Path) -> None:
+    plain, fault = run("plain", 1), run("fault", 1, trace=str(tmp_path / "trace.jsonl"))
     assert fault["digests"] != plain["digests"]
+    assert "uncleared-reuse" in fault["trace_anomalies"]
 
 
 @pytest.mark.parametrize("plugins", [None, "", "someone-else"])

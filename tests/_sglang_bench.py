@@ -1,0 +1,61 @@
+"""Host time and aten ops per forward step: SGLang's own deferred clears and copies against the plugin's.
+
+Run in the SGLang venv: ``python -m tests._sglang_bench [ROUNDS] [STEPS]``. Each
+round runs the same seeded workload (tests/_sglang_run.py) with SGLang alone and
+with the plugin, alternately, each in a fresh process (SGLang's hooks are
+per process), so drift of this shared machine hits both alike; then one audited
+run of each counts the aten ops of every step. Prints a table and, last, one
+JSON line. Only steps that had work (a clear or a copy) count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(mode: str, seed: int, steps: int, audit: bool = False) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_PLUGINS", "MAMBACACHE_"))}
+    if audit:
+        env["MAMBACACHE_SGLANG_AUDIT"] = "1"
+    out = subprocess.run(
+        [sys.executable, "-m", "tests._sglang_run", mode, str(seed), str(steps)],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=True, timeout=600,
+    )  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def main(rounds: int, steps: int) -> dict[str, Any]:
+    ops = {mode: _run(mode, 1, steps, audit=True)["step_ops"] for mode in ("plain", "plugin")}
+    # Steps with a clear or a copy; the first few warm up caches and lazy imports.
+    busy = [i for i, n in enumerate(ops["plain"]) if n and i >= 4]
+    times: dict[str, list[float]] = {"plain": [], "plugin": []}
+    for r in range(rounds):
+        for mode in ("plain", "plugin") if r % 2 == 0 else ("plugin", "plain"):
+            got = _run(mode, 1, steps)["step_us"]
+            times[mode] += [got[i] for i in busy]
+    result = {
+        mode: {
+            "median_us": statistics.median(times[mode]),
+            "min_us": min(times[mode]),
+            "ops_per_busy_step": statistics.mean(ops[mode][i] for i in busy),
+        }
+        for mode in times
+    }
+    result["ratio_median"] = result["plugin"]["median_us"] / result["plain"]["median_us"]
+    print(f"{'':8} {'median us':>10} {'min us':>8} {'aten ops/step':>14}")
+    for mode in ("plain", "plugin"):
+        row = result[mode]
+        print(f"{mode:8} {row['median_us']:>10.1f} {row['min_us']:>8.1f} {row['ops_per_busy_step']:>14.1f}")
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 6, int(sys.argv[2]) if len(sys.argv) > 2 else 40)

@@ -86,3 +86,26 @@ def test_the_plugin_changes_nothing_unless_named(plugins: str | None) -> None:
     if plugins is not None:
         env["SGLANG_PLUGINS"] = plugins
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, timeout=300)
+
+
+def kits(mode: str) -> dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_PLUGINS", "MAMBACACHE_TRACE")}
+    out = subprocess.run(
+        [sys.executable, "-m", "tests._sglang_kits", mode],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_sglangs_own_test_kits_see_the_same_with_the_plugin() -> None:
+    """The wheel's unified-radix-cache kits (LRU refresh, checkpoint grid, finished overshoot), with and without."""
+    plain, plugin = kits("plain"), kits("plugin")
+    assert plugin.pop("views_agree") is True  # the manager's held slots are the allocator's after each kit
+    assert plugin == plain
+    assert plain["lru"]["before"] != plain["lru"]["after"]  # the match did refresh the LRU
+    assert any(v is not None for v in plain["grid"].values())  # and some matches branched at a checkpoint

@@ -113,7 +113,7 @@ def main(mode: str, seed: int, steps: int) -> dict[str, Any]:
     running: list[Any] = []
     digests: list[str] = []
     counter = 0
-    work = {"clears": 0, "cows": 0, "evictions": 0, "checkpoints": 0}
+    work = {"clears": 0, "cows": 0, "evictions": 0, "checkpoints": 0, "retractions": 0}
     tenant_errors: list[dict[str, Any]] = []
     step_us: list[float] = []  # host time of each step's deferred clears and copies
     step_ops: list[int] = []
@@ -186,6 +186,16 @@ def main(mode: str, seed: int, steps: int) -> dict[str, Any]:
             r.kv.kv_committed_len = r.kv.kv_allocated_len = n
         running += new
         forward(running, step)
+        # A retraction with a backup (decode disaggregation's path): the state goes to the host, the slot is
+        # freed, the request is admitted again into a new slot and its state loaded back.
+        for r in running:
+            if rng.random() < 0.2 and pool.mamba_allocator.available_size() >= 1:
+                backup = mp.get_cpu_copy(r.kv.mamba_pool_idx.unsqueeze(0))
+                pool.free_mamba_cache(r)
+                pool.alloc([r])
+                r.kv.mamba_needs_clear = False  # the backup is the state: nothing to clear
+                mp.load_cpu_copy(backup, r.kv.mamba_pool_idx.unsqueeze(0))
+                work["retractions"] += 1
         # A chunked-prefill style checkpoint of a running request: SGLang copies its slot into a new tree slot.
         for r in running:
             if rng.random() < 0.3 and pool.mamba_allocator.available_size() >= 1:

@@ -51,13 +51,18 @@ def run(mode: str, seed: int, steps: int = STEPS, trace: str | None = None) -> d
 def test_the_plugin_leaves_every_byte_as_sglang_alone_does(seed: int, tmp_path: Path) -> None:
     plain, plugin = run("plain", seed), run("plugin", seed, trace=str(tmp_path / "trace.jsonl"))
     work = plain["work"]
-    assert work["clears"] and work["cows"] and work["checkpoints"], work  # the workload clears, forks, checkpoints
+    # The workload clears, forks, checkpoints and retracts with a backup.
+    assert work["clears"] and work["cows"] and work["checkpoints"] and work["retractions"], work
     assert plugin["work"] == work
     assert plugin["digests"] == plain["digests"]  # the pool's bytes after every step
     counts = plugin["counts"]
-    # Each forward step's clears and copies: one flush; each checkpoint's copy: one flush; nothing left to SGLang.
-    assert counts == {"steps": STEPS, "direct": work["checkpoints"], "fallbacks": 0}, counts
-    assert plugin["manager_steps"] == STEPS + work["checkpoints"]
+    # Each forward step's clears and copies: one flush; each checkpoint's copy: one flush; each retraction: an
+    # offload flushed and a restore flushed; nothing left to SGLang.
+    n = work["retractions"]
+    assert counts == {
+        "steps": STEPS, "direct": work["checkpoints"], "fallbacks": 0, "offloads": n, "restores": n
+    }, counts  # fmt: skip
+    assert plugin["manager_steps"] == STEPS + work["checkpoints"] + 2 * n
     assert plugin["held_matches"] is True  # held() is SGLang's allocator's held set
     assert plugin["tenant_errors"] == []  # after every step: each running request's slot, and the tree's checkpoints
     assert plugin["idle"] is True  # after cache.reset() and pool.clear(), check_idle passes

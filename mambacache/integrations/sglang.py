@@ -30,6 +30,12 @@ scheduler process before the pools and the model runner are built):
   a new tree slot, say) become events flushed at once; a call that touches a
   slot SGLang's allocator did not hand out (the prefill graph runner's dummy
   slots) stays SGLang's own;
+* ``MambaPool.get_cpu_copy`` / ``load_cpu_copy`` (around): a retraction
+  backup becomes offloads into a :class:`~mambacache.HostPool` (one host slot
+  per pool slot by default, ``MAMBACACHE_SGLANG_HOST_SLOTS`` to change it; 0
+  leaves backups to SGLang) and its load restores, ordered with the step's
+  other events, with no device synchronisation; :class:`HostCopy` is what
+  SGLang keeps in the request's backup meanwhile;
 * ``ModelRunner._maybe_execute_deferred_mamba_cow_and_clear`` (around): the
   step's deferred clears and copy-on-writes become ``clear`` and
   ``copy_on_write`` events in SGLang's order (clears first), flushed once per
@@ -39,8 +45,7 @@ scheduler process before the pools and the model runner are built):
 Left to SGLang's own code, never half taken over: pools with side states
 (PLE ``ShortConvPool``/``NGramPool``, ReplaySSM rings, which ride along on
 SGLang's clear and copy), int8 checkpoints (``mamba_checkpoint_pool.py``), the
-envelope layout, ``MambaPoolHost``/HiCache, and the retraction backups of
-decode disaggregation (``get_cpu_copy`` / ``load_cpu_copy``). Slot ids are read to the host at each allocation and
+envelope layout, and ``MambaPoolHost``/HiCache. Slot ids are read to the host at each allocation and
 free (SGLang keeps its free list on the device).
 
 ``MAMBACACHE_TRACE=PATH`` writes the slot-lifecycle trace (debug level);
@@ -55,17 +60,18 @@ from typing import Any
 
 import torch
 
+from .._host import HostPool
 from .._manager import CacheManager
 from .._pool import StatePool
 
-__all__ = ["PLUGIN_NAME", "TREE_TENANT", "active", "adopt", "counts", "managers", "register"]
+__all__ = ["PLUGIN_NAME", "TREE_TENANT", "HostCopy", "active", "adopt", "counts", "managers", "register"]
 
 PLUGIN_NAME = "mambacache"
 TREE_TENANT = "sglang-tree"  # the tenant of a slot SGLang's radix tree holds (a prefix checkpoint)
 _ATTR = "_mambacache_manager"  # set on SGLang's pool and allocator objects the plugin drives
 _managers: list[CacheManager] = []
 # What the hooks did in this process: forward steps flushed, direct calls flushed, calls left to SGLang.
-_counts = {"steps": 0, "direct": 0, "fallbacks": 0}
+_counts = {"steps": 0, "direct": 0, "fallbacks": 0, "offloads": 0, "restores": 0}
 _registered = False
 
 
@@ -102,7 +108,10 @@ def adopt(req_to_token_pool: Any) -> CacheManager | None:
         return None
     cache = mamba_pool.mamba_cache
     pool = StatePool.from_tensors(list(cache.conv), cache.temporal)
-    mgr = CacheManager(pool).__enter__()
+    # Retraction backups (get_cpu_copy) go to a host tier of one slot per pool slot, unless told otherwise.
+    host_slots = int(os.environ.get("MAMBACACHE_SGLANG_HOST_SLOTS", pool.num_slots))
+    host = HostPool(pool.spec, host_slots) if host_slots > 0 else None
+    mgr = CacheManager(pool, host_pool=host).__enter__()
     allocator = req_to_token_pool.mamba_allocator
     # The allocator may already hand out slots (a pool made before the plugin loaded).
     held = sorted(set(range(1, pool.num_slots + 1)) - set(allocator.free_slots.tolist()))
@@ -216,6 +225,59 @@ def _around_copy_from(original: Any, mamba_pool: Any, src: Any, dst: Any) -> Any
     return _direct(original, mamba_pool, [_slots(src), _slots(dst)], CacheManager.copy_many, src, dst)
 
 
+class HostCopy:
+    """What ``MambaPool.get_cpu_copy`` returns under the plugin: host slots of the manager's
+    :class:`~mambacache.HostPool` holding the states, in order; ``load_cpu_copy`` restores them.
+
+    SGLang keeps it in the request's retraction backup as it would keep its CPU
+    tensors; a backup never loaded (an aborted request) holds its host slots
+    until :meth:`drop`, and ``check_idle`` names them meanwhile.
+    """
+
+    __slots__ = ("hosts", "manager")
+
+    def __init__(self, manager: CacheManager, hosts: list[int]) -> None:
+        self.manager = manager
+        self.hosts = hosts
+
+    def drop(self) -> None:
+        """Free the host slots without restoring them."""
+        for h in self.hosts:
+            self.manager.drop(h)
+        self.hosts = []
+
+
+def _around_get_cpu_copy(original: Any, mamba_pool: Any, indices: Any) -> Any:
+    mgr: CacheManager | None = getattr(mamba_pool, _ATTR, None)
+    slots = _slots(indices)
+    host = mgr.host_pool if mgr is not None else None
+    if mgr is None or host is None or host.num_free < len(slots) or not all(mgr.pool.is_allocated(s) for s in slots):
+        _counts["fallbacks"] += 1
+        return original(mamba_pool, indices)  # SGLang's own synchronous copy
+    # Offloads are ordered events: a release or a new tenant of the slot later in the step does not reach them,
+    # so unlike SGLang's copy nothing waits for the device here.
+    tenants = mgr.pool.ledger.tenants
+    hosts = [mgr.offload(s, tenants[s]) for s in slots]  # the host slot names the request it backs up
+    mgr.flush_nowait()
+    _counts["offloads"] += len(hosts)
+    return HostCopy(mgr, hosts)
+
+
+def _around_load_cpu_copy(original: Any, mamba_pool: Any, mamba_cache_cpu: Any, indices: Any) -> Any:
+    if not isinstance(mamba_cache_cpu, HostCopy):
+        return original(mamba_pool, mamba_cache_cpu, indices)
+    mgr = mamba_cache_cpu.manager
+    slots = _slots(indices)
+    if len(slots) != len(mamba_cache_cpu.hosts):
+        raise ValueError(f"load_cpu_copy: {len(mamba_cache_cpu.hosts)} saved states for {len(slots)} slots")
+    for h, s in zip(mamba_cache_cpu.hosts, slots, strict=True):
+        mgr.restore(h, s)
+    mgr.flush_nowait()  # the forward reads the slot next
+    _counts["restores"] += len(slots)
+    mamba_cache_cpu.hosts = []
+    return None
+
+
 def _deferred_cow_and_clear(original: Any, runner: Any, forward_batch: Any) -> None:
     pool = runner.req_to_token_pool
     mgr: CacheManager | None = getattr(pool, _ATTR, None)
@@ -274,6 +336,8 @@ def register() -> None:
     mamba_pool = "sglang.srt.mem_cache.memory_pool.MambaPool"
     HookRegistry.register(f"{mamba_pool}.clear_slots", _around_clear_slots, HookType.AROUND)
     HookRegistry.register(f"{mamba_pool}.copy_from", _around_copy_from, HookType.AROUND)
+    HookRegistry.register(f"{mamba_pool}.get_cpu_copy", _around_get_cpu_copy, HookType.AROUND)
+    HookRegistry.register(f"{mamba_pool}.load_cpu_copy", _around_load_cpu_copy, HookType.AROUND)
     HookRegistry.register(
         "sglang.srt.model_executor.model_runner.ModelRunner._maybe_execute_deferred_mamba_cow_and_clear",
         _deferred_cow_and_clear,

@@ -1,0 +1,92 @@
+"""A prepared accelerator check: SGLang serving a tiny hybrid model, with and without the mambacache plugin.
+
+Not run by the tests: SGLang's engine needs an accelerator (its CPU engine needs
+sgl-kernel built from source). On a machine with one, in a venv with SGLang and
+mambacache installed::
+
+    python examples/sglang_gpu_check.py
+
+It builds a tiny Qwen3-Next with random weights locally (nothing is downloaded),
+then serves the same shared-prefix workload twice, each in a fresh process:
+SGLang alone, and with ``SGLANG_PLUGINS=mambacache`` and a slot trace. It prints
+whether the greedy outputs are token-exact and what ``mambacache trace
+--expect-idle`` says of the plugin's trace, and exits 1 if either is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SYSTEMS, PER_SYSTEM, NEW_TOKENS = 4, 6, 16
+
+
+def build_model(path: Path) -> None:
+    """A 4-layer Qwen3-Next (3 linear-attention layers, 1 full), random weights, saved locally."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+
+    torch.manual_seed(0)
+    config = Qwen3NextConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4, full_attention_interval=4,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+        max_position_embeddings=1024,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path)
+
+
+def prompts() -> list[list[int]]:
+    """Requests over a few system prompts of several blocks each, so prefix hits fork cached states."""
+    out = []
+    for s in range(SYSTEMS):
+        system = [(7 * s + i) % 500 + 1 for i in range(40 + 9 * s)]
+        out += [system + [(s * 31 + r * 7 + i) % 500 + 1 for i in range(5 + r)] for r in range(PER_SYSTEM)]
+    return out
+
+
+def serve(model: str, mode: str, out: str, trace: str) -> None:
+    """One engine, the whole workload twice (the second pass hits the prefix cache), greedy outputs to ``out``."""
+    if mode == "plugin":
+        os.environ["SGLANG_PLUGINS"] = "mambacache"
+        os.environ["MAMBACACHE_TRACE"] = trace
+    import sglang as sgl
+
+    engine = sgl.Engine(model_path=model, skip_tokenizer_init=True, mem_fraction_static=0.3, random_seed=0)
+    try:
+        params = {"temperature": 0, "max_new_tokens": NEW_TOKENS}
+        outputs = [engine.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts()]
+        outputs += [r["output_ids"] for r in engine.generate(input_ids=prompts(), sampling_params=params)]
+    finally:
+        engine.shutdown()
+    Path(out).write_text(json.dumps(outputs))
+
+
+def main() -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp) / "model"
+        build_model(model)
+        results = {}
+        for mode in ("plain", "plugin"):
+            out, trace = Path(tmp) / f"{mode}.json", Path(tmp) / "trace.jsonl"
+            subprocess.run([sys.executable, __file__, "serve", str(model), mode, str(out), str(trace)], check=True)
+            results[mode] = json.loads(out.read_text())
+        exact = results["plain"] == results["plugin"]
+        from mambacache import tracing
+
+        analysis = tracing.analyze(Path(tmp) / "trace.jsonl", expect_idle=True)
+        print(f"token-exact: {exact} ({len(results['plain'])} requests, {NEW_TOKENS} tokens each)")
+        print(f"trace: {analysis.summary}; anomalies: {[a.kind for a in analysis.anomalies]}")
+        return 0 if exact and not analysis.anomalies else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "serve":
+        serve(*sys.argv[2:6])
+        sys.exit(0)
+    sys.exit(main())

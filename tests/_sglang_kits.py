@@ -51,7 +51,7 @@ def main(mode: str) -> dict[str, Any]:
     views: list[Any] = []
 
     def view(pool: Any) -> None:
-        """The plugin's manager against SGLang's allocator: same held slots."""
+        """The plugin's manager against SGLang's allocator: the same held slots, each with a tenant."""
         if mode == "plain":
             return
         from mambacache.integrations import sglang as plugin
@@ -59,7 +59,8 @@ def main(mode: str) -> dict[str, Any]:
         mgr = plugin.adopt(pool)
         assert mgr is not None
         free = set(pool.mamba_allocator.free_slots.tolist())
-        views.append(sorted(mgr.held()) == sorted(set(range(1, mgr.pool.num_slots + 1)) - free))
+        held = mgr.held()
+        views.append(sorted(held) == sorted(set(range(1, mgr.pool.num_slots + 1)) - free) and None not in held.values())
 
     # -- LRU match refresh --------------------------------------------------------
     class Lru(core.UnifiedMambaLRUMatchRefreshFixtures, unittest.TestCase):
@@ -102,6 +103,7 @@ def main(mode: str) -> dict[str, Any]:
     for previous in (0, 4, 8):
         cache, allocator, pool = fx.build_fixture(Overshoot.cfg)
         req, tokens = overshoot._build_req(allocator, pool, previous)
+        view(pool)  # the request's slot and its ping-pong track slots, all named by its rid
         req.full_untruncated_fill_ids = array("q", tokens)
         req.lock = None
         req.last_node = cache.root_node_handle()
@@ -114,7 +116,7 @@ def main(mode: str) -> dict[str, Any]:
         view(pool)
     out["overshoot"] = taken
     if mode != "plain":
-        out["views_agree"] = all(views) and len(views) == 4
+        out["views_agree"] = all(views) and len(views) == 7
     return out
 
 

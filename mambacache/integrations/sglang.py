@@ -171,6 +171,11 @@ def _after_pool_alloc(result: Any, pool: Any, reqs: Any, *args: Any, **kwargs: A
         for req in reqs:
             if req.kv.mamba_pool_idx is not None:
                 _tenant(mgr, int(req.kv.mamba_pool_idx), req.rid)
+            track = getattr(req.kv, "mamba_ping_pong_track_buffer", None)  # the extra buffer's track slots
+            if track is not None:
+                for slot in _slots(track):
+                    if slot > 0:  # -1: allocated later, on demand
+                        _tenant(mgr, slot, req.rid)
 
 
 def _after_match(result: Any, component: Any, params: Any, *args: Any, **kwargs: Any) -> None:

@@ -132,9 +132,13 @@ class FlushCore:
     def _finish_close(self, owner: object) -> None:
         # What no flush took (the manager was broken, or the backlog failed) is planned
         # into the pool's backlog, so the next manager on this pool runs it first.
-        events = self._queue.close(owner)
-        if events:
-            self._runner.push(plan_step(events).stages, self._executor, self._host)
+        # The pool stays claimed until then: a manager opened on it meanwhile would run newer work first.
+        events = self._queue.close()
+        try:
+            if events:
+                self._runner.push(plan_step(events).stages, self._executor, self._host)
+        finally:
+            self._queue.release(owner)
 
     def close_sync(self, owner: object, exc: BaseException | None) -> None:
         """Leave the manager's ``with`` block: a last flush, then closed for good (``exc``: the block's error)."""

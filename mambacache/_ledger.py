@@ -2,7 +2,7 @@
 
 Pure Python, no torch. The manager drives it under its lock: the ledger checks
 a batch of events against the slots' state at each event's point of the order
-(:meth:`SlotLedger.check_batch`), and otherwise trusts its callers' arguments
+(:meth:`SlotLedger.apply_batch`), and otherwise trusts its callers' arguments
 (ranges and types are checked before) and keeps its invariants cheap.
 """
 

@@ -198,8 +198,9 @@ class CacheManager:
         For an engine's idle check: with no request running, no slot should be
         held, nor a host slot (a swapped-out request aborted without ``drop``).
         ``host``: whether to check the host pool too (None: when one is
-        attached). The error's ``held`` and ``host_held`` map slots and host
-        slots to their tenants (a host slot's: the ``request_id`` of its offload).
+        attached; True without one raises :class:`InvalidArgumentError`). The
+        error's ``held`` and ``host_held`` map slots and host slots to their
+        tenants (a host slot's: the ``request_id`` of its offload).
         """
         self._queue.check_idle(host)
 

@@ -40,6 +40,9 @@ class StepQueue:
     * every queued event was valid at its own point of the order, checked
       against the ledgers in the same hold of the lock that queued it, so a
       batch is queued whole or not at all and a failed submit changes nothing;
+    * the trace records events in queue order: each is traced in the lock hold
+      that queues it (a no-op call with tracing off), so another thread's
+      release of a slot is never traced before the alloc it follows;
     * nothing is queued unless the state is OPEN, the runner is not broken and
       this is the channel's source rank, all read under the lock: a submit is
       either taken by a flush or raises, never both.
@@ -106,16 +109,21 @@ class StepQueue:
                 self.state = CLOSING
             return bool(self.events)
 
-    def close(self, owner: object) -> list[Event]:
-        """Closed for good: returns what no flush took, and frees the ledgers for the next manager."""
+    def close(self) -> list[Event]:
+        """Closed for good: returns what no flush took. The ledgers stay claimed until :meth:`release`."""
         with self.lock:
             events, self.events = self.events, []
             self.state = CLOSED
             if self._host is not None:
                 self._host.reuse_freed()
+        return events
+
+    def release(self, owner: object) -> None:
+        """Free the ledgers for the next manager, once this one's leftover work is in the pool's backlog."""
+        with self.lock:
+            if self._host is not None:
                 self._host.unclaim(owner)
             self.ledger.unclaim(owner)
-        return events
 
     # -- queueing --------------------------------------------------------
     def submit(self, events: Sequence[Event]) -> None:
@@ -125,8 +133,7 @@ class StepQueue:
                 self.check()  # the common case is one test; this raises or checks the source rank
             self.ledger.apply_batch(events, self._draft_tokens)
             self.events.extend(events)
-            step = self.step
-        _tracing.tracer.events(events, step)
+            _tracing.tracer.events(events, self.step)
 
     def alloc(self, n: int, tenant: str | None, clear: bool) -> list[int]:
         """The ``n`` lowest free slots, held by ``tenant``, each with its queued alloc."""
@@ -134,8 +141,7 @@ class StepQueue:
             self.check()
             slots = self.ledger.take(n, tenant)
             events = self._queue_allocs(slots, tenant, clear)
-            step = self.step
-        _tracing.tracer.events(events, step)
+            _tracing.tracer.events(events, self.step)
         return slots
 
     def alloc_exact(self, slots: list[int], tenant: str | None, clear: bool) -> None:
@@ -149,8 +155,7 @@ class StepQueue:
                 raise SlotStateError(f"alloc_slots: slot(s) {taken[:20]} already held (tenants {tenants})")
             ledger.take_exact(slots, tenant)
             events = self._queue_allocs(slots, tenant, clear)
-            step = self.step
-        _tracing.tracer.events(events, step)
+            _tracing.tracer.events(events, self.step)
 
     def _queue_allocs(self, slots: list[int], tenant: str | None, clear: bool) -> list[Event]:
         events: list[Event] = [Alloc(s, tenant, clear) for s in slots]
@@ -177,8 +182,7 @@ class StepQueue:
                     if self._waiters[0] == ticket and self.ledger.num_free >= n:
                         self.check()
                         slots = self.ledger.take(n, tenant)
-                        events = self._queue_allocs(slots, tenant, clear)
-                        step = self.step
+                        _tracing.tracer.events(self._queue_allocs(slots, tenant, clear), self.step)
                         break
                 check_open()
                 # Releases come from any thread, so this polls (briefly, then every ms).
@@ -187,7 +191,6 @@ class StepQueue:
         finally:
             with self.lock:
                 self._waiters.remove(ticket)
-        _tracing.tracer.events(events, step)
         return slots
 
     @property
@@ -201,8 +204,7 @@ class StepQueue:
             self.check()
             self.ledger.check_held("HandOver", slot, tenant)
             old, self.ledger.tenants[slot] = self.ledger.tenants[slot], to
-            step = self.step
-        _tracing.tracer.note("slot.handover", slot=slot, request_id=old, to=to, step=step)
+            _tracing.tracer.note("slot.handover", slot=slot, request_id=old, to=to, step=self.step)
 
     # -- the host tier ---------------------------------------------------
     def offload(self, slot: int, tenant: str | None) -> int:
@@ -214,8 +216,7 @@ class StepQueue:
             h = self._host.take(1, tenant)[0]
             ev = Offload(slot, h, tenant)
             self.events.append(ev)
-            step = self.step
-        _tracing.tracer.events((ev,), step)
+            _tracing.tracer.events((ev,), self.step)
         return h
 
     def restore(self, host: int, slot: int, tenant: str | None, keep: bool) -> None:
@@ -231,8 +232,7 @@ class StepQueue:
             self.events.append(ev)
             if not keep:
                 self._host.free_later(host)
-            step = self.step
-        _tracing.tracer.events((ev,), step)
+            _tracing.tracer.events((ev,), self.step)
 
     def drop(self, host: int) -> None:
         """Queue the end of host slot ``host``: free for the next step, earlier reads still see it."""
@@ -243,8 +243,7 @@ class StepQueue:
             ev = DropHost(host)
             self.events.append(ev)
             self._host.free_later(host)
-            step = self.step
-        _tracing.tracer.events((ev,), step)
+            _tracing.tracer.events((ev,), self.step)
 
     def _check_host_held(self, kind: str, host: int) -> None:
         assert self._host is not None

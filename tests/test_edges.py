@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mambacache as mc
+from mambacache._executors._reference import ReferenceExecutor
 from mambacache._executors._torch import TorchExecutor
 from mambacache._planner import RotateStage, Stage
 
@@ -208,3 +209,38 @@ def test_slots_from_numpy_and_cpu_tensors_are_ints(form: int) -> None:
         oracle.assert_matches(pool)
         mgr.release(as_form(a))
         assert not pool.is_allocated(a)
+
+
+def test_leftover_work_reaches_the_backlog_before_the_pool_is_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A manager whose last flush could not run its backlog plans what is still queued into the pool's backlog
+    while it still holds the pool: a manager opened on the pool at that moment would run newer work first."""
+    from mambacache import _flush
+
+    class Flaky:
+        name = "flaky"
+        armed = False
+
+        def execute(self, stage: object, tensor: torch.Tensor) -> None:
+            if self.armed:
+                raise RuntimeError("injected")
+            ReferenceExecutor().execute(stage, tensor)  # type: ignore[arg-type]
+
+    pool = mc.StatePool(small_spec(), 4)
+    ex = Flaky()
+    owners: list[object] = []
+    real = _flush.plan_step
+
+    def spy(events: list[object]) -> object:
+        owners.append(pool.ledger.owner)
+        return real(events)  # type: ignore[arg-type]
+
+    mgr = mc.CacheManager(pool, executor=ex, max_failed_flushes=100)
+    with pytest.raises(mc.ExecutorError), mgr:
+        (a,) = mgr.alloc(1)
+        ex.armed = True
+        with pytest.raises(mc.ExecutorError):
+            mgr.flush_nowait()  # the alloc's clear stays in the backlog
+        mgr.clear(a)  # queued behind it; the exit flush fails on the backlog again
+        monkeypatch.setattr(_flush, "plan_step", spy)
+    assert owners and owners[-1] is mgr  # planned into the backlog while the pool was still claimed
+    assert pool.ledger.owner is None and pool.unfinished == 2

@@ -55,11 +55,13 @@ fault for tests.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import torch
 
+from .._errors import MambaCacheError
 from .._host import HostPool
 from .._manager import CacheManager
 from .._pool import StatePool
@@ -98,7 +100,8 @@ def adopt(req_to_token_pool: Any) -> CacheManager | None:
 
     Refused (SGLang keeps the pool) when the pool carries state mambacache does
     not manage: side states, ReplaySSM rings, int8 checkpoints, the envelope
-    layout. Already adopted: the same manager.
+    layout; and, with a warning, when its tensors cannot be adopted or the host
+    tier cannot be made. Already adopted: the same manager.
     """
     existing = getattr(req_to_token_pool, _ATTR, None)
     if existing is not None:
@@ -107,16 +110,25 @@ def adopt(req_to_token_pool: Any) -> CacheManager | None:
     if not _takes_over(req_to_token_pool, mamba_pool):
         return None
     cache = mamba_pool.mamba_cache
-    pool = StatePool.from_tensors(list(cache.conv), cache.temporal)
-    # Retraction backups (get_cpu_copy) go to a host tier of one slot per pool slot, unless told otherwise.
-    host_slots = int(os.environ.get("MAMBACACHE_SGLANG_HOST_SLOTS", pool.num_slots))
-    host = HostPool(pool.spec, host_slots) if host_slots > 0 else None
-    mgr = CacheManager(pool, host_pool=host).__enter__()
     allocator = req_to_token_pool.mamba_allocator
-    # The allocator may already hand out slots (a pool made before the plugin loaded).
-    held = sorted(set(range(1, pool.num_slots + 1)) - set(allocator.free_slots.tolist()))
-    if held:
-        mgr.alloc_slots(held, clear=False)
+    mgr: CacheManager | None = None
+    try:
+        pool = StatePool.from_tensors(list(cache.conv), cache.temporal)
+        # Retraction backups (get_cpu_copy) go to a host tier of one slot per pool slot, unless told otherwise.
+        host_slots = int(os.environ.get("MAMBACACHE_SGLANG_HOST_SLOTS", pool.num_slots))
+        host = HostPool(pool.spec, host_slots) if host_slots > 0 else None
+        mgr = CacheManager(pool, host_pool=host).__enter__()
+        # The allocator may already hand out slots (a pool made before the plugin loaded).
+        held = sorted(set(range(1, pool.num_slots + 1)) - set(allocator.free_slots.tolist()))
+        if held:
+            mgr.alloc_slots(held, clear=False)
+    except (MambaCacheError, ValueError) as exc:
+        # Tensors mambacache cannot adopt, a bad MAMBACACHE_SGLANG_HOST_SLOTS, no memory for the host tier:
+        # SGLang keeps the pool, and says why once.
+        if mgr is not None:
+            mgr.__exit__(None, None, None)
+        logging.getLogger(__name__).warning("mambacache: SGLang keeps its mamba pool: %s", exc)
+        return None
     for obj in (req_to_token_pool, allocator, mamba_pool):
         setattr(obj, _ATTR, mgr)
     _managers.append(mgr)
@@ -206,14 +218,19 @@ def _after_clear(result: Any, allocator: Any, *args: Any, **kwargs: Any) -> None
             mgr.release_many(held)
 
 
+def _all_held(mgr: CacheManager, *groups: list[int]) -> bool:
+    """Whether every slot is one SGLang's allocator handed out (the manager holds it); never raises."""
+    n, held = mgr.pool.num_slots, mgr.pool.is_allocated
+    return all(0 < s <= n and held(s) for group in groups for s in group)
+
+
 def _direct(original: Any, mamba_pool: Any, slots: list[list[int]], submit: Any, *args: Any) -> Any:
     """A ``clear_slots`` / ``copy_from`` called outside the deferred step: events flushed at once, or SGLang's own
     code when a slot is not one SGLang's allocator handed out (the prefill graph runner's dummy slots)."""
     mgr: CacheManager | None = getattr(mamba_pool, _ATTR, None)
     if mgr is None:
         return original(mamba_pool, *args)
-    held = mgr.pool.is_allocated
-    if not all(0 < s <= mgr.pool.num_slots and held(s) for group in slots for s in group):
+    if not _all_held(mgr, *slots):
         _counts["fallbacks"] += 1
         return original(mamba_pool, *args)
     _counts["direct"] += 1
@@ -256,7 +273,7 @@ def _around_get_cpu_copy(original: Any, mamba_pool: Any, indices: Any) -> Any:
     mgr: CacheManager | None = getattr(mamba_pool, _ATTR, None)
     slots = _slots(indices)
     host = mgr.host_pool if mgr is not None else None
-    if mgr is None or host is None or host.num_free < len(slots) or not all(mgr.pool.is_allocated(s) for s in slots):
+    if mgr is None or host is None or host.num_free < len(slots) or not _all_held(mgr, slots):
         _counts["fallbacks"] += 1
         return original(mamba_pool, indices)  # SGLang's own synchronous copy
     # Offloads are ordered events: a release or a new tenant of the slot later in the step does not reach them,
@@ -300,14 +317,19 @@ def _deferred_cow_and_clear(original: Any, runner: Any, forward_batch: Any) -> N
         forward_batch.mamba_cow_src_indices,
         forward_batch.mamba_cow_dst_indices,
     )
-    if clear is not None and len(clear) and os.environ.get("MAMBACACHE_SGLANG_FAULT") != "skip-clear":
-        mgr.clear_many(_slots(pool.translate_mamba_indices(clear)))
-    if src is not None and len(src):
+    cleared = _slots(pool.translate_mamba_indices(clear)) if clear is not None and len(clear) else []
+    copying = src is not None and len(src) > 0
+    a = _slots(pool.translate_mamba_indices(src)) if copying else []
+    b = _slots(pool.translate_mamba_indices(dst)) if copying else []
+    if not _all_held(mgr, cleared, a, b):  # checked before anything is queued: all of the step or none of it
+        _counts["fallbacks"] += 1
+        return original(runner, forward_batch)  # type: ignore[no-any-return]
+    if cleared and os.environ.get("MAMBACACHE_SGLANG_FAULT") != "skip-clear":
+        mgr.clear_many(cleared)
+    if copying:
         counter = getattr(pool, "layer_transfer_counter", None)
         if counter is not None and counter.consumer_index >= 0:  # HiCache: the states must have landed
             counter.wait_until(max(pool.mamba_map) - pool.start_layer)
-        a = _slots(pool.translate_mamba_indices(src))
-        b = _slots(pool.translate_mamba_indices(dst))
         mgr.copy_many(a, b)
     mgr.flush_nowait()  # on the current stream: the forward's
     _counts["steps"] += 1

@@ -247,7 +247,7 @@ class CacheManager:
     def clear(self, slot: int, request_id: str | None = None) -> None:
         """Zero ``slot`` at this point of the event order (on the next flush)."""
         n = self._pool.num_slots
-        if type(slot) is int and 0 < slot <= n and (request_id is None or type(request_id) is str):
+        if type(slot) is int and 0 < slot <= n and type(request_id) in _IDS:
             self._queue.submit((Clear(slot, request_id),))
         else:
             self._submit((Clear(slot, request_id),))
@@ -255,7 +255,7 @@ class CacheManager:
     def release(self, slot: int, request_id: str | None = None) -> None:
         """Free ``slot`` from this point; events queued before still see its content."""
         n = self._pool.num_slots
-        if type(slot) is int and 0 < slot <= n and (request_id is None or type(request_id) is str):
+        if type(slot) is int and 0 < slot <= n and type(request_id) in _IDS:
             self._queue.submit((Release(slot, request_id),))
         else:
             self._submit((Release(slot, request_id),))

@@ -11,24 +11,15 @@ JSON line. Only steps that had work (a clear or a copy) count.
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests._sglang_run import run_json
 
 
 def _run(mode: str, seed: int, steps: int, audit: bool = False) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_PLUGINS", "MAMBACACHE_"))}
-    if audit:
-        env["MAMBACACHE_SGLANG_AUDIT"] = "1"
-    out = subprocess.run(
-        [sys.executable, "-m", "tests._sglang_run", mode, str(seed), str(steps)],
-        cwd=ROOT, env=env, capture_output=True, text=True, check=True, timeout=600,
-    )  # fmt: skip
-    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return run_json("tests._sglang_run", mode, seed, steps, env={"MAMBACACHE_SGLANG_AUDIT": "1"} if audit else None)
 
 
 def main(rounds: int, steps: int) -> dict[str, Any]:

@@ -240,5 +240,23 @@ def main(mode: str, seed: int, steps: int) -> dict[str, Any]:
     return out
 
 
+def run_json(module: str, *args: object, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """``python -m module args`` in a fresh process (SGLang's hooks are per process), from a clean
+    environment (no SGLANG_PLUGINS, no MAMBACACHE_*) plus ``env``; returns the JSON of its last line."""
+    import subprocess
+
+    clean = {k: v for k, v in os.environ.items() if k != "SGLANG_PLUGINS" and not k.startswith("MAMBACACHE_")}
+    out = subprocess.run(
+        [sys.executable, "-m", module, *map(str, args)],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        env={**clean, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
 if __name__ == "__main__":
     print(json.dumps(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))

@@ -9,7 +9,6 @@ installed (the main venv); ``.ci/run`` runs this file in ``.venv-sglang``, where
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -23,28 +22,14 @@ if os.environ.get("MAMBACACHE_REQUIRE_SGLANG"):
 else:
     pytest.importorskip("sglang", reason="SGLang is not installed (run through .ci/run, or set up .venv-sglang)")
 
+from ._sglang_run import run_json
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 16
 
 
 def run(mode: str, seed: int, steps: int = STEPS, trace: str | None = None) -> dict[str, Any]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("SGLANG_PLUGINS", "MAMBACACHE_SGLANG_FAULT", "MAMBACACHE_TRACE")
-    }
-    if trace is not None:
-        env["MAMBACACHE_TRACE"] = trace
-    out = subprocess.run(
-        [sys.executable, "-m", "tests._sglang_run", mode, str(seed), str(steps)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return run_json("tests._sglang_run", mode, seed, steps, env=None if trace is None else {"MAMBACACHE_TRACE": trace})
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
@@ -94,17 +79,7 @@ def test_the_plugin_changes_nothing_unless_named(plugins: str | None) -> None:
 
 
 def kits(mode: str) -> dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_PLUGINS", "MAMBACACHE_TRACE")}
-    out = subprocess.run(
-        [sys.executable, "-m", "tests._sglang_kits", mode],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return run_json("tests._sglang_kits", mode)
 
 
 def test_sglangs_own_test_kits_see_the_same_with_the_plugin() -> None:

@@ -339,6 +339,29 @@ def _deferred_cow_and_clear(original: Any, runner: Any, forward_batch: Any) -> N
     return None
 
 
+def _hooks() -> list[tuple[str, Any, str]]:
+    """Every hook the plugin registers: SGLang's dotted target, the hook, its HookType name."""
+    pool = "sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool"
+    allocator = "sglang.srt.mem_cache.allocator.mamba.MambaSlotAllocator"
+    component = "sglang.srt.mem_cache.unified_cache.components.mamba.MambaComponent"
+    mamba_pool = "sglang.srt.mem_cache.memory_pool.MambaPool"
+    runner = "sglang.srt.model_executor.model_runner.ModelRunner"
+    return [
+        (f"{pool}._init_mamba_pool", _after_init_mamba_pool, "AFTER"),
+        (f"{pool}.alloc", _after_pool_alloc, "AFTER"),
+        (f"{component}.finalize_match_result_in_cache", _after_match, "AFTER"),
+        (f"{component}.commit_insert_component_data", _around_commit_insert, "AROUND"),
+        (f"{allocator}._do_alloc", _after_alloc, "AFTER"),
+        (f"{allocator}.free", _after_free, "AFTER"),
+        (f"{allocator}.clear", _after_clear, "AFTER"),
+        (f"{mamba_pool}.clear_slots", _around_clear_slots, "AROUND"),
+        (f"{mamba_pool}.copy_from", _around_copy_from, "AROUND"),
+        (f"{mamba_pool}.get_cpu_copy", _around_get_cpu_copy, "AROUND"),
+        (f"{mamba_pool}.load_cpu_copy", _around_load_cpu_copy, "AROUND"),
+        (f"{runner}._maybe_execute_deferred_mamba_cow_and_clear", _deferred_cow_and_clear, "AROUND"),
+    ]
+
+
 def register() -> None:
     """SGLang's general-plugin entry point: register the hooks when active. Idempotent.
 
@@ -350,26 +373,8 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    pool = "sglang.srt.mem_cache.memory_pool.HybridReqToTokenPool"
-    allocator = "sglang.srt.mem_cache.allocator.mamba.MambaSlotAllocator"
-    HookRegistry.register(f"{pool}._init_mamba_pool", _after_init_mamba_pool, HookType.AFTER)
-    HookRegistry.register(f"{pool}.alloc", _after_pool_alloc, HookType.AFTER)
-    component = "sglang.srt.mem_cache.unified_cache.components.mamba.MambaComponent"
-    HookRegistry.register(f"{component}.finalize_match_result_in_cache", _after_match, HookType.AFTER)
-    HookRegistry.register(f"{component}.commit_insert_component_data", _around_commit_insert, HookType.AROUND)
-    HookRegistry.register(f"{allocator}._do_alloc", _after_alloc, HookType.AFTER)
-    HookRegistry.register(f"{allocator}.free", _after_free, HookType.AFTER)
-    HookRegistry.register(f"{allocator}.clear", _after_clear, HookType.AFTER)
-    mamba_pool = "sglang.srt.mem_cache.memory_pool.MambaPool"
-    HookRegistry.register(f"{mamba_pool}.clear_slots", _around_clear_slots, HookType.AROUND)
-    HookRegistry.register(f"{mamba_pool}.copy_from", _around_copy_from, HookType.AROUND)
-    HookRegistry.register(f"{mamba_pool}.get_cpu_copy", _around_get_cpu_copy, HookType.AROUND)
-    HookRegistry.register(f"{mamba_pool}.load_cpu_copy", _around_load_cpu_copy, HookType.AROUND)
-    HookRegistry.register(
-        "sglang.srt.model_executor.model_runner.ModelRunner._maybe_execute_deferred_mamba_cow_and_clear",
-        _deferred_cow_and_clear,
-        HookType.AROUND,
-    )
+    for target, hook, kind in _hooks():
+        HookRegistry.register(target, hook, getattr(HookType, kind))
     _registered = True
     trace = os.environ.get("MAMBACACHE_TRACE")
     if trace:

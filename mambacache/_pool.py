@@ -3,11 +3,14 @@
 Layout of each pool tensor (one per conv shape, plus the temporal tensor)::
 
     dim 0: layer   dim 1: slot (0 = padding)   dims 2..: the per-slot state
-    +---------+---------+---------+-----+-------------------+
-    | L0 s0   | L0 s1   | L0 s2   | ... | L0 s(num_slots)   |   <- one row per layer,
-    +---------+---------+---------+-----+-------------------+      slots contiguous
-    | L1 s0   | L1 s1   | ...                               |      inside the row
-    +---------+---------+-----------------------------------+
+    +---------+---------+---------+-----+-------------------+------------------+
+    | L0 s0   | L0 s1   | L0 s2   | ... | L0 s(num_slots)   | L0 pads (k - 1)  |   <- one row per layer,
+    +---------+---------+---------+-----+-------------------+------------------+      slots contiguous
+    | L1 s0   | L1 s1   | ...                                                  |      inside the row
+    +---------+---------+------------------------------------------------------+
+
+``pad_slots=k`` padding slots: slot 0 and ``num_slots + 1 .. num_slots + k - 1``
+(none of the latter by default), so the live slots stay ``1..num_slots``.
 
 ``t[l, a:b]`` is contiguous; ``t[:, a:b]`` is ``num_layers`` contiguous chunks,
 one per layer, which is what the executors coalesce runs of slots into.
@@ -39,6 +42,11 @@ def _with_drafts(spec: object, draft_tokens: int | None) -> StateSpec:
     if type(draft_tokens) is not int or draft_tokens < 0:
         raise InvalidArgumentError(f"draft_tokens must be a non-negative int, got {draft_tokens!r}")
     return dataclasses.replace(spec, draft_tokens=draft_tokens)
+
+
+def _check_pads(pad_slots: object) -> None:
+    if type(pad_slots) is not int or pad_slots < 1:
+        raise InvalidArgumentError(f"pad_slots must be an int >= 1 (slot 0 is always one), got {pad_slots!r}")
 
 
 def _check_adopted(
@@ -92,14 +100,17 @@ def _check_adopted(
 
 
 class StatePool:
-    """Per-layer conv and temporal state for ``num_slots`` slots plus padding slot 0.
+    """Per-layer conv and temporal state for ``num_slots`` slots plus ``pad_slots`` padding slots.
 
-    Invariants: slot 0 is never handed out or written by mambacache; every slot in
+    Invariants: the padding slots (``pad_ids``: slot 0, then any after slot
+    ``num_slots``) are never handed out or written by mambacache, so a padded
+    batch position (CUDA-graph capture) writes only its own dummy row; every slot in
     ``1..num_slots`` is either free or allocated, never both; the free list hands
     out the lowest free slots first, so allocations stay in coalescable runs.
 
     Surface: O(1) figures are attributes and properties (``num_slots``,
-    ``num_free``, ``num_allocated``, ``unfinished``, ``device``, ``spec``); what
+    ``num_free``, ``num_allocated``, ``unfinished``, ``device``, ``spec``,
+    ``pad_slots``, ``pad_ids``); what
     walks the slots is a method (``allocated_slots()``, ``is_allocated(slot)``).
 
     The core drives three more attributes, which engines leave alone: ``ledger``
@@ -116,14 +127,16 @@ class StatePool:
         device: str | torch.device = "cpu",
         *,
         draft_tokens: int | None = None,
+        pad_slots: int = 1,
     ) -> None:
         spec = _with_drafts(spec, draft_tokens)
         if type(num_slots) is not int or num_slots < 1:
             raise InvalidArgumentError(f"num_slots must be a positive int, got {num_slots!r}")
+        _check_pads(pad_slots)
         dev = as_device(device)
-        rows = (spec.num_layers, num_slots + 1)
-        drafts = (spec.num_layers, num_slots + 1, spec.draft_tokens)
-        total = spec.memory_bytes * (num_slots + 1)
+        rows = (spec.num_layers, num_slots + pad_slots)
+        drafts = (spec.num_layers, num_slots + pad_slots, spec.draft_tokens)
+        total = spec.memory_bytes * (num_slots + pad_slots)
         try:
             conv = [torch.zeros(*rows, *shape, dtype=spec.conv_dtype, device=dev) for shape in spec.conv_shapes]
             temporal = torch.zeros(*rows, *spec.temporal_shape, dtype=spec.temporal_dtype, device=dev)
@@ -138,7 +151,7 @@ class StatePool:
             raise PoolAllocationError(
                 f"could not allocate a pool of {num_slots} slots ({total:,} bytes) on {dev}: {failure_reason(exc)}"
             ) from None
-        self._init(spec, conv, temporal, draft_conv, draft_temporal)
+        self._init(spec, conv, temporal, draft_conv, draft_temporal, pad_slots)
 
     def _init(
         self,
@@ -147,6 +160,7 @@ class StatePool:
         temporal: torch.Tensor,
         draft_conv: list[torch.Tensor] | None = None,
         draft_temporal: torch.Tensor | None = None,
+        pad_slots: int = 1,
     ) -> None:
         self.spec = spec
         # Draft buffers, [layers, slots + 1, draft_tokens, *state]: the verify forward
@@ -156,7 +170,10 @@ class StatePool:
         self.exec_drafts = (
             [executor_view(t) for t in (*self.draft_conv, draft_temporal)] if draft_temporal is not None else []
         )
-        self.num_slots = temporal.shape[1] - 1
+        self.num_slots = temporal.shape[1] - pad_slots
+        self.pad_slots = pad_slots
+        # Slot 0, then the rows after the live slots: never handed out, never written by mambacache.
+        self.pad_ids = (0, *range(self.num_slots + 1, self.num_slots + pad_slots))
         self.device = temporal.device
         self.conv: list[torch.Tensor] = conv
         self.temporal: torch.Tensor = temporal
@@ -173,6 +190,7 @@ class StatePool:
         *,
         draft_conv: Sequence[torch.Tensor] | None = None,
         draft_temporal: torch.Tensor | None = None,
+        pad_slots: int = 1,
     ) -> StatePool:
         """Adopt engine-owned ``[num_layers, num_slots + 1, *state]`` tensors: same storage, no copy.
 
@@ -186,8 +204,16 @@ class StatePool:
         buffers too (SGLang's intermediate conv windows and SSM states):
         ``[num_layers, num_slots + 1, draft_tokens, *state]``, matching the state
         tensors' shapes and dtypes, given together.
+
+        ``pad_slots=k``: the last ``k - 1`` slots along dim 1 are padding too (see
+        :class:`StatePool`), for an engine that reserved dummy rows there.
         """
         _check_adopted(conv, temporal, draft_conv, draft_temporal)
+        _check_pads(pad_slots)
+        if temporal.shape[1] - pad_slots < 1:
+            raise InvalidArgumentError(
+                f"{temporal.shape[1]} slots along dim 1 leave no live slot beside {pad_slots} padding slot(s)"
+            )
         spec = StateSpec(
             num_layers=temporal.shape[0],
             conv_shapes=[tuple(c.shape[2:]) for c in conv],
@@ -197,7 +223,7 @@ class StatePool:
             draft_tokens=draft_temporal.shape[2] if draft_temporal is not None else 0,
         )
         pool = cls.__new__(cls)
-        pool._init(spec, list(conv), temporal, list(draft_conv or []), draft_temporal)
+        pool._init(spec, list(conv), temporal, list(draft_conv or []), draft_temporal, pad_slots)
         return pool
 
     @classmethod
@@ -208,18 +234,20 @@ class StatePool:
         device: str | torch.device = "cpu",
         *,
         draft_tokens: int | None = None,
+        pad_slots: int = 1,
     ) -> StatePool:
-        """As many slots as fit in ``budget_bytes``, the padding slot and draft buffers included."""
+        """As many slots as fit in ``budget_bytes``, the padding slots and draft buffers included."""
         spec = _with_drafts(spec, draft_tokens)
         if type(budget_bytes) is not int or budget_bytes < 0:
             raise InvalidArgumentError(f"budget_bytes must be a non-negative int, got {budget_bytes!r}")
-        num_slots = budget_bytes // spec.memory_bytes - 1
+        _check_pads(pad_slots)
+        num_slots = budget_bytes // spec.memory_bytes - pad_slots
         if num_slots < 1:
             raise InvalidArgumentError(
                 f"budget of {budget_bytes} bytes holds no usable slot (one slot is {spec.memory_bytes} bytes with"
-                f" its {spec.draft_tokens} draft state(s), and the padding slot takes one)"
+                f" its {spec.draft_tokens} draft state(s), and the {pad_slots} padding slot(s) take as many)"
             )
-        return cls(spec, num_slots, device)
+        return cls(spec, num_slots, device, pad_slots=pad_slots)
 
     @property
     def draft_tokens(self) -> int:
@@ -280,5 +308,5 @@ class StatePool:
     def __repr__(self) -> str:
         return (
             f"StatePool(num_slots={self.num_slots}, num_free={self.num_free}, device={self.device},"
-            f" slot_bytes={self.spec.slot_bytes})"
+            f" slot_bytes={self.spec.slot_bytes}, pad_slots={self.pad_slots})"
         )

@@ -9,8 +9,10 @@ mambacache installed::
 It builds a tiny Qwen3-Next with random weights locally (nothing is downloaded),
 then serves the same shared-prefix workload twice, each in a fresh process:
 SGLang alone, and with ``SGLANG_PLUGINS=mambacache`` and a slot trace. It prints
-whether the greedy outputs are token-exact and what ``mambacache trace
---expect-idle`` says of the plugin's trace, and exits 1 if either is wrong.
+whether the greedy outputs are token-exact, what ``mambacache trace
+--expect-idle`` says of the plugin's trace, and the batched pass's wall time with
+and without the plugin (what the plugin's host work, and its per-allocation read
+of slot ids to the host, cost end to end); it exits 1 if outputs or trace are wrong.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 SYSTEMS, PER_SYSTEM, NEW_TOKENS = 4, 6, 16
@@ -61,10 +64,12 @@ def serve(model: str, mode: str, out: str, trace: str) -> None:
     try:
         params = {"temperature": 0, "max_new_tokens": NEW_TOKENS}
         outputs = [engine.generate(input_ids=p, sampling_params=params)["output_ids"] for p in prompts()]
+        start = time.perf_counter()
         outputs += [r["output_ids"] for r in engine.generate(input_ids=prompts(), sampling_params=params)]
+        batch_s = time.perf_counter() - start
     finally:
         engine.shutdown()
-    Path(out).write_text(json.dumps(outputs))
+    Path(out).write_text(json.dumps({"outputs": outputs, "batch_s": batch_s}))
 
 
 def main() -> int:
@@ -76,11 +81,12 @@ def main() -> int:
             out, trace = Path(tmp) / f"{mode}.json", Path(tmp) / "trace.jsonl"
             subprocess.run([sys.executable, __file__, "serve", str(model), mode, str(out), str(trace)], check=True)
             results[mode] = json.loads(out.read_text())
-        exact = results["plain"] == results["plugin"]
+        exact = results["plain"]["outputs"] == results["plugin"]["outputs"]
         from mambacache import tracing
 
         analysis = tracing.analyze(Path(tmp) / "trace.jsonl", expect_idle=True)
-        print(f"token-exact: {exact} ({len(results['plain'])} requests, {NEW_TOKENS} tokens each)")
+        print(f"token-exact: {exact} ({len(results['plain']['outputs'])} requests, {NEW_TOKENS} tokens each)")
+        print("batched pass: " + ", ".join(f"{m} {r['batch_s'] * 1e3:.1f} ms" for m, r in results.items()))
         print(f"trace: {analysis.summary}; anomalies: {[a.kind for a in analysis.anomalies]}")
         return 0 if exact and not analysis.anomalies else 1
 

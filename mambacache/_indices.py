@@ -74,7 +74,8 @@ class StateIndices:
         self._pattern_dev = pattern.to(self.device)
         self.tensor = self._pattern_dev.clone()
         self.size = 0
-        self._pinned = self.device.type != "cpu"
+        # Pinned staging and a completion event need an accelerator's stream; "meta" has neither.
+        self._pinned = self.device.type not in ("cpu", "meta")
         self._staging: collections.deque[tuple[torch.Tensor, Any]] = collections.deque()
 
     @classmethod
@@ -113,12 +114,15 @@ class StateIndices:
             stray = [v for v in values if v > self.num_slots and v not in self._extra_pads]
             if stray:
                 raise InvalidSlotError(f"slot {stray[0]} is out of range 1..{self.num_slots} and not a padding slot")
-        host = self._stage() if self._pinned else self.tensor  # on CPU, write in place
+        on_cpu = self.device.type == "cpu"
+        # On CPU, write in place; on an accelerator, through a pinned buffer no copy in flight reads.
+        host = self.tensor if on_cpu else self._stage() if self._pinned else self._pattern.clone()
         if n:
             host[:n] = torch.tensor(values, dtype=torch.int32)
         host[n:] = self._pattern[n:]
+        if not on_cpu:
+            self.tensor.copy_(host, non_blocking=self._pinned)
         if self._pinned:
-            self.tensor.copy_(host, non_blocking=True)
             event = torch.Event(device=self.device)
             event.record()
             self._staging.append((host, event))

@@ -165,3 +165,5 @@ def test_indices_accept_padding_slots_in_the_batch_and_refuse_the_rest() -> None
     # The device path copies the same padding (meta: shapes only, no data to read back).
     meta = mc.StateIndices(4, device="meta", num_slots=4, pad_slots=(0, 5))
     assert meta.update(torch.tensor([1, 2], device="meta")).shape == (2,) and meta.size == 2
+    # Host values to a device with no stream (meta) take a plain copy: no pinned memory, no event.
+    assert meta.update([3, 5, 1]).shape == (3,) and meta.size == 3

@@ -174,6 +174,17 @@ class CacheManager:
         return self._queue.snapshot()
 
     @property
+    def available(self) -> int:
+        """Slots a request can allocate now: ``pool.num_free`` less the reserved slots its tenant does not hold
+        yet (``pool.num_available``; for a scheduler's admission check)."""
+        return self._pool.num_available
+
+    @property
+    def reserved(self) -> int:
+        """Slots kept for one tenant by :meth:`reserve` (a ``PrefixCache(..., reserved=k)``'s checkpoints); 0: none."""
+        return self._pool.ledger.reserved
+
+    @property
     def waiting(self) -> int:
         """``alloc_wait`` calls waiting for slots now (backpressure, for an engine's metrics)."""
         return self._queue.waiting
@@ -229,12 +240,14 @@ class CacheManager:
         return wanted
 
     async def alloc_wait(self, n: int, request_id: str | None = None, *, clear: bool | None = None) -> list[int]:
-        """Like :meth:`alloc`, but wait until ``n`` slots are free instead of raising: backpressure.
+        """Like :meth:`alloc`, but wait until ``n`` slots are available instead of raising: backpressure.
 
         Waiters are served first come, first served, and a concurrent ``alloc``
         from another thread makes one wait longer, never raise; a count larger
-        than the pool raises :class:`InvalidArgumentError` at once. Cancelling the
-        wait allocates nothing.
+        than the pool (or than its unreserved slots, for a tenant without the
+        reservation) raises :class:`InvalidArgumentError`. Reserved slots are
+        never taken: the wait ends when enough are :attr:`available`.
+        Cancelling the wait allocates nothing.
         """
         cleared = _alloc_args(self, n, request_id, clear)
         if n > self._pool.num_slots:
@@ -308,6 +321,23 @@ class CacheManager:
         bookkeeping only, no device work; ``request_id`` checks the current tenant, as for every event."""
         check_request_id(to)
         self._queue.hand_over(_slot_of(self._pool, slot, request_id), request_id, to)
+
+    def reserve(self, n: int, tenant: str) -> None:
+        """Keep ``n`` slots for ``tenant``: every other tenant's allocation leaves ``n`` minus what ``tenant`` holds
+        free, and raises :class:`PoolExhaustedError` (nothing allocated) beyond that.
+
+        ``tenant``'s own allocations take any free slot. One reservation per
+        manager: another tenant's raises :class:`InvalidArgumentError`, the same
+        tenant's resizes it (0 ends it); it ends when the manager closes. Raises
+        :class:`PoolExhaustedError` when fewer than ``n`` minus what ``tenant``
+        holds are free now. All or nothing.
+        """
+        self.check_open()
+        if type(n) is not int or not 0 <= n < self._pool.num_slots:
+            raise InvalidArgumentError(f"reserve takes an int in 0..{self._pool.num_slots - 1} slots, got {n!r}")
+        if type(tenant) is not str:
+            raise InvalidArgumentError(f"reserve: tenant must be a str, got {type(tenant).__name__}")
+        self._queue.reserve(n, tenant)
 
     # -- the host tier ---------------------------------------------------
     def offload(self, slot: int, request_id: str | None = None) -> int:

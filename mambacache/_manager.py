@@ -22,6 +22,7 @@ from ._flush import FlushCore
 from ._host import HostPool
 from ._pool import StatePool
 from ._queue import OPEN, StepQueue
+from ._reserve import Reservations
 from ._runner import StepRunner
 from ._validate import as_slot, check_request_id, normalised, slot_list
 
@@ -63,7 +64,7 @@ def _positive_int(name: str, value: Any) -> None:
         raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
 
 
-class CacheManager:
+class CacheManager(Reservations):
     """Batches a step's slot events and applies them with exactly sequential semantics.
 
     Invariants:
@@ -172,17 +173,6 @@ class CacheManager:
     def queued(self) -> list[Event]:
         """A copy of the events queued for the next flush, in submission order (allocs and host events included)."""
         return self._queue.snapshot()
-
-    @property
-    def available(self) -> int:
-        """Slots a request can allocate now: ``pool.num_free`` less the reserved slots its tenant does not hold
-        yet (``pool.num_available``; for a scheduler's admission check)."""
-        return self._pool.num_available
-
-    @property
-    def reserved(self) -> int:
-        """Slots kept for one tenant by :meth:`reserve` (a ``PrefixCache(..., reserved=k)``'s checkpoints); 0: none."""
-        return self._pool.ledger.reserved
 
     @property
     def waiting(self) -> int:
@@ -321,23 +311,6 @@ class CacheManager:
         bookkeeping only, no device work; ``request_id`` checks the current tenant, as for every event."""
         check_request_id(to)
         self._queue.hand_over(_slot_of(self._pool, slot, request_id), request_id, to)
-
-    def reserve(self, n: int, tenant: str) -> None:
-        """Keep ``n`` slots for ``tenant``: every other tenant's allocation leaves ``n`` minus what ``tenant`` holds
-        free, and raises :class:`PoolExhaustedError` (nothing allocated) beyond that.
-
-        ``tenant``'s own allocations take any free slot. One reservation per
-        manager: another tenant's raises :class:`InvalidArgumentError`, the same
-        tenant's resizes it (0 ends it); it ends when the manager closes. Raises
-        :class:`PoolExhaustedError` when fewer than ``n`` minus what ``tenant``
-        holds are free now. All or nothing.
-        """
-        self.check_open()
-        if type(n) is not int or not 0 <= n < self._pool.num_slots:
-            raise InvalidArgumentError(f"reserve takes an int in 0..{self._pool.num_slots - 1} slots, got {n!r}")
-        if type(tenant) is not str:
-            raise InvalidArgumentError(f"reserve: tenant must be a str, got {type(tenant).__name__}")
-        self._queue.reserve(n, tenant)
 
     # -- the host tier ---------------------------------------------------
     def offload(self, slot: int, request_id: str | None = None) -> int:

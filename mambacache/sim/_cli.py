@@ -21,6 +21,7 @@ DEFAULT_MODELS = ("toy", "mamba2", "qwen3-next")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``simulate`` subcommand. One function because it is one flat list of options, read top to bottom."""
     p = sub.add_parser(
         "simulate",
         help="run a continuous-batching workload on real models and check outputs against isolated generation",

@@ -56,6 +56,7 @@ def test_prefix_swap_recompute_and_host_tier_scenarios_are_lossless(model: str) 
     reports = {
         name: anyio.run(simulate, SimConfig(model=model, requests=16, **overrides), m)
         for name, overrides in SCENARIOS.items()
+        if name != "reserved"  # scheduling only, no model path of its own: on the toy model below, to keep this fast
     }
     for name, r in reports.items():
         assert (r.completed, r.mismatches) == (16, 0), name
@@ -65,8 +66,6 @@ def test_prefix_swap_recompute_and_host_tier_scenarios_are_lossless(model: str) 
     assert reports["recompute"].recomputes > 0 and reports["recompute"].recomputed_tokens > 0
     tier = reports["host-tier"]
     assert tier.host_offloads > 0 and tier.host_restores > 0  # evicted checkpoints came back from the host
-    kept = reports["reserved"]  # scarce slots: runners were swapped out, the reserved checkpoints stayed
-    assert kept.swaps > 0 and kept.checkpoints_kept >= kept.reserved == 2
     bad = anyio.run(simulate, SimConfig(model=model, requests=16, fault="skip-restore", **SCENARIOS["swap"]), m)
     assert bad.mismatches > 0
 

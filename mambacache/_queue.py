@@ -153,7 +153,7 @@ class StepQueue:
             if taken:
                 tenants = [ledger.tenants[s] for s in taken[:20]]
                 raise SlotStateError(f"alloc_slots: slot(s) {taken[:20]} already held (tenants {tenants})")
-            ledger.check_available(len(slots), tenant)  # the reserved slots are no one else's, whichever ids
+            ledger.check_available(len(slots), tenant)  # picking slot ids does not get round a reservation
             ledger.take_exact(slots, tenant)
             events = self._queue_allocs(slots, tenant, clear)
             _tracing.tracer.events(events, self.step)

@@ -28,7 +28,7 @@ class SlotStateError(MambaCacheError, RuntimeError):
 
 
 class PoolExhaustedError(MambaCacheError, RuntimeError):
-    """``alloc`` asked for more slots than are free; nothing was allocated."""
+    """``alloc`` asked for more slots than are available (free, less what a reservation keeps); none was allocated."""
 
 
 class ManagerClosedError(MambaCacheError, RuntimeError):

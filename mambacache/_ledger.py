@@ -33,10 +33,17 @@ class SlotLedger:
     * a slot freed with ``free_later`` (a host slot whose content a queued
       restore still reads) goes back to the heap only at ``reuse_freed()``, the
       flush that takes the freeing event; before that ``take`` hands it out only
-      when nothing else is free, and the planner orders the read first.
+      when nothing else is free, and the planner orders the read first;
+    * a reservation keeps ``reserved`` slots for one tenant: ``rheld`` counts the
+      slots that tenant holds (kept by every take, give-back and hand-over, so
+      reading it is O(1)), and every other tenant may take only what leaves
+      ``reserved - rheld`` slots free (:meth:`available`).
     """
 
-    __slots__ = ("_free", "_later", "_num_free", "_pending", "held", "name", "owner", "size", "tenants")
+    __slots__ = (
+        "_free", "_later", "_num_free", "_pending", "held", "name", "owner", "reserved", "rheld", "rtenant", "size",
+        "tenants",
+    )  # fmt: skip
 
     def __init__(self, size: int, name: str = "pool") -> None:
         self.size = size
@@ -48,6 +55,9 @@ class SlotLedger:
         self._later: list[int] = []  # freed by free_later, in order
         self._pending = bytearray(size + 1)  # 1 for the slots in _later (O(1) membership)
         self.owner: object | None = None  # the open manager driving this ledger, if any
+        self.rtenant: str | None = None  # the tenant slots are reserved for (None: no reservation)
+        self.reserved = 0
+        self.rheld = 0  # slots rtenant holds; counted only while a reservation stands
 
     def claim(self, owner: object) -> None:
         """Make ``owner`` (an open manager) the only one driving this ledger."""
@@ -59,11 +69,61 @@ class SlotLedger:
         """``owner`` closed: another manager may drive the ledger."""
         if self.owner is owner:
             self.owner = None
+            self.rtenant, self.reserved, self.rheld = None, 0, 0  # the reservation was the manager's
 
     @property
     def num_free(self) -> int:
         """Slots ``take`` can hand out now, those freed by ``free_later`` included."""
         return self._num_free + len(self._later)
+
+    def available(self, tenant: str | None) -> int:
+        """Slots ``take(n, tenant)`` can hand out now: all free ones for the reserved tenant (or with no
+        reservation), else those left once ``reserved - rheld`` stay free for it."""
+        if self.rtenant is None or tenant == self.rtenant:
+            return self.num_free
+        return max(0, self.num_free - max(0, self.reserved - self.rheld))
+
+    def check_available(self, n: int, tenant: str | None) -> None:
+        """:class:`PoolExhaustedError` unless ``n`` slots are :meth:`available` to ``tenant``."""
+        if n > self.num_free or (self.rtenant is not None and n > self.available(tenant)):
+            raise self._exhausted(n, tenant)
+
+    def _exhausted(self, n: int, tenant: str | None) -> PoolExhaustedError:
+        msg = f"{self.name} exhausted: asked for {n} slot(s), {self.num_free} of {self.size} are free"
+        if self.rtenant is not None and tenant != self.rtenant:
+            kept = max(0, self.reserved - self.rheld)
+            msg += f", {kept} of them kept for {self.rtenant!r} ({self.reserved} reserved, {self.rheld} held)"
+        return PoolExhaustedError(msg)
+
+    def reserve(self, n: int, tenant: str) -> None:
+        """Keep ``n`` slots for ``tenant`` (0: none); all or nothing.
+
+        :class:`InvalidArgumentError` when another tenant's reservation stands
+        (one per ledger; its own is resized), :class:`PoolExhaustedError` when
+        fewer than ``n`` minus what ``tenant`` holds are free now, so a
+        reservation is always met when it is made. Counts the tenant's slots
+        once (O(size)): not for the hot path.
+        """
+        if self.rtenant is not None and self.rtenant != tenant:
+            raise InvalidArgumentError(
+                f"{self.name}: {self.reserved} slot(s) are already reserved for {self.rtenant!r}; one reservation"
+                " at a time (reserve(0, tenant) ends it)"
+            )
+        held, tenants = self.held, self.tenants
+        count = sum(1 for s in range(1, self.size + 1) if held[s] and tenants[s] == tenant)
+        if n - count > self.num_free:
+            raise PoolExhaustedError(
+                f"{self.name}: cannot reserve {n} slot(s) for {tenant!r}: it holds {count} and {self.num_free} are free"
+            )
+        self.rtenant, self.reserved, self.rheld = (tenant, n, count) if n else (None, 0, 0)
+
+    def hand_over(self, slot: int, to: str | None) -> str | None:
+        """``slot``'s tenant becomes ``to`` (held: the caller checked); returns the old tenant."""
+        old, self.tenants[slot] = self.tenants[slot], to
+        rt = self.rtenant
+        if rt is not None:
+            self.rheld += (to == rt) - (old == rt)
+        return old
 
     def is_held(self, slot: int) -> bool:
         return 0 < slot <= self.size and bool(self.held[slot])
@@ -75,11 +135,11 @@ class SlotLedger:
 
     def take(self, n: int, tenant: str | None) -> list[int]:
         """The ``n`` lowest free slots, now held by ``tenant``; :class:`PoolExhaustedError` (nothing taken) if
-        fewer are free."""
-        if n > self.num_free:
-            raise PoolExhaustedError(
-                f"{self.name} exhausted: asked for {n} slot(s), {self.num_free} of {self.size} are free"
-            )
+        fewer are :meth:`available` to ``tenant``."""
+        if n > self.num_free or (self.rtenant is not None and n > self.available(tenant)):
+            raise self._exhausted(n, tenant)
+        if self.rtenant is not None and tenant == self.rtenant:
+            self.rheld += n
         free, held, tenants, pending = self._free, self.held, self.tenants, self._pending
         slots: list[int] = []
         while len(slots) < n and self._num_free:
@@ -104,11 +164,15 @@ class SlotLedger:
             held[s] = 1
             tenants[s] = tenant
         self._num_free -= len(slots)
+        if self.rtenant is not None and tenant == self.rtenant:
+            self.rheld += len(slots)
 
     def give_back(self, slots: Iterable[int]) -> None:
         """Free ``slots`` now: the next ``take`` may hand them out."""
-        held, tenants, free = self.held, self.tenants, self._free
+        held, tenants, free, rt = self.held, self.tenants, self._free, self.rtenant
         for s in slots:
+            if rt is not None and tenants[s] == rt:
+                self.rheld -= 1
             held[s] = 0
             tenants[s] = None
             heapq.heappush(free, s)
@@ -118,6 +182,8 @@ class SlotLedger:
 
     def free_later(self, slot: int) -> None:
         """Free ``slot`` as of the end of the event queue; it rejoins the heap at :meth:`reuse_freed`."""
+        if self.rtenant is not None and self.tenants[slot] == self.rtenant:
+            self.rheld -= 1
         self.held[slot] = 0
         self.tenants[slot] = None
         self._later.append(slot)

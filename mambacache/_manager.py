@@ -22,6 +22,7 @@ from ._flush import FlushCore
 from ._host import HostPool
 from ._pool import StatePool
 from ._queue import OPEN, StepQueue
+from ._reserve import Reservations
 from ._runner import StepRunner
 from ._validate import as_slot, check_request_id, normalised, slot_list
 
@@ -63,7 +64,7 @@ def _positive_int(name: str, value: Any) -> None:
         raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
 
 
-class CacheManager:
+class CacheManager(Reservations):
     """Batches a step's slot events and applies them with exactly sequential semantics.
 
     Invariants:
@@ -229,12 +230,14 @@ class CacheManager:
         return wanted
 
     async def alloc_wait(self, n: int, request_id: str | None = None, *, clear: bool | None = None) -> list[int]:
-        """Like :meth:`alloc`, but wait until ``n`` slots are free instead of raising: backpressure.
+        """Like :meth:`alloc`, but wait until ``n`` slots are available instead of raising: backpressure.
 
         Waiters are served first come, first served, and a concurrent ``alloc``
         from another thread makes one wait longer, never raise; a count larger
-        than the pool raises :class:`InvalidArgumentError` at once. Cancelling the
-        wait allocates nothing.
+        than the pool (or than its unreserved slots, for a tenant without the
+        reservation) raises :class:`InvalidArgumentError`. Reserved slots are
+        never taken: the wait ends when enough are :attr:`available`.
+        Cancelling the wait allocates nothing.
         """
         cleared = _alloc_args(self, n, request_id, clear)
         if n > self._pool.num_slots:

@@ -109,8 +109,8 @@ class StatePool:
     out the lowest free slots first, so allocations stay in coalescable runs.
 
     Surface: O(1) figures are attributes and properties (``num_slots``,
-    ``num_free``, ``num_allocated``, ``unfinished``, ``device``, ``spec``,
-    ``pad_slots``, ``pad_ids``); what
+    ``num_free``, ``num_available``, ``num_allocated``, ``unfinished``, ``device``,
+    ``spec``, ``pad_slots``, ``pad_ids``); what
     walks the slots is a method (``allocated_slots()``, ``is_allocated(slot)``).
 
     The core drives three more attributes, which engines leave alone: ``ledger``
@@ -268,6 +268,12 @@ class StatePool:
     def num_free(self) -> int:
         """Slots free at the end of the event queue (O(1))."""
         return self.ledger.num_free
+
+    @property
+    def num_available(self) -> int:
+        """Slots a request can allocate now (O(1)): ``num_free`` less the slots a reservation
+        (``PrefixCache(..., reserved=k)``) keeps free for its tenant; ``num_free`` without one."""
+        return self.ledger.available(None)
 
     @property
     def num_allocated(self) -> int:

@@ -153,6 +153,7 @@ class StepQueue:
             if taken:
                 tenants = [ledger.tenants[s] for s in taken[:20]]
                 raise SlotStateError(f"alloc_slots: slot(s) {taken[:20]} already held (tenants {tenants})")
+            ledger.check_available(len(slots), tenant)  # picking slot ids does not get round a reservation
             ledger.take_exact(slots, tenant)
             events = self._queue_allocs(slots, tenant, clear)
             _tracing.tracer.events(events, self.step)
@@ -179,7 +180,13 @@ class StepQueue:
             delay = 0.0
             while True:
                 with self.lock:
-                    if self._waiters[0] == ticket and self.ledger.num_free >= n:
+                    ledger = self.ledger
+                    if ledger.rtenant is not None and tenant != ledger.rtenant and n > ledger.size - ledger.reserved:
+                        raise InvalidArgumentError(
+                            f"alloc_wait({n}) can never be met: {ledger.reserved} of the pool's {ledger.size} slots"
+                            f" are reserved for {ledger.rtenant!r}"
+                        )
+                    if self._waiters[0] == ticket and ledger.available(tenant) >= n:
                         self.check()
                         slots = self.ledger.take(n, tenant)
                         _tracing.tracer.events(self._queue_allocs(slots, tenant, clear), self.step)
@@ -203,8 +210,15 @@ class StepQueue:
         with self.lock:
             self.check()
             self.ledger.check_held("HandOver", slot, tenant)
-            old, self.ledger.tenants[slot] = self.ledger.tenants[slot], to
+            old = self.ledger.hand_over(slot, to)
             _tracing.tracer.note("slot.handover", slot=slot, request_id=old, to=to, step=self.step)
+
+    def reserve(self, n: int, tenant: str) -> None:
+        """Keep ``n`` pool slots for ``tenant`` until this manager releases the pool (:meth:`SlotLedger.reserve`)."""
+        with self.lock:
+            self.check()
+            self.ledger.reserve(n, tenant)
+            _tracing.tracer.note("pool.reserve", slots=n, tenant=tenant, step=self.step)
 
     # -- the host tier ---------------------------------------------------
     def offload(self, slot: int, tenant: str | None) -> int:

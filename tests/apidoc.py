@@ -39,6 +39,17 @@ def _first_paragraph(obj: object) -> str:
     return _doc(obj).split("\n\n")[0].replace("\n", " ")
 
 
+def _members(module: ModuleType, cls: type) -> dict[str, object]:
+    """``cls``'s own members, then those of its package bases that ``module`` does not export (a mixin that keeps
+    a class small, like CacheManager's ``Reservations``): the public surface, wherever it is written."""
+    members = dict(vars(cls))
+    for base in cls.__mro__[1:]:
+        if base.__module__.startswith("mambacache.") and base.__name__ not in module.__all__:
+            for attr, value in vars(base).items():
+                members.setdefault(attr, value)
+    return members
+
+
 def render() -> str:
     out = ["# API reference", "", "Generated from the docstrings by `python -m tests.apidoc > docs/api.md`;",
            "`tests/test_docs.py` fails when this page and the code disagree.", ""]  # fmt: skip
@@ -54,7 +65,7 @@ def render() -> str:
                     out += [f"### `{name}`{bases}", "", _first_paragraph(obj), ""]
                     continue
                 out += [f"### `{name}{_signature(obj)}`", "", _doc(obj), ""]
-                for attr, value in vars(obj).items():
+                for attr, value in _members(module, obj).items():
                     if attr.startswith("_") or attr in getattr(obj, "__dataclass_fields__", {}):
                         continue
                     func = getattr(value, "__func__", value)

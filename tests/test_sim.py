@@ -56,6 +56,7 @@ def test_prefix_swap_recompute_and_host_tier_scenarios_are_lossless(model: str) 
     reports = {
         name: anyio.run(simulate, SimConfig(model=model, requests=16, **overrides), m)
         for name, overrides in SCENARIOS.items()
+        if name != "reserved"  # scheduling only, no model path of its own: on the toy model below, to keep this fast
     }
     for name, r in reports.items():
         assert (r.completed, r.mismatches) == (16, 0), name
@@ -214,7 +215,29 @@ def test_bind_cache_runs_a_transformers_model_on_a_pool_slot_in_place() -> None:
             )
 
 
-@pytest.mark.parametrize("scenario", ["swap", "host-tier"])
+def test_a_reservation_keeps_checkpoints_under_request_pressure() -> None:
+    """The reserved scenario with and without its reservation: both exact; without it, admission evicts
+    checkpoints to make room, with it a request never takes the 2 reserved slots and runners are swapped out."""
+    from mambacache.sim import SCENARIOS
+
+    m = build_model("toy")
+    kept = anyio.run(simulate, SimConfig(model="toy", **SCENARIOS["reserved"]), m)
+    plain = anyio.run(simulate, SimConfig(model="toy", **{**SCENARIOS["reserved"], "reserved": 0}), m)
+    assert (kept.mismatches, plain.mismatches, kept.completed, plain.completed) == (0, 0, 32, 32)
+    assert kept.checkpoints_kept >= 2 > plain.checkpoints_kept  # once 2 were held, never fewer at a step's end
+    assert kept.swaps > 0 and kept.evicted_for_requests < plain.evicted_for_requests
+    assert plain.peak_slots_in_use == kept.peak_slots_in_use == 7  # the pool was full in both
+
+
+def test_reserved_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--model", "toy", "--requests", "12", "--scenario", "reserved"]) == 0
+    assert "2 slots reserved for checkpoints" in capsys.readouterr().out
+    assert main(["simulate", "--model", "toy", "--requests", "12", "--scenario", "reserved", "--reserved", "4"]) == 2
+    assert "reserved (4) must be in 0..min(max_checkpoints, slots - 1) = 0..3" in capsys.readouterr().err
+    assert main(["simulate", "--model", "toy", "--slots", "8", "--max-running", "6", "--reserved", "3"]) == 2
+
+
+@pytest.mark.parametrize("scenario", ["swap", "host-tier", "reserved"])
 def test_the_trace_of_a_host_tier_run_is_clean_and_idle(scenario: str, tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     args = ["simulate", "--model", "toy", "--requests", "24", "--scenario", scenario, "--trace", str(trace)]

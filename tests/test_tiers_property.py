@@ -66,10 +66,12 @@ class CacheModel:
 
     ``pool_free`` and ``host_free`` are the slots the manager can hand out now
     (a host slot freed in the step counts at once: HostPool.num_free).
+    ``reserved`` slots are kept for checkpoints: a request may take a slot only
+    while more than ``reserved - len(device)`` are free.
     """
 
-    def __init__(self, max_ckpt: int, host_ckpt: int, pool_free: int, host_free: int) -> None:
-        self.max_ckpt, self.host_ckpt = max_ckpt, host_ckpt
+    def __init__(self, max_ckpt: int, host_ckpt: int, pool_free: int, host_free: int, reserved: int = 0) -> None:
+        self.max_ckpt, self.host_ckpt, self.reserved = max_ckpt, host_ckpt, reserved
         self.device: OrderedDict[Key, float] = OrderedDict()
         self.host: OrderedDict[Key, float] = OrderedDict()
         self.pool_free, self.host_free = pool_free, host_free
@@ -89,8 +91,12 @@ class CacheModel:
         self._touch(key)
         return key, "device" if key in self.device else "host"
 
+    def available(self) -> int:
+        """Slots a request may take now."""
+        return max(0, self.pool_free - max(0, self.reserved - len(self.device)))
+
     def fork(self, key: Key) -> float:
-        self.alloc(protect=key)  # PoolExhaustedError propagates: the real fork raises too
+        self.alloc(protect=key, request=True)  # PoolExhaustedError propagates: the real fork raises too
         value = self.device[key] if key in self.device else self.host[key]
         if key not in self.device:
             self.counts["restores"] += 1
@@ -115,7 +121,11 @@ class CacheModel:
         self.counts["inserts"] += 1
         return True
 
-    def alloc(self, protect: Key | None) -> None:
+    def alloc(self, protect: Key | None, request: bool = False) -> None:
+        if request:  # evicting a checkpoint within the reservation frees nothing a request may take: none is
+            while not self.available():
+                if len(self.device) <= self.reserved or not self.evict(protect):
+                    raise mc.PoolExhaustedError("model: no slot a request may take")
         while not self.pool_free:
             if not self.evict(protect):
                 raise mc.PoolExhaustedError("model: no slot and nothing to evict")
@@ -234,6 +244,11 @@ def check(pool: mc.StatePool, host: mc.HostPool, cache: mc.PrefixCache, o: Oracl
     assert mgr.held() == want_held
     assert set(host.held()) == set(o.swapped) | {h for _, h in on_host}
     assert (pool.num_free, host.num_free) == (m.pool_free, m.host_free)
+    assert pool.num_available == mgr.available == m.available()
+    # The reservation is always backed by free slots (so an insert below it never lacks one), hence requests
+    # hold at most num_slots - max(reserved, checkpoints).
+    assert pool.num_free >= m.reserved - len(device)
+    assert len(o.slots) <= pool.num_slots - max(m.reserved, len(device))
     stats = cache.stats
     assert {k: getattr(stats, k) for k in m.counts} == m.counts
 
@@ -242,18 +257,21 @@ def run(
     raw: list[tuple[str, int, int]],
     variant: str,
     faults: list[int],
-    sizes: tuple[int, int, int, int],
+    sizes: tuple[int, int, int, int] | tuple[int, int, int, int, int],
     ops: list[int] | None = None,
 ) -> None:
     """Play ``raw`` against the oracle, the ``i``-th flush faulted at ``faults[i]``; ``ops`` gets each flush's op
     count."""
-    num_slots, host_slots, max_ckpt, host_ckpt = sizes
+    num_slots, host_slots, max_ckpt, host_ckpt, *rest = sizes
+    reserved = rest[0] if rest else 0
     pool, host = mc.StatePool(SPEC, num_slots), mc.HostPool(SPEC, host_slots)
-    o = Oracle(CacheModel(max_ckpt, host_ckpt, num_slots, host_slots))
+    o = Oracle(CacheModel(max_ckpt, host_ckpt, num_slots, host_slots, reserved))
     m = o.cache
     fault_iter = iter(faults)
     with mc.CacheManager(pool, executor=VARIANTS[variant](), host_pool=host, max_failed_flushes=1000) as mgr:
-        cache = mc.PrefixCache(mgr, block_size=B, max_checkpoints=max_ckpt, host_checkpoints=host_ckpt)
+        cache = mc.PrefixCache(
+            mgr, block_size=B, max_checkpoints=max_ckpt, host_checkpoints=host_ckpt, reserved=reserved
+        )
         for kind, a, b in raw:
             running = sorted(o.slots)
             if kind == "admit":
@@ -263,7 +281,7 @@ def run(
                 try:
                     if hit is not None:
                         value = m.fork(tuple(prompt[: hit.length]))
-                    elif m.pool_free:  # a plain alloc evicts nothing
+                    elif m.available():  # a plain alloc evicts nothing
                         m.pool_free -= 1
                         value = 0.0
                     else:
@@ -310,7 +328,7 @@ def run(
                     m.pool_free += 1
             elif kind == "swap-in" and o.swapped:
                 h = sorted(o.swapped)[a % len(o.swapped)]
-                if not m.pool_free:
+                if not m.available():
                     with pytest.raises(mc.PoolExhaustedError):
                         mgr.alloc(1, request_id="r", clear=False)
                     continue
@@ -359,12 +377,15 @@ def run(
 
 
 @st.composite
-def tier_sizes(draw: st.DrawFn) -> tuple[int, int, int, int]:
-    """(pool slots, host slots, max_checkpoints, host_checkpoints): mostly a host pool about the size of the host
-    tier, so swapped requests and host checkpoints compete for it (issue #19's full tier), sometimes no tier."""
+def tier_sizes(draw: st.DrawFn) -> tuple[int, int, int, int, int]:
+    """(pool slots, host slots, max_checkpoints, host_checkpoints, reserved): mostly a host pool about the size of
+    the host tier, so swapped requests and host checkpoints compete for it (issue #19's full tier), sometimes no
+    tier; half the time a reservation for checkpoints (issue #21), up to max_checkpoints."""
     host_ckpt = draw(st.sampled_from([0, 1, 2, 2, 3, 3]))
     host_slots = max(1, host_ckpt + draw(st.sampled_from([-1, 0, 0, 0, 1, 2])))
-    return draw(st.integers(3, 7)), host_slots, draw(st.sampled_from([0, 1, 1, 2, 3])), host_ckpt
+    num_slots, max_ckpt = draw(st.integers(3, 7)), draw(st.sampled_from([0, 1, 1, 2, 3]))
+    reserved = draw(st.sampled_from([0, 0, 0, 1, 2, 3])) if max_ckpt else 0
+    return num_slots, host_slots, max_ckpt, host_ckpt, min(reserved, max_ckpt)
 
 
 @given(
@@ -375,7 +396,7 @@ def tier_sizes(draw: st.DrawFn) -> tuple[int, int, int, int]:
 )
 @settings(max_examples=400)  # what finds a wrong eviction order or a wiped host tier reliably (checked by mutation)
 def test_tiers_with_faults_match_the_oracle(
-    raw: list[tuple[str, int, int]], variant: str, faults: list[int], sizes: tuple[int, int, int, int]
+    raw: list[tuple[str, int, int]], variant: str, faults: list[int], sizes: tuple[int, int, int, int, int]
 ) -> None:
     run(raw, variant, faults, sizes)
 

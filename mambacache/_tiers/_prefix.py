@@ -26,6 +26,20 @@ CHECKPOINT_TENANT = "prefix-cache"
 """The ``request_id`` of every checkpoint slot (what ``CacheManager.held`` shows for them)."""
 
 
+def _reserve(manager: CacheManager, reserved: Any, max_checkpoints: int) -> int:
+    """Check ``reserved`` and keep that many of the manager's slots for checkpoints; returns it."""
+    top = min(max_checkpoints, manager.pool.num_slots - 1)
+    if type(reserved) is not int or not 0 <= reserved <= top:
+        raise InvalidArgumentError(
+            f"reserved must be an int in 0..min(max_checkpoints, num_slots - 1) = 0..{top}, got {reserved!r}"
+        )
+    if reserved and manager.reserved:
+        raise InvalidArgumentError(f"this manager already reserves {manager.reserved} slot(s): one reservation")
+    if reserved:
+        manager.reserve(reserved, CHECKPOINT_TENANT)
+    return reserved
+
+
 class _Node:
     """One block of tokens in the trie; holds a checkpoint of the prefix ending here, or not."""
 
@@ -88,6 +102,7 @@ class PrefixCache:
       order; it is never written again, so any later fork reads exactly that;
     * at most ``max_checkpoints`` checkpoints hold pool slots (a budget apart
       from running requests), and at most ``host_checkpoints`` hold host slots;
+      requests never take the ``reserved`` slots, so an insert below that many finds one;
     * eviction takes the least recently used *leaf*: a device checkpoint with no
       device checkpoint below it in the trie, so a chain of checkpoints along one
       prompt shrinks from its end; with ``host_checkpoints > 0`` the evicted
@@ -103,8 +118,9 @@ class PrefixCache:
     """
 
     def __init__(
-        self, manager: CacheManager, block_size: int = 64, max_checkpoints: int = 128, host_checkpoints: int = 0
-    ) -> None:
+        self, manager: CacheManager, block_size: int = 64, max_checkpoints: int = 128, host_checkpoints: int = 0,
+        reserved: int = 0,
+    ) -> None:  # fmt: skip
         if not isinstance(manager, CacheManager):
             raise InvalidArgumentError(f"manager must be a CacheManager, got {type(manager).__name__}")
         for name, value, low in (
@@ -118,6 +134,7 @@ class PrefixCache:
             raise InvalidArgumentError(
                 "host_checkpoints > 0 needs a manager with a host pool: CacheManager(pool, host_pool=HostPool(...))"
             )
+        self.reserved = _reserve(manager, reserved, max_checkpoints)  # last: a refusal leaves no cache behind
         self._mgr = manager
         self.block_size = block_size
         self.max_checkpoints = max_checkpoints
@@ -173,8 +190,8 @@ class PrefixCache:
         """A new slot for ``request_id`` holding the hit's prefix state (from the host tier if it is there).
 
         The slot is allocated without a clear: the copy or the restore writes all
-        of it. When the pool is full, the least recently used checkpoint (not this
-        one) is evicted to make room.
+        of it. With no slot available, the least recently used checkpoint (not this
+        one) is evicted while more than ``reserved`` are held (fewer free none).
         """
         if not isinstance(hit, PrefixHit) or hit._node is None:
             raise InvalidArgumentError(f"fork takes a PrefixHit from match(), got {hit!r}")
@@ -277,7 +294,8 @@ class PrefixCache:
             try:
                 return self._mgr.alloc(1, request_id, clear=False)[0]
             except PoolExhaustedError:
-                if not self._evict_one(protect):
+                useless = request_id != CHECKPOINT_TENANT and len(self._device) <= self.reserved  # slot kept
+                if useless or not self._evict_one(protect):
                     raise
 
     def _evict_one(self, protect: _Node | None) -> bool:

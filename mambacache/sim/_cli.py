@@ -12,7 +12,7 @@ import anyio
 
 from .._console import Progress, UsageError, check_output_path, float_in, int_at_least, table, write_json
 from ._models import MODELS, build_model
-from ._scheduler import FAULTS, PREEMPT, SCENARIOS, SimConfig, SimReport, simulate
+from ._scheduler import FAULTS, PREEMPT, SCENARIOS, SimConfig, SimReport, pool_sizes, simulate
 
 __all__ = ["add_parser", "run"]
 
@@ -21,6 +21,7 @@ DEFAULT_MODELS = ("toy", "mamba2", "qwen3-next")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``simulate`` subcommand. One function because it is one flat list of options, read top to bottom."""
     p = sub.add_parser(
         "simulate",
         help="run a continuous-batching workload on real models and check outputs against isolated generation",
@@ -69,6 +70,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--max-checkpoints", type=int_at_least(0), default=None, help="prefix checkpoints kept in the pool")
     p.add_argument(
         "--host-checkpoints", type=int_at_least(0), default=None, help="checkpoints kept in host memory once evicted"
+    )
+    p.add_argument(
+        "--reserved",
+        type=int_at_least(0),
+        default=None,
+        metavar="K",
+        help="pool slots kept for checkpoints, that requests cannot take (at most --max-checkpoints)",
     )
     p.add_argument("--preempt", choices=PREEMPT, default=None, help="what to do when slots run out")
     p.add_argument("--executor", default=None, help="torch, npu or reference (default: by device)")
@@ -122,15 +130,23 @@ def _scenario(args: argparse.Namespace) -> dict[str, Any]:
     if args.fault == "wrong-commit" and not args.speculative:
         raise UsageError("--fault wrong-commit needs --speculative K")
     scenario = dict(SCENARIOS[args.scenario])
-    for key in ("slots", "block_size", "max_checkpoints", "host_checkpoints", "preempt"):
+    for key in ("slots", "block_size", "max_checkpoints", "host_checkpoints", "preempt", "reserved"):
         if getattr(args, key) is not None:
             scenario[key] = getattr(args, key)
-    if args.max_running != _D.max_running or "max_running" not in scenario:
-        scenario["max_running"] = args.max_running
+    for key in ("max_running", "prefix_share"):  # defaults that a scenario may set
+        if getattr(args, key) != getattr(_D, key) or key not in scenario:
+            scenario[key] = getattr(args, key)
     preempting = scenario.get("preempt", "none") != "none"
-    slots = scenario.get("slots")
-    if slots is not None and slots <= scenario["max_running"] and not preempting:
-        raise UsageError(f"--slots ({slots}) must exceed --max-running ({scenario['max_running']}) without --preempt")
+    slots, reserved = scenario.get("slots"), scenario.get("reserved", 0)
+    if slots is not None and slots < scenario["max_running"] + max(1, reserved) and not preempting:
+        raise UsageError(
+            f"--slots ({slots}) must be at least --max-running ({scenario['max_running']}) + max(1, --reserved"
+            f" ({reserved})) without --preempt"
+        )
+    try:
+        pool_sizes(SimConfig(**scenario))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     if args.fault == "skip-restore" and scenario.get("preempt") != "swap":
         raise UsageError("--fault skip-restore needs preemption by swap: --scenario swap")
     return scenario
@@ -171,7 +187,6 @@ def _simulate_all(
         cfg = SimConfig(
             model=name,
             requests=args.requests,
-            prefix_share=args.prefix_share,
             seed=args.seed,
             arrival_rate=args.arrival_rate,
             fault=args.fault,
@@ -221,4 +236,10 @@ def _table(args: argparse.Namespace, scenario: dict[str, Any], reports: list[Sim
     )
     if args.speculative:
         title += f", speculative {args.speculative} draft tokens"
+    if scenario.get("reserved") is not None:  # the reserved scenario, or --reserved: 0 too, for comparison
+        kept = ", ".join(f"{r.model} {r.checkpoints_kept}" for r in reports)
+        title += (
+            f", {scenario['reserved']} slots reserved for checkpoints (evicted for requests:"
+            f" {sum(r.evicted_for_requests for r in reports)}; fewest kept once filled: {kept})"
+        )
     return table(headers, rows, title=title)

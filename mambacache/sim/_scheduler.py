@@ -32,7 +32,7 @@ from .._pool import StatePool
 from .._tiers._prefix import PrefixCache
 from ._models import SimModel, build_model
 
-__all__ = ["FAULTS", "PREEMPT", "SCENARIOS", "SimConfig", "SimReport", "simulate"]
+__all__ = ["FAULTS", "PREEMPT", "SCENARIOS", "SimConfig", "SimReport", "pool_sizes", "simulate"]
 
 FAULTS = ("none", "skip-clear", "skip-fork", "wrong-commit", "skip-restore")
 PREEMPT = ("none", "swap", "recompute")
@@ -42,6 +42,16 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "swap": {"preempt": "swap", "slots": 5, "max_running": 6, "max_checkpoints": 1},
     "recompute": {"preempt": "recompute", "slots": 5, "max_running": 6, "max_checkpoints": 1},
     "host-tier": {"max_checkpoints": 2, "host_checkpoints": 8, "slots": 8},
+    # Slots are scarce (fewer than running requests once 2 are kept for checkpoints) and prefixes popular:
+    # admission swaps a runner out instead of evicting the checkpoints (issue #21). `--reserved 0` compares.
+    "reserved": {
+        "preempt": "swap",
+        "slots": 7,
+        "max_running": 6,
+        "max_checkpoints": 3,
+        "reserved": 2,
+        "prefix_share": 0.8,
+    },
 }
 
 
@@ -69,6 +79,7 @@ class SimConfig:
     host_checkpoints: int = 0  # > 0: evicted checkpoints move to a host tier
     preempt: str = "none"  # when slots run out: swap a long runner to host memory, or drop and recompute it
     quantum: int = 3  # steps a request runs before it may be preempted
+    reserved: int = 0  # pool slots kept for checkpoints: requests cannot take them (PrefixCache(reserved=...))
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +116,9 @@ class SimReport:
     swaps: int = 0
     recomputes: int = 0
     recomputed_tokens: int = 0
+    reserved: int = 0
+    evicted_for_requests: int = 0  # checkpoints evicted to admit a request (only those above the reservation)
+    checkpoints_kept: int = 0  # fewest device checkpoints at a step's end once max(1, reserved) were first held
 
 
 @dataclass(slots=True)
@@ -154,6 +168,8 @@ class _Scheduler:
         self.preempted: deque[_Request] = deque()
         self.forks = self.clears = self.elided = self.peak = 0
         self.swaps = self.recomputes = self.recomputed_tokens = 0
+        self.evicted_for_requests = 0
+        self.kept: int | None = None  # fewest checkpoints at a step's end since max(1, reserved) were first held
         self.manager_s = 0.0
         self.proposed = self.accepted = self.commits = 0
         self._rng = random.Random(cfg.seed + 1)
@@ -166,8 +182,14 @@ class _Scheduler:
             self.manager_s += time.perf_counter() - t0
 
     def _free_one(self) -> bool:
-        """Make a slot free, evicting the least recently used checkpoint if needed; False if none can be."""
-        return bool(self.pool.num_free) or bool(self._timed(self.cache.evict))
+        """Make a slot available to a request, evicting the least recently used checkpoint if that helps (one
+        above the reservation: a reserved one's slot stays kept for checkpoints); False if none can be."""
+        if self.pool.num_available:
+            return True
+        if self.cache.stats.device_checkpoints <= self.cache.reserved or not self._timed(self.cache.evict):
+            return False
+        self.evicted_for_requests += 1
+        return bool(self.pool.num_available)
 
     def _alloc(self, req: _Request, clear: bool | None = None) -> int:
         (slot,) = self._timed(self.mgr.alloc, 1, request_id=req.rid, clear=clear)
@@ -309,6 +331,9 @@ class _Scheduler:
             self.manager_s += time.perf_counter() - t0
             self.elided += report.elided
             self.peak = max(self.peak, self.pool.num_slots - self.pool.num_free)
+            held = self.cache.stats.device_checkpoints
+            if self.kept is not None or held >= max(1, self.cfg.reserved):
+                self.kept = held if self.kept is None else min(self.kept, held)
             finished = [r for r in self.running if self.advance(r)]
             for req in finished:
                 self._timed(self.mgr.release, req.slot, request_id=req.rid)
@@ -344,7 +369,7 @@ async def simulate(
         async with CacheManager(
             pool, executor=cfg.executor, clear_on_alloc=cfg.fault != "skip-clear", host_pool=host
         ) as mgr:
-            cache = PrefixCache(mgr, cfg.block_size, max_checkpoints, cfg.host_checkpoints)
+            cache = PrefixCache(mgr, cfg.block_size, max_checkpoints, cfg.host_checkpoints, cfg.reserved)
             sched = _Scheduler(cfg, model, mgr, pool, cache)
             steps = await sched.run(deque(workload), finished)
             cache.clear()  # the checkpoints' slots: an idle engine holds none
@@ -370,12 +395,27 @@ def _check_config(cfg: SimConfig) -> None:
         raise ValueError("the skip-restore fault needs preemption by swap (preempt='swap')")
 
 
+def pool_sizes(cfg: SimConfig) -> tuple[int, int]:
+    """The slot count and the checkpoint limit; ValueError for sizes the run cannot honour."""
+    num_slots = cfg.slots if cfg.slots is not None else cfg.max_running + max(2, cfg.max_running // 2)
+    # A request forks while the checkpoint it reads stays held: one slot beyond the runners, or the reservation's.
+    if num_slots < 2 or (cfg.preempt == "none" and num_slots < cfg.max_running + max(1, cfg.reserved)):
+        raise ValueError(
+            f"slots ({num_slots}) must be at least max_running ({cfg.max_running}) + max(1, reserved"
+            f" ({cfg.reserved})) without preemption"
+        )
+    max_checkpoints = cfg.max_checkpoints if cfg.max_checkpoints is not None else max(1, num_slots - cfg.max_running)
+    if not 0 <= cfg.reserved <= min(max_checkpoints, num_slots - 1):
+        raise ValueError(
+            f"reserved ({cfg.reserved}) must be in 0..min(max_checkpoints, slots - 1)"
+            f" = 0..{min(max_checkpoints, num_slots - 1)}"
+        )
+    return num_slots, max_checkpoints
+
+
 def _pools(cfg: SimConfig, model: SimModel) -> tuple[int, int, StatePool, HostPool | None]:
     """The slot count, the checkpoint limit, the dirty state pool and the host pool (None when unused)."""
-    num_slots = cfg.slots if cfg.slots is not None else cfg.max_running + max(2, cfg.max_running // 2)
-    if num_slots < 2 or (cfg.preempt == "none" and num_slots < cfg.max_running + 1):
-        raise ValueError(f"slots ({num_slots}) must exceed max_running ({cfg.max_running}) without preemption")
-    max_checkpoints = cfg.max_checkpoints if cfg.max_checkpoints is not None else max(1, num_slots - cfg.max_running)
+    num_slots, max_checkpoints = pool_sizes(cfg)
     pool = StatePool(model.spec, num_slots, draft_tokens=cfg.speculative + 1 if cfg.speculative else 0)
     host = None
     if cfg.host_checkpoints or cfg.preempt == "swap":
@@ -439,4 +479,7 @@ def _report(
         swaps=sched.swaps,
         recomputes=sched.recomputes,
         recomputed_tokens=sched.recomputed_tokens,
+        reserved=cfg.reserved,
+        evicted_for_requests=sched.evicted_for_requests,
+        checkpoints_kept=sched.kept or 0,
     )

@@ -483,7 +483,8 @@ def bulk_vs_loop(sizes: Sequence[int], repeats: int) -> list[dict[str, float]]:
     and of one bulk call (``commit_many`` / ``offload_many`` / ``restore_many``
     over numpy arrays, as engines hold slot ids), each followed by
     ``flush_nowait``. The two alternate within a round, so both see the same
-    machine load; ``ratio`` is loop over bulk. The executor does no device work.
+    machine load; ``ratio`` is loop over bulk (medians), ``*_min_us`` the fastest
+    round. The executor does no device work.
     """
     import numpy as np
 
@@ -504,6 +505,7 @@ def bulk_vs_loop(sizes: Sequence[int], repeats: int) -> list[dict[str, float]]:
         row: dict[str, float] = {"n": n}
         for key, ts in times.items():
             row[f"{key}_us"] = statistics.median(ts[2:]) * 1e6
+            row[f"{key}_min_us"] = min(ts[2:]) * 1e6  # the least disturbed round: robust on a loaded machine
         for kind in ("commit", "offload", "restore"):
             row[f"{kind}_ratio"] = row[f"{kind}_loop_us"] / row[f"{kind}_bulk_us"]
         out.append(row)

@@ -335,14 +335,15 @@ def test_restore_many_with_keep_reads_one_host_slot_many_times_and_frees_in_orde
 
 # -- faults: a bulk step fails at any op on any executor and is retried exactly -----
 def bulk_scenario(mgr: mc.CacheManager, slots: list[int], checkpoints: list[int]) -> None:
-    """Speculative decoding's commit, then preemption by swap and refill, as bulk calls: every host stage
-    kind (commits read before the late offloads, restores of this step's offloads become copies)."""
+    """Speculative decoding's commit, then preemption by swap and a swap-in, as bulk calls. Planned as an
+    early offload (``b``, unchanged), the commits (``a``'s also reaches ``b`` through the host), a late
+    offload (``c``, committed first) and the restores of the checkpoints."""
     a, b, c, d = slots[:4]
     mgr.commit_many([a, b, c, d], [2, 0, 1, 2])
     swapped = mgr.offload_many([a, b, c])
     mgr.release_many([a, b])
     new = mgr.alloc(2, clear=False)
-    mgr.restore_many(swapped[:2], new)
+    mgr.restore_many(swapped[:2], new[::-1])  # each into the other's old slot
     mgr.restore_many(checkpoints, [c, d], keep=True)
 
 

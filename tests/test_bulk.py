@@ -81,7 +81,9 @@ class Twin:
         return report
 
 
-KINDS = ("commit", "commit", "offload", "offload", "restore", "restore", "alloc", "alloc", "release", "flush")
+KINDS = (
+    "commit", "commit", "offload", "offload", "restore", "restore", "alloc", "alloc", "release", "flush", "cow", "drop",
+)  # fmt: skip
 # Defects a draw may add: the argument kinds are found before any state is looked at.
 ARG_DEFECTS = ("range", "float", "length", "device")
 DEFECTS = ("none", "none", "none", "none", "unheld", "host", "accepted", *ARG_DEFECTS)
@@ -171,13 +173,17 @@ def loop(twin: Twin, kind: str, args: dict[str, Any]) -> Any:
 
 
 def _ledger_call(twin: Twin, kind: str, b: int) -> Callable[[Twin], object] | None:
-    """An alloc (tenant ``a`` or ``b``, cleared or not) or a release of a live slot, as a replayable call."""
-    live = twin.pool.allocated_slots()
+    """An alloc (tenant ``a`` or ``b``, cleared or not), a release or a fork of live slots, or a drop of a
+    held host slot, as a replayable call."""
+    live, held = twin.pool.allocated_slots(), sorted(twin.host.held())
     if kind == "alloc" and twin.pool.num_free:
         return lambda t: t.mgr.alloc(1, TENANTS[b % 2], clear=b % 3 > 0)
-    if kind == "release" and live:
-        slot = live[b % len(live)]
-        return lambda t: t.mgr.release(slot)
+    if kind in ("release", "cow") and live:
+        slot, dst = live[b % len(live)], live[(b // 7) % len(live)]
+        return (lambda t: t.mgr.release(slot)) if kind == "release" else (lambda t: t.mgr.copy_on_write(slot, dst))
+    if kind == "drop" and held:
+        host = held[b % len(held)]
+        return lambda t: t.mgr.drop(host)
     return None
 
 
@@ -212,7 +218,7 @@ def test_each_bulk_form_equals_its_single_calls_in_order(
                 history.append(lambda t, step=step: t.step(step))
                 step += 1
                 continue
-            if kind in ("alloc", "release"):
+            if kind in ("alloc", "release", "cow", "drop"):
                 call = _ledger_call(many, kind, b)
                 if call is None:
                     continue

@@ -63,9 +63,15 @@ def slot_list(slots: Any, num_slots: int, allow_padding: bool = False) -> list[i
 def count_list(counts: Any, n: int, what: str) -> list[int]:
     """``counts`` as ``n`` ints: one int (numpy int, 0-d CPU tensor) for all, or ``n`` of them in any form
     :func:`slot_list` takes. Ranges are the caller's to check; bool and float are refused."""
-    if getattr(counts, "ndim", None) == 0 or not isinstance(counts, (str, bytes, Iterable)):
+    t = type(counts)
+    if t is int:
+        return [counts] * n
+    if t is list or t is tuple:  # the common forms first: the checks below cost a microsecond
+        values = list(counts)
+    elif getattr(counts, "ndim", None) == 0 or not (t.__module__ == "numpy" or isinstance(counts, Iterable)):
         return [_count(counts, what)] * n
-    values = _int_values(counts, what, InvalidArgumentError)
+    else:
+        values = _int_values(counts, what, InvalidArgumentError)
     if len(values) != n:
         raise InvalidArgumentError(f"{what}: {len(values)} values for {n} slots")
     for i, c in enumerate(values):
@@ -87,6 +93,8 @@ def _count(x: Any, what: str) -> int:
 
 def _int_values(values: Any, what: str, error: type[InvalidArgumentError]) -> list[Any]:
     """``values`` (a list, tuple, numpy array or 1-D CPU integer tensor) as a list; elements unchecked."""
+    if type(values) is list:
+        return values[:]
     if isinstance(values, torch.Tensor):
         return _host_ints(values, 1, what, error).tolist()  # type: ignore[no-any-return]
     if type(values).__module__ == "numpy" and hasattr(values, "dtype"):

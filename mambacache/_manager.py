@@ -21,10 +21,10 @@ from ._executors import Executor, resolve_executor
 from ._flush import FlushCore
 from ._host import HostPool
 from ._pool import StatePool
-from ._queue import OPEN, StepQueue
+from ._queue import OPEN, StepQueue, offload_batch, restore_batch
 from ._reserve import Reservations
 from ._runner import StepRunner
-from ._validate import as_slot, check_request_id, normalised, slot_list
+from ._validate import as_slot, check_request_id, count_list, normalised, slot_list
 
 __all__ = ["CacheManager"]
 
@@ -283,24 +283,19 @@ class CacheManager(Reservations):
 
     def clear_many(self, slots: Any, request_id: str | None = None) -> None:
         """``clear`` for each of ``slots`` (a list, numpy array or 1-D CPU int tensor), all or none."""
-        self._submit([Clear(s, request_id) for s in self._slots(slots, request_id)], checked=True)
+        self._submit([Clear(s, request_id) for s in _many(self, slots, request_id)], checked=True)
 
     def release_many(self, slots: Any, request_id: str | None = None) -> None:
         """``release`` for each of ``slots``, in order, all or none."""
-        self._submit([Release(s, request_id) for s in self._slots(slots, request_id)], checked=True)
+        self._submit([Release(s, request_id) for s in _many(self, slots, request_id)], checked=True)
 
     def copy_many(self, srcs: Any, dsts: Any, request_id: str | None = None) -> None:
         """``copy_on_write(srcs[i], dsts[i])`` for each ``i``, in order, all or none."""
-        a, b = self._slots(srcs, request_id), slot_list(dsts, self._pool.num_slots)
-        if len(a) != len(b):
-            raise InvalidArgumentError(f"copy_many: {len(a)} sources but {len(b)} destinations")
-        self._submit([CopyOnWrite(s, d, request_id) for s, d in zip(a, b, strict=True)], checked=True)
+        self._submit(_copies(self, srcs, dsts, request_id), checked=True)
 
-    def _slots(self, slots: Any, request_id: Any) -> list[int]:
-        """A bulk form's slots, as ints in range, after the checks every bulk form makes first."""
-        self.check_open()
-        check_request_id(request_id)
-        return slot_list(slots, self._pool.num_slots)
+    def commit_many(self, slots: Any, accepted: Any, request_id: str | None = None) -> None:
+        """``commit_draft(slots[i], accepted[i])`` for each ``i`` (or one ``accepted`` int for all), all or none."""
+        self._submit(_commits(self, slots, accepted, request_id), checked=True)
 
     def _submit(self, events: Any, checked: bool = False) -> None:
         # `checked`: slots and request ids are plain and in range (the hot path).
@@ -316,24 +311,30 @@ class CacheManager(Reservations):
     def offload(self, slot: int, request_id: str | None = None) -> int:
         """Copy ``slot``'s state as of this point of the event order to a free host slot; returns the host slot.
 
-        Later events on ``slot`` (a release and a new tenant, a clear) do not reach
-        the copy, so ``offload`` then ``release`` is preemption by swap. The copy
-        runs on the next flush's stream, before anything in that step writes the
-        slot. Raises :class:`PoolExhaustedError` when the host pool is full.
+        Later events on ``slot`` (a release and a new tenant, a clear) do not reach the copy, so ``offload`` then
+        ``release`` is preemption by swap. The copy runs on the next flush's stream, before anything in that step
+        writes the slot. Raises :class:`PoolExhaustedError` when the host pool is full.
         """
         _need_host(self, "offload")
         return self._queue.offload(_slot_of(self._pool, slot, request_id), request_id)
 
+    def offload_many(self, slots: Any, request_id: str | None = None) -> list[int]:
+        """``[offload(s) for s in slots]``, all or none (too few free host slots: nothing taken); the host slots."""
+        return offload_batch(self._queue, _many(self, slots, request_id, "offload_many"), request_id)
+
     def restore(self, host: int, slot: int, request_id: str | None = None, *, keep: bool = False) -> None:
         """``slot`` gets host slot ``host``'s state as of this point of the event order.
 
-        ``host`` is freed after the read unless ``keep`` (a checkpoint restored many
-        times). A host slot freed in a step is handed out again in that step only
-        when no other is free, and the planner orders this read before the offload
-        that rewrites it, so the read always sees the offloaded state.
+        ``host`` is freed after the read unless ``keep`` (a checkpoint restored many times). A host slot freed in a
+        step is handed out again in that step only when no other is free, and the planner orders this read before
+        the offload that rewrites it, so the read always sees the offloaded state.
         """
         h = _host_slot(_need_host(self, "restore"), host)
         self._queue.restore(h, _slot_of(self._pool, slot, request_id), request_id, keep)
+
+    def restore_many(self, hosts: Any, slots: Any, request_id: str | None = None, *, keep: bool = False) -> None:
+        """``restore(hosts[i], slots[i], keep=keep)`` for each ``i``, in order, all or none."""
+        restore_batch(self._queue, *_restores(self, hosts, slots, request_id), request_id, keep)
 
     def drop(self, host: int) -> None:
         """Free host slot ``host`` from this point; earlier restores still read it."""
@@ -362,6 +363,48 @@ class CacheManager(Reservations):
         """
         self.check_open()
         return self._core.flush_sync(stream)
+
+
+# -- the bulk forms' arguments: every check is made before anything is queued --------
+def _many(mgr: CacheManager, slots: Any, request_id: Any, host: str = "") -> list[int]:
+    """A bulk form's slots as ints in range, after the checks its single form makes first (``host``: it needs
+    a host pool)."""
+    if host:
+        _need_host(mgr, host)
+    mgr.check_open()
+    check_request_id(request_id)
+    return slot_list(slots, mgr.pool.num_slots)
+
+
+def _paired(what: str, firsts: list[int], seconds: list[int]) -> list[int]:
+    """``seconds``, checked to be as many as ``firsts``."""
+    if len(firsts) != len(seconds):
+        names = ("sources", "destinations") if what == "copy_many" else ("host slots", "slots")
+        raise InvalidArgumentError(f"{what}: {len(firsts)} {names[0]} but {len(seconds)} {names[1]}")
+    return seconds
+
+
+def _copies(mgr: CacheManager, srcs: Any, dsts: Any, request_id: Any) -> list[CopyOnWrite]:
+    a = _many(mgr, srcs, request_id)
+    b = _paired("copy_many", a, slot_list(dsts, mgr.pool.num_slots))
+    return [CopyOnWrite(s, d, request_id) for s, d in zip(a, b, strict=True)]
+
+
+def _commits(mgr: CacheManager, slots: Any, accepted: Any, request_id: Any) -> list[CommitDraft]:
+    """``commit_many``'s events: ``accepted`` ints (their range is the ledger's check, at each one's turn)."""
+    ss = _many(mgr, slots, request_id)
+    counts = count_list(accepted, len(ss), "accepted")
+    return [CommitDraft(s, a, request_id) for s, a in zip(ss, counts, strict=True)]
+
+
+def _restores(mgr: CacheManager, hosts: Any, slots: Any, request_id: Any) -> tuple[list[int], list[int]]:
+    """``restore_many``'s host slots and slots, in range and as many."""
+    hp = _need_host(mgr, "restore_many")
+    try:
+        hs = slot_list(hosts, hp.num_slots)
+    except InvalidSlotError as exc:
+        raise InvalidSlotError(f"host {exc}") from None
+    return hs, _paired("restore_many", hs, _many(mgr, slots, request_id))
 
 
 def _need_host(mgr: CacheManager, what: str) -> HostPool:

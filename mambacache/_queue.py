@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ._channel import Channel
     from ._runner import StepRunner
 
-__all__ = ["CLOSED", "CLOSING", "NEW", "OPEN", "StepQueue"]
+__all__ = ["CLOSED", "CLOSING", "NEW", "OPEN", "StepQueue", "offload_batch", "restore_batch"]
 
 NEW, OPEN, CLOSING, CLOSED = range(4)
 
@@ -262,7 +262,7 @@ class StepQueue:
     def _check_host_held(self, kind: str, host: int) -> None:
         assert self._host is not None
         if not self._host.held[host]:
-            raise SlotStateError(f"{kind}: host slot {host} holds no state (dropped, restored, or never offloaded)")
+            raise _host_gone(kind, host)
 
     # -- the flush's side ------------------------------------------------
     def take(self) -> tuple[list[Event], int]:
@@ -311,6 +311,59 @@ class StepQueue:
         if held or host_held:
             parts = [_listed(held, "slot"), _listed(host_held, "host slot")]
             raise SlotLeakError("; ".join(p for p in parts if p), held, host_held)
+
+
+# The bulk host forms: functions of the queue, so that the class stays one focused piece.
+def offload_batch(queue: StepQueue, slots: list[int], tenant: str | None) -> list[int]:
+    """:meth:`StepQueue.offload` of each of ``slots`` (in range), in order, in one hold: all or none.
+
+    The error is the one the first failing single call would raise: a slot not held (or another
+    tenant's) before the host pool runs out, else :class:`PoolExhaustedError`.
+    """
+    host = queue._host
+    assert host is not None
+    with queue.lock:
+        queue.check()
+        held, tenants = queue.ledger.held, queue.ledger.tenants
+        for i, s in enumerate(slots):  # offloads change no pool slot's state: one ledger serves every check
+            if not held[s] or (tenant is not None and tenants[s] != tenant):
+                if i > host.num_free:
+                    break  # one call per slot would run out of host slots first: take raises that
+                queue.ledger.check_held("Offload", s, tenant)
+        hosts = host.take(len(slots), tenant)  # the lowest first, as one take(1) per slot hands them out
+        events = [Offload(s, h, tenant) for s, h in zip(slots, hosts, strict=True)]
+        queue.events.extend(events)
+        _tracing.tracer.events(events, queue.step)
+    return hosts
+
+
+def restore_batch(queue: StepQueue, hosts: list[int], slots: list[int], tenant: str | None, keep: bool) -> None:
+    """:meth:`StepQueue.restore` of ``hosts[i]`` into ``slots[i]`` (in range, as many) for each ``i``, in one hold:
+    all or none. Without ``keep`` a host slot read earlier in the batch holds nothing for a later read."""
+    host = queue._host
+    assert host is not None
+    if type(keep) is not bool:
+        raise InvalidArgumentError(f"keep must be a bool, got {keep!r}")
+    with queue.lock:
+        queue.check()
+        host_held, held, tenants = host.held, queue.ledger.held, queue.ledger.tenants
+        read: dict[int, None] = {}  # ordered: freed in restore order, as one call each would
+        for h, s in zip(hosts, slots, strict=True):
+            if not host_held[h] or h in read:
+                raise _host_gone("Restore", h)
+            if not held[s] or (tenant is not None and tenants[s] != tenant):
+                queue.ledger.check_held("Restore", s, tenant)
+            if not keep:
+                read[h] = None
+        events = [Restore(h, s, tenant, keep) for h, s in zip(hosts, slots, strict=True)]
+        queue.events.extend(events)
+        for h in read:
+            host.free_later(h)
+        _tracing.tracer.events(events, queue.step)
+
+
+def _host_gone(kind: str, host: int) -> SlotStateError:
+    return SlotStateError(f"{kind}: host slot {host} holds no state (dropped, restored, or never offloaded)")
 
 
 def _listed(held: dict[int, str | None], what: str) -> str:

@@ -17,7 +17,7 @@ import torch
 from ._errors import InvalidArgumentError, InvalidEventError, InvalidSlotError
 from ._events import Alloc, Clear, CommitDraft, CopyOnWrite, DropHost, Offload, Release, Restore
 
-__all__ = ["as_slot", "check_request_id", "normalised", "slot_list"]
+__all__ = ["as_slot", "check_request_id", "count_list", "normalised", "slot_list"]
 
 
 def as_slot(x: Any, num_slots: int, allow_padding: bool = False) -> int:
@@ -39,35 +39,71 @@ def as_slot(x: Any, num_slots: int, allow_padding: bool = False) -> int:
     return x  # type: ignore[no-any-return]
 
 
-def _host_ints(t: torch.Tensor, ndim: int, what: str) -> torch.Tensor:
+def _host_ints(
+    t: torch.Tensor, ndim: int, what: str, error: type[InvalidArgumentError] = InvalidSlotError
+) -> torch.Tensor:
     """``t`` if it is an integer tensor of ``ndim`` dims on the host; reading a device tensor would sync."""
     if t.device.type != "cpu":
-        raise InvalidSlotError(
-            f"{what}: a {t.device.type} tensor; reading it would wait for the device, pass host data"
-        )
+        raise error(f"{what}: a {t.device.type} tensor; reading it would wait for the device, pass host data")
     if t.ndim != ndim or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        raise InvalidSlotError(f"{what} must be a {ndim}-D integer tensor, got {t.dtype} {tuple(t.shape)}")
+        raise error(f"{what} must be a {ndim}-D integer tensor, got {t.dtype} {tuple(t.shape)}")
     return t
 
 
 def slot_list(slots: Any, num_slots: int, allow_padding: bool = False) -> list[int]:
     """A list, tuple, numpy array or 1-D CPU integer tensor of slots as validated ints."""
-    if isinstance(slots, torch.Tensor):
-        values = _host_ints(slots, 1, "slots").tolist()
-    elif type(slots).__module__ == "numpy" and hasattr(slots, "dtype"):
-        kind = slots.dtype.kind
-        if getattr(slots, "ndim", 1) != 1 or kind not in "iu":
-            raise InvalidSlotError(f"slots must be a 1-D integer array, got {slots.dtype} of shape {slots.shape}")
-        values = slots.tolist()
-    elif isinstance(slots, (str, bytes)) or not isinstance(slots, Iterable):
-        raise InvalidSlotError(f"slots must be a list, numpy array or 1-D CPU int tensor, got {type(slots).__name__}")
-    else:
-        values = list(slots)
+    values = _int_values(slots, "slots", InvalidSlotError)
     low = 0 if allow_padding else 1
     for i, s in enumerate(values):
         if type(s) is not int or not low <= s <= num_slots:
             values[i] = as_slot(s, num_slots, allow_padding)
     return values
+
+
+def count_list(counts: Any, n: int, what: str) -> list[int]:
+    """``counts`` as ``n`` ints: one int (numpy int, 0-d CPU tensor) for all, or ``n`` of them in any form
+    :func:`slot_list` takes. Ranges are the caller's to check; bool and float are refused."""
+    t = type(counts)
+    if t is int:
+        return [counts] * n
+    if t is list or t is tuple:  # the common forms first: the checks below cost a microsecond
+        values = list(counts)
+    elif getattr(counts, "ndim", None) == 0 or not (t.__module__ == "numpy" or isinstance(counts, Iterable)):
+        return [_count(counts, what)] * n
+    else:
+        values = _int_values(counts, what, InvalidArgumentError)
+    if len(values) != n:
+        raise InvalidArgumentError(f"{what}: {len(values)} values for {n} slots")
+    for i, c in enumerate(values):
+        if type(c) is not int:
+            values[i] = _count(c, what)
+    return values
+
+
+def _count(x: Any, what: str) -> int:
+    if isinstance(x, torch.Tensor):
+        x = _host_ints(x, 0, what, InvalidArgumentError)
+    try:
+        if isinstance(x, (bool, float)) or (type(x).__module__ == "numpy" and "bool" in type(x).__name__):
+            raise TypeError
+        return operator.index(x)
+    except TypeError:
+        raise InvalidArgumentError(f"{what} must be an int, got {x!r}") from None
+
+
+def _int_values(values: Any, what: str, error: type[InvalidArgumentError]) -> list[Any]:
+    """``values`` (a list, tuple, numpy array or 1-D CPU integer tensor) as a list; elements unchecked."""
+    if type(values) is list:
+        return values[:]
+    if isinstance(values, torch.Tensor):
+        return _host_ints(values, 1, what, error).tolist()  # type: ignore[no-any-return]
+    if type(values).__module__ == "numpy" and hasattr(values, "dtype"):
+        if getattr(values, "ndim", 1) != 1 or values.dtype.kind not in "iu":
+            raise error(f"{what} must be a 1-D integer array, got {values.dtype} of shape {values.shape}")
+        return values.tolist()  # type: ignore[no-any-return]
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise error(f"{what} must be a list, numpy array or 1-D CPU int tensor, got {type(values).__name__}")
+    return list(values)
 
 
 def normalised(events: Iterable[Any], n: int) -> list[Any]:

@@ -45,6 +45,10 @@ def test_bench_quick_emits_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert [p["events"] for p in data["planner_scaling"]] == [10, 100, 1000, 10000]
     assert all(p["swap_us_per_event"] > 0 and p["swap+refill_us_per_event"] > 0 for p in data["planner_scaling"])
     assert "planner alone" in text
+    assert [b["n"] for b in data["bulk_vs_loop"]] == [1, 64, 1000] and "bulk forms vs single calls" in text
+    for b in data["bulk_vs_loop"]:
+        assert all(b[f"{k}_{f}_us"] > 0 for k in ("commit", "offload", "restore") for f in ("loop", "bulk"))
+        assert b["offload_ratio"] == b["offload_loop_us"] / b["offload_bulk_us"]
 
 
 def test_sharded_presets_divide_heads_and_channels_as_engines_do() -> None:

@@ -25,6 +25,7 @@ from ._presets import PRESETS, lookup, shard
 from ._run import (
     BENCH_EXECUTORS,
     Result,
+    bulk_vs_loop,
     embedding_overhead,
     host_overhead,
     host_tier_overhead,
@@ -209,6 +210,15 @@ def plot(results: list[Result], out: str) -> None:
     plt.close(fig)
 
 
+def _bulk_table(rows: list[dict[str, float]]) -> str:
+    kinds, forms = ("commit", "offload", "restore"), ("loop", "bulk")
+    return table(
+        ["n", *(f"{k} {f} us" for k in kinds for f in forms), *(f"{k} x" for k in kinds)],
+        [[b["n"], *(b[f"{k}_{f}_us"] for k in kinds for f in forms), *(b[f"{k}_ratio"] for k in kinds)] for b in rows],
+        title="bulk forms vs single calls: queue + flush of n, interleaved (x: loop / bulk)",
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     device = _check_args(args)
     presets = args.preset or (["small"] if args.quick else [p for p in PRESETS if p != "small"])
@@ -234,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
     trace = tracing_overhead(1000, repeats)
     embed = embedding_overhead(repeats)
     tier = host_tier_overhead(repeats)
-    planning = planner_scaling([10, 100, 1000, 10000], repeats)
+    planning, bulk = planner_scaling([10, 100, 1000, 10000], repeats), bulk_vs_loop([1, 64, 1000], repeats)
     info = machine(device)
     if args.json != "-":
         lines = [f"machine: {info}", "", render(results), "",
@@ -259,11 +269,12 @@ def run(args: argparse.Namespace) -> int:
                  table(["events/step", "swap us/event", "swap+refill us/event"],
                        [[p["events"], p["swap_us_per_event"], p["swap+refill_us_per_event"]] for p in planning],
                        title="planner alone: commit + offload + release per request (flat = linear)"),
+                 "\n" + _bulk_table(bulk),
                  f"({time.perf_counter() - started:.1f} s)"]  # fmt: skip
         sys.stdout.write("\n".join(lines) + "\n")
     if args.json:
         write_json(args.json, {"machine": info, "results": [r.to_json() for r in results], "host_overhead": host,
-                               "tracing_overhead": trace, "embedding_overhead": embed,
+                               "tracing_overhead": trace, "embedding_overhead": embed, "bulk_vs_loop": bulk,
                                "host_tier_overhead": tier, "planner_scaling": planning})  # fmt: skip
     if args.plot:
         plot(results, args.plot)

@@ -39,7 +39,7 @@ from .._spec import StateSpec
 from ..audit import OpAudit
 from ._presets import fit_layers, lookup
 
-__all__ = ["Result", "embedding_overhead", "host_overhead", "run_preset", "tracing_overhead"]
+__all__ = ["Result", "bulk_vs_loop", "embedding_overhead", "host_overhead", "run_preset", "tracing_overhead"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,7 +298,7 @@ class _NullExecutor:
 
     name = "null"
 
-    def execute(self, stage: Stage, tensor: torch.Tensor) -> None:
+    def execute(self, stage: Stage, tensor: torch.Tensor, draft: torch.Tensor | None = None) -> None:
         pass
 
 
@@ -469,4 +469,75 @@ def planner_scaling(sizes: Sequence[int], repeats: int) -> list[dict[str, float]
                 times.append((time.perf_counter() - t0) / len(log))
             row[f"{name}_us_per_event"] = statistics.median(times) * 1e6
         out.append(row)
+    return out
+
+
+BULK = ("loop", "bulk")
+
+
+def bulk_vs_loop(sizes: Sequence[int], repeats: int) -> list[dict[str, float]]:
+    """Host microseconds to queue and flush ``n`` commits, offloads or restores: the bulk form against the loop.
+
+    Per size ``n`` and kind, the median over ``repeats`` rounds of the loop of
+    single calls (``commit_draft`` / ``offload`` / ``restore`` over Python ints)
+    and of one bulk call (``commit_many`` / ``offload_many`` / ``restore_many``
+    over numpy arrays, as engines hold slot ids), each followed by
+    ``flush_nowait``. The two alternate within a round, so both see the same
+    machine load; ``ratio`` is loop over bulk (medians), ``*_min_us`` the fastest
+    round. The executor does no device work.
+    """
+    import numpy as np
+
+    spec = StateSpec(num_layers=1, conv_shapes=(), temporal_shape=(1,), draft_tokens=2)
+    out = []
+    for n in sizes:
+        pool, host = StatePool(spec, n), HostPool(spec, n)
+        inner = max(1, 256 // n)  # small batches repeat inside one timing, above the clock's resolution
+        times: dict[str, list[float]] = {f"{k}_{f}": [] for k in ("commit", "offload", "restore") for f in BULK}
+        with CacheManager(pool, executor=_NullExecutor(), host_pool=host) as mgr:
+            slots = mgr.alloc(n, "r")
+            mgr.flush_nowait()
+            arr, accepted = np.array(slots), np.array([1 + s % 2 for s in slots])
+            for r in range(repeats + 2):
+                for form in BULK if r % 2 else BULK[::-1]:
+                    for kind, secs in _bulk_round(mgr, form, slots, arr, accepted, inner).items():
+                        times[f"{kind}_{form}"].append(secs / inner)
+        row: dict[str, float] = {"n": n}
+        for key, ts in times.items():
+            row[f"{key}_us"] = statistics.median(ts[2:]) * 1e6
+            row[f"{key}_min_us"] = min(ts[2:]) * 1e6  # the least disturbed round: robust on a loaded machine
+        for kind in ("commit", "offload", "restore"):
+            row[f"{kind}_ratio"] = row[f"{kind}_loop_us"] / row[f"{kind}_bulk_us"]
+        out.append(row)
+    return out
+
+
+def _bulk_round(
+    mgr: CacheManager, form: str, slots: list[int], arr: Any, accepted: Any, inner: int
+) -> dict[str, float]:
+    """Seconds of ``inner`` commit, offload and restore batches (each queued then flushed) in ``form``."""
+    acc = accepted.tolist()
+    out = {"commit": 0.0, "offload": 0.0, "restore": 0.0}
+    for _ in range(inner):
+        t0 = time.perf_counter()
+        if form == "bulk":
+            mgr.commit_many(arr, accepted, "r")
+        else:
+            for s, a in zip(slots, acc, strict=True):
+                mgr.commit_draft(s, a, "r")
+        mgr.flush_nowait()
+        t1 = time.perf_counter()
+        hosts = mgr.offload_many(arr, "r") if form == "bulk" else [mgr.offload(s, "r") for s in slots]
+        mgr.flush_nowait()
+        t2 = time.perf_counter()
+        if form == "bulk":
+            mgr.restore_many(hosts, arr, "r")
+        else:
+            for h, s in zip(hosts, slots, strict=True):
+                mgr.restore(h, s, "r")
+        mgr.flush_nowait()
+        t3 = time.perf_counter()
+        out["commit"] += t1 - t0
+        out["offload"] += t2 - t1
+        out["restore"] += t3 - t2
     return out

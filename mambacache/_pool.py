@@ -105,7 +105,8 @@ def _check_adopted(
         raise InvalidArgumentError("tensors need at least 2 slots along dim 1 (slot 0 is padding)")
     pairs = [(f"draft_conv[{i}]", d, t) for i, (d, t) in enumerate(zip(drafts, conv, strict=False))]
     pairs += [("draft_temporal", drafts[-1], temporal)] if drafts else []
-    pairs += [(what, d, t) for (what, d), (_, t) in zip(draft_extra, extra, strict=True)]
+    if draft_extra:  # one per extra, in the same order (_named_extras)
+        pairs += [(what, d, t) for (what, d), (_, t) in zip(draft_extra, extra, strict=True)]
     for what, d, t in pairs:
         if d.ndim != t.ndim + 1 or d.shape[:2] != t.shape[:2] or d.shape[3:] != t.shape[2:] or d.dtype != t.dtype:
             raise InvalidArgumentError(

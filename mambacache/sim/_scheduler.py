@@ -69,6 +69,7 @@ class SimConfig:
     host_checkpoints: int = 0  # > 0: evicted checkpoints move to a host tier
     preempt: str = "none"  # when slots run out: swap a long runner to host memory, or drop and recompute it
     quantum: int = 3  # steps a request runs before it may be preempted
+    state_dtype: str = "float32"  # the toy model's states: float32, or int8 / fp8 with per-slot scales (extras)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +106,7 @@ class SimReport:
     swaps: int = 0
     recomputes: int = 0
     recomputed_tokens: int = 0
+    state_dtype: str = "float32"
 
 
 @dataclass(slots=True)
@@ -323,7 +325,7 @@ async def simulate(
 ) -> SimReport:
     """Run the workload through a CacheManager; with ``verify``, compare every request to ``generate``."""
     _check_config(cfg)
-    model = model if model is not None else build_model(cfg.model, cfg.seed)
+    model = model if model is not None else build_model(cfg.model, cfg.seed, cfg.state_dtype)
     workload = make_workload(cfg, model.vocab_size)
     if cfg.speculative:
         # The drafts' source, and the verification's reference: one isolated greedy run each.
@@ -383,7 +385,11 @@ def _pools(cfg: SimConfig, model: SimModel) -> tuple[int, int, StatePool, HostPo
     # Dirty from the start, as a pool reused across server restarts would be.
     generator = torch.Generator().manual_seed(cfg.seed)
     for t in pool.tensors:
-        t[:, 1:].normal_(generator=generator)
+        if t.dtype.is_floating_point and t.element_size() > 1:
+            t[:, 1:].normal_(generator=generator)
+        else:  # int8 / fp8 states have no normal_: spread noise over their range instead
+            noise = torch.randn(t[:, 1:].shape, generator=generator) * 40
+            t[:, 1:] = noise.clamp(-127, 127).to(t.dtype)
     return num_slots, max_checkpoints, pool, host
 
 
@@ -439,4 +445,5 @@ def _report(
         swaps=sched.swaps,
         recomputes=sched.recomputes,
         recomputed_tokens=sched.recomputed_tokens,
+        state_dtype=getattr(model, "state_dtype", "float32"),
     )

@@ -98,7 +98,8 @@ class StateSpec:
     tensor ``[num_layers, num_slots + 1, *shape]`` (``shape`` may be ``()``,
     one value per slot and layer) that every event clears, copies, offloads,
     restores and commits with the slot, exactly as the conv and temporal
-    states. Kept read-only, in name order (see ``docs/quantized.md``).
+    states. Kept read-only, in name order (``docs/engines.md``, "Quantised
+    states and their scales").
 
     ``slot_bytes`` is one slot's state (what a clear or a copy moves);
     ``memory_bytes`` adds its draft buffers (what a slot costs in memory).

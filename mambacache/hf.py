@@ -80,13 +80,8 @@ def bind_cache(
     model would never write them.
     """
     _check_transformers()
-    if pool.extra:
-        # A transformers cache layer has a conv and a recurrent state only: a forward through it would update
-        # the state and leave its scales (or any extra tensor) stale.
-        raise InvalidArgumentError(
-            f"bind_cache needs a pool without extra tensors (this one has {list(pool.extra)}): a transformers cache"
-            " holds only conv and recurrent states"
-        )
+    if pool.extra:  # a transformers cache layer has a conv and a recurrent state only: scales would go stale
+        raise InvalidArgumentError(f"bind_cache needs a pool without extra tensors (this one has {list(pool.extra)})")
     slot = as_slot(slot, pool.num_slots)
     if tokens is not None and (type(tokens) is not int or tokens < 0):
         raise InvalidArgumentError(f"tokens must be a non-negative int, got {tokens!r}")

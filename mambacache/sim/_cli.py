@@ -30,19 +30,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             " fails: any mismatch without --fault, or none with one."
         ),
     )
-    p.add_argument(
-        "--model",
-        choices=[*MODELS, "all"],
-        action="append",
-        help="repeatable; default: all three (the toy model alone with a quantised --state-dtype)",
-    )
-    p.add_argument(
-        "--state-dtype",
-        choices=list(STATE_DTYPES),
-        default="float32",
-        help="how the toy model stores its states: int8 or fp8 keep a float32 scale per slot and layer as extra"
-        " pool tensors, which must move with the slot for outputs to stay exact (default float32)",
-    )
+    _add_model_options(p)
     p.add_argument("--requests", type=int_at_least(1), default=_D.requests)
     p.add_argument("--max-running", type=int_at_least(1), default=_D.max_running)
     p.add_argument(
@@ -91,6 +79,23 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--append", action="store_true", help="append to an existing --trace file instead of refusing")
     p.set_defaults(func=run)
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    """``--model`` and the toy model's ``--state-dtype``."""
+    p.add_argument(
+        "--model",
+        choices=[*MODELS, "all"],
+        action="append",
+        help="repeatable; default: all three (the toy model alone with a quantised --state-dtype)",
+    )
+    p.add_argument(
+        "--state-dtype",
+        choices=list(STATE_DTYPES),
+        default="float32",
+        help="how the toy model stores its states: int8 or fp8 keep a float32 scale per slot and layer as extra"
+        " pool tensors, which must move with the slot for outputs to stay exact (default float32)",
+    )
 
 
 def _trace_path(base: str | None, model: str, several: bool) -> str | None:

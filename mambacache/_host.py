@@ -1,7 +1,7 @@
 """HostPool: slot states kept in host memory (offload, restore, preemption by swap).
 
-Same layout as :class:`StatePool`, one tensor per conv shape plus the temporal
-tensor, on the CPU::
+Same layout as :class:`StatePool`, one tensor per conv shape, the temporal
+tensor and one per extra (``StateSpec.extra_shapes``), on the CPU::
 
     dim 0: layer   dim 1: host slot (0 = unused)   dims 2..: the per-slot state
 
@@ -60,6 +60,9 @@ class HostPool:
         try:
             conv = [torch.zeros(*rows, *shape, dtype=spec.conv_dtype, pin_memory=pin) for shape in spec.conv_shapes]
             temporal = torch.zeros(*rows, *spec.temporal_shape, dtype=spec.temporal_dtype, pin_memory=pin)
+            extra = {
+                n: torch.zeros(*rows, *shape, dtype=d, pin_memory=pin) for n, (shape, d) in spec.extra_shapes.items()
+            }
         except (RuntimeError, MemoryError) as exc:
             total = self.spec.slot_bytes * (num_slots + 1)
             raise PoolAllocationError(
@@ -70,13 +73,14 @@ class HostPool:
         self.pinned = pin
         self.conv: list[torch.Tensor] = conv
         self.temporal: torch.Tensor = temporal
-        self.exec_tensors = [executor_view(t) for t in (*conv, temporal)]
+        self.extra: dict[str, torch.Tensor] = extra  # as StatePool.extra: name -> tensor, in spec order
+        self.exec_tensors = [executor_view(t) for t in self.tensors]
         self.ledger = SlotLedger(num_slots, "host pool")  # held host slots and their tenants; driven by the manager
 
     @property
     def tensors(self) -> list[torch.Tensor]:
-        """Every host tensor: the conv tensors, then the temporal tensor (as :attr:`StatePool.tensors`)."""
-        return [*self.conv, self.temporal]
+        """Every host tensor: the conv tensors, the temporal tensor, then the extras (as :attr:`StatePool.tensors`)."""
+        return [*self.conv, self.temporal, *self.extra.values()]
 
     @property
     def num_free(self) -> int:
@@ -112,7 +116,7 @@ class HostPool:
         return self.ledger.held_by()
 
     def compatible_with(self, spec: StateSpec) -> bool:
-        """Whether this pool holds states of ``spec`` (draft buffers aside)."""
+        """Whether this pool holds states of ``spec`` (draft buffers aside; extra tensors must match too)."""
         if not isinstance(spec, StateSpec):
             raise InvalidArgumentError(f"spec must be a StateSpec, got {type(spec).__name__}")
         return dataclasses.replace(spec, draft_tokens=0) == self.spec

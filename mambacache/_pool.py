@@ -1,6 +1,6 @@
 """StatePool: the slot tensors and the free list.
 
-Layout of each pool tensor (one per conv shape, plus the temporal tensor)::
+Layout of each pool tensor (one per conv shape, the temporal tensor, one per extra)::
 
     dim 0: layer   dim 1: slot (0 = padding)   dims 2..: the per-slot state
     +---------+---------+---------+-----+-------------------+------------------+
@@ -13,14 +13,16 @@ Layout of each pool tensor (one per conv shape, plus the temporal tensor)::
 (none of the latter by default), so the live slots stay ``1..num_slots``.
 
 ``t[l, a:b]`` is contiguous; ``t[:, a:b]`` is ``num_layers`` contiguous chunks,
-one per layer, which is what the executors coalesce runs of slots into.
+one per layer, which is what the executors coalesce runs of slots into. An extra
+tensor (``StateSpec.extra_shapes``, e.g. an int8 state's per-slot scales) has the
+same layout, so every executor carries it with the slot as one more tensor.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -49,13 +51,37 @@ def _check_pads(pad_slots: object) -> None:
         raise InvalidArgumentError(f"pad_slots must be an int >= 1 (slot 0 is always one), got {pad_slots!r}")
 
 
+def _named_extras(
+    extra: Mapping[str, torch.Tensor] | None,
+    draft_extra: Mapping[str, torch.Tensor] | None,
+    draft_temporal: torch.Tensor | None,
+) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    """``from_tensors``' extras and their draft buffers as ``(what, tensor)`` lists; checks their keys only."""
+    extra = {} if extra is None else extra
+    if not isinstance(extra, Mapping) or (draft_extra is not None and not isinstance(draft_extra, Mapping)):
+        raise InvalidArgumentError("extra and draft_extra must be mappings of name -> tensor")
+    if draft_extra is not None and draft_temporal is None:
+        raise InvalidArgumentError("draft_extra needs the state tensors' draft buffers (draft_conv, draft_temporal)")
+    if (draft_extra is not None and set(draft_extra) != set(extra)) or (
+        draft_temporal is not None and extra and draft_extra is None
+    ):
+        raise InvalidArgumentError(f"with draft buffers, give draft_extra for each extra tensor: {sorted(extra)}")
+    drafts = [(f"draft_extra[{n!r}]", draft_extra[n]) for n in extra] if draft_extra is not None else []
+    return [(f"extra[{n!r}]", t) for n, t in extra.items()], drafts
+
+
 def _check_adopted(
     conv: Sequence[torch.Tensor],
     temporal: torch.Tensor,
     draft_conv: Sequence[torch.Tensor] | None,
     draft_temporal: torch.Tensor | None,
+    extras: tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]] = ([], []),
 ) -> None:
-    """:meth:`StatePool.from_tensors`' checks of the engine's tensors, all before anything is built."""
+    """:meth:`StatePool.from_tensors`' checks of the engine's tensors, all before anything is built.
+
+    One function because every check reads the same numbered tensor list (and
+    its names for the messages) and the overlap check needs all of them.
+    """
     if isinstance(conv, torch.Tensor) or not isinstance(conv, Sequence):
         raise InvalidArgumentError(f"conv must be a sequence of tensors, got {type(conv).__name__}")
     if (draft_conv is None) != (draft_temporal is None):
@@ -63,12 +89,15 @@ def _check_adopted(
     if isinstance(draft_conv, torch.Tensor) or (draft_conv is not None and len(draft_conv) != len(conv)):
         raise InvalidArgumentError(f"draft_conv must be a sequence of {len(conv)} tensors, one per conv")
     drafts = [*draft_conv, draft_temporal] if draft_conv is not None and draft_temporal is not None else []
-    tensors = [*conv, temporal, *drafts]
-    for i, t in enumerate(tensors):
-        what = f"conv[{i}]" if i < len(conv) else "temporal" if i == len(conv) else f"draft buffer {i - len(conv) - 1}"
+    extra, draft_extra = extras
+    # (name for messages, tensor, least ndim, whether dims 0-1 must equal temporal's): drafts are checked below.
+    named = [(f"conv[{i}]", c, 3, True) for i, c in enumerate(conv)] + [("temporal", temporal, 3, True)]
+    named += [(f"draft buffer {i}", d, 3, False) for i, d in enumerate(drafts)]
+    named += [(what, t, 2, True) for what, t in extra] + [(what, t, 2, False) for what, t in draft_extra]
+    for what, t, ndim, rows in named:
         if not isinstance(t, torch.Tensor):
             raise InvalidArgumentError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
-        if t.ndim < 3:
+        if t.ndim < ndim:
             raise InvalidArgumentError(f"{what} must be [num_layers, num_slots + 1, *state], got {tuple(t.shape)}")
         if not t.is_contiguous():
             raise InvalidArgumentError(f"{what} must be contiguous (a view with strides {t.stride()} is not)")
@@ -76,14 +105,17 @@ def _check_adopted(
             raise InvalidArgumentError(f"{what} requires grad: state tensors are written in place")
         if t.device != temporal.device:
             raise InvalidArgumentError(f"{what} is on {t.device}, temporal on {temporal.device}")
-        if t.shape[:2] != temporal.shape[:2] and i <= len(conv):
+        if rows and t.shape[:2] != temporal.shape[:2]:
             raise InvalidArgumentError(
                 f"{what} has {tuple(t.shape[:2])} (layers, slots + 1), temporal {tuple(temporal.shape[:2])}"
             )
     if temporal.shape[1] < 2:
         raise InvalidArgumentError("tensors need at least 2 slots along dim 1 (slot 0 is padding)")
-    for i, (d, t) in enumerate(zip(drafts, [*conv, temporal], strict=False)):
-        what = f"draft_conv[{i}]" if i < len(conv) else "draft_temporal"
+    pairs = [(f"draft_conv[{i}]", d, t) for i, (d, t) in enumerate(zip(drafts, conv, strict=False))]
+    pairs += [("draft_temporal", drafts[-1], temporal)] if drafts else []
+    if draft_extra:  # one per extra, in the same order (_named_extras)
+        pairs += [(what, d, t) for (what, d), (_, t) in zip(draft_extra, extra, strict=True)]
+    for what, d, t in pairs:
         if d.ndim != t.ndim + 1 or d.shape[:2] != t.shape[:2] or d.shape[3:] != t.shape[2:] or d.dtype != t.dtype:
             raise InvalidArgumentError(
                 f"{what} is {tuple(d.shape)} {d.dtype}; [num_layers, num_slots + 1, draft_tokens, *state] of"
@@ -93,14 +125,18 @@ def _check_adopted(
             raise InvalidArgumentError("every draft buffer needs the same draft_tokens (at least 1)")
     if len({c.dtype for c in conv}) > 1:
         raise InvalidArgumentError(f"conv tensors must share one dtype, got {[c.dtype for c in conv]}")
+    tensors = [t for _, t, _, _ in named]
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i) for i, t in enumerate(tensors))
     for (_, end, i), (start, _, j) in itertools.pairwise(spans):
         if start < end:
-            raise InvalidArgumentError(f"pool tensors {min(i, j)} and {max(i, j)} overlap in memory")
+            raise InvalidArgumentError(
+                f"pool tensors {named[min(i, j)][0]} and {named[max(i, j)][0]} overlap in memory"
+            )
 
 
 class StatePool:
-    """Per-layer conv and temporal state for ``num_slots`` slots plus ``pad_slots`` padding slots.
+    """Per-layer conv and temporal state (and any extra tensors) for ``num_slots`` slots plus ``pad_slots``
+    padding slots.
 
     Invariants: the padding slots (``pad_ids``: slot 0, then any after slot
     ``num_slots``) are never handed out or written by mambacache, so a padded
@@ -118,6 +154,10 @@ class StatePool:
     ``backlog`` (device work a failed flush left) and ``exec_tensors`` /
     ``exec_drafts`` (what executors are handed: the same storage as ``tensors``
     and ``draft_tensors``, as integer views where a dtype needs one).
+
+    ``extra`` / ``draft_extra`` map each name of ``spec.extra_shapes`` to its
+    tensor (and draft buffer); they are in ``tensors`` / ``draft_tensors`` after
+    the temporal one, so every event moves them with the slot.
     """
 
     def __init__(
@@ -140,18 +180,23 @@ class StatePool:
         try:
             conv = [torch.zeros(*rows, *shape, dtype=spec.conv_dtype, device=dev) for shape in spec.conv_shapes]
             temporal = torch.zeros(*rows, *spec.temporal_shape, dtype=spec.temporal_dtype, device=dev)
+            extra = {n: torch.zeros(*rows, *shape, dtype=d, device=dev) for n, (shape, d) in spec.extra_shapes.items()}
             draft_conv: list[torch.Tensor] = []
             draft_temporal: torch.Tensor | None = None
+            draft_extra: dict[str, torch.Tensor] = {}
             if spec.draft_tokens:
                 draft_conv = [
                     torch.zeros(*drafts, *shape, dtype=spec.conv_dtype, device=dev) for shape in spec.conv_shapes
                 ]
                 draft_temporal = torch.zeros(*drafts, *spec.temporal_shape, dtype=spec.temporal_dtype, device=dev)
+                draft_extra = {
+                    n: torch.zeros(*drafts, *shape, dtype=d, device=dev) for n, (shape, d) in spec.extra_shapes.items()
+                }
         except (RuntimeError, MemoryError) as exc:  # torch reports out-of-memory and size overflow as these
             raise PoolAllocationError(
                 f"could not allocate a pool of {num_slots} slots ({total:,} bytes) on {dev}: {failure_reason(exc)}"
             ) from None
-        self._init(spec, conv, temporal, draft_conv, draft_temporal, pad_slots)
+        self._init(spec, conv, temporal, draft_conv, draft_temporal, extra, draft_extra, pad_slots)
 
     def _init(
         self,
@@ -160,6 +205,8 @@ class StatePool:
         temporal: torch.Tensor,
         draft_conv: list[torch.Tensor] | None = None,
         draft_temporal: torch.Tensor | None = None,
+        extra: Mapping[str, torch.Tensor] | None = None,
+        draft_extra: Mapping[str, torch.Tensor] | None = None,
         pad_slots: int = 1,
     ) -> None:
         self.spec = spec
@@ -167,8 +214,10 @@ class StatePool:
         # writes the state after draft token j at index j; CommitDraft copies one back.
         self.draft_conv: list[torch.Tensor] = list(draft_conv or [])
         self.draft_temporal: torch.Tensor | None = draft_temporal
-        self.exec_drafts = (
-            [executor_view(t) for t in (*self.draft_conv, draft_temporal)] if draft_temporal is not None else []
+        # In the spec's (name) order: tensors are matched by position everywhere else.
+        self.extra: dict[str, torch.Tensor] = {n: extra[n] for n in spec.extra_shapes} if extra else {}
+        self.draft_extra: dict[str, torch.Tensor] = (
+            {n: draft_extra[n] for n in spec.extra_shapes} if draft_extra and draft_temporal is not None else {}
         )
         self.num_slots = temporal.shape[1] - pad_slots
         self.pad_slots = pad_slots
@@ -178,7 +227,8 @@ class StatePool:
         self.conv: list[torch.Tensor] = conv
         self.temporal: torch.Tensor = temporal
         # What executors are handed: the same storage, as integer views where needed.
-        self.exec_tensors = [executor_view(t) for t in (*conv, temporal)]
+        self.exec_tensors = [executor_view(t) for t in self.tensors]
+        self.exec_drafts = [executor_view(t) for t in self.draft_tensors]
         self.ledger = SlotLedger(self.num_slots)  # held slots and tenants; driven by the manager under its lock
         self.backlog = Backlog()
 
@@ -190,6 +240,8 @@ class StatePool:
         *,
         draft_conv: Sequence[torch.Tensor] | None = None,
         draft_temporal: torch.Tensor | None = None,
+        extra: Mapping[str, torch.Tensor] | None = None,
+        draft_extra: Mapping[str, torch.Tensor] | None = None,
         pad_slots: int = 1,
     ) -> StatePool:
         """Adopt engine-owned ``[num_layers, num_slots + 1, *state]`` tensors: same storage, no copy.
@@ -205,15 +257,23 @@ class StatePool:
         ``[num_layers, num_slots + 1, draft_tokens, *state]``, matching the state
         tensors' shapes and dtypes, given together.
 
+        ``extra`` adopts named per-slot tensors of any dtype and of at least 2
+        dims, ``[num_layers, num_slots + 1, *shape]`` (an fp8 or int8 state's
+        scales, which engines keep apart from the state), as
+        ``StateSpec.extra_shapes``; with draft buffers, ``draft_extra`` gives
+        theirs, ``[num_layers, num_slots + 1, draft_tokens, *shape]``, same names.
+
         ``pad_slots=k``: the last ``k - 1`` slots along dim 1 are padding too (see
         :class:`StatePool`), for an engine that reserved dummy rows there.
         """
-        _check_adopted(conv, temporal, draft_conv, draft_temporal)
+        extras = _named_extras(extra, draft_extra, draft_temporal)
+        _check_adopted(conv, temporal, draft_conv, draft_temporal, extras)
         _check_pads(pad_slots)
         if temporal.shape[1] - pad_slots < 1:
             raise InvalidArgumentError(
                 f"{temporal.shape[1]} slots along dim 1 leave no live slot beside {pad_slots} padding slot(s)"
             )
+        adopted = dict(extra or {})
         spec = StateSpec(
             num_layers=temporal.shape[0],
             conv_shapes=[tuple(c.shape[2:]) for c in conv],
@@ -221,9 +281,10 @@ class StatePool:
             conv_dtype=conv[0].dtype if conv else torch.bfloat16,
             temporal_dtype=temporal.dtype,
             draft_tokens=draft_temporal.shape[2] if draft_temporal is not None else 0,
+            extra_shapes={n: (tuple(t.shape[2:]), t.dtype) for n, t in adopted.items()},
         )
         pool = cls.__new__(cls)
-        pool._init(spec, list(conv), temporal, list(draft_conv or []), draft_temporal, pad_slots)
+        pool._init(spec, list(conv), temporal, list(draft_conv or []), draft_temporal, adopted, draft_extra, pad_slots)
         return pool
 
     @classmethod
@@ -256,13 +317,16 @@ class StatePool:
 
     @property
     def draft_tensors(self) -> list[torch.Tensor]:
-        """Every draft buffer, matching :attr:`tensors`: the conv ones, then the temporal one (empty without)."""
-        return [*self.draft_conv, self.draft_temporal] if self.draft_temporal is not None else []
+        """Every draft buffer, matching :attr:`tensors`: the conv ones, the temporal one, the extras' (empty
+        without)."""
+        if self.draft_temporal is None:
+            return []
+        return [*self.draft_conv, self.draft_temporal, *self.draft_extra.values()]
 
     @property
     def tensors(self) -> list[torch.Tensor]:
-        """Every pool tensor: the conv tensors, then the temporal tensor."""
-        return [*self.conv, self.temporal]
+        """Every pool tensor: the conv tensors, the temporal tensor, then the extra tensors in ``spec`` order."""
+        return [*self.conv, self.temporal, *self.extra.values()]
 
     @property
     def num_free(self) -> int:

@@ -75,8 +75,13 @@ def bind_cache(
     one), so the model's positions follow the state, not the cache object's
     history; then :func:`check_seq_length` runs. Leave it None only to rebind a
     cache whose count is already right.
+
+    A pool with extra tensors (``StateSpec.extra_shapes``) is refused: the
+    model would never write them.
     """
     _check_transformers()
+    if pool.extra:  # a transformers cache layer has a conv and a recurrent state only: scales would go stale
+        raise InvalidArgumentError(f"bind_cache needs a pool without extra tensors (this one has {list(pool.extra)})")
     slot = as_slot(slot, pool.num_slots)
     if tokens is not None and (type(tokens) is not int or tokens < 0):
         raise InvalidArgumentError(f"tokens must be a non-negative int, got {tokens!r}")

@@ -32,7 +32,7 @@ from mambacache._planner import Stage
 from .oracle import SequentialOracle
 from .strategies import events_from_ops, ops
 from .sweep import fault_points
-from .util import SPEC, VARIANTS, FaultAt, drive, fill_random, small_spec
+from .util import SPEC, SPECS, VARIANTS, FaultAt, drive, fill_random, small_spec
 
 
 def swap_via_temp(mgr: mc.CacheManager, slots: list[int]) -> None:
@@ -71,9 +71,12 @@ def three_cycle(mgr: mc.CacheManager, slots: list[int]) -> None:
 SCENARIOS = {"swap": swap_via_temp, "mixed": mixed_step, "three-cycle": three_cycle}
 
 
-def run_scenario(make: Callable[[], mc.Executor], scenario: str, at: int, exc: type[BaseException]) -> int:
-    """Run the scenario with a fault before op ``at`` (0: none); returns the ops the flush ran."""
-    pool = mc.StatePool(SPEC, 9)
+def run_scenario(
+    make: Callable[[], mc.Executor], scenario: str, at: int, exc: type[BaseException], spec: mc.StateSpec = SPEC
+) -> int:
+    """Run the scenario with a fault before op ``at`` (0: none) on a pool of ``spec``; returns the ops the flush
+    ran."""
+    pool = mc.StatePool(spec, 9)
     with mc.CacheManager(pool, executor=make()) as mgr:
         slots = mgr.alloc(8)
         mgr.flush_nowait()
@@ -103,15 +106,16 @@ def _queued(mgr: mc.CacheManager) -> list[Any]:
     return mgr.queued()
 
 
+@pytest.mark.parametrize("spec", sorted(SPECS))
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_a_fault_at_every_op_then_one_flush_is_exact(variant: str, scenario: str) -> None:
+def test_a_fault_at_every_op_then_one_flush_is_exact(variant: str, scenario: str, spec: str) -> None:
     make = VARIANTS[variant]
-    total = run_scenario(make, scenario, 0, MemoryError)
+    total = run_scenario(make, scenario, 0, MemoryError, SPECS[spec])
     assert total > 0
     excs: list[type[BaseException]] = [MemoryError, RuntimeError, KeyboardInterrupt]
     for at in fault_points(total):
-        run_scenario(make, scenario, at, excs[at % len(excs)])
+        run_scenario(make, scenario, at, excs[at % len(excs)], SPECS[spec])
 
 
 def test_the_sweep_samples_both_ends_and_the_middle_and_runs_every_op_under_the_switch(
@@ -171,12 +175,19 @@ class Flaky:
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-@given(raw=ops, fail_at=st.sets(st.integers(1, 40), max_size=5), seed=st.integers(0, 99))
+@given(
+    raw=ops,
+    fail_at=st.sets(st.integers(1, 40), max_size=5),
+    seed=st.integers(0, 99),
+    spec=st.sampled_from(sorted(SPECS)),
+)
 @settings(max_examples=25)
-def test_faults_lose_nothing(variant: str, raw: list[tuple[str, int, int]], fail_at: set[int], seed: int) -> None:
+def test_faults_lose_nothing(
+    variant: str, raw: list[tuple[str, int, int]], fail_at: set[int], seed: int, spec: str
+) -> None:
     async def main() -> None:
         n = 8
-        pool = mc.StatePool(SPEC, n)
+        pool = mc.StatePool(SPECS[spec], n)
         flaky = Flaky(VARIANTS[variant](), fail_at)
         async with mc.CacheManager(pool, executor=flaky, max_failed_flushes=100) as mgr:
             flaky.armed = True

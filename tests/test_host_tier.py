@@ -23,7 +23,7 @@ from mambacache._planner import (
 from .oracle import SequentialOracle
 from .strategies import host_ops
 from .sweep import fault_points
-from .util import VARIANTS, Driver, FaultAt, fill_random, small_spec
+from .util import SPECS, VARIANTS, Driver, FaultAt, fill_random, small_spec
 
 N, H = 10, 6
 SPEC = small_spec()
@@ -54,8 +54,8 @@ def test_plan_examples() -> None:
 
 
 # -- through the manager, on every executor ---------------------------------------
-def _open(executor: Any) -> tuple[mc.StatePool, mc.HostPool, mc.CacheManager]:
-    pool, host = mc.StatePool(SPEC, N), mc.HostPool(SPEC, H)
+def _open(executor: Any, spec: mc.StateSpec = SPEC) -> tuple[mc.StatePool, mc.HostPool, mc.CacheManager]:
+    pool, host = mc.StatePool(spec, N), mc.HostPool(spec, H)
     return pool, host, mc.CacheManager(pool, executor=executor, host_pool=host, max_failed_flushes=1000)
 
 
@@ -70,12 +70,12 @@ def _started(mgr: mc.CacheManager, seed: int) -> tuple[SequentialOracle, Driver]
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-@given(raw=host_ops, seed=st.integers(0, 2**16))
+@given(raw=host_ops, seed=st.integers(0, 2**16), spec=st.sampled_from(sorted(SPECS)))
 @settings(max_examples=30)
 def test_host_events_match_sequential_on_every_executor(
-    variant: str, raw: list[tuple[str, int, int]], seed: int
+    variant: str, raw: list[tuple[str, int, int]], seed: int, spec: str
 ) -> None:
-    pool, host, mgr = _open(VARIANTS[variant]())
+    pool, host, mgr = _open(VARIANTS[variant](), SPECS[spec])
     with mgr:
         oracle, drive = _started(mgr, seed)
         step = 0
@@ -83,7 +83,7 @@ def test_host_events_match_sequential_on_every_executor(
             if kind == "flush":
                 report = mgr.flush_nowait()
                 oracle.assert_matches(pool, host)
-                assert report.bytes_offloaded == report.offloaded * SPEC.slot_bytes
+                assert report.bytes_offloaded == report.offloaded * pool.spec.slot_bytes
                 drive.forward(step)
                 step += 1
             else:
@@ -105,8 +105,8 @@ def host_scenario(mgr: mc.CacheManager, slots: list[int], h0: int) -> None:
     mgr.drop(h0)
 
 
-def run_host_scenario(variant: str, at: int, exc: type[BaseException]) -> int:
-    pool, host, mgr = _open(VARIANTS[variant]())
+def run_host_scenario(variant: str, at: int, exc: type[BaseException], spec: mc.StateSpec = SPEC) -> int:
+    pool, host, mgr = _open(VARIANTS[variant](), spec)
     with mgr:
         slots = mgr.alloc(8)
         mgr.flush_nowait()
@@ -133,13 +133,14 @@ def run_host_scenario(variant: str, at: int, exc: type[BaseException]) -> int:
         return mode.ops
 
 
+@pytest.mark.parametrize("spec", sorted(SPECS))
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_a_fault_at_every_op_of_a_host_step_loses_nothing(variant: str) -> None:
-    total = run_host_scenario(variant, 0, MemoryError)
+def test_a_fault_at_every_op_of_a_host_step_loses_nothing(variant: str, spec: str) -> None:
+    total = run_host_scenario(variant, 0, MemoryError, SPECS[spec])
     assert total > 0
     excs: list[type[BaseException]] = [MemoryError, RuntimeError, KeyboardInterrupt]
     for at in fault_points(total):
-        run_host_scenario(variant, at, excs[at % len(excs)])
+        run_host_scenario(variant, at, excs[at % len(excs)], SPECS[spec])
 
 
 class FlakyHost:

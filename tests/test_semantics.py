@@ -13,9 +13,10 @@ from mambacache._executors._torch import TorchExecutor
 
 from .oracle import SequentialOracle
 from .strategies import events_from_ops, ops
-from .util import drive, fill_random, small_spec
+from .util import drive, fill_random, quant_spec, small_spec, step_value
 
 N = 10
+SPECS = {"plain": small_spec(), "quantized": quant_spec()}  # the extras follow the same semantics as conv/temporal
 
 
 def executors() -> dict[str, object]:
@@ -38,8 +39,10 @@ def executors() -> dict[str, object]:
 EXECUTORS = executors()
 
 
-async def run_steps(executor: object, raw: list[tuple[str, int, int]], initially: set[int], seed: int) -> None:
-    pool = mc.StatePool(small_spec(), N)
+async def run_steps(
+    executor: object, raw: list[tuple[str, int, int]], initially: set[int], seed: int, spec: mc.StateSpec
+) -> None:
+    pool = mc.StatePool(spec, N)
     async with mc.CacheManager(pool, executor=executor) as mgr:
         if initially:
             mgr.alloc(len(initially))
@@ -53,20 +56,21 @@ async def run_steps(executor: object, raw: list[tuple[str, int, int]], initially
             oracle.assert_matches(pool)
             # A forward step writes into every live slot between flushes.
             for s in pool.allocated_slots():
-                value = float(step * 100 + s)
+                value = step_value(step, s)
                 oracle.write(s, value)
                 for t in pool.tensors:
                     t[:, s] = value
 
 
+@pytest.mark.parametrize("spec", sorted(SPECS))
 @pytest.mark.parametrize("name", list(EXECUTORS))
 @given(raw=ops, initially=st.sets(st.integers(1, N), max_size=6), seed=st.integers(0, 2**16))
 @settings(max_examples=100)
 def test_executor_matches_sequential(
-    name: str, raw: list[tuple[str, int, int]], initially: set[int], seed: int
+    name: str, spec: str, raw: list[tuple[str, int, int]], initially: set[int], seed: int
 ) -> None:
     # `alloc` picks the slot, so the strategy's own choice is replaced by the manager's.
-    anyio.run(run_steps, EXECUTORS[name], _lowest_free_allocs(raw), initially, seed)
+    anyio.run(run_steps, EXECUTORS[name], _lowest_free_allocs(raw), initially, seed, SPECS[spec])
 
 
 def _lowest_free_allocs(raw: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:

@@ -12,6 +12,8 @@ import torch
 
 import mambacache as mc
 from mambacache._cli import main
+from mambacache._executors._torch import TorchExecutor
+from mambacache._planner import HostStage, Stage
 from mambacache.hf import cache_keyword
 from mambacache.sim import SimConfig, build_model, simulate
 
@@ -87,6 +89,66 @@ def test_speculative_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert "speculative 2 draft tokens" in out and "accepted" in out
     assert main(["simulate", "--model", "toy", "--requests", "8", "--speculative", "2", "--fault", "wrong-commit"]) == 0
     assert main(["simulate", "--model", "toy", "--fault", "wrong-commit"]) == 2
+
+
+class ForgetsScales(TorchExecutor):
+    """Runs every stage on the states only: the 2-d pool tensors (the toy's per-slot scales) stay behind."""
+
+    name = "forgets-scales"
+
+    def execute_stage(self, stage: Stage, tensors: list[torch.Tensor]) -> bool:
+        states = [t for t in tensors if t.ndim > 2]
+        return not states or super().execute_stage(stage, states)
+
+    def execute(self, stage: Stage, tensor: torch.Tensor, draft: torch.Tensor | None = None) -> None:
+        if tensor.ndim > 2:
+            super().execute(stage, tensor, draft)
+
+    def execute_host(self, stage: HostStage, tensor: torch.Tensor, host: torch.Tensor) -> None:
+        if tensor.ndim > 2:
+            super().execute_host(stage, tensor, host)
+
+
+@pytest.mark.parametrize("state_dtype", ["int8", "fp8"])
+def test_quantised_toy_states_with_per_slot_scales_stay_exact(state_dtype: str) -> None:
+    """The toy model storing its states as int8 / fp8 with a float scale per slot and layer (extra pool tensors):
+    clears, forks, swaps, host checkpoints and speculative commits leave every request exactly as its isolated
+    run of the same quantised model; a skipped clear, or an executor that leaves the scales behind, is caught."""
+    from mambacache.sim import SCENARIOS
+
+    m = build_model("toy", state_dtype=state_dtype)
+    assert m.spec.extra_shapes == {"conv_scale": ((), torch.float32), "state_scale": ((), torch.float32)}
+    assert m.spec.temporal_dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[state_dtype]
+    runs = {
+        "prefix": {},
+        "swap": SCENARIOS["swap"],
+        "host-tier": SCENARIOS["host-tier"],
+        "speculative": {"speculative": 3},
+    }
+    for name, overrides in runs.items():
+        r = anyio.run(simulate, SimConfig(model="toy", requests=24, state_dtype=state_dtype, **overrides), m)
+        assert (r.completed, r.mismatches, r.state_dtype) == (24, 0, state_dtype), name
+    assert r.commits > 0
+    bad = anyio.run(simulate, SimConfig(model="toy", requests=24, state_dtype=state_dtype, fault="skip-clear"), m)
+    assert bad.mismatches > 0
+    for overrides in ({}, SCENARIOS["swap"]):
+        cfg = SimConfig(model="toy", requests=24, state_dtype=state_dtype, executor=ForgetsScales(), **overrides)  # type: ignore[arg-type]
+        assert anyio.run(simulate, cfg, m).mismatches > 0
+
+
+def test_state_dtype_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.json"
+    assert main(["simulate", "--state-dtype", "int8", "--requests", "12", "--json", str(out)]) == 0  # toy alone
+    assert "int8 states with per-slot scales" in capsys.readouterr().out
+    (report,) = json.loads(out.read_text())
+    assert (report["model"], report["state_dtype"], report["mismatches"]) == ("toy", "int8", 0)
+    assert main(["simulate", "--state-dtype", "fp8", "--requests", "12", "--fault", "skip-clear"]) == 0  # caught
+    assert main(["simulate", "--state-dtype", "fp8", "--model", "mamba2"]) == 2
+    assert "for the toy model" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="toy model"):
+        build_model("qwen3-next", state_dtype="int8")
+    with pytest.raises(ValueError, match="unknown state dtype"):
+        build_model("toy", state_dtype="int4")
 
 
 def test_simulate_cli_json_and_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

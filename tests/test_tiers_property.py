@@ -33,9 +33,12 @@ from mambacache._tiers._prefix import CHECKPOINT_TENANT
 from .sweep import fault_points
 from .util import VARIANTS, FaultAt
 
+# Extra tensors (a quantised state's scales) ride along as more pool, draft and host tensors; integer dtypes, since
+# every element of a slot holds its tag exactly.
 SPEC = mc.StateSpec(
-    num_layers=2, conv_shapes=[(6, 3), (5, 2)], temporal_shape=(2, 3), conv_dtype=torch.float32, draft_tokens=2
-)
+    num_layers=2, conv_shapes=[(6, 3), (5, 2)], temporal_shape=(2, 3), conv_dtype=torch.float32, draft_tokens=2,
+    extra_shapes={"conv_scale": ((), torch.int32), "ssm_scale": ((3,), torch.int16)},
+)  # fmt: skip
 B = 2
 # Shared first blocks (a chain of checkpoints along one prompt, siblings under one parent) and enough distinct
 # prefixes (10) to fill small tiers several times over.

@@ -26,10 +26,32 @@ def small_spec(layers: int = 3) -> mc.StateSpec:
     return mc.StateSpec(num_layers=layers, conv_shapes=[(6, 3), (5, 2)], temporal_shape=(2, 3, 4))
 
 
+def quant_spec(layers: int = 3, draft_tokens: int = 0) -> mc.StateSpec:
+    """small_spec's shapes stored quantised: an int8 conv state, an fp8 temporal state, and per-slot scales as
+    extra tensors of two more dtypes, one of them a single value per slot and layer (shape ``()``)."""
+    return mc.StateSpec(
+        num_layers=layers,
+        conv_shapes=[(6, 3), (5, 2)],
+        temporal_shape=(2, 3, 4),
+        conv_dtype=torch.int8,
+        temporal_dtype=torch.float8_e4m3fn,
+        extra_shapes={"conv_scale": ((), torch.float32), "ssm_scale": ((2,), torch.bfloat16)},
+        draft_tokens=draft_tokens,
+    )
+
+
+def step_value(step: int, slot: int) -> float:
+    """What a forward step writes into ``slot``: distinct per slot in a step and from the step before, and in
+    range for every test dtype (an int8 state overflows past 127; fp8 rounds, identically in oracle and pool)."""
+    return float((step * 100 + slot) % 127)
+
+
 def fill_random(pool: mc.StatePool, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     for t in pool.tensors:
-        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype) + 1.0)
+        noise = torch.randn(t.shape, generator=g)
+        # Integer states (int8) get a wide spread: rounded small noise would be mostly zeros, as if cleared.
+        t.copy_((noise + 1.0 if t.dtype.is_floating_point else (noise * 40).clamp(-127, 127)).to(t.dtype))
 
 
 def drive(
@@ -73,6 +95,7 @@ def drive(
 
 # -- fault injection (tests/sweep.py says which ops) ---------------------
 SPEC = small_spec()
+SPECS = {"plain": SPEC, "quantized": quant_spec()}  # the fault sweeps run on both: extras are more tensors
 ROW = max(SPEC.layer_bytes())  # the largest state of one slot in one layer, in bytes
 
 
@@ -149,7 +172,7 @@ class Driver:
     def forward(self, step: int) -> None:
         """A forward writes every live slot between flushes."""
         for s in self.mgr.pool.allocated_slots():
-            value = float(step * 100 + s)
+            value = step_value(step, s)
             self.oracle.write(s, value)
             for t in self.mgr.pool.tensors:
                 t[:, s] = value

@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 
 from .._console import Progress, UsageError, check_output_path, float_in, int_at_least, table, write_json
-from ._models import MODELS, build_model
+from ._models import MODELS, STATE_DTYPES, build_model
 from ._scheduler import FAULTS, PREEMPT, SCENARIOS, SimConfig, SimReport, pool_sizes, simulate
 
 __all__ = ["add_parser", "run"]
@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             " fails: any mismatch without --fault, or none with one."
         ),
     )
-    p.add_argument("--model", choices=[*MODELS, "all"], action="append", help="repeatable; default: all three")
+    _add_model_options(p)
     p.add_argument("--requests", type=int_at_least(1), default=_D.requests)
     p.add_argument("--max-running", type=int_at_least(1), default=_D.max_running)
     p.add_argument(
@@ -89,6 +89,23 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=run)
 
 
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    """``--model`` and the toy model's ``--state-dtype``."""
+    p.add_argument(
+        "--model",
+        choices=[*MODELS, "all"],
+        action="append",
+        help="repeatable; default: all three (the toy model alone with a quantised --state-dtype)",
+    )
+    p.add_argument(
+        "--state-dtype",
+        choices=list(STATE_DTYPES),
+        default="float32",
+        help="how the toy model stores its states: int8 or fp8 keep a float32 scale per slot and layer as extra"
+        " pool tensors, which must move with the slot for outputs to stay exact (default float32)",
+    )
+
+
 def _trace_path(base: str | None, model: str, several: bool) -> str | None:
     if base is None or not several:
         return base
@@ -97,11 +114,15 @@ def _trace_path(base: str | None, model: str, several: bool) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    quantised = args.state_dtype != "float32"
+    default = ["toy"] if quantised else ["all"]
     models = list(
         dict.fromkeys(
-            m for choice in (args.model or ["all"]) for m in (DEFAULT_MODELS if choice == "all" else [choice])
+            m for choice in (args.model or default) for m in (DEFAULT_MODELS if choice == "all" else [choice])
         )
     )
+    if quantised and models != ["toy"]:
+        raise UsageError(f"--state-dtype {args.state_dtype} is for the toy model: the others keep float32 states")
     scenario = _scenario(args)
     check_output_path(args.json)
     traces = _traces(args, models)
@@ -195,9 +216,10 @@ def _simulate_all(
             trace=traces[name],
             speculative=args.speculative,
             draft_accuracy=args.draft_accuracy,
+            state_dtype=args.state_dtype,
             **scenario,
         )
-        model = build_model(name, args.seed)
+        model = build_model(name, args.seed, args.state_dtype)
         reports.append(anyio.run(simulate, cfg, model, lambda _r, n=name: progress.advance(1, n)))
     progress.close()
     return reports
@@ -242,4 +264,6 @@ def _table(args: argparse.Namespace, scenario: dict[str, Any], reports: list[Sim
             f", {scenario['reserved']} slots reserved for checkpoints (evicted for requests:"
             f" {sum(r.evicted_for_requests for r in reports)}; fewest kept once filled: {kept})"
         )
+    if args.state_dtype != "float32":
+        title += f", {args.state_dtype} states with per-slot scales"
     return table(headers, rows, title=title)

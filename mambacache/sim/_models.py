@@ -19,9 +19,12 @@ from .._spec import StateSpec
 from ..hf import bind_cache, cache_keyword, check_seq_length
 from ..hf import drop_tokens as hf_drop_tokens
 
-__all__ = ["MODELS", "HFModel", "SimModel", "ToyModel", "build_model"]
+__all__ = ["MODELS", "STATE_DTYPES", "HFModel", "SimModel", "ToyModel", "build_model"]
 
 MODELS = ("toy", "mamba2", "qwen3-next")
+# How the toy model stores its states; a quantised one keeps a float32 scale per slot and layer beside each.
+STATE_DTYPES = {"float32": torch.float32, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}  # the largest magnitude each stores
 
 
 class SimModel(abc.ABC):
@@ -66,11 +69,32 @@ class SimModel(abc.ABC):
 
 
 class ToyModel(SimModel):
-    """A tiny recurrent LM in plain torch: a causal conv and a decaying outer-product state per layer."""
+    """A tiny recurrent LM in plain torch: a causal conv and a decaying outer-product state per layer.
+
+    ``state_dtype="int8"`` or ``"fp8"`` stores both states quantised, each with a
+    float32 scale per slot and layer in an extra pool tensor (``conv_scale``,
+    ``state_scale``, shape ``()``): a forward reads ``q * scale`` and writes back
+    ``q = x / scale`` with ``scale = max|x| / qmax``. Its isolated ``generate``
+    runs the same quantised model, so a pool that moves the scales with the
+    states matches it exactly, and one that drops them does not.
+    """
 
     name = "toy"
 
-    def __init__(self, seed: int = 0, vocab: int = 97, dim: int = 16, layers: int = 2, kernel: int = 3) -> None:
+    def __init__(
+        self,
+        seed: int = 0,
+        vocab: int = 97,
+        dim: int = 16,
+        layers: int = 2,
+        kernel: int = 3,
+        state_dtype: str = "float32",
+    ) -> None:
+        if state_dtype not in STATE_DTYPES:
+            raise ValueError(f"unknown state dtype {state_dtype!r}; choose from {tuple(STATE_DTYPES)}")
+        dtype = STATE_DTYPES[state_dtype]
+        self.state_dtype = state_dtype
+        self._qmax = _QMAX.get(dtype)
         g = torch.Generator().manual_seed(seed)
         self.vocab_size = vocab
         self.emb = torch.randn(vocab, dim, generator=g)
@@ -80,36 +104,62 @@ class ToyModel(SimModel):
             num_layers=layers,
             conv_shapes=[(dim, kernel)],
             temporal_shape=(dim, dim),
-            conv_dtype=torch.float32,
-            temporal_dtype=torch.float32,
+            conv_dtype=dtype,
+            temporal_dtype=dtype,
+            extra_shapes={"conv_scale": ((), torch.float32), "state_scale": ((), torch.float32)} if self._qmax else {},
         )
 
     def new_context(self) -> dict[str, list[torch.Tensor]]:
-        layers = self.spec.num_layers
-        conv, temporal = self.spec.conv_shapes[0], self.spec.temporal_shape
-        return {
-            "conv": [torch.zeros(conv) for _ in range(layers)],
-            "state": [torch.zeros(temporal) for _ in range(layers)],
+        layers, spec = self.spec.num_layers, self.spec
+        ctx = {
+            "conv": [torch.zeros(spec.conv_shapes[0], dtype=spec.conv_dtype) for _ in range(layers)],
+            "state": [torch.zeros(spec.temporal_shape, dtype=spec.temporal_dtype) for _ in range(layers)],
         }
+        for name in spec.extra_shapes:
+            ctx[name] = [torch.zeros(()) for _ in range(layers)]  # scale 0: a zero state, as a cleared slot holds
+        return ctx
 
     def bind(self, ctx: Any, pool: StatePool, slot: int, seen: int) -> None:
-        ctx["conv"] = [pool.conv[0][layer, slot] for layer in range(self.spec.num_layers)]
-        ctx["state"] = [pool.temporal[layer, slot] for layer in range(self.spec.num_layers)]
+        layers = range(self.spec.num_layers)
+        ctx["conv"] = [pool.conv[0][layer, slot] for layer in layers]
+        ctx["state"] = [pool.temporal[layer, slot] for layer in layers]
+        for name, t in pool.extra.items():
+            ctx[name] = [t[layer, slot] for layer in layers]
 
     def bind_draft(self, ctx: Any, pool: StatePool, slot: int, j: int, seen: int) -> None:
         assert pool.draft_temporal is not None
-        ctx["conv"] = [pool.draft_conv[0][layer, slot, j] for layer in range(self.spec.num_layers)]
-        ctx["state"] = [pool.draft_temporal[layer, slot, j] for layer in range(self.spec.num_layers)]
+        layers = range(self.spec.num_layers)
+        ctx["conv"] = [pool.draft_conv[0][layer, slot, j] for layer in layers]
+        ctx["state"] = [pool.draft_temporal[layer, slot, j] for layer in layers]
+        for name, t in pool.draft_extra.items():
+            ctx[name] = [t[layer, slot, j] for layer in layers]
+
+    def _load(self, ctx: Any, name: str, layer: int) -> torch.Tensor:
+        """State ``name`` of ``layer`` as float32: the bound view itself, or ``q * scale`` when quantised."""
+        q: torch.Tensor = ctx[name][layer]
+        return q if self._qmax is None else q.float() * ctx[f"{name}_scale"][layer]
+
+    def _store(self, ctx: Any, name: str, layer: int, value: torch.Tensor) -> None:
+        """Write ``value`` into state ``name`` of ``layer``, quantised with a fresh scale when the model is."""
+        q = ctx[name][layer]
+        if self._qmax is None:
+            q.copy_(value)
+            return
+        scale = value.abs().amax().clamp_min(1e-12) / self._qmax
+        ctx[f"{name}_scale"][layer].copy_(scale)
+        scaled = value / scale
+        q.copy_(scaled.round().clamp(-127, 127) if q.dtype == torch.int8 else scaled)
 
     def forward(self, ctx: Any, tokens: list[int], seen: int) -> int:
         x = self.emb[0]
         for token in tokens:
             x = self.emb[token]
             for layer in range(self.spec.num_layers):
-                conv, state = ctx["conv"][layer], ctx["state"][layer]
-                conv.copy_(torch.cat([conv[:, 1:], x[:, None]], dim=1))
+                conv = torch.cat([self._load(ctx, "conv", layer)[:, 1:], x[:, None]], dim=1)
+                self._store(ctx, "conv", layer, conv)
                 c = (conv * self.conv_w[layer]).sum(-1)
-                state.mul_(0.9).add_(torch.outer(c, torch.tanh(self.mix[layer] @ c)))
+                state = self._load(ctx, "state", layer) * 0.9 + torch.outer(c, torch.tanh(self.mix[layer] @ c))
+                self._store(ctx, "state", layer, state)
                 x = torch.tanh(state @ c) + x
         return int((self.emb @ x).argmax())
 
@@ -222,11 +272,14 @@ class HFModel(SimModel):
         return [int(t) for t in out[0, len(prompt) :]]
 
 
-def build_model(name: str, seed: int = 0) -> SimModel:
+def build_model(name: str, seed: int = 0, state_dtype: str = "float32") -> SimModel:
     """The simulator's model ``name`` (``toy``, ``mamba2``, ``qwen3-next``), random weights from ``seed``, built
-    locally: nothing is downloaded."""
+    locally: nothing is downloaded. ``state_dtype`` (``float32``, ``int8``, ``fp8``): how the toy model stores
+    its states; the transformers models keep float32 states."""
     if name == "toy":
-        return ToyModel(seed)
+        return ToyModel(seed, state_dtype=state_dtype)
+    if state_dtype != "float32":
+        raise ValueError(f"state_dtype {state_dtype!r} is for the toy model; {name} keeps float32 states")
     if name in ("mamba2", "qwen3-next"):
         try:
             return HFModel(name, seed)

@@ -80,6 +80,7 @@ class SimConfig:
     preempt: str = "none"  # when slots run out: swap a long runner to host memory, or drop and recompute it
     quantum: int = 3  # steps a request runs before it may be preempted
     reserved: int = 0  # pool slots kept for checkpoints: requests cannot take them (PrefixCache(reserved=...))
+    state_dtype: str = "float32"  # the toy model's states: float32, or int8 / fp8 with per-slot scales (extras)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +120,7 @@ class SimReport:
     reserved: int = 0
     evicted_for_requests: int = 0  # checkpoints evicted to admit a request (only those above the reservation)
     checkpoints_kept: int = 0  # fewest device checkpoints at a step's end once max(1, reserved) were first held
+    state_dtype: str = "float32"
 
 
 @dataclass(slots=True)
@@ -348,7 +350,7 @@ async def simulate(
 ) -> SimReport:
     """Run the workload through a CacheManager; with ``verify``, compare every request to ``generate``."""
     _check_config(cfg)
-    model = model if model is not None else build_model(cfg.model, cfg.seed)
+    model = model if model is not None else build_model(cfg.model, cfg.seed, cfg.state_dtype)
     workload = make_workload(cfg, model.vocab_size)
     if cfg.speculative:
         # The drafts' source, and the verification's reference: one isolated greedy run each.
@@ -423,7 +425,11 @@ def _pools(cfg: SimConfig, model: SimModel) -> tuple[int, int, StatePool, HostPo
     # Dirty from the start, as a pool reused across server restarts would be.
     generator = torch.Generator().manual_seed(cfg.seed)
     for t in pool.tensors:
-        t[:, 1:].normal_(generator=generator)
+        if t.dtype.is_floating_point and t.element_size() > 1:
+            t[:, 1:].normal_(generator=generator)
+        else:  # int8 / fp8 states have no normal_: spread noise over their range instead
+            noise = torch.randn(t[:, 1:].shape, generator=generator) * 40
+            t[:, 1:] = noise.clamp(-127, 127).to(t.dtype)
     return num_slots, max_checkpoints, pool, host
 
 
@@ -482,4 +488,5 @@ def _report(
         reserved=cfg.reserved,
         evicted_for_requests=sched.evicted_for_requests,
         checkpoints_kept=sched.kept or 0,
+        state_dtype=getattr(model, "state_dtype", "float32"),
     )

@@ -12,7 +12,7 @@ import anyio
 
 from .._console import Progress, UsageError, check_output_path, float_in, int_at_least, table, write_json
 from ._models import MODELS, build_model
-from ._scheduler import FAULTS, PREEMPT, SCENARIOS, SimConfig, SimReport, simulate
+from ._scheduler import CHECKPOINTS, FAULTS, PREEMPT, SCENARIOS, SimConfig, SimReport, simulate
 
 __all__ = ["add_parser", "run"]
 
@@ -71,6 +71,20 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--host-checkpoints", type=int_at_least(0), default=None, help="checkpoints kept in host memory once evicted"
     )
     p.add_argument("--preempt", choices=PREEMPT, default=None, help="what to do when slots run out")
+    p.add_argument(
+        "--checkpoint",
+        choices=CHECKPOINTS,
+        default=_D.checkpoint,
+        help="where prefills checkpoint: every block boundary (grid, default), or those and the end of the system"
+        " prompt wherever it falls in a block (junction)",
+    )
+    p.add_argument(
+        "--adapters",
+        type=int_at_least(0),
+        default=_D.adapters,
+        metavar="N",
+        help="requests run under one of N adapters or none (equal ids, another state); the prefix cache keys by it",
+    )
     p.add_argument("--executor", default=None, help="torch, npu or reference (default: by device)")
     p.add_argument("--no-verify", action="store_true", help="skip the isolated-generation check")
     p.add_argument("--json", metavar="PATH", help="write the reports as JSON ('-' for stdout)")
@@ -133,6 +147,8 @@ def _scenario(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"--slots ({slots}) must exceed --max-running ({scenario['max_running']}) without --preempt")
     if args.fault == "skip-restore" and scenario.get("preempt") != "swap":
         raise UsageError("--fault skip-restore needs preemption by swap: --scenario swap")
+    if args.fault == "ignore-key" and not args.adapters:
+        raise UsageError("--fault ignore-key needs --adapters N")
     return scenario
 
 
@@ -180,6 +196,8 @@ def _simulate_all(
             trace=traces[name],
             speculative=args.speculative,
             draft_accuracy=args.draft_accuracy,
+            checkpoint=args.checkpoint,
+            adapters=args.adapters,
             **scenario,
         )
         model = build_model(name, args.seed)
@@ -196,29 +214,38 @@ def _table(args: argparse.Namespace, scenario: dict[str, Any], reports: list[Sim
          r.host_offloads, r.swaps or r.recomputes,
          f"{r.peak_slots_in_use}/{r.num_slots}", r.steps, r.tokens_per_s, f"{100 * r.manager_overhead_fraction:.1f}%"]
         + ([f"{r.drafts_accepted}/{r.drafts_proposed}", r.commits] if args.speculative else [])
+        + ([r.cross_key_hits] if args.adapters else [])
         for r in reports
     ]  # fmt: skip
-    headers = [
-        "model",
-        "done",
-        "mismatch",
-        "forks",
-        "hits",
-        "saved",
-        "clears",
-        "elided",
-        "evicted",
-        "to host",
-        "swaps" if scenario.get("preempt") != "recompute" else "recomputes",
-        "peak",
-        "steps",
-        "tok/s",
-        "mgr",
-    ] + (["accepted", "commits"] if args.speculative else [])
+    headers = (
+        [
+            "model",
+            "done",
+            "mismatch",
+            "forks",
+            "hits",
+            "saved",
+            "clears",
+            "elided",
+            "evicted",
+            "to host",
+            "swaps" if scenario.get("preempt") != "recompute" else "recomputes",
+            "peak",
+            "steps",
+            "tok/s",
+            "mgr",
+        ]
+        + (["accepted", "commits"] if args.speculative else [])
+        + (["x-key hits"] if args.adapters else [])
+    )
     title = (
         f"mambacache simulate: scenario {args.scenario}, {args.requests} requests, max running"
         f" {scenario['max_running']}, fault {args.fault}"
     )
     if args.speculative:
         title += f", speculative {args.speculative} draft tokens"
+    if args.checkpoint != _D.checkpoint:
+        title += f", checkpoints at the {args.checkpoint}"
+    if args.adapters:
+        title += f", {args.adapters} adapters"
     return table(headers, rows, title=title)

@@ -71,6 +71,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--host-checkpoints", type=int_at_least(0), default=None, help="checkpoints kept in host memory once evicted"
     )
     p.add_argument("--preempt", choices=PREEMPT, default=None, help="what to do when slots run out")
+    _add_prefix_options(p)
+    p.add_argument("--executor", default=None, help="torch, npu or reference (default: by device)")
+    p.add_argument("--no-verify", action="store_true", help="skip the isolated-generation check")
+    p.add_argument("--json", metavar="PATH", help="write the reports as JSON ('-' for stdout)")
+    p.add_argument(
+        "--trace", metavar="PATH", help="write the slot lifecycle trace (JSON lines; one file per model when several)"
+    )
+    p.add_argument("--append", action="store_true", help="append to an existing --trace file instead of refusing")
+    p.set_defaults(func=run)
+
+
+def _add_prefix_options(p: argparse.ArgumentParser) -> None:
+    """Where the prefix cache's checkpoints go, and the extra key it keys them by."""
     p.add_argument(
         "--checkpoint",
         choices=CHECKPOINTS,
@@ -85,14 +98,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="N",
         help="requests run under one of N adapters or none (equal ids, another state); the prefix cache keys by it",
     )
-    p.add_argument("--executor", default=None, help="torch, npu or reference (default: by device)")
-    p.add_argument("--no-verify", action="store_true", help="skip the isolated-generation check")
-    p.add_argument("--json", metavar="PATH", help="write the reports as JSON ('-' for stdout)")
-    p.add_argument(
-        "--trace", metavar="PATH", help="write the slot lifecycle trace (JSON lines; one file per model when several)"
-    )
-    p.add_argument("--append", action="store_true", help="append to an existing --trace file instead of refusing")
-    p.set_defaults(func=run)
 
 
 def _trace_path(base: str | None, model: str, several: bool) -> str | None:

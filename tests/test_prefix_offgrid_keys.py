@@ -561,3 +561,27 @@ def test_trace_notes_carry_json_safe_keys_only(tmp_path: Any) -> None:
     analysis = tracing.analyze(path)
     assert analysis.anomalies == [] and analysis.bad_lines == []
     assert analysis.summary["prefix_hits"] == 3 and analysis.summary["prefix_inserts"] == 3
+
+
+def test_a_hit_survives_the_merge_of_its_edge_and_goes_stale_when_its_checkpoint_leaves() -> None:
+    """[1 2 3] and [1 2 9] share a branch node [1 2] that holds nothing. Evicting [1 2 9] merges the branch into
+    [1 2 3]: a hit taken before still forks it exactly. Evicting [1 2 3] too (no host tier) makes the hit stale."""
+    pool, mgr, cache = _cache(max_checkpoints=2)
+    (s,) = mgr.alloc(1, request_id="a")
+    for tokens, value in (([1, 2, 3], 3.0), ([1, 2, 9], 9.0)):
+        mgr.flush_nowait()
+        fill(pool, s, value)
+        assert cache.insert(tokens, s)
+    mgr.flush_nowait()
+    assert [len(n.children) for _, t, n in cache._trie.nodes() if t == (1, 2)] == [2]
+    hit = cache.match([1, 2, 3, 4])  # [1 2 9] is now the least recently used
+    assert hit is not None and hit.length == 3
+    assert cache.insert([5], s)  # evicts [1 2 9]: the empty branch [1 2] merges into [1 2 3]
+    assert sorted(t for _, t, _ in cache._trie.nodes()) == [(1, 2, 3), (5,)]
+    check_shape(cache)
+    assert _fork_value(pool, mgr, cache, hit) == 3.0
+    assert cache.insert([6], s) and cache.insert([7], s)  # [1 2 3] evicted and dropped
+    with pytest.raises(mc.StaleHitError):
+        cache.fork(hit)
+    assert hit._node is not None and not hit._node.live
+    check_shape(cache)

@@ -17,6 +17,7 @@ from mambacache import tracing
 SPEC = mc.StateSpec(num_layers=2, conv_shapes=[(6, 3), (5, 2)], temporal_shape=(2, 3), conv_dtype=torch.float32)
 B = 2  # block size
 PROMPTS = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 9, 9], [1, 2, 7, 7, 7, 7], [8, 8, 8, 8, 8, 8]]
+KEYS = (None, None, "lora-a", 7)  # extra keys: the same prompt under another key is another prefix
 
 OPS = ("admit", "admit", "insert", "insert", "fork", "release", "cow", "clear", "flush", "flush", "evict")
 prefix_ops = st.lists(
@@ -41,7 +42,8 @@ class Model:
     def __init__(self) -> None:
         self.slots: dict[int, float] = {}  # running slot -> the value it must hold
         self.prompt: dict[int, list[int]] = {}
-        self.checkpoints: dict[tuple[int, ...], float] = {}  # every prefix ever checkpointed -> its value
+        self.key: dict[int, Any] = {}  # running slot -> the extra key its prompt runs under
+        self.checkpoints: dict[tuple[Any, tuple[int, ...]], float] = {}  # every (key, prefix) checkpointed -> value
         self.tag = 1.0
 
     def fresh(self) -> float:
@@ -58,13 +60,13 @@ def run(raw: list[tuple[str, int, int]], num_slots: int, max_ckpt: int, host_ckp
         for kind, a, b in raw:
             running = sorted(model.slots)
             if kind == "admit":
-                prompt = PROMPTS[a % len(PROMPTS)]
-                hit = cache.match(prompt[:-1])
+                prompt, space = PROMPTS[a % len(PROMPTS)], KEYS[b % len(KEYS)]
+                hit = cache.match(prompt[:-1], key=space)
                 try:
                     if hit is not None:
-                        assert hit.length % B == 0 and 0 < hit.length <= len(prompt) - 1
-                        key = tuple(prompt[: hit.length])
-                        assert key in model.checkpoints, "a hit on a prefix never inserted"
+                        assert 0 < hit.length <= len(prompt) - 1
+                        key = (space, tuple(prompt[: hit.length]))
+                        assert key in model.checkpoints, "a hit on a prefix never inserted under that key"
                         slot = cache.fork(hit, request_id=f"r{a}")
                         model.slots[slot] = model.checkpoints[key]
                     else:
@@ -72,20 +74,21 @@ def run(raw: list[tuple[str, int, int]], num_slots: int, max_ckpt: int, host_ckp
                         model.slots[slot] = 0.0
                 except mc.PoolExhaustedError:
                     continue
-                model.prompt[slot] = prompt
+                model.prompt[slot], model.key[slot] = prompt, space
             elif kind == "insert" and running:
                 slot = running[a % len(running)]
-                n = B * (1 + b % 3)
-                if cache.insert(model.prompt[slot][:n], slot):
-                    model.checkpoints[tuple(model.prompt[slot][:n])] = model.slots[slot]
+                n = 1 + b % 6  # on the block grid and off it
+                if cache.insert(model.prompt[slot][:n], slot, key=model.key[slot]):
+                    model.checkpoints[model.key[slot], tuple(model.prompt[slot][:n])] = model.slots[slot]
             elif kind == "fork" and running:
                 # Match and fork in separate calls with other events in between: the hit stays exact.
-                prompt = model.prompt[running[a % len(running)]]
-                hit = cache.match(prompt)
+                owner = running[a % len(running)]
+                prompt, space = model.prompt[owner], model.key[owner]
+                hit = cache.match(prompt, key=space)
                 if hit is not None and running:
                     victim = running[b % len(running)]
                     mgr.release(victim)
-                    del model.slots[victim], model.prompt[victim]
+                    del model.slots[victim], model.prompt[victim], model.key[victim]
                     try:
                         slot = cache.fork(hit)
                     except mc.StaleHitError:
@@ -93,17 +96,17 @@ def run(raw: list[tuple[str, int, int]], num_slots: int, max_ckpt: int, host_ckp
                         continue
                     except mc.PoolExhaustedError:
                         continue
-                    model.slots[slot] = model.checkpoints[tuple(prompt[: hit.length])]
-                    model.prompt[slot] = prompt
+                    model.slots[slot] = model.checkpoints[space, tuple(prompt[: hit.length])]
+                    model.prompt[slot], model.key[slot] = prompt, space
             elif kind == "release" and running:
                 slot = running[a % len(running)]
                 mgr.release(slot)
-                del model.slots[slot], model.prompt[slot]
+                del model.slots[slot], model.prompt[slot], model.key[slot]
             elif kind == "cow" and len(running) > 1:
                 src, dst = running[a % len(running)], running[b % len(running)]
                 mgr.copy_on_write(src, dst)
                 model.slots[dst] = model.slots[src]
-                model.prompt[dst] = model.prompt[src]
+                model.prompt[dst], model.key[dst] = model.prompt[src], model.key[src]
             elif kind == "clear" and running:
                 slot = running[a % len(running)]
                 mgr.clear(slot)
@@ -209,9 +212,13 @@ def test_a_checkpoint_evicted_after_a_fork_in_the_same_step_still_feeds_it() -> 
 def test_bad_input_is_refused_and_changes_nothing() -> None:
     _pool, mgr, cache = _cache()
     (s,) = mgr.alloc(1)
-    for bad in ([1], [], [1, 2, 3]):
-        with pytest.raises(mc.InvalidArgumentError, match="multiple of block_size"):
-            cache.insert(bad, s)
+    with pytest.raises(mc.InvalidArgumentError, match="at least one token"):
+        cache.insert([], s)
+    for bad_key in ([1], {"a": 1}, {2}):
+        with pytest.raises(mc.InvalidArgumentError, match="key must be hashable"):
+            cache.insert([1, 2], s, key=bad_key)
+        with pytest.raises(mc.InvalidArgumentError, match="key must be hashable"):
+            cache.match([1, 2], key=bad_key)
     with pytest.raises(mc.SlotStateError):
         cache.insert([1, 2], 5)
     with pytest.raises(mc.InvalidArgumentError, match="tokens must be"):
@@ -357,15 +364,12 @@ def test_insert_with_a_bad_slot_is_a_typed_error_that_changes_nothing(bad: Any) 
 
 
 def trie(cache: mc.PrefixCache) -> dict[tuple[int, ...], tuple[str, int]]:
-    """Every checkpoint the cache holds: its prefix -> (tier, pool or host slot)."""
-    out: dict[tuple[int, ...], tuple[str, int]] = {}
-    stack: list[tuple[Any, tuple[int, ...]]] = [(cache._root, ())]
-    while stack:
-        node, prefix = stack.pop()
-        if node.slot or node.host:
-            out[prefix] = ("device", node.slot) if node.slot else ("host", node.host)
-        stack += [(child, prefix + key) for key, child in node.children.items()]
-    return out
+    """Every checkpoint the cache holds under the default key: its prefix -> (tier, pool or host slot)."""
+    return {
+        prefix: ("device", node.slot) if node.slot else ("host", node.host)
+        for space, prefix, node in cache._trie.nodes()
+        if space is None and (node.slot or node.host)
+    }
 
 
 def host_value(host: mc.HostPool, h: int) -> float:
@@ -430,7 +434,10 @@ def test_every_public_call_with_a_bad_argument_is_a_typed_error_that_changes_not
             ],
             *[(lambda r=r: cache.fork(hit, request_id=r), mc.InvalidArgumentError) for r in (1, b"r", ["r"])],
             # insert: the tokens, then the slot
-            *[(lambda t=t: cache.insert(t, s), mc.InvalidArgumentError) for t in ([], [3], [3, 3, 3], "ab", [3.0, 3])],
+            *[(lambda t=t: cache.insert(t, s), mc.InvalidArgumentError) for t in ([], "ab", [3.0, 3], [3, None])],
+            # the extra key: hashable, checked before the slot and before any eviction
+            *[(lambda k=k: cache.insert([3], s, key=k), mc.InvalidArgumentError) for k in ([1], {}, {1}, ([1],))],
+            *[(lambda k=k: cache.match([2, 2], key=k), mc.InvalidArgumentError) for k in ([1], {}, {1}, ([1],))],
             *[
                 (lambda v=v: cache.insert([3, 3], v), mc.InvalidSlotError)
                 for v in (1.0, "1", None, True, np.float64(1), np.bool_(True), torch.tensor([1]), 0, 99, -1)

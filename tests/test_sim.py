@@ -307,3 +307,55 @@ def test_the_trace_of_a_host_tier_run_is_clean_and_idle(scenario: str, tmp_path:
     assert main(["trace", str(trace), "--expect-idle"]) == 0  # every slot and host slot given back, no anomaly
     summary = mc.tracing.analyze(trace, expect_idle=True).summary
     assert summary["offloads"] > 0 and summary["restores"] > 0 and summary["host_held_at_end"] == 0
+
+
+def test_junction_checkpoints_hit_a_system_prompt_off_the_block_grid() -> None:
+    """Issue #21: system prompts of 8 tokens. With blocks of 16 the grid has no checkpoint inside them (vllm#40696:
+    no hit at all); with blocks of 3 its deepest one is at 6. Checkpoints at the junction hit at 8, losslessly."""
+    reports = {
+        (block, policy): run(model="toy", requests=32, block_size=block, checkpoint=policy)
+        for block in (16, 3)
+        for policy in ("grid", "junction")
+    }
+    for report in reports.values():
+        assert (report.completed, report.mismatches) == (32, 0)
+    grid, junction = reports[16, "grid"], reports[16, "junction"]
+    assert grid.prefix_hits == 0 and junction.prefix_hits > 0 and junction.tokens_saved >= 8 * junction.prefix_hits
+    grid, junction = reports[3, "grid"], reports[3, "junction"]
+    assert grid.prefix_hits > 0 and grid.tokens_saved < junction.tokens_saved
+
+
+def test_adapters_key_the_prefix_cache_and_ignoring_the_key_is_caught() -> None:
+    """Requests under another adapter compute other states from equal ids: keyed, no fork crosses adapters and every
+    output matches; with the key ignored, forks cross adapters and outputs go wrong."""
+    good = run(model="toy", requests=40, adapters=2)
+    assert (good.completed, good.mismatches, good.cross_key_hits) == (40, 0, 0) and good.prefix_hits > 0
+    bad = run(model="toy", requests=40, adapters=2, fault="ignore-key")
+    assert bad.cross_key_hits > 0 and bad.mismatches > 0
+    with pytest.raises(ValueError, match="ignore-key fault needs adapters"):
+        run(model="toy", fault="ignore-key")
+    with pytest.raises(ValueError, match="unknown checkpoint policy"):
+        run(model="toy", checkpoint="everywhere")
+
+
+@pytest.mark.parametrize("model", ["mamba2", "qwen3-next"])
+def test_real_models_junction_checkpoints_under_adapters_are_lossless(model: str) -> None:
+    r = anyio.run(
+        simulate,
+        SimConfig(model=model, requests=16, block_size=16, checkpoint="junction", adapters=2),
+        build_model(model),
+    )
+    assert (r.completed, r.mismatches, r.cross_key_hits) == (16, 0, 0) and r.prefix_hits > 0
+
+
+def test_checkpoint_and_adapter_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    args = ["simulate", "--model", "toy", "--requests", "16", "--block-size", "16", "--checkpoint", "junction"]
+    assert main([*args, "--adapters", "2", "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoints at the junction, 2 adapters" in out and "x-key hits" in out
+    assert main(["trace", str(trace), "--expect-idle"]) == 0
+    keys = {json.loads(line).get("key") for line in trace.read_text().splitlines()}
+    assert keys == {None, 1, 2}  # the adapters' notes carry their key; the base model's carry none
+    assert main(["simulate", "--model", "toy", "--requests", "40", "--adapters", "2", "--fault", "ignore-key"]) == 0
+    assert main(["simulate", "--model", "toy", "--fault", "ignore-key"]) == 2

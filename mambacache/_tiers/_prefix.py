@@ -1,4 +1,4 @@
-"""PrefixCache: prefix states checkpointed at block boundaries, with LRU eviction and a host tier.
+"""PrefixCache: prefix states checkpointed at any token length, per extra key, with LRU eviction and a host tier.
 
 Every operation is a manager event in the one queue (a fork is a copy-on-write
 or a restore, a checkpoint is a copy-on-write into a slot of the cache's own, an
@@ -11,7 +11,7 @@ same step still feeds that fork, and a restore reads what the offload wrote.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,7 @@ from .. import _tracing
 from .._errors import InvalidArgumentError, PoolExhaustedError, SlotStateError, StaleHitError
 from .._manager import CacheManager
 from .._validate import as_slot, check_request_id
+from ._trie import Trie, _Node
 
 __all__ = ["CHECKPOINT_TENANT", "PrefixCache", "PrefixHit", "PrefixStats"]
 
@@ -40,24 +41,9 @@ def _reserve(manager: CacheManager, reserved: Any, max_checkpoints: int) -> int:
     return reserved
 
 
-class _Node:
-    """One block of tokens in the trie; holds a checkpoint of the prefix ending here, or not."""
-
-    __slots__ = ("below", "children", "host", "key", "length", "live", "parent", "payload", "slot")
-
-    def __init__(self, parent: _Node | None, key: tuple[int, ...], length: int) -> None:
-        self.parent, self.key, self.length = parent, key, length
-        self.children: dict[tuple[int, ...], _Node] = {}
-        self.slot = 0  # the device checkpoint's pool slot, or 0
-        self.host = 0  # the host checkpoint's host slot, or 0
-        self.payload: Any = None
-        self.below = 0  # device checkpoints strictly below this node: 0 makes it a leaf for eviction
-        self.live = True  # False once pruned from the trie: hits on it are stale
-
-
 @dataclass(frozen=True, slots=True)
 class PrefixHit:
-    """The longest cached prefix of a ``match``: ``length`` tokens, on the ``"device"`` or ``"host"`` tier.
+    """The deepest cached prefix of a ``match``: ``length`` tokens, on the ``"device"`` or ``"host"`` tier.
 
     ``payload`` is what ``insert`` was given with the checkpoint (an engine's
     attention KV handle, say). Pass the hit to :meth:`PrefixCache.fork`.
@@ -93,20 +79,25 @@ class PrefixStats:
 
 
 class PrefixCache:
-    """Prefix states of block-aligned token prefixes, in checkpoint slots of the manager's pool.
+    """Prefix states of token prefixes of any length, per extra key, in checkpoint slots of the manager's pool.
 
     Invariants:
 
-    * a checkpoint of ``tokens[:n]`` (``n`` a multiple of ``block_size``) holds
-      the state of the slot given to ``insert`` as of that call, in the event
-      order; it is never written again, so any later fork reads exactly that;
+    * a checkpoint of ``tokens`` (any positive length: on the ``block_size``
+      grid or off it) under ``key`` holds the state of the slot given to
+      ``insert`` as of that call, in the event order; it is never written
+      again, so any later fork reads exactly that;
+    * ``match(tokens, key=k)`` sees only checkpoints inserted under a key equal
+      to ``k`` (dict-key equality): equal token ids under different extra
+      inputs never share a state;
     * at most ``max_checkpoints`` checkpoints hold pool slots (a budget apart
       from running requests), and at most ``host_checkpoints`` hold host slots;
       requests never take the ``reserved`` slots, so an insert below that many finds one;
     * eviction takes the least recently used *leaf*: a device checkpoint with no
-      device checkpoint below it in the trie, so a chain of checkpoints along one
-      prompt shrinks from its end; with ``host_checkpoints > 0`` the evicted
-      state moves to the host tier, and a later hit restores it;
+      device checkpoint of a longer prefix extending it (under its key), so a
+      chain of checkpoints along one prompt shrinks from its end; with
+      ``host_checkpoints > 0`` the evicted state moves to the host tier, and a
+      later hit restores it;
     * a hit stays usable until its checkpoint leaves both tiers; ``fork`` on a
       hit whose checkpoint is gone raises :class:`StaleHitError`;
     * every public call checks all its arguments, and that the manager takes
@@ -114,7 +105,10 @@ class PrefixCache:
       (a typed error of :mod:`mambacache`) leaves the cache, the pool and the
       host pool as they were.
 
-    Not thread-safe: use it from the task or thread that schedules steps.
+    ``block_size`` is the engine's block grid, kept for the callers that
+    checkpoint on it (the simulator's grid policy); the cache itself takes
+    checkpoints at any length. Not thread-safe: use it from the task or thread
+    that schedules steps.
     """
 
     def __init__(
@@ -139,7 +133,7 @@ class PrefixCache:
         self.block_size = block_size
         self.max_checkpoints = max_checkpoints
         self.host_checkpoints = host_checkpoints
-        self._root = _Node(None, (), 0)
+        self._trie = Trie()
         self._device: OrderedDict[_Node, None] = OrderedDict()  # least recently used first
         self._host: OrderedDict[_Node, None] = OrderedDict()
         self._counts = dict.fromkeys(
@@ -157,32 +151,25 @@ class PrefixCache:
         """Checkpoints held, on both tiers."""
         return len(self._device) + len(self._host)
 
-    def match(self, tokens: Sequence[int]) -> PrefixHit | None:
-        """The longest block-aligned prefix of ``tokens`` with a checkpoint on either tier, or None.
+    def match(self, tokens: Sequence[int], *, key: Hashable = None) -> PrefixHit | None:
+        """The deepest checkpoint under ``key`` whose tokens are a prefix of ``tokens``, on either tier, or None.
 
         A hit may cover all of ``tokens``; an engine that needs a token left to run
         (for the next logits) matches ``tokens[:-1]``.
         """
         tokens = self._tokens(tokens)
-        best: _Node | None = None
-        node = self._root
-        for key in self._blocks(tokens, len(tokens) // self.block_size):
-            child = node.children.get(key)
-            if child is None:
-                break
-            node = child
-            if node.slot or node.host:
-                best = node
+        _check_key(key)
+        best = self._trie.deepest(tuple(tokens), key)
         if best is None:
             self._counts["misses"] += 1
-            _tracing.tracer.note("prefix.miss", tokens=len(tokens), step=self._mgr.step)
+            _tracing.tracer.note("prefix.miss", tokens=len(tokens), step=self._mgr.step, **_traced(key))
             return None
         self._counts["hits"] += 1
         self._touch(best)
         tier = "device" if best.slot else "host"
         _tracing.tracer.note(
             "prefix.hit", length=best.length, tier=tier, slot=best.slot or None, host=best.host or None,
-            tokens=len(tokens), step=self._mgr.step,
+            tokens=len(tokens), step=self._mgr.step, **_traced(key),
         )  # fmt: skip
         return PrefixHit(best.length, tier, best.payload, best)
 
@@ -201,7 +188,7 @@ class PrefixCache:
             raise StaleHitError(
                 f"the checkpoint of this {hit.length}-token hit was evicted and dropped since match(): match again"
             )
-        if not self._owns(node):  # another cache's slots: possibly another manager's pool
+        if not self._trie.owns(node):  # another cache's slots: possibly another manager's pool
             raise InvalidArgumentError("fork takes a PrefixHit from this cache's match(), not another cache's")
         self._mgr.check_open()
         slot = self._alloc(request_id, protect=node)
@@ -219,35 +206,32 @@ class PrefixCache:
         return slot
 
     # -- inserting and evicting ------------------------------------------
-    def insert(self, tokens: Sequence[int], slot: int, *, payload: Any = None) -> bool:
-        """Checkpoint ``slot``'s state as of this point of the event order as the state after ``tokens``.
+    def insert(self, tokens: Sequence[int], slot: int, *, payload: Any = None, key: Hashable = None) -> bool:
+        """Checkpoint ``slot``'s state as of this point of the event order as the state after ``tokens`` under ``key``.
 
-        ``len(tokens)`` must be a positive multiple of ``block_size``. Returns True
-        when a checkpoint was made; False when the prefix is already cached (its
-        recency is refreshed), when ``max_checkpoints`` is 0, or when no pool slot
-        could be freed for it (counted in ``stats.skipped``).
+        ``tokens`` may have any positive length: a block boundary, the end of a
+        shared system prompt, a decode step. Returns True when a checkpoint was
+        made; False when the prefix is already cached under ``key`` (its recency
+        is refreshed), when ``max_checkpoints`` is 0, or when no pool slot could
+        be freed for it (counted in ``stats.skipped``).
         """
         # Every argument is checked before anything is evicted, allocated or linked.
         tokens = self._tokens(tokens)
-        n = len(tokens)
-        if n == 0 or n % self.block_size:
-            raise InvalidArgumentError(
-                f"insert takes a positive multiple of block_size={self.block_size} tokens, got {n}"
-            )
+        if not tokens:
+            raise InvalidArgumentError("insert takes at least one token")
+        _check_key(key)
         slot = as_slot(slot, self._mgr.pool.num_slots)
         if not self._mgr.pool.is_allocated(slot):
             raise SlotStateError(f"insert: slot {slot!r} is not allocated")
         self._mgr.check_open()
-        blocks = list(self._blocks(tokens, n // self.block_size))
-        node: _Node | None = self._root
-        for key in blocks:
-            node = node.children.get(key) if node is not None else None
+        path = tuple(tokens)
+        node = self._trie.find(path, key)
         if node is not None and (node.slot or node.host):
             self._touch(node)
             return False
         if self.max_checkpoints == 0:
             return False
-        # Evict and allocate before linking the new path: an eviction prunes empty nodes.
+        # Evict and allocate before linking the new path: an eviction prunes and merges nodes.
         while len(self._device) >= self.max_checkpoints and self._evict_one(protect=None):
             pass
         try:
@@ -255,18 +239,15 @@ class PrefixCache:
         except PoolExhaustedError:
             self._counts["skipped"] += 1
             return False
-        node = self._root
-        for key in blocks:
-            child = node.children.get(key)
-            if child is None:
-                child = node.children[key] = _Node(node, key, node.length + self.block_size)
-            node = child
+        node = self._trie.link(path, key)
         self._mgr.copy_on_write(slot, checkpoint, request_id=CHECKPOINT_TENANT)
         node.slot, node.payload = checkpoint, payload
         self._device[node] = None
-        self._adjust_below(node, +1)
+        self._trie.adjust_below(node, +1)
         self._counts["inserts"] += 1
-        _tracing.tracer.note("prefix.insert", slot=checkpoint, src=slot, length=n, step=self._mgr.step)
+        _tracing.tracer.note(
+            "prefix.insert", slot=checkpoint, src=slot, length=len(path), step=self._mgr.step, **_traced(key)
+        )
         return True
 
     def evict(self) -> bool:
@@ -287,7 +268,7 @@ class PrefixCache:
             node.live = False
         self._device.clear()
         self._host.clear()
-        self._root = _Node(None, (), 0)
+        self._trie = Trie()
 
     def _alloc(self, request_id: str | None, protect: _Node | None) -> int:
         while True:
@@ -317,7 +298,7 @@ class PrefixCache:
         slot = victim.slot
         mgr.release(slot, request_id=CHECKPOINT_TENANT)
         del self._device[victim]
-        self._adjust_below(victim, -1)
+        self._trie.adjust_below(victim, -1)
         victim.slot = 0
         self._counts["evictions"] += 1
         if host:
@@ -325,7 +306,7 @@ class PrefixCache:
             self._host[victim] = None
             self._counts["offloads"] += 1
         else:
-            self._prune(victim)
+            self._trie.prune(victim)
         _tracing.tracer.note(
             "prefix.evict", slot=slot, length=victim.length, to="host" if host else "dropped",
             host=host or None, step=mgr.step,
@@ -341,40 +322,15 @@ class PrefixCache:
         _tracing.tracer.note("prefix.evict", host=node.host, length=node.length, to="dropped", step=self._mgr.step)
         node.host = 0
         self._counts["host_drops"] += 1
-        self._prune(node)
+        self._trie.prune(node)
         return True
 
-    # -- the trie --------------------------------------------------------
-    def _owns(self, node: _Node) -> bool:
-        while node.parent is not None:
-            node = node.parent
-        return node is self._root
-
+    # -- helpers -----------------------------------------------------------
     def _touch(self, node: _Node) -> None:
         if node.slot:
             self._device.move_to_end(node)
         elif node.host:
             self._host.move_to_end(node)
-
-    @staticmethod
-    def _adjust_below(node: _Node, delta: int) -> None:
-        parent = node.parent
-        while parent is not None:
-            parent.below += delta
-            parent = parent.parent
-
-    @staticmethod
-    def _prune(node: _Node) -> None:
-        """Unlink ``node`` and its ancestors while they hold nothing and lead nowhere."""
-        while node.parent is not None and not (node.slot or node.host or node.children):
-            del node.parent.children[node.key]
-            node.live = False
-            node.payload = None
-            node = node.parent
-
-    def _blocks(self, tokens: list[int], n_blocks: int) -> Any:
-        b = self.block_size
-        return (tuple(tokens[i * b : (i + 1) * b]) for i in range(n_blocks))
 
     @staticmethod
     def _tokens(tokens: Any) -> list[int]:
@@ -384,3 +340,18 @@ class PrefixCache:
         if not all(type(t) is int for t in values):
             raise InvalidArgumentError("tokens must be ints")
         return values  # type: ignore[no-any-return]
+
+
+def _check_key(key: Hashable) -> None:
+    """Refuse an unhashable extra key before anything changes (a dict lookup would raise a bare TypeError)."""
+    try:
+        hash(key)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"key must be hashable (a str, an int, a tuple...), got {type(key).__name__}"
+        ) from None
+
+
+def _traced(key: Hashable) -> dict[str, Any]:
+    """The key as a trace field when JSON writes it as itself (a str or an int); None (the default) and others: none."""
+    return {"key": key} if type(key) in (str, int) else {}

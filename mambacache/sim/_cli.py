@@ -12,7 +12,7 @@ import anyio
 
 from .._console import Progress, UsageError, check_output_path, float_in, int_at_least, table, write_json
 from ._models import MODELS, STATE_DTYPES, build_model
-from ._scheduler import FAULTS, PREEMPT, SCENARIOS, SimConfig, SimReport, pool_sizes, simulate
+from ._scheduler import CHECKPOINTS, FAULTS, PREEMPT, SCENARIOS, SimConfig, SimReport, pool_sizes, simulate
 
 __all__ = ["add_parser", "run"]
 
@@ -79,6 +79,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="pool slots kept for checkpoints, that requests cannot take (at most --max-checkpoints)",
     )
     p.add_argument("--preempt", choices=PREEMPT, default=None, help="what to do when slots run out")
+    _add_prefix_options(p)
     p.add_argument("--executor", default=None, help="torch, npu or reference (default: by device)")
     p.add_argument("--no-verify", action="store_true", help="skip the isolated-generation check")
     p.add_argument("--json", metavar="PATH", help="write the reports as JSON ('-' for stdout)")
@@ -103,6 +104,24 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         default="float32",
         help="how the toy model stores its states: int8 or fp8 keep a float32 scale per slot and layer as extra"
         " pool tensors, which must move with the slot for outputs to stay exact (default float32)",
+    )
+
+
+def _add_prefix_options(p: argparse.ArgumentParser) -> None:
+    """Where the prefix cache's checkpoints go, and the extra key it keys them by."""
+    p.add_argument(
+        "--checkpoint",
+        choices=CHECKPOINTS,
+        default=_D.checkpoint,
+        help="where prefills checkpoint: every block boundary (grid, default), or those and the end of the system"
+        " prompt wherever it falls in a block (junction)",
+    )
+    p.add_argument(
+        "--adapters",
+        type=int_at_least(0),
+        default=_D.adapters,
+        metavar="N",
+        help="requests run under one of N adapters or none (equal ids, another state); the prefix cache keys by it",
     )
 
 
@@ -170,6 +189,8 @@ def _scenario(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(str(exc)) from None
     if args.fault == "skip-restore" and scenario.get("preempt") != "swap":
         raise UsageError("--fault skip-restore needs preemption by swap: --scenario swap")
+    if args.fault == "ignore-key" and not args.adapters:
+        raise UsageError("--fault ignore-key needs --adapters N")
     return scenario
 
 
@@ -217,6 +238,8 @@ def _simulate_all(
             speculative=args.speculative,
             draft_accuracy=args.draft_accuracy,
             state_dtype=args.state_dtype,
+            checkpoint=args.checkpoint,
+            adapters=args.adapters,
             **scenario,
         )
         model = build_model(name, args.seed, args.state_dtype)
@@ -233,25 +256,30 @@ def _table(args: argparse.Namespace, scenario: dict[str, Any], reports: list[Sim
          r.host_offloads, r.swaps or r.recomputes,
          f"{r.peak_slots_in_use}/{r.num_slots}", r.steps, r.tokens_per_s, f"{100 * r.manager_overhead_fraction:.1f}%"]
         + ([f"{r.drafts_accepted}/{r.drafts_proposed}", r.commits] if args.speculative else [])
+        + ([r.cross_key_hits] if args.adapters else [])
         for r in reports
     ]  # fmt: skip
-    headers = [
-        "model",
-        "done",
-        "mismatch",
-        "forks",
-        "hits",
-        "saved",
-        "clears",
-        "elided",
-        "evicted",
-        "to host",
-        "swaps" if scenario.get("preempt") != "recompute" else "recomputes",
-        "peak",
-        "steps",
-        "tok/s",
-        "mgr",
-    ] + (["accepted", "commits"] if args.speculative else [])
+    headers = (
+        [
+            "model",
+            "done",
+            "mismatch",
+            "forks",
+            "hits",
+            "saved",
+            "clears",
+            "elided",
+            "evicted",
+            "to host",
+            "swaps" if scenario.get("preempt") != "recompute" else "recomputes",
+            "peak",
+            "steps",
+            "tok/s",
+            "mgr",
+        ]
+        + (["accepted", "commits"] if args.speculative else [])
+        + (["x-key hits"] if args.adapters else [])
+    )
     title = (
         f"mambacache simulate: scenario {args.scenario}, {args.requests} requests, max running"
         f" {scenario['max_running']}, fault {args.fault}"
@@ -266,4 +294,8 @@ def _table(args: argparse.Namespace, scenario: dict[str, Any], reports: list[Sim
         )
     if args.state_dtype != "float32":
         title += f", {args.state_dtype} states with per-slot scales"
+    if args.checkpoint != _D.checkpoint:
+        title += f", checkpoints at the {args.checkpoint}"
+    if args.adapters:
+        title += f", {args.adapters} adapters"
     return table(headers, rows, title=title)

@@ -5,12 +5,16 @@ Each step:  admit arrivals and preempted requests (fork a cached prefix, restore
             slots run out)
          -> flush (the clears, forks, restores and offloads run before the forward)
          -> forward every running request (a prefill chunk of one block, or a decode)
-         -> checkpoint the state at each block boundary of a prefill; release
-            finished requests.
+         -> checkpoint the state at each block boundary of a prefill (and, with the
+            junction policy, at the end of the system prompt); release finished
+            requests.
 
 Prefix states live in a :class:`PrefixCache` (checkpoints in the pool, evicted to
 its host tier when one is set); the attention KV of a checkpoint (Qwen3-Next) is
-the checkpoint's payload. Slots are reused dirty all the time.
+the checkpoint's payload. Slots are reused dirty all the time. With adapters,
+a request's prompt ids run through its adapter before the model sees them, so
+equal ids under another adapter compute another state: the cache keys by the
+adapter.
 """
 
 from __future__ import annotations
@@ -32,10 +36,13 @@ from .._pool import StatePool
 from .._tiers._prefix import PrefixCache
 from ._models import SimModel, build_model
 
-__all__ = ["FAULTS", "PREEMPT", "SCENARIOS", "SimConfig", "SimReport", "pool_sizes", "simulate"]
+__all__ = ["CHECKPOINTS", "FAULTS", "PREEMPT", "SCENARIOS", "SimConfig", "SimReport", "pool_sizes", "simulate"]
 
-FAULTS = ("none", "skip-clear", "skip-fork", "wrong-commit", "skip-restore")
+FAULTS = ("none", "skip-clear", "skip-fork", "wrong-commit", "skip-restore", "ignore-key")
 PREEMPT = ("none", "swap", "recompute")
+# Where a prefill checkpoints: every block boundary, or those and the end of the system prompt (the junction of
+# the shared prefix and the request's own tokens, wherever it falls in a block).
+CHECKPOINTS = ("grid", "junction")
 # Named workloads: field overrides of SimConfig.
 SCENARIOS: dict[str, dict[str, Any]] = {
     "prefix": {"slots": 14},
@@ -81,6 +88,8 @@ class SimConfig:
     quantum: int = 3  # steps a request runs before it may be preempted
     reserved: int = 0  # pool slots kept for checkpoints: requests cannot take them (PrefixCache(reserved=...))
     state_dtype: str = "float32"  # the toy model's states: float32, or int8 / fp8 with per-slot scales (extras)
+    checkpoint: str = "grid"  # grid: block boundaries; junction: those and the end of the system prompt
+    adapters: int = 0  # > 0: requests run under adapter 1..adapters or none, the prefix cache keyed by it
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +130,9 @@ class SimReport:
     evicted_for_requests: int = 0  # checkpoints evicted to admit a request (only those above the reservation)
     checkpoints_kept: int = 0  # fewest device checkpoints at a step's end once max(1, reserved) were first held
     state_dtype: str = "float32"
+    checkpoint: str = "grid"
+    adapters: int = 0
+    cross_key_hits: int = 0  # forks from a checkpoint another adapter's request made (0 unless the key is ignored)
 
 
 @dataclass(slots=True)
@@ -137,6 +149,10 @@ class _Request:
     seq: list[int] = field(default_factory=list)  # what prefill consumes: the prompt (and, recomputing, the output)
     host: int = 0  # host slot of a swapped-out state
     ran: int = 0  # steps since (re)admission
+    adapter: int | None = None  # the extra key: what the prompt's ids mean depends on it
+    inputs: list[int] = field(default_factory=list)  # the prompt as the model sees it (through the adapter)
+    fed: list[int] = field(default_factory=list)  # what prefill feeds the model: `seq` through the adapter
+    junction: int = 0  # where the system prompt ends
 
     @property
     def seen(self) -> int:
@@ -146,8 +162,17 @@ class _Request:
         return len(self.prompt) + len(self.out) - 1
 
 
+def adapt(tokens: list[int], adapter: int | None, vocab: int) -> list[int]:
+    """The ids as the model sees them under ``adapter`` (a shift of the ids above 2): an adapter, or an image's
+    features under its placeholder ids, changes what equal ids compute."""
+    if adapter is None:
+        return list(tokens)
+    return [3 + (t - 3 + 17 * adapter) % (vocab - 3) if t >= 3 else t for t in tokens]
+
+
 def make_workload(cfg: SimConfig, vocab: int) -> list[_Request]:
-    """Seeded Poisson arrivals; a share of prompts start with one of a few common prefixes."""
+    """Seeded Poisson arrivals; a share of prompts start with one of a few common prefixes (system prompts of
+    ``prefix_len`` tokens); with ``adapters``, each request runs under one of them or none."""
     rng = random.Random(cfg.seed)
     shared = [[rng.randrange(3, vocab) for _ in range(cfg.prefix_len)] for _ in range(cfg.prefixes)]
     t, out = 0.0, []
@@ -159,7 +184,12 @@ def make_workload(cfg: SimConfig, vocab: int) -> list[_Request]:
             head = [rng.randrange(3, vocab) for _ in range(cfg.prefix_len)]
         tail = [rng.randrange(3, vocab) for _ in range(rng.randint(*cfg.suffix_len))]
         prompt = head + tail
-        out.append(_Request(f"req-{i}", prompt, rng.randint(*cfg.new_tokens), int(t), seq=list(prompt)))
+        req = _Request(f"req-{i}", prompt, rng.randint(*cfg.new_tokens), int(t), seq=list(prompt))
+        if cfg.adapters:  # drawn only then: a workload without adapters is the one it always was
+            req.adapter = rng.choice([None, *range(1, cfg.adapters + 1)])
+        req.inputs = adapt(prompt, req.adapter, vocab)
+        req.fed, req.junction = list(req.inputs), cfg.prefix_len
+        out.append(req)
     return out
 
 
@@ -173,7 +203,7 @@ class _Scheduler:
         self.evicted_for_requests = 0
         self.kept: int | None = None  # fewest checkpoints at a step's end since max(1, reserved) were first held
         self.manager_s = 0.0
-        self.proposed = self.accepted = self.commits = 0
+        self.proposed = self.accepted = self.commits = self.cross_key_hits = 0
         self._rng = random.Random(cfg.seed + 1)
 
     def _timed(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -210,21 +240,27 @@ class _Scheduler:
             model.bind(req.ctx, self.pool, req.slot, req.seen)
             self.running.append(req)
             return
-        hit = self._timed(self.cache.match, req.seq[:-1])
+        hit = self._timed(self.cache.match, req.seq[:-1], key=self._key(req))
         if hit is not None:
+            maker, payload = hit.payload
+            self.cross_key_hits += maker != req.adapter
             if cfg.fault == "skip-fork":
                 req.slot = self._alloc(req)
                 self.clears += mgr.clear_on_alloc
             else:
                 req.slot = self._timed(self.cache.fork, hit, request_id=req.rid)
                 self.forks += 1
-            req.ctx, req.pos = model.restore(hit.payload), hit.length
+            req.ctx, req.pos = model.restore(payload), hit.length
         else:
             req.slot = self._alloc(req)
             self.clears += mgr.clear_on_alloc
             req.ctx, req.pos = model.new_context(), 0
         model.bind(req.ctx, self.pool, req.slot, req.seen)
         self.running.append(req)
+
+    def _key(self, req: _Request) -> int | None:
+        """The request's extra key in the prefix cache: its adapter (None under the ignore-key fault)."""
+        return None if self.cfg.fault == "ignore-key" else req.adapter
 
     def preempt_one(self) -> bool:
         """Preempt the request that ran longest (``quantum`` steps at least, prefill done); False if none may be.
@@ -244,7 +280,7 @@ class _Scheduler:
         else:
             # Recompute: drop the state; prefill the prompt and the output so far again (from a
             # checkpoint where one matches), and the last chunk yields the next token.
-            req.seq = req.prompt + req.out
+            req.seq, req.fed = req.prompt + req.out, req.inputs + req.out
             req.ctx, req.pos = None, 0
             self.recomputes += 1
         self._timed(mgr.release, req.slot, request_id=req.rid)
@@ -257,15 +293,19 @@ class _Scheduler:
         cfg, model = self.cfg, self.model
         req.ran += 1
         if req.pos < len(req.seq):
-            # Chunked prefill, one block per step: checkpoint at every block boundary; the
-            # copy runs at the next flush, before this slot is written again.
+            # Chunked prefill, one block per step: checkpoint at every block boundary (and, junction policy, at
+            # the end of the system prompt: the chunk stops there); the copy runs at the next flush, before this
+            # slot is written again. The cache keys by the ids and the adapter; the model runs on `fed`.
             end = min(len(req.seq), (req.pos // cfg.block_size + 1) * cfg.block_size)
-            token = model.forward(req.ctx, req.seq[req.pos : end], req.pos)
+            junction = cfg.checkpoint == "junction" and req.pos < req.junction <= end
+            end = req.junction if junction else end
+            token = model.forward(req.ctx, req.fed[req.pos : end], req.pos)
             if len(req.seq) > len(req.prompt):
                 self.recomputed_tokens += end - req.pos
             req.pos = end
-            if end % cfg.block_size == 0:
-                self._timed(self.cache.insert, req.seq[:end], req.slot, payload=model.snapshot(req.ctx))
+            if end % cfg.block_size == 0 or junction:
+                payload = (req.adapter, model.snapshot(req.ctx))
+                self._timed(self.cache.insert, req.seq[:end], req.slot, payload=payload, key=self._key(req))
             if end == len(req.seq):
                 req.out.append(token)
         elif cfg.speculative:
@@ -355,7 +395,7 @@ async def simulate(
     if cfg.speculative:
         # The drafts' source, and the verification's reference: one isolated greedy run each.
         for req in workload:
-            req.reference = model.generate(req.prompt, req.n_new + cfg.speculative + 1)
+            req.reference = model.generate(req.inputs, req.n_new + cfg.speculative + 1)
     num_slots, max_checkpoints, pool, host = _pools(cfg, model)
     if cfg.trace:
         tracing.configure(cfg.trace, level="debug")
@@ -395,6 +435,10 @@ def _check_config(cfg: SimConfig) -> None:
         raise ValueError("the wrong-commit fault needs speculative decoding (speculative > 0)")
     if cfg.fault == "skip-restore" and cfg.preempt != "swap":
         raise ValueError("the skip-restore fault needs preemption by swap (preempt='swap')")
+    if cfg.checkpoint not in CHECKPOINTS:
+        raise ValueError(f"unknown checkpoint policy {cfg.checkpoint!r}; choose from {CHECKPOINTS}")
+    if cfg.adapters < 0 or (cfg.fault == "ignore-key" and not cfg.adapters):
+        raise ValueError("adapters must be >= 0, and the ignore-key fault needs adapters > 0")
 
 
 def pool_sizes(cfg: SimConfig) -> tuple[int, int]:
@@ -449,7 +493,7 @@ def _report(
     mismatched = tuple(
         r.rid
         for r in done
-        if cfg.verify and r.out != (r.reference[: r.n_new] if cfg.speculative else model.generate(r.prompt, r.n_new))
+        if cfg.verify and r.out != (r.reference[: r.n_new] if cfg.speculative else model.generate(r.inputs, r.n_new))
     )
     tokens = sum(len(r.out) for r in done)
     return SimReport(
@@ -489,4 +533,7 @@ def _report(
         evicted_for_requests=sched.evicted_for_requests,
         checkpoints_kept=sched.kept or 0,
         state_dtype=getattr(model, "state_dtype", "float32"),
+        checkpoint=cfg.checkpoint,
+        adapters=cfg.adapters,
+        cross_key_hits=sched.cross_key_hits,
     )

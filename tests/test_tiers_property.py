@@ -388,7 +388,7 @@ def tier_sizes(draw: st.DrawFn) -> tuple[int, int, int, int, int]:
     host_slots = max(1, host_ckpt + draw(st.sampled_from([-1, 0, 0, 0, 1, 2])))
     num_slots, max_ckpt = draw(st.integers(3, 7)), draw(st.sampled_from([0, 1, 1, 2, 3]))
     reserved = draw(st.sampled_from([0, 0, 0, 1, 2, 3])) if max_ckpt else 0
-    return num_slots, host_slots, max_ckpt, host_ckpt, min(reserved, max_ckpt)
+    return num_slots, host_slots, max_ckpt, host_ckpt, min(reserved, max_ckpt, num_slots - 1)
 
 
 @given(

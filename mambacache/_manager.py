@@ -212,15 +212,15 @@ class CacheManager(Reservations):
         Each reads as zeros after the next flush (unless a later copy targets it).
         ``clear=False`` (default: the manager's ``clear_on_alloc``) skips the zeroing,
         for a scheduler that always forks or clears a new slot itself. Raises
-        :class:`PoolExhaustedError` (nothing allocated) when fewer than ``n`` are free.
+        :class:`PoolExhaustedError` (nothing allocated) when fewer than ``n`` are :attr:`available`.
         """
         return self._queue.alloc(n, request_id, _alloc_args(self, n, request_id, clear))
 
     def alloc_slots(self, slots: Any, request_id: str | None = None, *, clear: bool | None = None) -> list[int]:
         """Allocate exactly ``slots`` (for engines that pick slot ids); returns them as ints.
 
-        All or nothing: a slot that is out of range or repeated raises
-        :class:`InvalidSlotError`, one already held raises :class:`SlotStateError`.
+        All or nothing: :class:`InvalidSlotError` for a slot out of range or repeated, :class:`SlotStateError`
+        for one held, :class:`PoolExhaustedError` for more than are :attr:`available` (a reservation).
         """
         cleared = _alloc_args(self, 0, request_id, clear)
         wanted = slot_list(slots, self._pool.num_slots)
@@ -379,7 +379,7 @@ def _many(mgr: CacheManager, slots: Any, request_id: Any, host: str = "") -> lis
 def _paired(what: str, firsts: list[int], seconds: list[int]) -> list[int]:
     """``seconds``, checked to be as many as ``firsts``."""
     if len(firsts) != len(seconds):
-        names = ("sources", "destinations") if what == "copy_many" else ("host slots", "slots")
+        names = ("source(s)", "destination(s)") if what == "copy_many" else ("host slot(s)", "slot(s)")
         raise InvalidArgumentError(f"{what}: {len(firsts)} {names[0]} but {len(seconds)} {names[1]}")
     return seconds
 

@@ -279,7 +279,7 @@ def test_bulk_forms_are_all_or_nothing_with_typed_errors() -> None:
             (lambda: mgr.restore_many([h1, h1], [a, b]), mc.SlotStateError, "host slot 1 holds no state"),
             (lambda: mgr.restore_many([h1, 9], [a, b]), mc.InvalidSlotError, "host slot 9 is out of range"),
             (lambda: mgr.restore_many([h1, 3], [a, b]), mc.SlotStateError, "host slot 3"),
-            (lambda: mgr.restore_many([h1, h2], [a]), mc.InvalidArgumentError, "2 host slots but 1 slots"),
+            (lambda: mgr.restore_many([h1, h2], [a]), mc.InvalidArgumentError, r"2 host slot\(s\) but 1 slot\(s\)"),
             (lambda: mgr.restore_many([h1], [a], keep=1), mc.InvalidArgumentError, "keep"),  # type: ignore[arg-type]
             (lambda: mgr.restore_many([h1], [7]), mc.SlotStateError, "not allocated"),
             (lambda: mgr.commit_many([a, b], [1, K + 1]), mc.InvalidArgumentError, "accepted must be in"),

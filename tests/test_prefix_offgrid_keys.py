@@ -585,3 +585,30 @@ def test_a_hit_survives_the_merge_of_its_edge_and_goes_stale_when_its_checkpoint
         cache.fork(hit)
     assert hit._node is not None and not hit._node.live
     check_shape(cache)
+
+
+def test_a_hit_on_a_checkpoint_that_left_both_tiers_is_stale_even_if_its_node_lives_on() -> None:
+    """A node that still branches outlives its checkpoint; a new checkpoint there is another state."""
+    spec = mc.StateSpec(num_layers=1, conv_shapes=(), temporal_shape=(2,))
+    with mc.CacheManager(mc.StatePool(spec, 8), host_pool=mc.HostPool(spec, 2)) as mgr:
+        cache = mc.PrefixCache(mgr, block_size=2, max_checkpoints=2, host_checkpoints=1)
+        a, b = mgr.alloc(2, "r")
+        mgr.flush_nowait()
+        assert cache.insert([1, 2], a)
+        assert cache.evict()  # [1, 2] to the host tier
+        assert cache.insert([1, 2, 3, 4], a) and cache.insert([1, 2, 5, 6], b)  # it now branches
+        old = cache.match([1, 2, 7])
+        assert old is not None and old.length == 2 and old.tier == "host"
+        assert cache.evict()  # [1, 2, 3, 4] to the host tier: the full tier drops [1, 2]'s state
+        assert cache.match([1, 2, 7]) is None
+        assert cache.insert([1, 2], b, payload="new")  # the same node, a new state
+        with pytest.raises(mc.StaleHitError):
+            cache.fork(old, "x")
+        fresh = cache.match([1, 2, 7])
+        assert fresh is not None and fresh.payload == "new"
+        cache.fork(fresh, "x")
+        cache.clear()
+        mgr.release_many([a, b], "r")
+        for slot, tenant in mgr.held().items():
+            mgr.release(slot, tenant)
+        mgr.flush_nowait()

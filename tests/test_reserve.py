@@ -355,3 +355,30 @@ def test_a_fork_evicts_only_checkpoints_above_the_reservation(reserved: int) -> 
         mgr.flush_nowait()
         assert _value(pool, fork) == 0.0
         assert sum(t == CHECKPOINT_TENANT for t in mgr.held().values()) == (2 if reserved else 1)
+
+
+def test_a_refused_fork_evicts_nothing_even_beside_another_caches_reservation() -> None:
+    """The pool's reservation counts every cache's checkpoints (one tenant): a cache without one must not evict
+    within it, and a closed cache's reservation ends so a new cache may make its own."""
+    spec = mc.StateSpec(num_layers=1, conv_shapes=(), temporal_shape=(2,))
+    with mc.CacheManager(mc.StatePool(spec, 6)) as mgr:
+        first = mc.PrefixCache(mgr, block_size=2, max_checkpoints=4, reserved=2)
+        first.close()
+        assert mgr.reserved == 0 and first.reserved == 0
+        again = mc.PrefixCache(mgr, block_size=2, max_checkpoints=4, reserved=2)  # refused before close() existed
+        plain = mc.PrefixCache(mgr, block_size=2, max_checkpoints=4)
+        runners = mgr.alloc(2, "a")
+        mgr.flush_nowait()
+        assert plain.insert([1, 2], runners[0]) and plain.insert([5, 6], runners[1])
+        runners += mgr.alloc(mgr.available, "a")
+        hit = plain.match([1, 2, 3])
+        assert hit is not None
+        before = (plain.stats, mgr.held(), mgr.queued())
+        with pytest.raises(mc.PoolExhaustedError):
+            plain.fork(hit, "c")
+        assert (plain.stats, mgr.held(), mgr.queued()) == before
+        for cache in (again, plain):
+            cache.close()
+        mgr.release_many(runners, "a")
+        mgr.flush_nowait()
+        mgr.check_idle()

@@ -53,6 +53,7 @@ class PrefixHit:
     tier: str
     payload: Any = field(default=None, compare=False)
     _node: _Node | None = field(default=None, repr=False, compare=False)
+    _gen: int = field(default=0, repr=False, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,20 +172,22 @@ class PrefixCache:
             "prefix.hit", length=best.length, tier=tier, slot=best.slot or None, host=best.host or None,
             tokens=len(tokens), step=self._mgr.step, **_traced(key),
         )  # fmt: skip
-        return PrefixHit(best.length, tier, best.payload, best)
+        return PrefixHit(best.length, tier, best.payload, best, best.gen)
 
     def fork(self, hit: PrefixHit, request_id: str | None = None) -> int:
         """A new slot for ``request_id`` holding the hit's prefix state (from the host tier if it is there).
 
         The slot is allocated without a clear: the copy or the restore writes all
         of it. With no slot available, the least recently used checkpoint (not this
-        one) is evicted while more than ``reserved`` are held (fewer free none).
+        one) is evicted while the pool holds more checkpoints than it reserves for
+        them (evicting one of those frees no slot a request may take).
         """
         if not isinstance(hit, PrefixHit) or hit._node is None:
             raise InvalidArgumentError(f"fork takes a PrefixHit from match(), got {hit!r}")
         check_request_id(request_id)
         node = hit._node
-        if not node.live or not (node.slot or node.host):
+        # A node can outlive its checkpoint (it still branches) and get a new one: the hit's was another state.
+        if not node.live or not (node.slot or node.host) or node.gen != hit._gen:
             raise StaleHitError(
                 f"the checkpoint of this {hit.length}-token hit was evicted and dropped since match(): match again"
             )
@@ -242,6 +245,7 @@ class PrefixCache:
         node = self._trie.link(path, key)
         self._mgr.copy_on_write(slot, checkpoint, request_id=CHECKPOINT_TENANT)
         node.slot, node.payload = checkpoint, payload
+        node.gen += 1
         self._device[node] = None
         self._trie.adjust_below(node, +1)
         self._counts["inserts"] += 1
@@ -270,13 +274,26 @@ class PrefixCache:
         self._host.clear()
         self._trie = Trie()
 
+    def close(self) -> None:
+        """:meth:`clear`, then end this cache's reservation (``reserved=k``): every slot is for requests again.
+
+        The cache stays usable, without a reservation.
+        """
+        self.clear()
+        if self.reserved:
+            self._mgr.reserve(0, CHECKPOINT_TENANT)
+            self.reserved = 0
+
     def _alloc(self, request_id: str | None, protect: _Node | None) -> int:
         while True:
             try:
                 return self._mgr.alloc(1, request_id, clear=False)[0]
             except PoolExhaustedError:
-                useless = request_id != CHECKPOINT_TENANT and len(self._device) <= self.reserved  # slot kept
-                if useless or not self._evict_one(protect):
+                # The pool's reservation, not this cache's count, decides: every cache's checkpoints share the
+                # tenant. At or below it, the evicted slot would stay kept for checkpoints: no help to a request.
+                ledger = self._mgr.pool.ledger
+                kept = ledger.rtenant == CHECKPOINT_TENANT and ledger.rheld <= ledger.reserved
+                if (request_id != CHECKPOINT_TENANT and kept) or not self._evict_one(protect):
                     raise
 
     def _evict_one(self, protect: _Node | None) -> bool:

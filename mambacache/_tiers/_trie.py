@@ -30,7 +30,7 @@ __all__ = ["Trie"]
 class _Node:
     """A prefix of ``length`` tokens; ``key`` is the edge from ``parent``; holds a checkpoint of it, or not."""
 
-    __slots__ = ("below", "children", "host", "key", "length", "live", "parent", "payload", "slot", "space")
+    __slots__ = ("below", "children", "gen", "host", "key", "length", "live", "parent", "payload", "slot", "space")
 
     def __init__(self, parent: _Node | None, key: tuple[int, ...], length: int, space: Hashable = None) -> None:
         self.parent, self.key, self.length, self.space = parent, key, length, space
@@ -40,6 +40,7 @@ class _Node:
         self.payload: Any = None
         self.below = 0  # device checkpoints strictly below this node: 0 makes it a leaf for eviction
         self.live = True  # False once unlinked or merged away: hits on it are stale
+        self.gen = 0  # checkpoints made here so far: a hit on an earlier one is stale, even if the node lived on
 
 
 class Trie:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -140,4 +141,4 @@ def fit_layers(spec: StateSpec, num_slots: int, budget_bytes: int) -> StateSpec:
     layers = max(1, min(spec.num_layers, budget_bytes // per_layer))
     if layers == spec.num_layers:
         return spec
-    return StateSpec(layers, spec.conv_shapes, spec.temporal_shape, spec.conv_dtype, spec.temporal_dtype)
+    return dataclasses.replace(spec, num_layers=layers)  # keeps extras and draft buffers

@@ -33,9 +33,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     _add_model_options(p)
     p.add_argument("--requests", type=int_at_least(1), default=_D.requests)
-    p.add_argument("--max-running", type=int_at_least(1), default=_D.max_running)
     p.add_argument(
-        "--prefix-share", type=float_in(0, 1), default=_D.prefix_share, help="share of prompts with a common prefix"
+        "--max-running", type=int_at_least(1), default=None, help=f"default: the scenario's, else {_D.max_running}"
+    )
+    p.add_argument(
+        "--prefix-share",
+        type=float_in(0, 1),
+        default=None,
+        help=f"share of prompts with a common prefix (default: the scenario's, else {_D.prefix_share})",
     )
     p.add_argument("--slots", type=int_at_least(2), default=None, help="pool slots (default: max-running * 1.5)")
     p.add_argument("--seed", type=int_at_least(0), default=_D.seed)
@@ -173,9 +178,10 @@ def _scenario(args: argparse.Namespace) -> dict[str, Any]:
     for key in ("slots", "block_size", "max_checkpoints", "host_checkpoints", "preempt", "reserved"):
         if getattr(args, key) is not None:
             scenario[key] = getattr(args, key)
-    for key in ("max_running", "prefix_share"):  # defaults that a scenario may set
-        if getattr(args, key) != getattr(_D, key) or key not in scenario:
+    for key in ("max_running", "prefix_share"):  # given: it wins; else the scenario's, else SimConfig's default
+        if getattr(args, key) is not None:
             scenario[key] = getattr(args, key)
+        scenario.setdefault(key, getattr(_D, key))
     preempting = scenario.get("preempt", "none") != "none"
     slots, reserved = scenario.get("slots"), scenario.get("reserved", 0)
     if slots is not None and slots < scenario["max_running"] + max(1, reserved) and not preempting:

@@ -15,7 +15,6 @@ counters and the trie's shape must equal the oracle's.
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any
 
@@ -28,8 +27,9 @@ from structlog.testing import capture_logs
 import mambacache as mc
 from mambacache import tracing
 
+from .cache_model import CacheModel, flush, key_of, value_of
 from .sweep import fault_points
-from .util import VARIANTS, FaultAt
+from .util import VARIANTS
 
 SPEC = mc.StateSpec(num_layers=2, conv_shapes=[(6, 3), (5, 2)], temporal_shape=(2, 3), conv_dtype=torch.float32)
 B = 4  # the engine's block: most lengths below are off it
@@ -43,116 +43,11 @@ OPS = (
     "admit", "admit", "admit", "match", "match", "insert", "insert", "insert", "insert", "evict", "swap-out",
     "abort", "cow", "release", "release", "clear-cache", "flush", "flush", "flush",
 )  # fmt: skip
-Key = tuple[Hashable, tuple[int, ...]]  # (extra key, tokens)
-
-
-def value_of(tensors: list[torch.Tensor], slot: int) -> float:
-    values = {float(v) for t in tensors for v in t[:, slot].flatten().tolist()}
-    assert len(values) == 1, f"slot {slot} holds a mix of states: {sorted(values)[:4]}"
-    return values.pop()
 
 
 def fill(pool: mc.StatePool, slot: int, value: float) -> None:
     for t in pool.tensors:
         t[:, slot] = value
-
-
-class CacheModel:
-    """The contract as a dict per tier, keyed by (extra key, tokens), least recently used first."""
-
-    def __init__(self, max_ckpt: int, host_ckpt: int, pool_free: int, host_free: int) -> None:
-        self.max_ckpt, self.host_ckpt = max_ckpt, host_ckpt
-        self.device: OrderedDict[Key, float] = OrderedDict()
-        self.host: OrderedDict[Key, float] = OrderedDict()
-        self.pool_free, self.host_free = pool_free, host_free
-        self.counts = dict.fromkeys(
-            ("hits", "misses", "tokens_saved", "inserts", "evictions", "offloads", "restores", "host_drops", "skipped"),
-            0,
-        )
-
-    def match(self, tokens: list[int], space: Hashable) -> tuple[Key, str] | None:
-        found = [k for k in (*self.device, *self.host) if k[0] == space and tuple(tokens[: len(k[1])]) == k[1]]
-        found = [k for k in found if len(k[1]) <= len(tokens)]
-        if not found:
-            self.counts["misses"] += 1
-            return None
-        key = max(found, key=lambda k: len(k[1]))
-        self.counts["hits"] += 1
-        self._touch(key)
-        return key, "device" if key in self.device else "host"
-
-    def fork(self, key: Key) -> float:
-        self.alloc(protect=key)
-        value = self.device[key] if key in self.device else self.host[key]
-        self.counts["restores"] += key not in self.device
-        self.counts["tokens_saved"] += len(key[1])
-        self._touch(key)
-        return value
-
-    def insert(self, key: Key, value: float) -> bool:
-        if key in self.device or key in self.host:
-            self._touch(key)
-            return False
-        if self.max_ckpt == 0:
-            return False
-        while len(self.device) >= self.max_ckpt and self.evict(None):
-            pass
-        try:
-            self.alloc(None)
-        except mc.PoolExhaustedError:
-            self.counts["skipped"] += 1
-            return False
-        self.device[key] = value
-        self.counts["inserts"] += 1
-        return True
-
-    def alloc(self, protect: Key | None) -> None:
-        while not self.pool_free:
-            if not self.evict(protect):
-                raise mc.PoolExhaustedError("model: no slot and nothing to evict")
-        self.pool_free -= 1
-
-    def evict(self, protect: Key | None) -> bool:
-        def leaf(k: Key) -> bool:  # no device checkpoint of a longer prefix extending it, under the same key
-            return not any(o[0] == k[0] and len(o[1]) > len(k[1]) and o[1][: len(k[1])] == k[1] for o in self.device)
-
-        victim = next((k for k in self.device if leaf(k) and k != protect), None)
-        if victim is None:
-            return False
-        value = self.device.pop(victim)
-        self.pool_free += 1
-        self.counts["evictions"] += 1
-        if self.host_ckpt:
-            while len(self.host) >= self.host_ckpt or not self.host_free:
-                dropped = next((k for k in self.host if k != protect), None)
-                if dropped is None:
-                    break
-                del self.host[dropped]
-                self.host_free += 1
-                self.counts["host_drops"] += 1
-            if len(self.host) < self.host_ckpt and self.host_free:
-                self.host[victim] = value
-                self.host_free -= 1
-                self.counts["offloads"] += 1
-        return True
-
-    def clear(self) -> None:
-        self.pool_free += len(self.device)
-        self.host_free += len(self.host)
-        self.device.clear()
-        self.host.clear()
-
-    def _touch(self, key: Key) -> None:
-        (self.device if key in self.device else self.host).move_to_end(key)
-
-
-def key_of(node: Any) -> Key:
-    """A trie node's (extra key, tokens), read up its parent chain."""
-    parts: list[tuple[int, ...]] = []
-    while node.parent is not None:
-        parts.append(node.key)
-        node = node.parent
-    return node.space, tuple(t for part in reversed(parts) for t in part)
 
 
 def check_shape(cache: mc.PrefixCache) -> None:
@@ -182,18 +77,6 @@ class Oracle:
     def fresh(self) -> float:
         self.tag += 1.0
         return self.tag
-
-
-def flush(mgr: mc.CacheManager, at: int) -> int:
-    """Flush with a fault before aten op ``at`` (0: none); a failed flush is repaired by the next one."""
-    fault = FaultAt(at, MemoryError if at % 2 else RuntimeError)
-    try:
-        with fault:
-            mgr.flush_nowait()
-    except mc.ExecutorError:
-        assert at and mgr.pool.unfinished >= 1
-        assert mgr.flush_nowait().resumed_stages >= 1
-    return fault.ops
 
 
 def check(pool: mc.StatePool, host: mc.HostPool, cache: mc.PrefixCache, o: Oracle, mgr: mc.CacheManager) -> None:

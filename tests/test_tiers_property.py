@@ -19,9 +19,6 @@ After every flush the real pool, host pool and trie must equal the oracle.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Any
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -30,8 +27,9 @@ from hypothesis import strategies as st
 import mambacache as mc
 from mambacache._tiers._prefix import CHECKPOINT_TENANT
 
+from .cache_model import CacheModel, Key, flush, key_of, value_of
 from .sweep import fault_points
-from .util import VARIANTS, FaultAt
+from .util import VARIANTS
 
 # Extra tensors (a quantised state's scales) ride along as more pool, draft and host tensors; integer dtypes, since
 # every element of a slot holds its tag exactly.
@@ -55,117 +53,6 @@ OPS = (
 tier_ops = st.lists(
     st.tuples(st.sampled_from(OPS), st.integers(0, 10**6), st.integers(0, 10**6)), min_size=40, max_size=100
 )
-Key = tuple[int, ...]
-
-
-def value_of(tensors: list[torch.Tensor], slot: int) -> float:
-    values = {float(v) for t in tensors for v in t[:, slot].flatten().tolist()}
-    assert len(values) == 1, f"slot {slot} holds a mix of states: {sorted(values)[:4]}"
-    return values.pop()
-
-
-class CacheModel:
-    """PrefixCache's contract in plain Python: checkpoints by prefix, per tier, least recently used first.
-
-    ``pool_free`` and ``host_free`` are the slots the manager can hand out now
-    (a host slot freed in the step counts at once: HostPool.num_free).
-    ``reserved`` slots are kept for checkpoints: a request may take a slot only
-    while more than ``reserved - len(device)`` are free.
-    """
-
-    def __init__(self, max_ckpt: int, host_ckpt: int, pool_free: int, host_free: int, reserved: int = 0) -> None:
-        self.max_ckpt, self.host_ckpt, self.reserved = max_ckpt, host_ckpt, reserved
-        self.device: OrderedDict[Key, float] = OrderedDict()
-        self.host: OrderedDict[Key, float] = OrderedDict()
-        self.pool_free, self.host_free = pool_free, host_free
-        self.counts = dict.fromkeys(
-            ("hits", "misses", "tokens_saved", "inserts", "evictions", "offloads", "restores", "host_drops", "skipped"),
-            0,
-        )
-
-    def match(self, tokens: list[int]) -> tuple[Key, str] | None:
-        cut = len(tokens) // B * B
-        found = [k for k in (*self.device, *self.host) if len(k) <= cut and tuple(tokens[: len(k)]) == k]
-        if not found:
-            self.counts["misses"] += 1
-            return None
-        key = max(found, key=len)
-        self.counts["hits"] += 1
-        self._touch(key)
-        return key, "device" if key in self.device else "host"
-
-    def available(self) -> int:
-        """Slots a request may take now."""
-        return max(0, self.pool_free - max(0, self.reserved - len(self.device)))
-
-    def fork(self, key: Key) -> float:
-        self.alloc(protect=key, request=True)  # PoolExhaustedError propagates: the real fork raises too
-        value = self.device[key] if key in self.device else self.host[key]
-        if key not in self.device:
-            self.counts["restores"] += 1
-        self.counts["tokens_saved"] += len(key)
-        self._touch(key)
-        return value
-
-    def insert(self, key: Key, value: float) -> bool:
-        if key in self.device or key in self.host:
-            self._touch(key)
-            return False
-        if self.max_ckpt == 0:
-            return False
-        while len(self.device) >= self.max_ckpt and self.evict(None):
-            pass
-        try:
-            self.alloc(None)
-        except mc.PoolExhaustedError:
-            self.counts["skipped"] += 1
-            return False
-        self.device[key] = value
-        self.counts["inserts"] += 1
-        return True
-
-    def alloc(self, protect: Key | None, request: bool = False) -> None:
-        if request:  # evicting a checkpoint within the reservation frees nothing a request may take: none is
-            while not self.available():
-                if len(self.device) <= self.reserved or not self.evict(protect):
-                    raise mc.PoolExhaustedError("model: no slot a request may take")
-        while not self.pool_free:
-            if not self.evict(protect):
-                raise mc.PoolExhaustedError("model: no slot and nothing to evict")
-        self.pool_free -= 1
-
-    def evict(self, protect: Key | None) -> bool:
-        def leaf(k: Key) -> bool:  # no device checkpoint strictly below it
-            return not any(len(o) > len(k) and o[: len(k)] == k for o in self.device)
-
-        victim = next((k for k in self.device if leaf(k) and k != protect), None)
-        if victim is None:
-            return False
-        value = self.device.pop(victim)
-        self.pool_free += 1
-        self.counts["evictions"] += 1
-        if self.host_ckpt:
-            while len(self.host) >= self.host_ckpt or not self.host_free:
-                dropped = next((k for k in self.host if k != protect), None)
-                if dropped is None:
-                    break
-                del self.host[dropped]
-                self.host_free += 1
-                self.counts["host_drops"] += 1
-            if len(self.host) < self.host_ckpt and self.host_free:
-                self.host[victim] = value
-                self.host_free -= 1
-                self.counts["offloads"] += 1
-        return True
-
-    def clear(self) -> None:
-        self.pool_free += len(self.device)
-        self.host_free += len(self.host)
-        self.device.clear()
-        self.host.clear()
-
-    def _touch(self, key: Key) -> None:
-        (self.device if key in self.device else self.host).move_to_end(key)
 
 
 class Oracle:
@@ -184,20 +71,6 @@ class Oracle:
         return self.tag
 
 
-def flush(mgr: mc.CacheManager, at: int) -> int:
-    """Flush with a fault before aten op ``at`` (0: none); a failed flush is repaired by the next one.
-
-    Returns the ops the flush ran (all of them when it did not fail)."""
-    fault = FaultAt(at, MemoryError if at % 2 else RuntimeError)
-    try:
-        with fault:
-            mgr.flush_nowait()
-    except mc.ExecutorError:
-        assert at and mgr.pool.unfinished >= 1
-        assert mgr.flush_nowait().resumed_stages >= 1
-    return fault.ops
-
-
 def forward(pool: mc.StatePool, o: Oracle) -> None:
     """A decode step writes every running slot, and a verify pass every draft state of it."""
     o.drafts.clear()
@@ -212,20 +85,12 @@ def forward(pool: mc.StatePool, o: Oracle) -> None:
 
 
 def trie(cache: mc.PrefixCache) -> tuple[list[tuple[Key, int]], list[tuple[Key, int]]]:
-    """The cache's device and host checkpoints, least recently used first: (prefix, pool or host slot)."""
-
-    def key(node: Any) -> Key:
-        parts: list[tuple[int, ...]] = []
-        while node.parent is not None:
-            parts.append(node.key)
-            node = node.parent
-        return tuple(t for part in reversed(parts) for t in part)
-
-    return [(key(n), n.slot) for n in cache._device], [(key(n), n.host) for n in cache._host]
+    """The cache's device and host checkpoints, least recently used first: (key, pool or host slot)."""
+    return [(key_of(n), n.slot) for n in cache._device], [(key_of(n), n.host) for n in cache._host]
 
 
 def found(hit: mc.PrefixHit | None, tokens: list[int]) -> tuple[Key, str] | None:
-    return None if hit is None else (tuple(tokens[: hit.length]), hit.tier)
+    return None if hit is None else ((None, tuple(tokens[: hit.length])), hit.tier)
 
 
 def check(pool: mc.StatePool, host: mc.HostPool, cache: mc.PrefixCache, o: Oracle, mgr: mc.CacheManager) -> None:
@@ -283,7 +148,7 @@ def run(
                 assert found(hit, prompt) == m.match(prompt[:-1])
                 try:
                     if hit is not None:
-                        value = m.fork(tuple(prompt[: hit.length]))
+                        value = m.fork((None, tuple(prompt[: hit.length])))
                     elif m.available():  # a plain alloc evicts nothing
                         m.pool_free -= 1
                         value = 0.0
@@ -304,8 +169,8 @@ def run(
                 # caller's word for what a state is, and more distinct prefixes fill the tiers sooner.
                 slot = running[a % len(running)]
                 prompt = o.prompt[slot] if b % 3 == 0 else PROMPTS[b % len(PROMPTS)]
-                key = tuple(prompt[: B * (1 + b // 3 % 2)])
-                assert cache.insert(list(key), slot) == m.insert(key, o.slots[slot])
+                tokens = tuple(prompt[: B * (1 + b // 3 % 2)])
+                assert cache.insert(list(tokens), slot) == m.insert((None, tokens), o.slots[slot])
             elif kind == "evict":
                 assert cache.evict() == m.evict(None)
             elif kind == "commit" and running:

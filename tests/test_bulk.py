@@ -30,7 +30,7 @@ from mambacache.tracing import analyze_lines
 
 from .oracle import SequentialOracle
 from .sweep import fault_points
-from .util import VARIANTS, FaultAt, small_spec
+from .util import VARIANTS, flush_with_fault, small_spec
 
 N, H, K = 8, 5, 2  # pool slots, host slots, draft tokens
 SPEC = small_spec()
@@ -369,18 +369,10 @@ def run_bulk_scenario(variant: str, at: int, exc: type[BaseException]) -> int:
         before = mgr.pending
         bulk_scenario(mgr, slots, checkpoints)
         oracle.apply(mgr.queued()[before:])
-        mode = FaultAt(at, exc)
-        try:
-            with mode:
-                mgr.flush_nowait()
-        except (mc.ExecutorError, KeyboardInterrupt):
-            assert at and pool.unfinished >= 1
-            assert mgr.flush_nowait().resumed_stages >= 1
-        else:
-            assert at == 0 or at > mode.ops
+        ops = flush_with_fault(mgr, at, exc)
         oracle.assert_matches(pool, host)
         assert pool.unfinished == 0
-        return mode.ops
+        return ops
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -32,7 +32,7 @@ from mambacache._planner import Stage
 from .oracle import SequentialOracle
 from .strategies import events_from_ops, ops
 from .sweep import fault_points
-from .util import SPEC, SPECS, VARIANTS, FaultAt, drive, fill_random, small_spec
+from .util import SPEC, SPECS, VARIANTS, FaultAt, drive, fill_random, flush_with_fault, small_spec
 
 
 def swap_via_temp(mgr: mc.CacheManager, slots: list[int]) -> None:
@@ -86,20 +86,10 @@ def run_scenario(
         SCENARIOS[scenario](mgr, slots)
         events = _queued(mgr)[before:]
         oracle.apply(events)
-        mode = FaultAt(at, exc)
-        try:
-            with mode:
-                mgr.flush_nowait()
-        except (mc.ExecutorError, KeyboardInterrupt) as err:
-            assert at, f"no fault was injected, yet: {err!r}"
-            assert mgr.pending == 0 and pool.unfinished >= 1
-            report = mgr.flush_nowait()  # the repair
-            assert report.resumed_stages >= 1
-        else:
-            assert at == 0 or at > mode.ops
+        ops = flush_with_fault(mgr, at, exc)
         oracle.assert_matches(pool)
         assert pool.unfinished == 0
-        return mode.ops
+        return ops
 
 
 def _queued(mgr: mc.CacheManager) -> list[Any]:

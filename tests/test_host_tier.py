@@ -23,7 +23,7 @@ from mambacache._planner import (
 from .oracle import SequentialOracle
 from .strategies import host_ops
 from .sweep import fault_points
-from .util import SPECS, VARIANTS, Driver, FaultAt, fill_random, small_spec
+from .util import SPECS, VARIANTS, Driver, fill_random, flush_with_fault, small_spec
 
 N, H = 10, 6
 SPEC = small_spec()
@@ -119,18 +119,10 @@ def run_host_scenario(variant: str, at: int, exc: type[BaseException], spec: mc.
         before = mgr.pending
         host_scenario(mgr, slots, h0)
         oracle.apply(mgr.queued()[before:])
-        mode = FaultAt(at, exc)
-        try:
-            with mode:
-                mgr.flush_nowait()
-        except (mc.ExecutorError, KeyboardInterrupt):
-            assert at and pool.unfinished >= 1
-            assert mgr.flush_nowait().resumed_stages >= 1
-        else:
-            assert at == 0 or at > mode.ops
+        ops = flush_with_fault(mgr, at, exc)
         oracle.assert_matches(pool, host)
         assert pool.unfinished == 0
-        return mode.ops
+        return ops
 
 
 @pytest.mark.parametrize("spec", sorted(SPECS))

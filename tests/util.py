@@ -132,6 +132,24 @@ class FaultAt(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def flush_with_fault(mgr: mc.CacheManager, at: int, exc: type[BaseException]) -> int:
+    """Flush with ``exc`` raised before aten op ``at`` (0: none); a failed flush is repaired by one more.
+
+    Returns the ops the faulted flush ran. The sweeps (tests/sweep.py) call it at every op.
+    """
+    mode = FaultAt(at, exc)
+    try:
+        with mode:
+            mgr.flush_nowait()
+    except (mc.ExecutorError, KeyboardInterrupt) as err:
+        assert at, f"no fault was injected, yet: {err!r}"
+        assert mgr.pending == 0 and mgr.pool.unfinished >= 1
+        assert mgr.flush_nowait().resumed_stages >= 1  # the repair
+    else:
+        assert at == 0 or at > mode.ops
+    return mode.ops
+
+
 # -- the host tier --------------------------------------------------------
 class Driver:
     """Turns raw draws into manager calls on live state, recording the events for the oracle."""

@@ -20,6 +20,7 @@ from ._errors import SlotLeakError as SlotLeakError
 from ._errors import SlotStateError as SlotStateError
 from ._errors import StaleHitError as StaleHitError
 from ._errors import TraceError as TraceError
+from ._errors import TransferError as TransferError
 from ._errors import UnknownExecutorError as UnknownExecutorError
 from ._errors import UnsupportedDtypeError as UnsupportedDtypeError
 from ._events import Alloc as Alloc
@@ -27,6 +28,8 @@ from ._events import Clear as Clear
 from ._events import CommitDraft as CommitDraft
 from ._events import CopyOnWrite as CopyOnWrite
 from ._events import DropHost as DropHost
+from ._events import Export as Export
+from ._events import Import as Import
 from ._events import Offload as Offload
 from ._events import Release as Release
 from ._events import Restore as Restore
@@ -44,6 +47,7 @@ from ._spec import StateSpec as StateSpec
 from ._tiers._prefix import PrefixCache as PrefixCache
 from ._tiers._prefix import PrefixHit as PrefixHit
 from ._tiers._prefix import PrefixStats as PrefixStats
+from ._transfer import StateTransfer as StateTransfer
 
 __version__ = "0.1.0"
 
@@ -76,7 +80,9 @@ __all__ = [
     "DropHost",
     "Executor",
     "ExecutorError",
+    "Export",
     "HostPool",
+    "Import",
     "InvalidArgumentError",
     "InvalidEventError",
     "InvalidSlotError",
@@ -100,8 +106,10 @@ __all__ = [
     "StateIndices",
     "StatePool",
     "StateSpec",
+    "StateTransfer",
     "StepReport",
     "TraceError",
+    "TransferError",
     "UnknownExecutorError",
     "UnsupportedDtypeError",
     "known_executors",

@@ -68,6 +68,14 @@ class DistributedError(MambaCacheError, RuntimeError):
     """A tensor-parallel peer failed, timed out, or was used the wrong way."""
 
 
+class TransferError(DistributedError):
+    """A state transfer's peer died, timed out or sent something else; ``request_ids`` names the states in flight."""
+
+    def __init__(self, message: str, request_ids: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.request_ids = list(request_ids or [])
+
+
 class SlotLeakError(MambaCacheError, RuntimeError):
     """Slots are still held where none should be (``CacheManager.check_idle``).
 

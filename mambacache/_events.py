@@ -15,6 +15,8 @@ __all__ = [
     "CopyOnWrite",
     "DropHost",
     "Event",
+    "Export",
+    "Import",
     "Offload",
     "Release",
     "Restore",
@@ -44,11 +46,19 @@ class Clear:
 
 @dataclass(frozen=True, slots=True)
 class CopyOnWrite:
-    """``dst`` gets ``src``'s state as of this point of the event order."""
+    """``dst`` gets ``src``'s state as of this point of the event order.
+
+    ``shift`` (default 0, a whole copy) moves every conv state ``shift`` tokens
+    towards the front of its time axis (the last one): ``dst[..., t] =
+    src[..., t + shift]`` for ``t < width - shift``, zeros after; the temporal
+    state and extra tensors are copied whole. ``0 <= shift <`` the smallest conv
+    width (speculative decoding's accepted-token bias, docs/semantics.md).
+    """
 
     src: int
     dst: int
     request_id: str | None = None
+    shift: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +113,34 @@ class DropHost:
     host: int
 
 
-Event = Alloc | Clear | CopyOnWrite | Release | CommitDraft | Offload | Restore | DropHost
+@dataclass(frozen=True, slots=True)
+class Export:
+    """Staging host slot ``host`` gets ``slot``'s state as of this point, to be sent to another engine.
+
+    Planned as an :class:`Offload`: later events on ``slot`` do not reach what is
+    sent. Produced by ``CacheManager.export``; not submittable by hand.
+    """
+
+    slot: int
+    host: int
+    request_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Import:
+    """``slot`` gets the state another engine sent for ``request_id``, staged in host slot ``host``, at this point.
+
+    Planned as a :class:`Restore` that frees ``host``: a clear of ``slot``
+    queued before it never wipes the imported state, one queued after it does.
+    Produced by ``CacheManager.import_into``; not submittable by hand.
+    """
+
+    host: int
+    slot: int
+    request_id: str | None = None
+
+
+Event = Alloc | Clear | CopyOnWrite | Release | CommitDraft | Offload | Restore | DropHost | Export | Import
 
 
 @dataclass(frozen=True, slots=True)

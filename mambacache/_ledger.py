@@ -76,6 +76,12 @@ class SlotLedger:
         """Slots ``take`` can hand out now, those freed by ``free_later`` included."""
         return self._num_free + len(self._later)
 
+    @property
+    def num_free_now(self) -> int:
+        """Free slots no event queued in this step still reads (``free_later`` ones excluded): what a write made
+        at once, outside the step's order (a transfer landing states), may take."""
+        return self._num_free
+
     def available(self, tenant: str | None) -> int:
         """Slots ``take(n, tenant)`` can hand out now: all free ones for the reserved tenant (or with no
         reservation), else those left once ``reserved - rheld`` stay free for it."""

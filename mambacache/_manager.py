@@ -14,17 +14,20 @@ import threading
 from types import TracebackType
 from typing import Any
 
+from ._args import many, paired, slot_of
 from ._channel import Channel
 from ._errors import InvalidArgumentError, InvalidSlotError
 from ._events import Clear, CommitDraft, CopyOnWrite, Event, Release, StepReport
 from ._executors import Executor, resolve_executor
 from ._flush import FlushCore
+from ._handoff import HandOff
 from ._host import HostPool
+from ._hosttier import HostTier
 from ._pool import StatePool
-from ._queue import OPEN, StepQueue, offload_batch, restore_batch
+from ._queue import OPEN, StepQueue
 from ._reserve import Reservations
 from ._runner import StepRunner
-from ._validate import as_slot, check_request_id, count_list, normalised, slot_list
+from ._validate import check_request_id, check_shift, count_list, normalised, slot_list
 
 __all__ = ["CacheManager"]
 
@@ -64,7 +67,7 @@ def _positive_int(name: str, value: Any) -> None:
         raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
 
 
-class CacheManager(Reservations):
+class CacheManager(Reservations, HostTier, HandOff):
     """Batches a step's slot events and applies them with exactly sequential semantics.
 
     Invariants:
@@ -149,11 +152,6 @@ class CacheManager(Reservations):
     def pool(self) -> StatePool:
         """The pool this manager drives."""
         return self._pool
-
-    @property
-    def host_pool(self) -> HostPool | None:
-        """The host pool that ``offload`` fills and ``restore`` reads, if any."""
-        return self._host
 
     @property
     def step(self) -> int:
@@ -263,13 +261,15 @@ class CacheManager(Reservations):
         else:
             self._submit((Release(slot, request_id),))
 
-    def copy_on_write(self, src: int, dst: int, request_id: str | None = None) -> None:
-        """``dst`` gets ``src``'s state as of this point of the event order (a fork)."""
+    def copy_on_write(self, src: int, dst: int, request_id: str | None = None, *, shift: int = 0) -> None:
+        """``dst`` gets ``src``'s state as of this point of the event order (a fork); ``shift=k``: its conv
+        states moved ``k`` tokens to the front of their time axis, zeros after (``0 <= k <`` conv width)."""
         n = self._pool.num_slots
-        if type(src) is int and type(dst) is int and 0 < src <= n and 0 < dst <= n and type(request_id) in _IDS:
+        plain = type(src) is int and type(dst) is int and 0 < src <= n and 0 < dst <= n and type(request_id) in _IDS
+        if plain and shift == 0 and type(shift) is int:
             self._queue.submit((CopyOnWrite(src, dst, request_id),))
-        else:
-            self._submit((CopyOnWrite(src, dst, request_id),))
+            return
+        self._submit((CopyOnWrite(src, dst, request_id, shift),))
 
     def commit_draft(self, slot: int, accepted: int, request_id: str | None = None) -> None:
         """``slot`` becomes the state after ``accepted`` draft tokens (0: unchanged), read from its draft buffer
@@ -283,15 +283,15 @@ class CacheManager(Reservations):
 
     def clear_many(self, slots: Any, request_id: str | None = None) -> None:
         """``clear`` for each of ``slots`` (a list, numpy array or 1-D CPU int tensor), all or none."""
-        self._submit([Clear(s, request_id) for s in _many(self, slots, request_id)], checked=True)
+        self._submit([Clear(s, request_id) for s in many(self, slots, request_id)], checked=True)
 
     def release_many(self, slots: Any, request_id: str | None = None) -> None:
         """``release`` for each of ``slots``, in order, all or none."""
-        self._submit([Release(s, request_id) for s in _many(self, slots, request_id)], checked=True)
+        self._submit([Release(s, request_id) for s in many(self, slots, request_id)], checked=True)
 
-    def copy_many(self, srcs: Any, dsts: Any, request_id: str | None = None) -> None:
-        """``copy_on_write(srcs[i], dsts[i])`` for each ``i``, in order, all or none."""
-        self._submit(_copies(self, srcs, dsts, request_id), checked=True)
+    def copy_many(self, srcs: Any, dsts: Any, request_id: str | None = None, *, shift: int = 0) -> None:
+        """``copy_on_write(srcs[i], dsts[i], shift=shift)`` for each ``i``, in order, all or none."""
+        self._submit(_copies(self, srcs, dsts, request_id, shift), checked=True)
 
     def commit_many(self, slots: Any, accepted: Any, request_id: str | None = None) -> None:
         """``commit_draft(slots[i], accepted[i])`` for each ``i`` (or one ``accepted`` int for all), all or none."""
@@ -299,46 +299,13 @@ class CacheManager(Reservations):
 
     def _submit(self, events: Any, checked: bool = False) -> None:
         # `checked`: slots and request ids are plain and in range (the hot path).
-        self._queue.submit(events if checked else normalised(events, self._pool.num_slots))
+        self._queue.submit(events if checked else normalised(events, self._pool.num_slots, self._pool.conv))
 
     def hand_over(self, slot: int, to: str | None, request_id: str | None = None) -> None:
         """``slot``'s tenant becomes ``to`` from this point (an engine's cache takes a finished request's slot):
         bookkeeping only, no device work; ``request_id`` checks the current tenant, as for every event."""
         check_request_id(to)
-        self._queue.hand_over(_slot_of(self._pool, slot, request_id), request_id, to)
-
-    # -- the host tier ---------------------------------------------------
-    def offload(self, slot: int, request_id: str | None = None) -> int:
-        """Copy ``slot``'s state as of this point of the event order to a free host slot; returns the host slot.
-
-        Later events on ``slot`` (a release and a new tenant, a clear) do not reach the copy, so ``offload`` then
-        ``release`` is preemption by swap. The copy runs on the next flush's stream, before anything in that step
-        writes the slot. Raises :class:`PoolExhaustedError` when the host pool is full.
-        """
-        _need_host(self, "offload")
-        return self._queue.offload(_slot_of(self._pool, slot, request_id), request_id)
-
-    def offload_many(self, slots: Any, request_id: str | None = None) -> list[int]:
-        """``[offload(s) for s in slots]``, all or none (too few free host slots: nothing taken); the host slots."""
-        return offload_batch(self._queue, _many(self, slots, request_id, "offload_many"), request_id)
-
-    def restore(self, host: int, slot: int, request_id: str | None = None, *, keep: bool = False) -> None:
-        """``slot`` gets host slot ``host``'s state as of this point of the event order.
-
-        ``host`` is freed after the read unless ``keep`` (a checkpoint restored many times). A host slot freed in a
-        step is handed out again in that step only when no other is free, and the planner orders this read before
-        the offload that rewrites it, so the read always sees the offloaded state.
-        """
-        h = _host_slot(_need_host(self, "restore"), host)
-        self._queue.restore(h, _slot_of(self._pool, slot, request_id), request_id, keep)
-
-    def restore_many(self, hosts: Any, slots: Any, request_id: str | None = None, *, keep: bool = False) -> None:
-        """``restore(hosts[i], slots[i], keep=keep)`` for each ``i``, in order, all or none."""
-        restore_batch(self._queue, *_restores(self, hosts, slots, request_id), request_id, keep)
-
-    def drop(self, host: int) -> None:
-        """Free host slot ``host`` from this point; earlier restores still read it."""
-        self._queue.drop(_host_slot(_need_host(self, "drop"), host))
+        self._queue.hand_over(slot_of(self._pool, slot, request_id), request_id, to)
 
     # -- flushing --------------------------------------------------------
     async def flush(self, stream: Any | None = None) -> StepReport:
@@ -366,64 +333,18 @@ class CacheManager(Reservations):
 
 
 # -- the bulk forms' arguments: every check is made before anything is queued --------
-def _many(mgr: CacheManager, slots: Any, request_id: Any, host: str = "") -> list[int]:
-    """A bulk form's slots as ints in range, after the checks its single form makes first (``host``: it needs
-    a host pool)."""
-    if host:
-        _need_host(mgr, host)
-    mgr.check_open()
-    check_request_id(request_id)
-    return slot_list(slots, mgr.pool.num_slots)
-
-
-def _paired(what: str, firsts: list[int], seconds: list[int]) -> list[int]:
-    """``seconds``, checked to be as many as ``firsts``."""
-    if len(firsts) != len(seconds):
-        names = ("source(s)", "destination(s)") if what == "copy_many" else ("host slot(s)", "slot(s)")
-        raise InvalidArgumentError(f"{what}: {len(firsts)} {names[0]} but {len(seconds)} {names[1]}")
-    return seconds
-
-
-def _copies(mgr: CacheManager, srcs: Any, dsts: Any, request_id: Any) -> list[CopyOnWrite]:
-    a = _many(mgr, srcs, request_id)
-    b = _paired("copy_many", a, slot_list(dsts, mgr.pool.num_slots))
-    return [CopyOnWrite(s, d, request_id) for s, d in zip(a, b, strict=True)]
+def _copies(mgr: CacheManager, srcs: Any, dsts: Any, request_id: Any, shift: Any) -> list[CopyOnWrite]:
+    a = many(mgr, srcs, request_id)
+    b = paired("copy_many", a, slot_list(dsts, mgr.pool.num_slots))
+    k = check_shift(shift, mgr.pool.conv)
+    return [CopyOnWrite(s, d, request_id, k) for s, d in zip(a, b, strict=True)]
 
 
 def _commits(mgr: CacheManager, slots: Any, accepted: Any, request_id: Any) -> list[CommitDraft]:
     """``commit_many``'s events: ``accepted`` ints (their range is the ledger's check, at each one's turn)."""
-    ss = _many(mgr, slots, request_id)
+    ss = many(mgr, slots, request_id)
     counts = count_list(accepted, len(ss), "accepted")
     return [CommitDraft(s, a, request_id) for s, a in zip(ss, counts, strict=True)]
-
-
-def _restores(mgr: CacheManager, hosts: Any, slots: Any, request_id: Any) -> tuple[list[int], list[int]]:
-    """``restore_many``'s host slots and slots, in range and as many."""
-    hp = _need_host(mgr, "restore_many")
-    try:
-        hs = slot_list(hosts, hp.num_slots)
-    except InvalidSlotError as exc:
-        raise InvalidSlotError(f"host {exc}") from None
-    return hs, _paired("restore_many", hs, _many(mgr, slots, request_id))
-
-
-def _need_host(mgr: CacheManager, what: str) -> HostPool:
-    mgr.check_open()
-    if mgr.host_pool is None:
-        raise InvalidArgumentError(f"{what} needs a host pool: CacheManager(pool, host_pool=HostPool(spec, n))")
-    return mgr.host_pool
-
-
-def _slot_of(pool: StatePool, slot: Any, request_id: Any) -> int:
-    check_request_id(request_id)
-    return as_slot(slot, pool.num_slots)
-
-
-def _host_slot(hp: HostPool, host: Any) -> int:
-    try:
-        return as_slot(host, hp.num_slots)
-    except InvalidSlotError as exc:
-        raise InvalidSlotError(f"host {exc}") from None
 
 
 def _alloc_args(mgr: CacheManager, n: Any, request_id: Any, clear: Any) -> bool:

@@ -56,7 +56,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ._events import Alloc, Clear, CommitDraft, CopyOnWrite, DropHost, Event, Offload, Release, Restore
+from ._events import Alloc, Clear, CommitDraft, CopyOnWrite, DropHost, Event, Export, Import, Offload, Release, Restore
 
 __all__ = [
     "CommitStage",
@@ -67,6 +67,7 @@ __all__ = [
     "RestoreStage",
     "RotateStage",
     "Run",
+    "ShiftStage",
     "Stage",
     "ZeroStage",
     "decode_plan",
@@ -152,7 +153,32 @@ class RestoreStage(_TierStage):
     """Pool slot ``slot`` gets host slot ``host`` for each ``(host, slot)``; runs are ``CopyRun(host, slot, n)``."""
 
 
-Stage = ZeroStage | CopyStage | RotateStage | CommitStage | OffloadStage | RestoreStage
+@dataclass(frozen=True, slots=True)
+class ShiftStage:
+    """Slot ``dst`` gets slot ``src`` for each pair, every conv state shifted ``shift`` (> 0) tokens to the front.
+
+    On a conv tensor (time is its last axis, of width ``w``): ``dst[..., :w - shift]
+    = src[..., shift:]`` and ``dst[..., w - shift:] = 0``; every other tensor runs
+    ``copy``, the pairs with ``src != dst`` copied whole. No slot is in two pairs,
+    but a pair may be ``(a, a)`` (a shift in place): each pair reads its source
+    before writing, and pairs never see each other, so they run in any order, or
+    all at once. ``pairs`` is sorted by destination. Not idempotent (a shift in
+    place repeated shifts twice): executors keep a :class:`~mambacache._executors._base.Progress`.
+    """
+
+    shift: int
+    pairs: tuple[tuple[int, int], ...]
+    copy: CopyStage
+
+
+def shift_stage(shift: int, pairs: Sequence[tuple[int, int]]) -> ShiftStage:
+    """The :class:`ShiftStage` of ``pairs``, sorted by destination, with its whole-copy part derived."""
+    ordered = tuple(sorted(pairs, key=lambda p: p[1]))
+    whole = tuple(p for p in ordered if p[0] != p[1])
+    return ShiftStage(shift, ordered, CopyStage(whole, copy_runs(whole)))
+
+
+Stage = ZeroStage | CopyStage | RotateStage | CommitStage | OffloadStage | RestoreStage | ShiftStage
 HostStage = OffloadStage | RestoreStage
 
 
@@ -249,6 +275,35 @@ class Writes(NamedTuple):
     restores: list[tuple[int, int]]  # (start-of-step host, slot), sorted by slot
     late: list[tuple[int, int]]  # (slot, host), sorted by host: run last, reading the slot's final value
     end: int  # index one past the segment's last event: the next segment starts there
+    shift: ShiftStage | None = None  # a segment of shifted copies only (then every list above is empty)
+
+
+def _shift_writes(events: Sequence[Event], start: int) -> Writes:
+    """The segment of shifted copies that starts at ``events[start]``: one :class:`ShiftStage`.
+
+    It takes the copies with the same shift that follow, up to the first other
+    event or the first copy touching a slot the segment already reads or writes:
+    inside the segment no copy sees another's write, so its one stage is exactly
+    the copies one at a time. A shifted copy is never merged with the symbolic
+    values of the events around it (each conv tensor would need its own source
+    position); the segments before and after are planned against the state it
+    leaves, exact by composition, as a pinned slot's segments are.
+    """
+    first = events[start]
+    k = first.shift  # type: ignore[union-attr]
+    pairs: list[tuple[int, int]] = []
+    used: set[int] = set()
+    i = start
+    while i < len(events):
+        ev = events[i]
+        if type(ev) is not CopyOnWrite or ev.shift != k or ev.src in used or ev.dst in used:
+            break
+        pairs.append((ev.src, ev.dst))
+        used.add(ev.src)
+        used.add(ev.dst)
+        i += 1
+    n = i - start
+    return Writes([], {}, [], n, n, [], [], [], i, shift_stage(k, pairs))
 
 
 def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
@@ -280,6 +335,10 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
         ev = events[i]
         t = type(ev)
         if t is CopyOnWrite:
+            if ev.shift:  # type: ignore[union-attr]
+                if i == start:
+                    return _shift_writes(events, start)
+                break  # planned as a segment of its own, after this one
             new: int | tuple[int, int] = value.get(ev.src, ev.src)  # type: ignore[union-attr]
             slot = ev.dst  # type: ignore[union-attr]
         elif t is Clear:
@@ -297,7 +356,7 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
                 i += 1
                 continue
             new = (slot, ev.accepted - 1)  # type: ignore[union-attr]
-        elif t is Restore:
+        elif t is Restore or t is Import:
             h = ev.host  # type: ignore[union-attr]
             got = host_value.get(h)
             new, slot = -h if got is None else got, ev.slot  # type: ignore[union-attr]
@@ -305,7 +364,7 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
             dead.add(ev.slot)  # type: ignore[union-attr]
             i += 1
             continue
-        elif t is Offload:
+        elif t is Offload or t is Export:
             slot, h = ev.slot, ev.host  # type: ignore[union-attr]
             v = value.get(slot, slot)
             if type(v) is int and v > 0 and h not in host_read:
@@ -329,10 +388,10 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
             break
         if t is Alloc:
             dead.discard(slot)
-        elif t is Restore:
+        elif t is Restore or t is Import:
             if h not in host_value:
                 host_read.add(h)
-            if not ev.keep:  # type: ignore[union-attr]
+            if t is Import or not ev.keep:  # type: ignore[union-attr]
                 host_dead.add(h)
         writes += 1
         value[slot] = new
@@ -374,7 +433,12 @@ def plan_step(events: Iterable[Event]) -> Plan:
     n = zeroed = copied = elided = committed = offloaded = restored = 0
     start = 0
     while start < len(log):
-        zero, src_of, commits, count, writes, offloads, restores, late, start = final_writes(log, start)
+        zero, src_of, commits, count, writes, offloads, restores, late, start, shifted = final_writes(log, start)
+        if shifted is not None:
+            stages.append(shifted)
+            n += count
+            copied += len(shifted.pairs)
+            continue
         if offloads:
             pairs = tuple(offloads)
             stages.append(OffloadStage(pairs, copy_runs(pairs)))
@@ -411,9 +475,10 @@ def plan_step(events: Iterable[Event]) -> Plan:
 #   commit stage:  [4, n, (src, pos, dst) * n]
 #   offload stage: [5, n, (slot, host) * n]
 #   restore stage: [6, n, (host, slot) * n]
-MAGIC = 0x6D63_0003  # 3: offload and restore stages
+#   shift stage:   [7, n, shift, (src, dst) * n]
+MAGIC = 0x6D63_0004  # 4: shift stages
 _HEADER = 10
-_ZERO_KIND, _COPY_KIND, _ROTATE_KIND, _COMMIT_KIND, _OFFLOAD_KIND, _RESTORE_KIND = 1, 2, 3, 4, 5, 6
+_ZERO_KIND, _COPY_KIND, _ROTATE_KIND, _COMMIT_KIND, _OFFLOAD_KIND, _RESTORE_KIND, _SHIFT_KIND = 1, 2, 3, 4, 5, 6, 7
 _PAIR_KINDS: dict[type, int] = {CopyStage: _COPY_KIND, OffloadStage: _OFFLOAD_KIND, RestoreStage: _RESTORE_KIND}
 _PAIR_STAGES: dict[int, type[CopyStage | OffloadStage | RestoreStage]] = {k: t for t, k in _PAIR_KINDS.items()}
 
@@ -434,6 +499,10 @@ def encode_plan(plan: Plan, step: int) -> list[int]:
             out += [_COMMIT_KIND, len(stage.entries)]
             for entry in stage.entries:
                 out += entry
+        elif isinstance(stage, ShiftStage):
+            out += [_SHIFT_KIND, len(stage.pairs), stage.shift]
+            for a, b in stage.pairs:
+                out += [a, b]
         else:
             out += [_ROTATE_KIND, len(stage.cycles)]
             for cycle in stage.cycles:
@@ -478,6 +547,11 @@ def _decode(data: Sequence[int]) -> tuple[int, Plan]:
             flat = data[pos : pos + 3 * n]
             pos += 3 * n
             stages.append(CommitStage(tuple(zip(flat[0::3], flat[1::3], flat[2::3], strict=True))))
+        elif kind == _SHIFT_KIND:
+            shift = data[pos]
+            flat = data[pos + 1 : pos + 1 + 2 * n]
+            pos += 1 + 2 * n
+            stages.append(shift_stage(shift, list(zip(flat[0::2], flat[1::2], strict=True))))
         else:
             raise ValueError(f"unknown stage kind {kind} in plan message")
     if pos != len(data):

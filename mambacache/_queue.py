@@ -16,6 +16,7 @@ import anyio
 from . import _tracing
 from ._errors import InvalidArgumentError, ManagerClosedError, SlotLeakError, SlotStateError
 from ._events import Alloc, DropHost, Event, Offload, Restore
+from ._exports import HandOffBook, drop_exports
 from ._ledger import SlotLedger
 
 if TYPE_CHECKING:
@@ -49,8 +50,8 @@ class StepQueue:
     """
 
     __slots__ = (
-        "_channel", "_draft_tokens", "_host", "_runner", "_ticket", "_waiters", "events", "ledger", "lock", "state",
-        "step",
+        "_channel", "_draft_tokens", "_host", "_runner", "_ticket", "_waiters", "events", "handoff", "ledger",
+        "lock", "state", "step",
     )  # fmt: skip
 
     def __init__(
@@ -69,6 +70,7 @@ class StepQueue:
         self._runner = runner
         self._channel = channel
         self.events: list[Event] = []
+        self.handoff = HandOffBook()  # exports awaiting an ack, states arrived awaiting an import
         self.step = 0
         self.state = NEW
         self._waiters: list[int] = []  # alloc_wait tickets, first come first served
@@ -131,9 +133,13 @@ class StepQueue:
         with self.lock:
             if self.state != OPEN or self._runner.broken is not None or self._channel is not None:
                 self.check()  # the common case is one test; this raises or checks the source rank
+            book = self.handoff
+            withdrawn = book.released_exports(events) if book.exports else None
             self.ledger.apply_batch(events, self._draft_tokens)
             self.events.extend(events)
             _tracing.tracer.events(events, self.step)
+            if withdrawn:
+                drop_exports(self, withdrawn)
 
     def alloc(self, n: int, tenant: str | None, clear: bool) -> list[int]:
         """The ``n`` lowest free slots, held by ``tenant``, each with its queued alloc."""
@@ -210,6 +216,7 @@ class StepQueue:
         with self.lock:
             self.check()
             self.ledger.check_held("HandOver", slot, tenant)
+            self.handoff.check_not_exporting("hand_over", slot)
             old = self.ledger.hand_over(slot, to)
             _tracing.tracer.note("slot.handover", slot=slot, request_id=old, to=to, step=self.step)
 
@@ -258,6 +265,11 @@ class StepQueue:
             self.events.append(ev)
             self._host.free_later(host)
             _tracing.tracer.events((ev,), self.step)
+
+    @property
+    def host_ledger(self) -> SlotLedger | None:
+        """The host pool's ledger (None without a host pool); change it only under :attr:`lock`."""
+        return self._host
 
     def _check_host_held(self, kind: str, host: int) -> None:
         assert self._host is not None

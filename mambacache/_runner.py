@@ -24,6 +24,7 @@ from ._planner import (
     OffloadStage,
     RestoreStage,
     RotateStage,
+    ShiftStage,
     Stage,
     ZeroStage,
     copy_runs,
@@ -47,6 +48,7 @@ def run_stage(
     drafts: list[torch.Tensor] | None = None,
     host: list[torch.Tensor] | None = None,
     cursor: Backlog | _Cursor | None = None,
+    convs: int = 0,
 ) -> None:
     """Run ``stage`` on each of ``tensors`` from ``cursor.next_tensor`` on, advancing it per tensor done.
 
@@ -55,6 +57,8 @@ def run_stage(
     with the matching draft buffer, and a zero or copy stage not yet started to
     ``execute_stage`` first (all tensors at once; idempotent, so a fault inside
     it just leaves the whole stage to redo), then to ``execute`` per tensor.
+    A shift stage goes to ``execute`` on the first ``convs`` tensors (the conv
+    states, whose last axis is time) and as its whole-copy part on the others.
     A raise leaves ``cursor`` at the tensor that failed: calling again resumes.
     """
     cur = cursor if cursor is not None else _Cursor()
@@ -71,6 +75,9 @@ def run_stage(
         run = executor.execute  # type: ignore[assignment]
         if kind is CommitStage:
             others = drafts
+        elif kind is ShiftStage:
+            _run_shift(executor, stage, tensors, cur, convs)  # type: ignore[arg-type]
+            return
     n = len(tensors)
     while cur.next_tensor < n:
         i = cur.next_tensor
@@ -78,6 +85,17 @@ def run_stage(
             run(stage, tensors[i])  # type: ignore[call-arg, arg-type]
         else:
             run(stage, tensors[i], others[i])  # type: ignore[arg-type]
+        cur.next_tensor = i + 1
+
+
+def _run_shift(executor: Executor, stage: ShiftStage, tensors: list[torch.Tensor], cur: Any, convs: int) -> None:
+    """A shift stage, tensor by tensor: shifted on the conv tensors, whole pairs copied on the rest."""
+    whole = stage.copy
+    for i in range(cur.next_tensor, len(tensors)):
+        if i < convs:
+            executor.execute(stage, tensors[i])
+        elif whole.pairs:
+            executor.execute(whole, tensors[i])
         cur.next_tensor = i + 1
 
 
@@ -141,12 +159,13 @@ class StepRunner:
     the next manager opened on it.
     """
 
-    __slots__ = ("_broken", "_device", "_drafts", "_failures", "_max_failures", "_tensors", "backlog")
+    __slots__ = ("_broken", "_convs", "_device", "_drafts", "_failures", "_max_failures", "_tensors", "backlog")
 
     def __init__(self, pool: Any, max_failures: int) -> None:
         self.backlog: Backlog = pool.backlog  # the flush core reads its length on every step: no property
         self._tensors: list[torch.Tensor] = pool.exec_tensors
         self._drafts: list[torch.Tensor] = pool.exec_drafts
+        self._convs: int = len(pool.conv)  # exec_tensors start with the conv states
         self._device: torch.device = pool.device
         self._max_failures = max_failures
         self._failures = 0
@@ -189,7 +208,7 @@ class StepRunner:
             while stages:
                 stage, executor, host = stages[0]
                 try:
-                    run_stage(executor, stage, self._tensors, self._drafts, host, backlog)
+                    run_stage(executor, stage, self._tensors, self._drafts, host, backlog, self._convs)
                 except Exception as exc:
                     raise self._failed(exc, executor, stage, step) from exc
                 stages.popleft()

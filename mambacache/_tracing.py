@@ -3,7 +3,9 @@
 The core calls ``_tracing.tracer`` at three kinds of site: after a batch of
 events is queued (:meth:`Tracer.events`), after a flush (:meth:`Tracer.flushed`)
 and when an executor fails (:meth:`Tracer.failed`); the tiers add their own
-events with :meth:`Tracer.note`. The base :class:`Tracer` does nothing, so with
+events with :meth:`Tracer.note`, a :class:`~mambacache.StateTransfer` its
+batches with :meth:`Tracer.transfer` (and its failures through
+:func:`traces_failures`). The base :class:`Tracer` does nothing, so with
 tracing off a submit pays one no-op call and no site tests for a logger.
 :func:`mambacache.tracing.configure` installs a :class:`LogTracer` once; this
 module imports no structlog, so ``import mambacache`` does not either.
@@ -12,15 +14,32 @@ module imports no structlog, so ``import mambacache`` does not either.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
-from ._events import Alloc, Clear, CommitDraft, CopyOnWrite, DropHost, Offload, Release, Restore, StepReport
+from ._errors import TransferError
+from ._events import (
+    Alloc,
+    Clear,
+    CommitDraft,
+    CopyOnWrite,
+    DropHost,
+    Export,
+    Import,
+    Offload,
+    Release,
+    Restore,
+    StepReport,
+)
 
 if TYPE_CHECKING:
     from ._events import Event
 
-__all__ = ["LogTracer", "Tracer", "install", "tracer"]
+__all__ = ["LogTracer", "Tracer", "install", "tracer", "traces_failures"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class Tracer:
@@ -40,6 +59,11 @@ class Tracer:
     def note(self, event: str, **fields: Any) -> None:
         """A tier's own debug event (``prefix.hit`` and the like)."""
 
+    def transfer(self, event: str, peer: int | None, request_ids: Sequence[str], **fields: Any) -> None:
+        """A state transfer's batch with rank ``peer``: ``transfer.send`` (acknowledged), ``transfer.receive``
+        (landed in staging host slots) or ``transfer.failed``; or, with no peer, exports a release withdrew
+        (``transfer.withdraw``) and arrived states given up (``transfer.discard``)."""
+
 
 def _fields(ev: Event) -> tuple[str, dict[str, Any]]:
     """The trace name and fields of a queued event (the analyzer reads these keys)."""
@@ -47,7 +71,10 @@ def _fields(ev: Event) -> tuple[str, dict[str, Any]]:
     if t is Clear or t is Release:
         return ("slot.clear" if t is Clear else "slot.release"), {"slot": ev.slot, "request_id": ev.request_id}  # type: ignore[union-attr]
     if t is CopyOnWrite:
-        return "slot.cow", {"src": ev.src, "dst": ev.dst, "request_id": ev.request_id}  # type: ignore[union-attr]
+        fields = {"src": ev.src, "dst": ev.dst, "request_id": ev.request_id}  # type: ignore[union-attr]
+        if ev.shift:  # type: ignore[union-attr]  # only a shifted copy carries it: plain forks' lines stay as they were
+            fields["shift"] = ev.shift  # type: ignore[union-attr]
+        return "slot.cow", fields
     if t is Alloc:
         return "slot.alloc", {"slot": ev.slot, "request_id": ev.request_id, "cleared": ev.clear}  # type: ignore[union-attr]
     if t is CommitDraft:
@@ -56,6 +83,10 @@ def _fields(ev: Event) -> tuple[str, dict[str, Any]]:
         return "slot.offload", {"slot": ev.slot, "host": ev.host, "request_id": ev.request_id}  # type: ignore[union-attr]
     if t is Restore:
         return "slot.restore", {"host": ev.host, "slot": ev.slot, "request_id": ev.request_id, "keep": ev.keep}  # type: ignore[union-attr]
+    if t is Export:
+        return "slot.export", {"slot": ev.slot, "host": ev.host, "request_id": ev.request_id}  # type: ignore[union-attr]
+    if t is Import:
+        return "slot.import", {"host": ev.host, "slot": ev.slot, "request_id": ev.request_id}  # type: ignore[union-attr]
     assert t is DropHost
     return "host.drop", {"host": ev.host}  # type: ignore[union-attr]
 
@@ -65,20 +96,30 @@ _REPORT_FIELDS = tuple(f.name for f in dataclasses.fields(StepReport) if not f.n
 
 
 class LogTracer(Tracer):
-    """Writes events to structlog loggers: ``slots`` (debug, per slot; None to skip) and ``steps`` (flushes)."""
+    """Writes events to structlog loggers: ``slots`` (debug, per slot; None to skip) and ``steps`` (flushes).
 
-    __slots__ = ("_slots", "_steps", "close")
+    ``slot.import`` lines carry the ``peer`` whose ``transfer.receive`` landed
+    their staging host slot (remembered per host slot, so at most one entry per
+    host slot; a state received before tracing was on imports without it).
+    """
+
+    __slots__ = ("_peers", "_slots", "_steps", "close")
 
     def __init__(self, slots: Any | None, steps: Any, close: Callable[[], None] | None = None) -> None:
         self._slots = slots
         self._steps = steps
         self.close = close  # closes the file configure() opened, if any
+        self._peers: dict[int, int] = {}  # staging host slot -> the rank its received state came from
 
     def events(self, events: Sequence[Event], step: int) -> None:
         log = self._slots
         if log is not None:
             for ev in events:
                 name, fields = _fields(ev)
+                if type(ev) is Import:
+                    peer = self._peers.pop(ev.host, None)
+                    if peer is not None:
+                        fields["peer"] = peer
                 log.debug(name, **fields, step=step)
 
     def flushed(self, report: StepReport) -> None:
@@ -94,9 +135,40 @@ class LogTracer(Tracer):
         if self._slots is not None:
             self._slots.debug(event, **fields)
 
+    def transfer(self, event: str, peer: int | None, request_ids: Sequence[str], **fields: Any) -> None:
+        if peer is None:  # a withdraw or a discard: no peer took part
+            self._steps.info(event, request_ids=list(request_ids), **fields)
+            return
+        if event == "transfer.failed":
+            self._steps.error(event, peer=peer, request_ids=list(request_ids), **fields)
+            return
+        if event == "transfer.receive" and self._slots is not None:
+            for h in fields.get("hosts", ()):
+                self._peers[h] = peer
+        self._steps.info(event, peer=peer, request_ids=list(request_ids), **fields)
+
 
 OFF = Tracer()
 tracer: Tracer = OFF
+
+
+def traces_failures(method: Callable[Concatenate[Any, P], R]) -> Callable[Concatenate[Any, P], R]:
+    """Wrap a :class:`~mambacache.StateTransfer` method: a :class:`TransferError` it raises is traced as
+    ``transfer.failed`` (the ``peer``, the ids in flight, the method as ``call``, the ``error``), then re-raised.
+
+    A decorator rather than a line at each raise: every failure of the wire,
+    the header, the ids or the acknowledgement is traced, whatever the body.
+    """
+
+    def traced(self: Any, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return method(self, *args, **kwargs)
+        except TransferError as exc:
+            tracer.transfer("transfer.failed", self.peer, exc.request_ids, call=method.__name__, error=str(exc))
+            raise
+
+    functools.update_wrapper(traced, method)  # its name, docstring and signature, for help() and the API docs
+    return traced
 
 
 def install(new: Tracer) -> Tracer:

@@ -9,7 +9,7 @@ wait for the device.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -17,7 +17,7 @@ import torch
 from ._errors import InvalidArgumentError, InvalidEventError, InvalidSlotError
 from ._events import Alloc, Clear, CommitDraft, CopyOnWrite, DropHost, Offload, Release, Restore
 
-__all__ = ["as_slot", "check_request_id", "count_list", "normalised", "slot_list"]
+__all__ = ["as_slot", "check_request_id", "check_shift", "count_list", "normalised", "slot_list"]
 
 
 def as_slot(x: Any, num_slots: int, allow_padding: bool = False) -> int:
@@ -106,15 +106,28 @@ def _int_values(values: Any, what: str, error: type[InvalidArgumentError]) -> li
     return list(values)
 
 
-def normalised(events: Iterable[Any], n: int) -> list[Any]:
-    """Events with int slots (converted from numpy or tensor scalars), request ids checked."""
+def check_shift(shift: Any, convs: Sequence[torch.Tensor]) -> int:
+    """``shift`` as an int in ``0 ..`` the smallest conv width (the last axis of ``convs``) minus 1."""
+    width = min((c.shape[-1] for c in convs), default=1)
+    if type(shift) is not int or not 0 <= shift < width:
+        raise InvalidArgumentError(
+            f"shift must be an int in 0..{width - 1} (below the smallest conv width, {width}), got {shift!r}"
+            if convs
+            else f"shift must be 0 on a pool without conv states, got {shift!r}"
+        )
+    return shift
+
+
+def normalised(events: Iterable[Any], n: int, convs: Sequence[torch.Tensor] = ()) -> list[Any]:
+    """Events with int slots (converted from numpy or tensor scalars), request ids and copy shifts checked
+    (``convs``: the pool's conv tensors, whose smallest width bounds a shift)."""
     out: list[Any] = []
     for ev in events:
         t = type(ev)
         if t is CopyOnWrite:
-            a, b = ev.src, ev.dst
-            if type(a) is not int or type(b) is not int or not 0 < a <= n or not 0 < b <= n:
-                ev = CopyOnWrite(as_slot(a, n), as_slot(b, n), ev.request_id)
+            a, b, k = ev.src, ev.dst, ev.shift
+            if type(a) is not int or type(b) is not int or not 0 < a <= n or not 0 < b <= n or k or type(k) is not int:
+                ev = CopyOnWrite(as_slot(a, n), as_slot(b, n), ev.request_id, check_shift(k, convs))
         elif t is Clear or t is Release:
             s = ev.slot
             if type(s) is not int or not 0 < s <= n:

@@ -29,9 +29,10 @@ DRAFTS = 2  # every rank's pool keeps draft states, so commits cross the wire to
 
 def plan_of_steps(seed: int, n_ops: int) -> list[list[object]]:
     rng = random.Random(seed)
-    raw = [(rng.choice(KINDS), 0, rng.randrange(10**6)) for _ in range(n_ops)]
+    raw = [(rng.choice((*KINDS, "shift")), 0, rng.randrange(10**6)) for _ in range(n_ops)]
     raw = [(k, 0 if k == "alloc" else rng.randrange(10**6), b) for k, _, b in raw]
-    return [events for events, _ in events_from_ops(raw, N, set(), draft_tokens=DRAFTS)]
+    # Shifted copies cross the wire as shift stages (conv width 3: shifts 1 and 2).
+    return [events for events, _ in events_from_ops(raw, N, set(), draft_tokens=DRAFTS, max_shift=2)]
 
 
 def submit_all(mgr: mc.CacheManager, events: list[object]) -> None:

@@ -17,6 +17,9 @@ class SequentialOracle:
 
     def __init__(self, pool: mc.StatePool, host: mc.HostPool | None = None) -> None:
         self.tensors = [t.clone() for t in pool.tensors]
+        # pool.tensors starts with the conv states: a shifted copy moves those by `shift` tokens, each
+        # `token` elements of the last axis (1; the item size on byte views, tests/test_edges.py).
+        self.token = [t.shape[-1] // c.shape[-1] for t, c in zip(self.tensors, pool.conv, strict=False)]
         self.host = [t.clone() for t in host.tensors] if host is not None else []
         self.host_held: set[int] = set(host.held()) if host is not None else set()
         # Draft buffers are written by the forward, never by events: a snapshot serves the whole step.
@@ -27,6 +30,11 @@ class SequentialOracle:
 
     def apply(self, events: Iterable[Any]) -> None:
         for ev in events:
+            # A transfer's two halves: an export stages the slot's state as of here, an import reads a staged one.
+            if isinstance(ev, mc.Export):
+                ev = mc.Offload(ev.slot, ev.host, ev.request_id)
+            elif isinstance(ev, mc.Import):
+                ev = mc.Restore(ev.host, ev.slot, ev.request_id)
             if isinstance(ev, mc.Offload):
                 for t, h in zip(self.tensors, self.host, strict=True):
                     h[:, ev.host] = t[:, ev.slot].clone()
@@ -61,8 +69,13 @@ class SequentialOracle:
             if isinstance(ev, mc.Alloc):
                 self.allocated.add(ev.slot)
             elif isinstance(ev, mc.CopyOnWrite):
-                for t in self.tensors:
-                    t[:, ev.dst] = t[:, ev.src].clone()
+                for i, t in enumerate(self.tensors):
+                    row = t[:, ev.src].clone()
+                    if ev.shift and i < len(self.token):  # time is the last axis: roll to the front, zero the end
+                        n = ev.shift * self.token[i]
+                        row = torch.roll(row, -n, dims=-1)
+                        row[..., -n:] = 0
+                    t[:, ev.dst] = row
                 if ev.src in self.defined:
                     self.defined.add(ev.dst)
                 else:
@@ -70,6 +83,16 @@ class SequentialOracle:
             elif isinstance(ev, mc.Release):
                 self.allocated.discard(ev.slot)
                 self.defined.discard(ev.slot)
+
+    def land(self, host: int, rows: list[torch.Tensor], defined: bool) -> None:
+        """A transfer wrote ``rows`` (one ``[layers, *state]`` row per host tensor) into staging host slot ``host``
+        of this side, now: the slot is held, and defined if the state sent was."""
+        for h, row in zip(self.host, rows, strict=True):
+            h[:, host] = row
+        self.host_held.add(host)
+        self.host_defined.discard(host)
+        if defined:
+            self.host_defined.add(host)
 
     def write(self, slot: int, value: float) -> None:
         """A forward step writes every live slot: afterwards it is defined."""

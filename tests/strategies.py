@@ -15,15 +15,23 @@ ops = st.lists(
     max_size=80,
 )
 
+# With shifted copies ("shift": give events_from_ops a max_shift); a strategy of its own, so that the
+# tests drawing `ops` keep their distribution.
+shift_ops = st.lists(
+    st.tuples(st.sampled_from((*KINDS, "shift", "shift")), st.integers(0, 10**6), st.integers(0, 10**6)),
+    max_size=80,
+)
+
 
 def events_from_ops(
-    raw: list[tuple[str, int, int]], num_slots: int, allocated: set[int], draft_tokens: int = 0
+    raw: list[tuple[str, int, int]], num_slots: int, allocated: set[int], draft_tokens: int = 0, max_shift: int = 0
 ) -> list[tuple[list[object], set[int]]]:
     """Turn raw draws into valid event logs split at "flush", each with the slots live after it.
 
     "commit" draws become CommitDraft events only for pools with ``draft_tokens``; else nothing.
+    "shift" draws become copies shifted by ``1..max_shift`` tokens (in place too); with ``max_shift=0`` nothing.
     """
-    steps = _steps(raw, num_slots, allocated, draft_tokens, 0, set())
+    steps = _steps(raw, num_slots, allocated, draft_tokens, 0, set(), max_shift)
     return [(events, live) for events, live, _ in steps]
 
 
@@ -42,13 +50,14 @@ def host_events_from_ops(
     num_host: int,
     held: set[int],
     draft_tokens: int = 0,
+    max_shift: int = 0,
 ) -> list[tuple[list[object], set[int], set[int]]]:
     """As :func:`events_from_ops` with the host tier: each step with the pool and host slots live after it.
 
     Host slots are picked anywhere among the free ones, a slot freed in this very
     step included (the planner must be exact for any such log).
     """
-    return _steps(raw, num_slots, allocated, draft_tokens, num_host, held)
+    return _steps(raw, num_slots, allocated, draft_tokens, num_host, held, max_shift)
 
 
 def _steps(
@@ -58,6 +67,7 @@ def _steps(
     draft_tokens: int,
     num_host: int,
     held: set[int],
+    max_shift: int = 0,
 ) -> list[tuple[list[object], set[int], set[int]]]:
     steps: list[list[object]] = [[]]
     after: list[tuple[set[int], set[int]]] = []
@@ -76,6 +86,11 @@ def _steps(
             steps[-1].append(mc.Clear(live[a % len(live)]))
         elif kind == "cow" and live:
             steps[-1].append(mc.CopyOnWrite(live[a % len(live)], live[b % len(live)]))
+        elif kind == "shift" and live and max_shift:
+            # Runs of shifted copies with one shift batch into one stage: draw the shift from `b // 7`
+            # so that neighbouring draws often agree.
+            src, dst = live[a % len(live)], live[b % len(live)]
+            steps[-1].append(mc.CopyOnWrite(src, dst, shift=1 + (b // 7) % max_shift))
         elif kind == "commit" and live and draft_tokens:
             steps[-1].append(mc.CommitDraft(live[a % len(live)], b % (draft_tokens + 1)))
         elif kind == "release" and live:

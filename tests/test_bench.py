@@ -72,3 +72,20 @@ def test_bench_quick_tp8(capsys: pytest.CaptureFixture[str]) -> None:
     assert {r["preset"] for r in data["results"]} == {"small-tp8"}
     assert main(["bench", "--quick", "--tp", "3"]) == 2
     assert "not divisible" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_transfer_row(capsys: pytest.CaptureFixture[str]) -> None:
+    """Two gloo processes; the bench itself fails if the first transfer of a size delivered other bytes."""
+    from mambacache.bench._presets import lookup
+
+    assert main(["bench", "--transfer", "--quick", "--sizes", "1,3", "--repeats", "2", "--json", "-"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    rows = data["transfer"]
+    assert [(r["preset"], r["slots"]) for r in rows] == [("small", 1), ("small", 3)]
+    for r in rows:
+        assert r["bytes"] == r["slots"] * lookup("small").spec.slot_bytes and r["rounds"] == 2
+        for path in ("transfer", "send"):
+            assert 0 < r[f"{path}_min_ms"] <= r[f"{path}_ms"]
+        assert r["ratio"] == r["transfer_ms"] / r["send_ms"]
+        assert all(r[f"{part}_ms"] > 0 for part in ("stage", "wire", "land"))

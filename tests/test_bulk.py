@@ -175,14 +175,19 @@ def loop(twin: Twin, kind: str, args: dict[str, Any]) -> Any:
 
 
 def _ledger_call(twin: Twin, kind: str, b: int) -> Callable[[Twin], object] | None:
-    """An alloc (tenant ``a`` or ``b``, cleared or not), a release or a fork of live slots, or a drop of a
-    held host slot, as a replayable call."""
+    """An alloc (tenant ``a`` or ``b``, cleared or not), a release or a fork of live slots (shifted by one
+    token, in place too, for some draws), or a drop of a held host slot, as a replayable call."""
     live, held = twin.pool.allocated_slots(), sorted(twin.host.held())
     if kind == "alloc" and twin.pool.num_free:
         return lambda t: t.mgr.alloc(1, TENANTS[b % 2], clear=b % 3 > 0)
     if kind in ("release", "cow") and live:
         slot, dst = live[b % len(live)], live[(b // 7) % len(live)]
-        return (lambda t: t.mgr.release(slot)) if kind == "release" else (lambda t: t.mgr.copy_on_write(slot, dst))
+        k = (b // 49) % 2  # the spec's narrowest conv is 2 tokens wide: shift 0 or 1
+        return (
+            (lambda t: t.mgr.release(slot))
+            if kind == "release"
+            else (lambda t: t.mgr.copy_on_write(slot, dst, shift=k))
+        )
     if kind == "drop" and held:
         host = held[b % len(held)]
         return lambda t: t.mgr.drop(host)
@@ -292,6 +297,18 @@ def test_bulk_forms_are_all_or_nothing_with_typed_errors() -> None:
             (lambda: mgr.commit_many([a, b], 1.5), mc.InvalidArgumentError, "must be an int"),
             (lambda: mgr.commit_many([a, 7], 1), mc.SlotStateError, "not allocated"),
             (lambda: mgr.commit_many([a], 1, request_id=3), mc.InvalidArgumentError, "request_id"),  # type: ignore[arg-type]
+            # A shift must be an int below the narrowest conv width (2 here); whole calls, single and bulk.
+            (
+                lambda: mgr.copy_many([a, b], [b, c], shift=2),
+                mc.InvalidArgumentError,
+                r"shift must be an int in 0\.\.1",
+            ),
+            (lambda: mgr.copy_many([a], [b], shift=True), mc.InvalidArgumentError, "shift"),  # type: ignore[arg-type]
+            (lambda: mgr.copy_on_write(a, b, shift=-1), mc.InvalidArgumentError, "got -1"),
+            (lambda: mgr.copy_on_write(a, b, shift=1.0), mc.InvalidArgumentError, "got 1.0"),  # type: ignore[arg-type]
+            (lambda: mgr.submit(mc.Clear(a), mc.CopyOnWrite(a, b, shift=2)), mc.InvalidArgumentError, "got 2"),
+            (lambda: mgr.copy_on_write(a, 7, shift=1), mc.SlotStateError, "not allocated"),
+            (lambda: mgr.copy_many([a, a], [b, 7], shift=1), mc.SlotStateError, "not allocated"),
         ]
         for call, error, match in bad_calls:
             with pytest.raises(error, match=match):

@@ -46,6 +46,7 @@ BAD = [
     ("bench", "--budget-gb", "-1"),
     ("bench", "--json", "/no/such/folder/out.json"),
     ("bench", "--plot", "/no/such/folder/out.png"),
+    ("bench", "--transfer", "--tp", "2"),
     ("trace",),
     ("trace", "/no/such/file.jsonl"),
     ("nope",),

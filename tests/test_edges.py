@@ -17,7 +17,7 @@ from mambacache._executors._torch import TorchExecutor
 from mambacache._planner import RotateStage, Stage
 
 from .oracle import SequentialOracle
-from .strategies import events_from_ops, ops
+from .strategies import events_from_ops, shift_ops
 from .util import drive, fill_random, small_spec
 
 
@@ -94,7 +94,7 @@ ODD_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32
 
 @pytest.mark.parametrize("executor", ["torch", "npu", "reference"])
 @pytest.mark.parametrize("dtype", ODD_DTYPES, ids=str)
-@given(raw=ops, seed=st.integers(0, 99))
+@given(raw=shift_ops, seed=st.integers(0, 99))
 @settings(max_examples=15)
 def test_dtypes_without_index_kernels_run_every_stage_kind(
     executor: str, dtype: torch.dtype, raw: list[tuple[str, int, int]], seed: int
@@ -109,10 +109,41 @@ def test_dtypes_without_index_kernels_run_every_stage_kind(
             t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, generator=g, dtype=torch.uint8))
         oracle = BytesOracle(pool)
         raw0 = [(k, 0 if k == "alloc" else a, b) for k, a, b in raw]  # alloc hands out the lowest free slot
-        for events, _ in events_from_ops(raw0, 8, set()):
+        for events, _ in events_from_ops(raw0, 8, set(), max_shift=1):  # shifted copies too: width 2
             drive(mgr, events, oracle)
             mgr.flush_nowait()
             oracle.assert_matches(pool)
+            # A forward writes random bytes into every live slot, so the next step's copies move more than zeros
+            # (0/1 for bool: any op that copies a bool turns another byte into 1).
+            top = 2 if dtype is torch.bool else 256
+            for s in pool.allocated_slots():
+                for t, want in zip(pool.tensors, oracle.tensors, strict=True):
+                    row = torch.randint(0, top, want[:, s].shape, generator=g, dtype=torch.uint8)
+                    t.view(torch.uint8)[:, s] = row
+                    want[:, s] = row
+                oracle.defined.add(s)
+
+
+@pytest.mark.parametrize("executor", ["torch", "npu", "reference"])
+@pytest.mark.parametrize("dtype", ODD_DTYPES, ids=str)
+def test_dtypes_without_index_kernels_shift_whole_tokens(executor: str, dtype: torch.dtype) -> None:
+    spec = mc.StateSpec(num_layers=2, conv_shapes=[(3, 4)], temporal_shape=(2, 3), conv_dtype=dtype)
+    pool = mc.StatePool(spec, 6)
+    g = torch.Generator().manual_seed(7)
+    with mc.CacheManager(pool, executor=executor) as mgr:
+        a, b, c = mgr.alloc(3)
+        mgr.flush_nowait()
+        top = 2 if dtype is torch.bool else 256  # any op that copies a bool turns another byte into 1
+        for t in pool.tensors:
+            t.view(torch.uint8).copy_(torch.randint(0, top, t.view(torch.uint8).shape, generator=g, dtype=torch.uint8))
+        oracle = BytesOracle(pool)
+        events = [mc.CopyOnWrite(a, b, shift=1), mc.CopyOnWrite(c, c, shift=3), mc.CopyOnWrite(b, a, shift=2)]
+        mgr.submit(*events)
+        oracle.apply(events)
+        mgr.flush_nowait()
+        oracle.assert_matches(pool)
+        token = pool.conv[0].element_size()  # bytes of one token on the byte view
+        assert not pool.conv[0].view(torch.uint8)[:, c, :, token:].any()  # 3 of 4 tokens zeroed, bit for bit
 
 
 class BytesOracle(SequentialOracle):
@@ -128,6 +159,7 @@ class BytesOracle(SequentialOracle):
 class _Bytes:
     def __init__(self, pool: mc.StatePool) -> None:
         self.tensors = [t.view(torch.uint8) for t in pool.tensors]
+        self.conv = pool.conv  # a shifted copy moves whole tokens: item-size runs of bytes
         self._pool = pool
 
     def allocated_slots(self) -> list[int]:

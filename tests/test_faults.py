@@ -30,7 +30,7 @@ from mambacache._executors._torch import TorchExecutor
 from mambacache._planner import Stage
 
 from .oracle import SequentialOracle
-from .strategies import events_from_ops, ops
+from .strategies import events_from_ops, shift_ops
 from .sweep import fault_points
 from .util import SPEC, SPECS, VARIANTS, FaultAt, drive, fill_random, flush_with_fault, small_spec
 
@@ -68,7 +68,26 @@ def three_cycle(mgr: mc.CacheManager, slots: list[int]) -> None:
     mgr.submit(mc.CopyOnWrite(a, t), mc.CopyOnWrite(c, a), mc.CopyOnWrite(b, c), mc.CopyOnWrite(t, b), mc.Release(t))
 
 
-SCENARIOS = {"swap": swap_via_temp, "mixed": mixed_step, "three-cycle": three_cycle}
+def shifted_step(mgr: mc.CacheManager, slots: list[int]) -> None:
+    """Shifted copies among plain ones and clears: in place (not idempotent: a repeat would shift twice), a
+    chain that reads a slot shifted earlier in the step, a plain copy of a shifted slot, a shifted swap.
+
+    Stages: copy (a->g), shift (a a, b b, c->d), shift (d->e), copy (e->f), zero (c), shift (g->h), shift (h->g).
+    """
+    a, b, c, d, e, f, g, h = slots[:8]
+    mgr.submit(
+        mc.CopyOnWrite(a, g),
+        mc.CopyOnWrite(a, a, shift=1),
+        mc.CopyOnWrite(b, b, shift=1),
+        mc.CopyOnWrite(c, d, shift=1),
+        mc.CopyOnWrite(d, e, shift=1),
+        mc.CopyOnWrite(e, f),
+        mc.Clear(c),
+    )
+    mgr.copy_many([g, h], [h, g], shift=1)
+
+
+SCENARIOS = {"swap": swap_via_temp, "mixed": mixed_step, "three-cycle": three_cycle, "shifted": shifted_step}
 
 
 def run_scenario(
@@ -166,7 +185,7 @@ class Flaky:
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @given(
-    raw=ops,
+    raw=shift_ops,
     fail_at=st.sets(st.integers(1, 40), max_size=5),
     seed=st.integers(0, 99),
     spec=st.sampled_from(sorted(SPECS)),
@@ -191,7 +210,8 @@ def test_faults_lose_nothing(
             fill_random(pool, seed)
             oracle = SequentialOracle(pool)
             raw0 = [(k, 0 if k == "alloc" else a, b) for k, a, b in raw]
-            for events, _ in events_from_ops(raw0, n, set(pool.allocated_slots())):
+            max_shift = min(s[-1] for s in SPECS[spec].conv_shapes) - 1
+            for events, _ in events_from_ops(raw0, n, set(pool.allocated_slots()), max_shift=max_shift):
                 drive(mgr, events, oracle)
                 try:
                     await mgr.flush()

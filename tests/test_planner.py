@@ -12,6 +12,7 @@ from mambacache._planner import (
     OffloadStage,
     RestoreStage,
     RotateStage,
+    ShiftStage,
     ZeroStage,
     copy_runs,
     decode_plan,
@@ -20,7 +21,7 @@ from mambacache._planner import (
     zero_runs,
 )
 
-from .strategies import events_from_ops, host_events_from_ops, ops
+from .strategies import events_from_ops, host_events_from_ops, ops, shift_ops
 
 N = 12
 
@@ -31,10 +32,15 @@ def sequential(events: list[object], start: dict[int, object]) -> dict[int, obje
         if isinstance(ev, mc.Clear) or (isinstance(ev, mc.Alloc) and ev.clear):
             state[ev.slot] = "Z"
         elif isinstance(ev, mc.CopyOnWrite):
-            state[ev.dst] = state[ev.src]
+            state[ev.dst] = shifted(ev.shift, state[ev.src])
         elif isinstance(ev, mc.CommitDraft) and ev.accepted:
             state[ev.slot] = ("draft", ev.slot, ev.accepted - 1)  # draft buffers: constant during the step
     return state
+
+
+def shifted(k: int, value: object) -> object:
+    """A slot's symbolic value after a copy shifted by ``k`` (0: the value itself); nothing defined stays so."""
+    return value if k == 0 or value == "undefined" else ("S", k, value)
 
 
 def run_plan(plan: mc.Plan, start: dict[int, object]) -> dict[int, object]:
@@ -65,6 +71,13 @@ def run_plan(plan: mc.Plan, start: dict[int, object]) -> dict[int, object]:
             assert dsts == sorted(set(dsts))
             for src, pos, dst in reversed(stage.entries):
                 state[dst] = ("draft", src, pos)
+        elif isinstance(stage, ShiftStage):
+            slots = [x for pair in stage.pairs for x in {*pair}]
+            assert len(slots) == len(set(slots)), "no slot may be in two pairs of a shift stage"
+            assert [d for _, d in stage.pairs] == sorted(d for _, d in stage.pairs) and stage.shift > 0
+            assert stage.copy.pairs == tuple(p for p in stage.pairs if p[0] != p[1])
+            for s, d in reversed(stage.pairs):  # pairs never see each other: any order
+                state[d] = shifted(stage.shift, state[s])
     return state
 
 
@@ -308,3 +321,58 @@ def test_planning_is_linear_and_iterative() -> None:
         host: dict[int, object] = {}
         run_plan_host(plan, {s: ("P", s) for s in range(1, 10_001)}, host)
         assert all(host[s] == ("draft", s, s % 2) for s in range(1, 10_001))
+
+
+# -- shifted copies -------------------------------------------------------------------
+@given(shift_ops, st.sets(st.integers(1, N)), st.sampled_from([0, 2]), st.sampled_from([1, 3]))
+def test_plan_with_shifts_equals_sequential_execution(
+    raw: list[tuple[str, int, int]], initially: set[int], k: int, max_shift: int
+) -> None:
+    for events, allocated in events_from_ops(raw, N, set(initially), draft_tokens=k, max_shift=max_shift):
+        start: dict[int, object] = {s: s for s in range(1, N + 1)}
+        plan = plan_step(events)  # type: ignore[arg-type]
+        want, got = sequential(events, start), run_plan(plan, start)
+        for s in allocated:
+            assert got[s] == want[s], (s, events, plan)
+        assert plan.events == len(events) and plan.elided >= 0
+        assert decode_plan(encode_plan(plan, 7)) == (7, plan)
+
+
+@given(dense_host_ops, st.sets(st.integers(1, 4)), st.sets(st.integers(1, 3)), st.lists(st.integers(0, 59)))
+def test_plan_with_shifts_and_host_events_equals_sequential_execution(
+    raw: list[tuple[str, int, int]], initially: set[int], held: set[int], at: list[int]
+) -> None:
+    """Shifted copies among offloads of pinned slots, restores and commits (draws at ``at`` become shifts)."""
+    raw = [("shift", a, b) if i in at else (kind, a, b) for i, (kind, a, b) in enumerate(raw)]
+    n, n_host = 4, 3
+    for events, live, host_live in host_events_from_ops(raw, n, set(initially), n_host, set(held), 2, max_shift=2):
+        want_pool: dict[int, object] = {s: ("P", s) for s in range(1, n + 1)}
+        want_host: dict[int, object] = {h: ("H", h) for h in range(1, n_host + 1)}
+        got_pool, got_host = dict(want_pool), dict(want_host)
+        sequential_host(events, want_pool, want_host)
+        plan = plan_step(events)  # type: ignore[arg-type]
+        run_plan_host(plan, got_pool, got_host)
+        for s in live:
+            assert want_pool[s] == UNDEFINED or got_pool[s] == want_pool[s], (s, events, plan)
+        for h in host_live:
+            assert want_host[h] == UNDEFINED or got_host[h] == want_host[h], (h, events, plan)
+        assert decode_plan(encode_plan(plan, 3)) == (3, plan)
+
+
+def test_shifted_copies_are_never_batched_with_plain_ones_or_each_other_when_they_touch() -> None:
+    cow = mc.CopyOnWrite
+    # Plain copies around a shifted one: three stages, in order, each against the state the one before leaves.
+    plan = plan_step([cow(1, 2), cow(3, 4, shift=1), cow(5, 6), cow(4, 7)])
+    assert [type(s) for s in plan.stages] == [CopyStage, ShiftStage, CopyStage]
+    assert plan.stages[1] == ShiftStage(1, ((3, 4),), CopyStage(((3, 4),), copy_runs([(3, 4)])))
+    assert plan.stages[2].pairs == ((5, 6), (4, 7))  # type: ignore[union-attr]  # sorted by destination
+    # Disjoint shifted copies with one shift, in place too: one stage; a read of a slot written: a new one.
+    plan = plan_step([cow(1, 1, shift=2), cow(2, 3, shift=2), cow(3, 4, shift=2), cow(5, 6, shift=1)])
+    assert [(s.shift, s.pairs) for s in plan.stages] == [  # type: ignore[union-attr]
+        (2, ((1, 1), (2, 3))),
+        (2, ((3, 4),)),
+        (1, ((5, 6),)),
+    ]
+    assert plan.copied == 4 and plan.events == 4
+    # shift=0 is a plain copy: the log plans exactly as before.
+    assert plan_step([cow(1, 2, shift=0), cow(2, 1)]) == plan_step([cow(1, 2), cow(2, 1)])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,11 +13,17 @@ from mambacache._executors._npu import NpuExecutor
 from mambacache._executors._torch import TorchExecutor
 
 from .oracle import SequentialOracle
-from .strategies import events_from_ops, ops
+from .strategies import events_from_ops, shift_ops
 from .util import drive, fill_random, quant_spec, small_spec, step_value
 
 N = 10
-SPECS = {"plain": small_spec(), "quantized": quant_spec()}  # the extras follow the same semantics as conv/temporal
+# The extras follow the same semantics as conv/temporal; "wide" has convs of widths 4 and 5, so that shifted
+# copies draw shifts 1..3 (the other two specs have a width-2 conv: shift 1 only).
+SPECS = {
+    "plain": small_spec(),
+    "quantized": quant_spec(),
+    "wide": mc.StateSpec(num_layers=2, conv_shapes=[(3, 5), (4, 4)], temporal_shape=(2, 3)),
+}
 
 
 def executors() -> dict[str, object]:
@@ -49,7 +56,8 @@ async def run_steps(
         await mgr.flush()
         fill_random(pool, seed)  # every slot dirty, as after forward steps
         oracle = SequentialOracle(pool)
-        for step, (events, _) in enumerate(events_from_ops(raw, N, set(pool.allocated_slots()))):
+        max_shift = min(s[-1] for s in spec.conv_shapes) - 1
+        for step, (events, _) in enumerate(events_from_ops(raw, N, set(pool.allocated_slots()), max_shift=max_shift)):
             drive(mgr, events, oracle)  # alloc hands out the lowest free slot, the one the log drew
             report = await mgr.flush()
             assert report.events == len(events)
@@ -64,7 +72,7 @@ async def run_steps(
 
 @pytest.mark.parametrize("spec", sorted(SPECS))
 @pytest.mark.parametrize("name", list(EXECUTORS))
-@given(raw=ops, initially=st.sets(st.integers(1, N), max_size=6), seed=st.integers(0, 2**16))
+@given(raw=shift_ops, initially=st.sets(st.integers(1, N), max_size=6), seed=st.integers(0, 2**16))
 @settings(max_examples=100)
 def test_executor_matches_sequential(
     name: str, spec: str, raw: list[tuple[str, int, int]], initially: set[int], seed: int
@@ -100,3 +108,55 @@ async def test_swap_chain_and_read_before_clear(name: str) -> None:
         report = await mgr.flush()
         oracle.assert_matches(pool)
         assert (report.copied, report.zeroed) == (3, 1)
+
+
+# -- shifted copies: vLLM's semantics, bad input ------------------------------------
+@pytest.mark.parametrize("name", ["torch", "npu", "reference"])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_a_shifted_copy_is_vllms_accepted_token_bias_copy(name: str, k: int) -> None:
+    """vLLM's align-mode copy with ``accept_token_bias = k`` (``get_conv_copy_spec``, SD layout
+    ``[blocks, state_len, dim]``): one memcpy of ``state[src, k:]`` to the start of ``state[dst]``. Our conv
+    layout is its transpose (``[dim, width]``, time last), so the same tokens land in ``dst[..., :width - k]``;
+    vLLM leaves the last ``k`` positions stale (its kernels never read them), we zero them."""
+    width, dim = 4, 3
+    spec = mc.StateSpec(num_layers=2, conv_shapes=[(dim, width)], temporal_shape=(2, 2), conv_dtype=torch.float32)
+    pool = mc.StatePool(spec, 4)
+    with mc.CacheManager(pool, executor=name) as mgr:
+        a, b = mgr.alloc(2)
+        mgr.flush_nowait()
+        fill_random(pool, k)
+        conv, temporal = pool.tensors[0].clone(), pool.tensors[1].clone()
+        mgr.copy_on_write(a, b, shift=k)
+        mgr.copy_on_write(a, a, shift=k)  # in place: vLLM's same-block shift (memmove-safe, low to high)
+        mgr.flush_nowait()
+    for layer in range(2):
+        sd = conv[layer].transpose(-1, -2).contiguous()  # vLLM's SD blocks [slots, state_len, dim]
+        flat = sd.view(sd.shape[0], -1)
+        n = (width - k) * dim  # copy_spec.num_elements
+        want = flat[a, k * dim :][:n].view(width - k, dim).T  # what the memcpy puts at the start of dst
+        for slot in (a, b):
+            got = pool.tensors[0][layer, slot]
+            assert torch.equal(got[:, : width - k], want) and not got[:, width - k :].any()
+            assert torch.equal(pool.tensors[1][layer, slot], temporal[layer, a])  # temporal: whole
+
+
+def test_a_bad_shift_changes_nothing_and_a_pool_without_conv_states_takes_only_zero() -> None:
+    pool = mc.StatePool(small_spec(), 4)  # conv widths 3 and 2: shift 0 or 1
+    with mc.CacheManager(pool) as mgr:
+        a, b = mgr.alloc(2)
+        before = (mgr.queued(), mgr.held())
+        for bad in (2, -1, 1.5, True, "1", None):
+            with pytest.raises(mc.InvalidArgumentError, match=r"shift must be an int in 0\.\.1"):
+                mgr.copy_on_write(a, b, shift=bad)  # type: ignore[arg-type]
+            with pytest.raises(mc.InvalidArgumentError, match="shift"):
+                mgr.submit(mc.CopyOnWrite(a, b), mc.CopyOnWrite(a, b, shift=bad))  # type: ignore[arg-type]
+            assert (mgr.queued(), mgr.held()) == before
+        mgr.copy_on_write(a, b, shift=1)
+        assert mgr.queued()[-1] == mc.CopyOnWrite(a, b, shift=1)
+    flat = mc.StatePool.from_tensors([], torch.zeros(2, 4, 8))
+    with mc.CacheManager(flat) as mgr:
+        a, b = mgr.alloc(2)
+        with pytest.raises(mc.InvalidArgumentError, match="shift must be 0 on a pool without conv states"):
+            mgr.copy_on_write(a, b, shift=1)
+        mgr.copy_on_write(a, b, shift=0)
+        assert mgr.queued()[-1] == mc.CopyOnWrite(a, b)

@@ -19,6 +19,8 @@ BAD_LINES: dict[str, bytes] = {
     "missing slot": b'{"event": "slot.clear", "step": 1}',
     "missing src": b'{"event": "slot.cow", "step": 1, "dst": 1}',
     "missing dst": b'{"event": "slot.cow", "step": 1, "src": 1}',
+    "negative shift": b'{"event": "slot.cow", "step": 1, "src": 1, "dst": 1, "shift": -1}',
+    "string shift": b'{"event": "slot.cow", "step": 1, "src": 1, "dst": 1, "shift": "1"}',
     "null slot": b'{"event": "slot.release", "step": 1, "slot": null}',
     "float slot": b'{"event": "slot.release", "step": 1, "slot": 1.5}',
     "string slot": b'{"event": "slot.release", "step": 1, "slot": "1"}',

@@ -121,6 +121,30 @@ def test_analyzer_clean_hand_trace() -> None:
     forked = [*CLEAN, line("slot.alloc", 2, slot=2, cleared=False), line("slot.cow", 2, src=1, dst=2),
               line("step.flush", 2)]  # fmt: skip
     assert analyze_lines(forked).anomalies == []
+    # A shifted fork (speculative decoding's accepted-token bias) is a fork: it initialises its target too.
+    shifted = [*forked[:-2], line("slot.cow", 2, src=1, dst=2, shift=2), line("step.flush", 2)]
+    analysis = analyze_lines(shifted)
+    assert analysis.anomalies == [] and [e.action for e in analysis.timelines[2]] == ["alloc", "fork-in"]
+
+
+async def test_a_shifted_copy_traces_its_shift_and_a_plain_one_does_not() -> None:
+    tracing.configure(level="debug", use_structlog_config=True)
+    pool = mc.StatePool(small_spec(), 4)
+    with capture_logs() as logs:
+        async with mc.CacheManager(pool) as mgr:
+            a, b = mgr.alloc(2, "r")
+            mgr.copy_on_write(a, b, "r", shift=1)
+            mgr.copy_on_write(b, a, "r")
+            mgr.copy_many([a], [b], "r", shift=1)
+            await mgr.flush()
+    forks = [{k: e.get(k) for k in ("src", "dst", "shift")} for e in logs if e["event"] == "slot.cow"]
+    assert forks == [
+        {"src": a, "dst": b, "shift": 1},
+        {"src": b, "dst": a, "shift": None},
+        {"src": a, "dst": b, "shift": 1},
+    ]
+    assert all("shift" not in e for e in logs if e["event"] == "slot.cow" and e["src"] == b)
+    tracing.disable()
 
 
 @pytest.mark.parametrize("kind", list(BROKEN))

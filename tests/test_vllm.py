@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 import mambacache as mc
+from mambacache.integrations.vllm import CACHED
 
 ROOT = Path(__file__).parent.parent
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -36,9 +37,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("model") / "mamba2-tiny"
 
 
-def example(model_dir: Path, *args: str) -> dict[str, Any]:
+def example(model_dir: Path, *args: str, script: str = "vllm_plugin.py") -> dict[str, Any]:
+    """An example's ``--json`` result (with its exit status), run on the tiny model in ``model_dir``."""
     done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "vllm_plugin.py"), "--json", "--model-dir", str(model_dir), *args],
+        [sys.executable, str(ROOT / "examples" / script), "--json", "--model-dir", str(model_dir), *args],
         capture_output=True,
         text=True,
         timeout=900,
@@ -74,3 +76,48 @@ def test_without_vllms_masking_only_the_plugins_clears_keep_outputs_right(model_
     bad = example(model_dir, "--requests", "8", "--unmask", "--fault", "skip-clear")
     assert bad["returncode"] == 0 and bad["plugin_matches_transformers"] < 8, bad  # the test can fail
     assert bad["plugin"]["clears"] == 0
+
+
+def prefix_example(model_dir: Path, *args: str) -> dict[str, Any]:
+    return example(model_dir, *args, script="vllm_prefix_cpu.py")
+
+
+def test_align_mode_prefix_caching_fails_alone_on_cpu_and_is_token_exact_with_the_plugin(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    trace = tmp_path / "prefix.jsonl"
+    r = prefix_example(
+        model_dir, "--modes", "off,align,plugin", "--systems", "4", "--per-system", "3", "--blocks", "16",
+        "--trace", str(trace),
+    )  # fmt: skip
+    runs = r["runs"]
+    assert runs["align"]["error"].startswith("IndexError: index"), runs["align"]  # vLLM alone
+    assert "varlen_states[last_chunk_indices_p]" in runs["align"]["where"][-1]
+    plug = runs["plugin"]
+    assert r["returncode"] == 0 and plug["matches_transformers"] == plug["matches_off"] == 12, r
+    assert plug["cached"][:4] == [0] * 4 and all(c > 0 for c in plug["cached"][4:]), plug  # the later waves hit
+    assert plug["plugin"]["copies"] > 0 and plug["plugin"]["reclaimed"] > 0  # blocks reused under pressure
+    # The plugin's close released what the prefix cache kept: the trace ends idle, the copies are forks.
+    analysis = mc.tracing.analyze(trace, expect_idle=True)
+    assert analysis.anomalies == [] and analysis.bad_lines == [] and analysis.held == {}, analysis.anomalies[:3]
+    assert analysis.summary["forks"] == plug["plugin"]["copies"] and r["trace"]["anomalies"] == 0
+    forks = [e for line in analysis.timelines.values() for e in line if e.action == "fork-in"]
+    assert forks and all(e.request_id is not None and e.request_id != CACHED for e in forks)
+    assert subprocess.run([sys.executable, "-m", "mambacache", "trace", str(trace), "--expect-idle"]).returncode == 0
+    bad = prefix_example(model_dir, "--modes", "plugin", "--systems", "4", "--per-system", "3", "--blocks", "16",
+                         "--fault", "skip-copy")  # fmt: skip
+    assert bad["returncode"] == 0 and bad["runs"]["plugin"]["matches_transformers"] < 12, bad  # the test can fail
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two tensor-parallel workers need two CPUs")
+def test_tensor_parallel_2_each_rank_adopts_its_own_shard_and_stays_exact(model_dir: Path) -> None:
+    args = ("--modes", "plugin", "--systems", "4", "--per-system", "2", "--blocks", "16")
+    one = prefix_example(model_dir, *args)["runs"]["plugin"]
+    r = prefix_example(model_dir, *args, "--tp", "2")
+    two = r["runs"]["plugin"]
+    assert r["returncode"] == 0 and two["matches_transformers"] == 8 and two["cached"][4:] == [64] * 4, r
+    (whole,) = one["ranks"]
+    assert len(two["ranks"]) == 2 and all(rank["stats"] == whole["stats"] for rank in two["ranks"]), two["ranks"]
+    # Each rank's pool is its own shard of the heads: the same blocks, smaller pages.
+    assert all(rank["pools"][0][:2] == whole["pools"][0][:2] for rank in two["ranks"])
+    assert all(rank["pools"][0][2] < whole["pools"][0][2] for rank in two["ranks"])

@@ -62,10 +62,14 @@ def step(
     cached: tuple[tuple[str, list[int] | None], ...] = (),
     resumed: tuple[str, ...] = (),
     copies: tuple[tuple[int, int], ...] = (),
+    computed: dict[str, int] | None = None,
 ) -> Any:
+    done = computed or {}
     return SimpleNamespace(
         finished_req_ids=set(finished),
-        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=([], b)) for r, b in new],
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=r, block_ids=([], b), num_computed_tokens=done.get(r, 0)) for r, b in new
+        ],
         scheduled_cached_reqs=SimpleNamespace(
             req_ids=[r for r, _ in cached],
             new_block_ids=[None if b is None else ([], b) for _, b in cached],
@@ -163,3 +167,91 @@ def test_a_streaming_request_continued_under_its_id_keeps_its_state(states: Any)
     s.flush()
     assert s.tenant_of == {2: "a", 4: "a"} and s.stats.releases == 0
     assert all(bool((conv[2] == 3.0).all()) and bool((conv[4] == 0).all()) for conv, _ in layers)
+
+
+@pytest.fixture
+def aligned() -> Any:
+    """The plugin in align-mode prefix caching, 4 tokens a block."""
+    _raw, layers = vllm_layout()
+    s = plugin.VllmStates(plugin._pools([plugin.block_rows(c, ssm) for c, ssm in layers]), groups=[1], block_size=4)
+    yield s, layers
+    s.close()
+
+
+def test_align_mode_keeps_finished_blocks_for_hits_and_copies_a_hit_into_the_new_block(aligned: Any) -> None:
+    s, layers = aligned
+    s.take(step(new=(("a", [2, 3]),)))
+    s.flush()
+    for conv, ssm in layers:
+        conv[3].fill_(5.0)  # a's state after its 8 tokens
+        ssm[3].fill_(6.0)
+    s.take(step(finished=("a",)))
+    s.flush()
+    assert s.tenant_of == {2: plugin.CACHED, 3: plugin.CACHED} and s.stats.kept == 2 and s.stats.releases == 0
+    # b hits a's 8 tokens: columns 0 and 1 are read (0: vLLM nulled it), only column 2 is b's.
+    s.take(step(new=(("b", [0, 3, 4]),), computed={"b": 8}))
+    s.copy_block("b", 3, 4)  # preprocess_mamba: the hit into b's current block
+    s.flush()
+    assert s.tenant_of[3] == plugin.CACHED and s.tenant_of[4] == "b" and s.stats.hits == 1
+    assert s.stats.allocs == 3 and s.stats.copies == 1
+    for conv, ssm in layers:
+        assert bool((conv[4] == 5.0).all()) and bool((ssm[4] == 6.0).all()) and bool((conv[3] == 5.0).all())
+    # vLLM evicts block 3 from its cache and gives it to c: reclaimed from the cache, cleared.
+    s.take(step(new=(("c", [3]),)))
+    s.flush()
+    assert s.tenant_of[3] == "c" and s.stats.reclaimed == 1 and s.stats.releases == 1
+    assert all(bool((conv[3] == 0).all()) for conv, _ in layers)
+
+
+def test_a_copy_into_a_block_the_request_does_not_hold_is_refused(aligned: Any) -> None:
+    s, _ = aligned
+    s.take(step(new=(("a", [2]), ("b", [3]))))
+    s.flush()
+    with pytest.raises(mc.SlotStateError):
+        s.copy_block("a", 2, 3)
+        s.flush()
+
+
+def test_the_skip_copy_fault_drops_the_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MAMBACACHE_VLLM_FAULT", "skip-copy")
+    _, layers = vllm_layout()
+    s = plugin.VllmStates(plugin._pools([plugin.block_rows(c, ssm) for c, ssm in layers]), groups=[1], block_size=4)
+    s.take(step(new=(("a", [2, 3]),)))
+    s.flush()
+    layers[0][0][2].fill_(1.0)
+    s.copy_block("a", 2, 3)
+    s.flush()
+    assert bool((layers[0][0][3] == 0).all()) and s.stats.copies == 0 and s.stats.skipped_copies == 1
+    s.close()
+
+
+def test_closing_releases_the_prefix_cache_so_the_trace_ends_idle_with_the_copies_as_forks(tmp_path: Any) -> None:
+    path = tmp_path / "trace.jsonl"
+    _, layers = vllm_layout()
+    mc.tracing.configure(path, level="debug")
+    try:
+        s = plugin.VllmStates(plugin._pools([plugin.block_rows(c, ssm) for c, ssm in layers]), groups=[1], block_size=4)
+        s.take(step(new=(("a", [2, 3]),)))
+        s.copy_block("a", 2, 3)  # preprocess_mamba: a's state at the end of block 2 into its next block
+        s.flush()
+        s.take(step(finished=("a",), new=(("b", [0, 3, 4]),), computed={"b": 8}))
+        s.copy_block("b", 3, 4)  # a hit in a block the prefix cache holds
+        s.flush()
+        s.take(step(finished=("b",)))
+        s.flush()
+        held = dict(s.tenant_of)
+        before = path.read_text()
+        s.close()
+        s.close()  # idempotent
+    finally:
+        mc.tracing.disable()
+    assert held == {2: plugin.CACHED, 3: plugin.CACHED, 4: plugin.CACHED} and s.tenant_of == {}
+    assert s.stats.releases == 3 and s.stats.kept == 3
+    analysis = mc.tracing.analyze(path, expect_idle=True)
+    assert analysis.anomalies == [] and analysis.held == {} and analysis.summary["forks"] == 2
+    forks = [(e.other, e.request_id) for e in analysis.timelines[4] if e.action == "fork-in"]
+    assert forks == [(3, "b")]  # the fork names its tenant
+    unclosed = mc.tracing.analyze_lines(before.splitlines(), expect_idle=True)
+    assert {a.slot: (a.kind, a.request_id) for a in unclosed.anomalies} == dict.fromkeys(
+        (2, 3, 4), ("held-at-end", plugin.CACHED)
+    )

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .._planner import CopyStage, HostStage, OffloadStage, RotateStage, Stage
+from .._planner import CopyStage, HostStage, OffloadStage, RotateStage, ShiftStage, Stage
 
 __all__ = ["Executor", "IndexBuilder", "Progress", "as_executor", "copy_host", "on_stream", "stage_pairs"]
 
@@ -29,7 +29,9 @@ class Executor(abc.ABC):
     one uninterrupted call would have left. Zero and copy stages satisfy this by
     being idempotent (a copy stage's sources and destinations are disjoint). A
     rotate is not: once a member is overwritten its old value exists only where
-    the executor saved it, so rotating executors keep a :class:`Progress`.
+    the executor saved it, so rotating executors keep a :class:`Progress`; so is a
+    shift stage (a shift in place), which only reaches ``execute`` with a conv
+    tensor: shift its last (time) axis, zero-filling the end.
     Device work is only enqueued: no call may wait for the device.
 
     Two methods have defaults an executor may override: :meth:`execute_stage`
@@ -175,9 +177,9 @@ def _device_stream(device: torch.device, stream: Any | None) -> Iterator[Any]:
         yield stream
 
 
-def stage_pairs(stage: CopyStage | RotateStage) -> tuple[list[int], list[int]]:
-    """Sources and destinations of a copy or rotate stage, as parallel lists."""
-    if isinstance(stage, CopyStage):
+def stage_pairs(stage: CopyStage | RotateStage | ShiftStage) -> tuple[list[int], list[int]]:
+    """Sources and destinations of a copy, shift or rotate stage, as parallel lists."""
+    if isinstance(stage, CopyStage | ShiftStage):
         return [s for s, _ in stage.pairs], [d for _, d in stage.pairs]
     srcs: list[int] = []
     dsts: list[int] = []

@@ -7,6 +7,8 @@ and ran servers out of memory. This executor only feeds contiguous tensors:
 
 * zero: ``t.index_fill_(1, idx, 0)`` per tensor: a scalar fill, as in SGLang's
   fix (``t[:, idx] = 0``), one op, nothing the size of the slots;
+* shift (a conv tensor's time axis): gathered into the workspace as a copy is,
+  shifted there position by position, then scattered (``_shift``);
 * copy, rotate and commit (from a draft buffer): gather into a workspace of at most ``copy_workspace_bytes``
   with ``index_select(..., out=ws)``, then ``index_copy_`` from it. The gather
   is chunked by slots, then by layers (``t[l0:l1]`` is contiguous), and for
@@ -29,7 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from .._errors import InvalidArgumentError
-from .._planner import CommitStage, CopyStage, HostStage, RotateStage, Stage, ZeroStage
+from .._planner import CommitStage, CopyStage, HostStage, RotateStage, ShiftStage, Stage, ZeroStage
 from ._base import Executor, IndexBuilder, Progress, copy_host, stage_pairs
 
 __all__ = ["NpuExecutor", "import_torch_npu"]
@@ -96,8 +98,85 @@ class NpuExecutor(Executor):
             srcs, dsts = stage_pairs(stage)
             src_idx, dst_idx = self._indices.get(stage, tensor.device, srcs, dsts)
             self._gather_scatter(stage, tensor, srcs, dsts, src_idx, dst_idx)
+        elif isinstance(stage, ShiftStage):
+            srcs, dsts = stage_pairs(stage)
+            src_idx, dst_idx = self._indices.get(stage, tensor.device, srcs, dsts)
+            self._shift(stage, tensor, src_idx, dst_idx)
         else:
             raise TypeError(f"unknown stage {stage!r}")
+
+    def _shift(self, stage: ShiftStage, tensor: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:
+        """A shift stage on a conv tensor, through the workspace, one (layer group, pair chunk) unit at a time::
+
+            t.view(L, S + 1, rows, w)     ws <- t[l0:l1, sources]  (index_select into ws)
+            ws[..., i] <- ws[..., i + k]  for i = 0 .. w - k - 1  (low to high: reads what is not yet written)
+            ws[..., w - k:] <- 0;         t[l0:l1, destinations] <- ws  (index_copy_)
+
+        No slot is in two pairs, so units are independent. Each unit's shifted
+        workspace is kept in the progress record until its write is done: a repeat
+        writes it again instead of shifting a slot shifted in place twice. When
+        one slot of one layer does not fit the workspace, :meth:`_shift_by_columns`.
+        """
+        layers, n, w, k = tensor.shape[0], len(stage.pairs), tensor.shape[-1], stage.shift
+        t4 = tensor.view(layers, tensor.shape[1], -1, w)
+        rows = t4.shape[2]
+        budget = self.copy_workspace_bytes // tensor.element_size()
+        chunk = max(1, min(n, budget // (layers * rows * w)))
+        group = min(layers, budget // (chunk * rows * w))
+        if group == 0:
+            self._shift_by_columns(stage, tensor, t4, budget)
+            return
+        units = [(l0, c0) for l0 in range(0, layers, group) for c0 in range(0, n, chunk)]
+        unit, saved = self._progress.resume(stage, tensor)
+        for u in range(unit, len(units)):
+            l0, c0 = units[u]
+            block = t4[l0 : l0 + group]  # a dim-0 slice: contiguous
+            picked = src_idx[c0 : c0 + chunk]
+            if saved is None:
+                ws = self._ws(block.shape[0] * len(picked) * rows * w, tensor.dtype, tensor.device)
+                saved = ws.view(block.shape[0], len(picked), rows, w)
+                torch.index_select(block, 1, picked, out=saved)
+                for i in range(w - k):
+                    saved[..., i].copy_(saved[..., i + k])
+                saved[..., w - k :].zero_()
+                self._progress.mark(u, saved)
+            block.index_copy_(1, dst_idx[c0 : c0 + chunk], saved)
+            saved = None
+            self._progress.mark(u + 1)
+
+    def _shift_by_columns(self, stage: ShiftStage, tensor: torch.Tensor, t4: torch.Tensor, budget: int) -> None:
+        """A shift whose slot does not fit the workspace even one layer at a time: no workspace at all.
+
+        For each layer, pair and block of at most ``budget`` rows, time position
+        ``i`` of the destination gets position ``i + k`` of the source, ``i`` low to
+        high, then the last ``k`` positions are zeroed: in place too, every op
+        reads a position no earlier op of the chain wrote, so repeating the op that
+        was interrupted is harmless; the progress record counts ops.
+        """
+        if budget < 1:
+            raise InvalidArgumentError(
+                f"copy_workspace_bytes={self.copy_workspace_bytes} is smaller than one {tensor.dtype} element"
+                f" ({tensor.element_size()} bytes): a shifted copy needs room for at least one"
+            )
+        layers, _, rows, w = t4.shape
+        k, span = stage.shift, min(rows, budget)
+        unit, _ = self._progress.resume(stage, tensor)
+        op = 0
+        for layer in range(layers):
+            for src, dst in stage.pairs:
+                for r0 in range(0, rows, span):
+                    if op + w - k + 1 <= unit:  # this block's chain is done
+                        op += w - k + 1
+                        continue
+                    a, b = t4[layer, src, r0 : r0 + span], t4[layer, dst, r0 : r0 + span]
+                    for i in range(w - k + 1):
+                        if op >= unit:
+                            if i < w - k:
+                                b[:, i].copy_(a[:, i + k])
+                            else:
+                                b[:, w - k :].zero_()
+                            self._progress.mark(op + 1)
+                        op += 1
 
     def _gather_scatter(
         self,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._planner import CommitStage, CopyStage, HostStage, OffloadStage, RotateStage, Stage, ZeroStage
+from .._planner import CommitStage, CopyStage, HostStage, OffloadStage, RotateStage, ShiftStage, Stage, ZeroStage
 from ._base import Executor, Progress
 
 __all__ = ["ReferenceExecutor"]
@@ -51,5 +51,20 @@ class ReferenceExecutor(Executor):
                     tensor[:, cycle[(i + 1) % len(cycle)]].copy_(old)
                 saved = None
                 progress.mark(k + 1)
+        elif isinstance(stage, ShiftStage):
+            # One unit per pair: clone the source's window, then write it shifted and
+            # zero the end; a repeat after a fault in the writes writes the same clone.
+            progress = self._progress
+            unit, saved = progress.resume(stage, tensor)
+            k, w = stage.shift, tensor.shape[-1]
+            for u in range(unit, len(stage.pairs)):
+                src, dst = stage.pairs[u]
+                if saved is None:
+                    saved = tensor[:, src, ..., k:].clone()
+                    progress.mark(u, saved)
+                tensor[:, dst, ..., : w - k].copy_(saved)
+                tensor[:, dst, ..., w - k :].zero_()
+                saved = None
+                progress.mark(u + 1)
         else:
             raise TypeError(f"unknown stage {stage!r}")

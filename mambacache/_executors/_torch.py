@@ -29,7 +29,9 @@ elsewhere, direct (no temporary, constant op count; not yet timed on a GPU).
 
 Rotate stages (cycles) take the index path on every setting: one gather of all
 members, then one scatter, so every member is read before any is written; the
-gather is kept until its scatter is done (see ``Progress``).
+gather is kept until its scatter is done (see ``Progress``). Shift stages do the
+same on a conv tensor's time axis: gather ``t[..., k:]`` of the sources, scatter
+it to ``t[..., :w - k]`` of the destinations and fill ``t[..., w - k:]`` with 0.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from collections.abc import Iterable
 import torch
 
 from .._errors import InvalidArgumentError
-from .._planner import CommitStage, CopyStage, RotateStage, Stage, ZeroStage
+from .._planner import CommitStage, CopyStage, RotateStage, ShiftStage, Stage, ZeroStage
 from ._base import Executor, IndexBuilder, Progress, stage_pairs
 
 __all__ = ["PATHS", "TorchExecutor"]
@@ -261,5 +263,23 @@ class TorchExecutor(Executor):
                     self._progress.mark(0, saved)
                 tensor.index_copy_(1, dst_idx, saved)
                 self._progress.mark(1)
+        elif isinstance(stage, ShiftStage):
+            self._shift(stage, tensor)
         else:
             raise TypeError(f"unknown stage {stage!r}")
+
+    def _shift(self, stage: ShiftStage, tensor: torch.Tensor) -> None:
+        """A shift stage on a conv tensor (time last): one gather of the sources' last ``w - k`` positions, kept
+        until both writes (the shifted window, the zeroed end) are done, as a rotate's gather is, since a pair
+        may shift a slot in place. Two strided in-place ops, no padded temporary."""
+        unit, saved = self._progress.resume(stage, tensor)
+        if unit == 0:
+            srcs, dsts = stage_pairs(stage)
+            src_idx, dst_idx = self._indices.get(stage, tensor.device, srcs, dsts)
+            k, w = stage.shift, tensor.shape[-1]
+            if saved is None:
+                saved = tensor[..., k:].index_select(1, src_idx)
+                self._progress.mark(0, saved)
+            tensor[..., : w - k].index_copy_(1, dst_idx, saved)
+            tensor[..., w - k :].index_fill_(1, dst_idx, 0)
+            self._progress.mark(1)

@@ -75,6 +75,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--quick", action="store_true", help="the small preset, sizes 1,8,64: under a minute")
     p.add_argument("--plot", metavar="PNG", help="ratio to the bandwidth bound per path and size (matplotlib)")
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON ('-' for stdout)")
+    p.add_argument(
+        "--transfer",
+        action="store_true",
+        help="only the state transfer row: StateTransfer of n slots against a plain send/recv of the same bytes,"
+        " two gloo processes on 127.0.0.1 (CPU; default preset qwen3-next-80b-a3b-tp8, --quick: small)",
+    )
     p.set_defaults(func=run)
 
 
@@ -117,6 +123,11 @@ def _check_args(args: argparse.Namespace) -> torch.device:
             raise UsageError(f"--executor {name!r} is unknown; known: {', '.join(known)}")
     check_output_path(args.json)
     check_output_path(args.plot)
+    if args.transfer and (device.type != "cpu" or args.plot or args.tp > 1):
+        raise UsageError(
+            "--transfer runs on CPU over gloo and has no --plot or --tp (pick a sharded --preset);"
+            " examples/transfer_gpu_check.py is the GPU check"
+        )
     if args.plot:
         need_matplotlib("--plot")
     return device
@@ -219,8 +230,44 @@ def _bulk_table(rows: list[dict[str, float]]) -> str:
     )
 
 
+def _transfer_table(rows: list[dict[str, Any]]) -> str:
+    return "\n\n".join(
+        table(["slots", "MiB", "transfer ms", "best", "send ms", "best", "x send", "best x", "stage ms", "wire ms",
+               "land ms"],
+              [[r["slots"], round(r["bytes"] / 2**20, 1), r["transfer_ms"], r["transfer_min_ms"], r["send_ms"],
+                r["send_min_ms"], r["ratio"], r["best_ratio"], r["stage_ms"], r["wire_ms"], r["land_ms"]]
+               for r in rows if r["preset"] == preset],
+              title=f"{preset}: {rows[0]['layers']} layers; StateTransfer vs dist.send/recv of the same bytes (gloo,"
+                    " 127.0.0.1), interleaved; x send = transfer / send (medians)")
+        for preset in dict.fromkeys(r["preset"] for r in rows)
+    )  # fmt: skip
+
+
+def run_transfer(args: argparse.Namespace, device: torch.device) -> int:
+    """``bench --transfer``: the transfer row alone (it spawns two processes)."""
+    from ._xfer import transfer_vs_send
+
+    presets = args.preset or (["small"] if args.quick else ["qwen3-next-80b-a3b-tp8"])
+    sizes, repeats = args.sizes or [1, 8, 64], args.repeats or (5 if args.quick else 15)
+    try:
+        rows = [r for p in presets for r in transfer_vs_send(p, sizes, repeats, int(args.budget_gb * 2**30))]
+    except Exception as exc:  # a rank's error as the spawn reports it: wrong bytes, a dead peer, a timeout
+        last = str(exc).strip().splitlines()[-1:] or [type(exc).__name__]
+        sys.stderr.write(f"mambacache bench --transfer: a rank failed: {last[0]}\n")
+        return 1
+    info = {**machine(device), "rank_threads": 1}  # each of the two ranks runs one torch thread
+    if args.json != "-":
+        sys.stdout.write(f"machine: {info}\n\n{_transfer_table(rows)}\n")
+    if args.json:
+        write_json(args.json, {"machine": info, "transfer": rows})
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    """``mambacache bench``. One function because it is the report's layout, row after row, as printed."""
     device = _check_args(args)
+    if args.transfer:
+        return run_transfer(args, device)
     presets = args.preset or (["small"] if args.quick else [p for p in PRESETS if p != "small"])
     if args.tp > 1:
         try:

@@ -18,9 +18,19 @@ subclasses):
 A slot is a vLLM block id, so vLLM's ``state_indices_tensor`` and kernels are
 unchanged; block 0 is vLLM's null block and mambacache's padding slot alike.
 
+With align-mode prefix caching (``enable_prefix_caching=True,
+mamba_cache_mode="align"``) the plugin also runs vLLM's ``preprocess_mamba``
+block copies as copy-on-write events, keeps finished requests' blocks for
+prefix-cache hits, and on CPU drops Mamba2's in-forward prefill checkpoint,
+which the CPU build cannot run (:mod:`._vllm_prefix`).
+
+Every worker also answers ``llm.collective_rpc("mambacache_stats")`` (its
+plugin's counters and pool shapes, or None) and ``"mambacache_close"``.
+
 ``MAMBACACHE_TRACE=PATH`` writes the slot-lifecycle trace (debug level), which
 ``mambacache trace PATH`` analyses. ``MAMBACACHE_VLLM_FAULT=skip-clear`` makes
-the plugin allocate without clearing: a deliberate fault for tests.
+the plugin allocate without clearing, ``skip-copy`` drops the align-mode
+copies: deliberate faults for tests.
 """
 
 from __future__ import annotations
@@ -34,8 +44,11 @@ import torch
 
 from .._manager import CacheManager
 from .._pool import StatePool
+from . import _vllm_prefix
 
-__all__ = ["PLUGIN_NAME", "VllmStates", "active", "block_rows", "register"]
+__all__ = ["CACHED", "PLUGIN_NAME", "VllmStates", "active", "block_rows", "register"]
+
+CACHED = "vllm:prefix-cache"  # the tenant of blocks that vLLM's prefix cache may still hit
 
 PLUGIN_NAME = "mambacache"
 _patched = False
@@ -57,6 +70,7 @@ def register() -> None:
     if _patched or not active():
         return
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.worker_base import WorkerBase
 
     original_init = GPUModelRunner.initialize_kv_cache
     original_update = GPUModelRunner._update_states
@@ -67,19 +81,36 @@ def register() -> None:
         if old is not None:
             old.close()
         self._mambacache = VllmStates.from_runner(self)
+        _vllm_prefix.current = self._mambacache
         return out
 
     def _update_states(self: Any, scheduler_output: Any) -> Any:
         states: VllmStates | None = getattr(self, "_mambacache", None)
         if states is not None:
-            # Flushed before vLLM's own update: its block copies (a prefix-cache hit into a
-            # new block) then land on the cleared block, not under the clear.
             states.take(scheduler_output)
-            states.flush()
+            if states.block_size is None:
+                # Flushed before vLLM's own update: its block copies (a prefix-cache hit into a
+                # new block) then land on the cleared block, not under the clear.
+                states.flush()
+            # In align mode preprocess_mamba's copies join this step's events and one flush
+            # runs them all before the forward (_vllm_prefix's do_mamba_copy_block).
         return original_update(self, scheduler_output)
+
+    def mambacache_stats(self: Any) -> dict[str, Any] | None:
+        # Every rank's own figures, read with llm.collective_rpc("mambacache_stats") (no pickled function).
+        states: VllmStates | None = getattr(self.model_runner, "_mambacache", None)
+        return None if states is None else {"stats": states.stats_dict(), "pools": states.shapes()}
+
+    def mambacache_close(self: Any) -> None:
+        states: VllmStates | None = getattr(self.model_runner, "_mambacache", None)
+        if states is not None:
+            states.close()
 
     GPUModelRunner.initialize_kv_cache = initialize_kv_cache
     GPUModelRunner._update_states = _update_states
+    WorkerBase.mambacache_stats = mambacache_stats
+    WorkerBase.mambacache_close = mambacache_close
+    _vllm_prefix.install()
     _patched = True
     trace = os.environ.get("MAMBACACHE_TRACE")
     if trace:
@@ -139,7 +170,11 @@ def _pools(rows: list[torch.Tensor]) -> list[StatePool]:
 
 @dataclass(frozen=True, slots=True)
 class VllmStats:
-    """What the plugin did: blocks allocated (and cleared), released, copied, and taken back from preempted."""
+    """What the plugin did: blocks allocated (and cleared), released, copied, and taken back from preempted.
+
+    In align mode also: ``kept``, blocks handed over to vLLM's prefix cache (tenant :data:`CACHED`) when
+    their request let go of them, and ``hits``, blocks a new request got as prefix-cache hits (not cleared).
+    """
 
     allocs: int = 0
     clears: int = 0
@@ -147,6 +182,9 @@ class VllmStats:
     copies: int = 0
     reclaimed: int = 0
     flushes: int = 0
+    kept: int = 0
+    hits: int = 0
+    skipped_copies: int = 0
 
 
 class VllmStates:
@@ -157,35 +195,52 @@ class VllmStates:
     (that request was preempted, and vLLM recomputes it) is released from the
     old tenant first; every block a request gets reads as zeros before its first
     forward (unless ``MAMBACACHE_VLLM_FAULT=skip-clear``).
+
+    With align-mode prefix caching (``block_size`` set) a block's state may be
+    hit after its request let go of it, so the request's blocks pass to the
+    tenant :data:`CACHED` instead of being released, and a new request's
+    blocks in the columns its computed (hit) tokens cover are read, not
+    allocated: vLLM's ``preprocess_mamba`` copies the hit block's state into
+    the request's current block, through :meth:`copy_block`.
     """
 
-    def __init__(self, pools: list[StatePool], groups: list[int]) -> None:
+    def __init__(self, pools: list[StatePool], groups: list[int], block_size: int | None = None) -> None:
         self.pools = pools
         self.groups = groups  # indices of the mamba KV cache groups
+        self.block_size = block_size  # the mamba block size in align mode with prefix caching, else None
         self.managers = [CacheManager(p).__enter__() for p in pools]
         self.tenant_of: dict[int, str] = {}
         self.blocks: dict[str, list[int]] = {}
-        self.clear = os.environ.get("MAMBACACHE_VLLM_FAULT") != "skip-clear"
+        fault = os.environ.get("MAMBACACHE_VLLM_FAULT")
+        self.clear = fault != "skip-clear"
+        self.copy = fault != "skip-copy"
         self._counts = dict.fromkeys(VllmStats.__slots__, 0)
+        self._closed = False
 
     @classmethod
     def from_runner(cls, runner: Any) -> VllmStates | None:
         """Adopt the mamba layers' tensors of a model runner whose KV cache is initialised; None without any."""
         from vllm.v1.kv_cache_interface import MambaSpec
 
-        groups = [
-            i for i, g in enumerate(runner.kv_cache_config.kv_cache_groups) if isinstance(g.kv_cache_spec, MambaSpec)
-        ]
+        kv_groups = runner.kv_cache_config.kv_cache_groups
+        groups = [i for i, g in enumerate(kv_groups) if isinstance(g.kv_cache_spec, MambaSpec)]
         if not groups:
             return None
         context = runner.compilation_config.static_forward_context
         rows = []
         for i in groups:
-            for name in runner.kv_cache_config.kv_cache_groups[i].layer_names:
+            for name in kv_groups[i].layer_names:
                 kv = context[name].kv_cache
                 conv, ssm = (kv[0] if isinstance(kv[0], list | tuple) else kv)[:2]
                 rows.append(block_rows(conv, ssm))
-        return cls(_pools(rows), groups)
+        cache = runner.cache_config
+        align = bool(cache.enable_prefix_caching) and cache.mamba_cache_mode == "align"
+        if align and getattr(runner, "speculative_config", None) is not None:
+            # Measured wrong on CPU (docs/engines.md): refuse rather than serve wrong tokens.
+            raise NotImplementedError(
+                "mambacache: align-mode prefix caching with speculative decoding is not taken over yet"
+            )
+        return cls(_pools(rows), groups, kv_groups[groups[0]].kv_cache_spec.block_size if align else None)
 
     @property
     def stats(self) -> VllmStats:
@@ -196,22 +251,37 @@ class VllmStates:
         """The counters as a plain dict (JSON-ready)."""
         return dict(self._counts)
 
+    def shapes(self) -> list[list[int]]:
+        """Each adopted pool's ``[layers, blocks, page bytes]`` (with tensor parallelism, this rank's shard)."""
+        return [list(p.temporal.shape) for p in self.pools]
+
     def _each(self, method: str, *args: Any, **kwargs: Any) -> None:
         for mgr in self.managers:
             getattr(mgr, method)(*args, **kwargs)
 
-    def _mamba_ids(self, block_ids: tuple[list[int], ...] | None) -> list[int]:
+    def _mamba_ids(self, block_ids: tuple[list[int], ...] | None, computed: int = 0) -> list[int]:
         if not block_ids:
             return []
-        return [b for g in self.groups for b in block_ids[g] if b > 0]  # 0 is vLLM's null block
+        # Columns the computed tokens cover hold prefix-cache hits: read, never cleared.
+        skip = -(-computed // self.block_size) if self.block_size and computed > 0 else 0
+        hits = sum(b > 0 for g in self.groups for b in block_ids[g][:skip])
+        self._counts["hits"] += hits
+        return [b for g in self.groups for b in block_ids[g][skip:] if b > 0]  # 0 is vLLM's null block
 
-    def _release(self, req_id: str, blocks: list[int] | None = None) -> None:
+    def _release(self, req_id: str, blocks: list[int] | None = None, keep: bool = False) -> None:
         held = self.blocks.get(req_id, [])
         gone = [b for b in held if blocks is None or b in blocks]
+        kept = keep and self.block_size is not None and req_id != CACHED
         for b in gone:
-            self._each("release", b, request_id=req_id)
-            del self.tenant_of[b]
-        self._counts["releases"] += len(gone)
+            if kept:
+                self._each("hand_over", b, CACHED, request_id=req_id)
+                self.tenant_of[b] = CACHED
+            else:
+                self._each("release", b, request_id=req_id)
+                del self.tenant_of[b]
+        if kept:
+            self.blocks.setdefault(CACHED, []).extend(gone)
+        self._counts["kept" if kept else "releases"] += len(gone)
         rest = [b for b in held if b not in gone]
         if rest:
             self.blocks[req_id] = rest
@@ -222,7 +292,7 @@ class VllmStates:
         new = [b for b in blocks if self.tenant_of.get(b) != req_id]
         for b in new:
             tenant = self.tenant_of.get(b)
-            if tenant is not None:  # vLLM took it back from a preempted request
+            if tenant is not None:  # vLLM took it back from a preempted request, or evicted it from its cache
                 self._release(tenant, [b])
                 self._counts["reclaimed"] += 1
         if not new:
@@ -237,24 +307,40 @@ class VllmStates:
     def take(self, so: Any) -> None:
         """Turn one step's scheduler output into events (before vLLM's own update)."""
         for req_id in so.finished_req_ids:
-            self._release(req_id)
+            self._release(req_id, keep=True)
         for req in so.scheduled_new_reqs:
             # An aborted id resubmitted was released with the finished ones above; a
             # streaming request continued under its id keeps the blocks it still has.
-            ids = self._mamba_ids(req.block_ids)
-            self._release(req.req_id, [b for b in self.blocks.get(req.req_id, []) if b not in ids])
+            ids = self._mamba_ids(req.block_ids, getattr(req, "num_computed_tokens", 0))
+            self._release(req.req_id, [b for b in self.blocks.get(req.req_id, []) if b not in ids], keep=True)
             self._give(req.req_id, ids)
         cached = so.scheduled_cached_reqs
-        for req_id, block_ids in zip(cached.req_ids, cached.new_block_ids, strict=False):
+        computed = getattr(cached, "num_computed_tokens", None) or [0] * len(cached.req_ids)
+        for req_id, block_ids, done in zip(cached.req_ids, cached.new_block_ids, computed, strict=False):
             if req_id in cached.resumed_req_ids:
-                # Resumed after preemption: vLLM recomputes it from its first token in the blocks it now gives.
-                self._release(req_id)
-            self._give(req_id, self._mamba_ids(block_ids))
-        for copy in so.kv_cache_block_copies or ():
+                # Resumed after preemption: vLLM recomputes it from its last hit in the blocks it now gives.
+                self._release(req_id, keep=True)
+                self._give(req_id, self._mamba_ids(block_ids, done))
+            else:
+                self._give(req_id, self._mamba_ids(block_ids))
+        for copy in getattr(so, "kv_cache_block_copies", None) or ():
             src, dst = int(copy[0]), int(copy[1])
             if src in self.tenant_of and dst in self.tenant_of:
-                self._each("copy_on_write", src, dst)
+                self._each("copy_on_write", src, dst, request_id=self.tenant_of[dst])
                 self._counts["copies"] += 1
+
+    def copy_block(self, req_id: str, src: int, dst: int) -> None:
+        """Queue vLLM's align-mode copy of block ``src``'s state into ``req_id``'s block ``dst``.
+
+        ``src`` is the request's previous block or a prefix-cache hit (held by
+        another request or by :data:`CACHED`); ``dst`` is held by ``req_id``.
+        ``MAMBACACHE_VLLM_FAULT=skip-copy`` drops it (a deliberate fault).
+        """
+        if not self.copy:
+            self._counts["skipped_copies"] += 1
+            return
+        self._each("copy_on_write", src, dst, request_id=req_id)
+        self._counts["copies"] += 1
 
     def flush(self) -> None:
         """Run the step's events on the forward's stream, before the forward."""
@@ -262,6 +348,14 @@ class VllmStates:
         self._counts["flushes"] += 1
 
     def close(self) -> None:
-        """Close every manager the plugin opened (each runs its last flush)."""
+        """Release the blocks kept for vLLM's prefix cache and close every manager (each runs its last flush).
+
+        Blocks still held by a request stay held (that request never finished),
+        so a trace of a run whose requests all finished ends idle. Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._release(CACHED)  # the prefix cache dies with the engine: its blocks are no one's now
         for mgr in self.managers:
             mgr.__exit__(None, None, None)

@@ -12,6 +12,7 @@ import anyio
 
 from .._console import Progress, UsageError, check_output_path, float_in, int_at_least, table, write_json
 from ._models import MODELS, STATE_DTYPES, build_model
+from ._pd import PD_FAULTS
 from ._scheduler import CHECKPOINTS, FAULTS, PREEMPT, SCENARIOS, SimConfig, SimReport, pool_sizes, simulate
 
 __all__ = ["add_parser", "run"]
@@ -47,7 +48,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--arrival-rate", type=float_in(0, low_open=True), default=_D.arrival_rate, help="requests per step (> 0)"
     )
-    p.add_argument("--fault", choices=FAULTS, default="none", help="break the manager's use on purpose")
+    p.add_argument(
+        "--fault",
+        choices=[*FAULTS, *PD_FAULTS[1:]],
+        default="none",
+        help="break the manager's use on purpose (skip-import, kill-peer: --scenario pd)",
+    )
     p.add_argument(
         "--speculative",
         type=int_at_least(0),
@@ -63,11 +69,34 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument(
         "--scenario",
-        choices=sorted(SCENARIOS),
+        choices=sorted([*SCENARIOS, "pd"]),
         default="prefix",
         help="prefix: checkpoints every block during chunked prefill (default); swap / recompute: fewer slots than"
         " running requests, preemption by swap to host memory or by recompute; host-tier: evicted checkpoints move"
-        " to host memory. Options given explicitly override the scenario's",
+        " to host memory; pd: prefill and decode engines in separate processes, states handed over"
+        " (--tp-prefill, --tp-decode, --transfer-timeout). Options given explicitly override the scenario's",
+    )
+    p.add_argument(
+        "--tp-prefill",
+        type=int_at_least(1),
+        default=None,
+        metavar="N",
+        help="--scenario pd: prefill ranks, each holding a shard that the decode side re-slices (default 1)",
+    )
+    p.add_argument(
+        "--tp-decode",
+        type=int_at_least(1),
+        default=None,
+        metavar="N",
+        help="--scenario pd: decode ranks, each receiving only its shard; N and --tp-prefill: one divides the other"
+        " (default 1)",
+    )
+    p.add_argument(
+        "--transfer-timeout",
+        type=float_in(0, low_open=True),
+        default=10.0,
+        metavar="S",
+        help="--scenario pd: seconds one batch of a transfer may take (default 10)",
     )
     p.add_argument(
         "--block-size", type=int_at_least(1), default=None, help="prefill chunk and prefix block (default 4)"
@@ -147,6 +176,9 @@ def run(args: argparse.Namespace) -> int:
     )
     if quantised and models != ["toy"]:
         raise UsageError(f"--state-dtype {args.state_dtype} is for the toy model: the others keep float32 states")
+    pd_tp = args.tp_prefill is not None or args.tp_decode is not None
+    if args.scenario == "pd" or pd_tp or args.fault in PD_FAULTS[1:]:
+        return _pd(args, models)
     scenario = _scenario(args)
     check_output_path(args.json)
     traces = _traces(args, models)
@@ -168,6 +200,25 @@ def run(args: argparse.Namespace) -> int:
         what = f"{r.mismatches} mismatches: {', '.join(r.mismatched_requests[:5])}" if r.mismatches else "no mismatch"
         sys.stderr.write(f"{r.model}: {what} (fault {args.fault})\n")
     return 1 if bad else 0
+
+
+def _pd(args: argparse.Namespace, models: list[str]) -> int:
+    """``--scenario pd``, after refusing what only the other scenarios take (and pd's options elsewhere)."""
+    from ._pd import run_cli
+
+    if args.scenario != "pd":
+        given = [f"--fault {args.fault}"] if args.fault in PD_FAULTS[1:] else []
+        given += [f"--{f.replace('_', '-')}" for f in ("tp_prefill", "tp_decode") if getattr(args, f) is not None]
+        raise UsageError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --scenario pd")
+    if args.fault not in PD_FAULTS:
+        raise UsageError(f"--scenario pd takes --fault {', '.join(PD_FAULTS)}")
+    if args.speculative or args.trace or args.preempt or args.adapters:
+        raise UsageError("--scenario pd takes none of --speculative, --trace, --preempt, --adapters")
+    args.tp_prefill = args.tp_prefill or 1
+    args.tp_decode = args.tp_decode or 1
+    check_output_path(args.json)
+    _load_transformers(models)
+    return run_cli(args, models)
 
 
 def _scenario(args: argparse.Namespace) -> dict[str, Any]:

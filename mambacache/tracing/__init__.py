@@ -1,26 +1,34 @@
 """Slot-lifecycle tracing with structlog.
 
-Events (``event`` key), all with ``step`` (the flush that will run or ran them)
-and, from :func:`configure`'s own pipeline, ``timestamp`` and ``level``:
+Events (``event`` key), all with ``step`` (the flush that will run or ran them;
+none on ``transfer.failed``) and, from :func:`configure`'s own pipeline,
+``timestamp`` and ``level``:
 
-=================  =====  =====================================================
-``slot.alloc``     debug  ``slot``, ``request_id``, ``cleared``
-``slot.clear``     debug  ``slot``, ``request_id``
-``slot.cow``       debug  ``src``, ``dst``, ``request_id``
-``slot.commit``    debug  ``slot``, ``accepted``, ``request_id``
-``slot.release``   debug  ``slot``, ``request_id``
-``slot.handover``  debug  ``slot``, ``request_id`` (the old tenant), ``to``
-``slot.offload``   debug  ``slot``, ``host``, ``request_id``
-``slot.restore``   debug  ``host``, ``slot``, ``request_id``, ``keep``
-``host.drop``      debug  ``host``
-``prefix.*``       debug  the prefix cache's hits, misses, inserts, evictions
-``step.flush``     info   the StepReport figures, ``plan_us``, ``execute_us``
-``step.error``     error  ``stage``, ``error``: an executor failed; work kept
-=================  =====  =====================================================
+====================  =====  ==========================================================================
+``slot.alloc``        debug  ``slot``, ``request_id``, ``cleared``
+``slot.clear``        debug  ``slot``, ``request_id``
+``slot.cow``          debug  ``src``, ``dst``, ``request_id``; ``shift`` when a shifted copy
+``slot.commit``       debug  ``slot``, ``accepted``, ``request_id``
+``slot.release``      debug  ``slot``, ``request_id``
+``slot.handover``     debug  ``slot``, ``request_id`` (the old tenant), ``to``
+``slot.offload``      debug  ``slot``, ``host``, ``request_id``
+``slot.restore``      debug  ``host``, ``slot``, ``request_id``, ``keep``
+``slot.export``       debug  ``slot``, ``host`` (the staging host slot), ``request_id``
+``slot.import``       debug  ``host``, ``slot``, ``request_id``, ``peer`` (when its receive was traced)
+``host.drop``         debug  ``host``
+``prefix.*``          debug  the prefix cache's hits, misses, inserts, evictions
+``step.flush``        info   the StepReport figures, ``plan_us``, ``execute_us``
+``step.error``        error  ``stage``, ``error``: an executor failed; work kept
+``transfer.send``     info   ``peer``, ``request_ids``, ``n``, ``bytes``: a batch acknowledged
+``transfer.receive``  info   ``peer``, ``request_ids``, ``n``, ``hosts`` (staging), ``bytes``
+``transfer.failed``   error  ``peer``, ``request_ids``, ``call``, ``error`` (no ``step``)
+``transfer.withdraw`` info   ``request_ids``, ``slots``: exports a release gave up (no peer)
+``transfer.discard``  info   ``request_ids``: arrived states given up, never imported (no peer)
+====================  =====  ==========================================================================
 
 Tracing is off until :func:`configure` is called; off, it costs one no-op
-call per submit, and structlog is not imported. The default level, ``info``, writes only ``step.flush`` and
-``step.error``: to analyse slots (``mambacache trace``, :func:`analyze`), trace at
+call per submit, and structlog is not imported. The default level, ``info``, writes only ``step.flush``,
+``step.error`` and the ``transfer.*`` batches: to analyse slots (``mambacache trace``, :func:`analyze`), trace at
 ``level="debug"``; an info-level trace is refused by the analyzer, with that hint.
 
 :func:`analyze` reads a trace back (timelines, summary, anomalies, slots held at

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import TraceError
+from ._handoff import Handoffs
 
 __all__ = ["Anomaly", "BadLine", "Entry", "TraceAnalysis", "analyze", "analyze_lines", "parse_lines"]
 
@@ -30,11 +31,16 @@ SLOT_EVENTS = frozenset(
         "slot.offload",
         "slot.restore",
         "slot.handover",
+        "slot.export",
+        "slot.import",
     }
 )
 STEP_EVENTS = frozenset({"step.flush", "step.error"})
 TIER_EVENTS = frozenset({"host.drop", "prefix.hit", "prefix.miss", "prefix.insert", "prefix.evict", "prefix.fork"})
-_PREFIXES = ("slot.", "step.", "host.", "prefix.")
+TRANSFER_EVENTS = frozenset(
+    {"transfer.send", "transfer.receive", "transfer.failed", "transfer.withdraw", "transfer.discard"}
+)
+_PREFIXES = ("slot.", "step.", "host.", "prefix.", "transfer.")
 ANOMALY_KINDS = (
     "double-release",
     "use-after-release",
@@ -45,6 +51,9 @@ ANOMALY_KINDS = (
     "host-held-at-end",
     "restore-from-dropped",
     "fork-from-evicted",
+    "read-before-import",
+    "import-never-completed",
+    "export-undelivered",
 )
 
 
@@ -54,18 +63,23 @@ class Entry:
 
     line: int
     step: int | None
-    action: str  # alloc, clear, fork-in, fork-out, commit, offload, restore, release, handover
+    action: str  # alloc, clear, fork-in, fork-out, commit, offload, restore, release, handover, export, sent, import
     request_id: str | None
     other: int | None = None  # the other slot of a fork; the accepted count of a commit; the host slot
     cleared: bool | None = None
+    peer: int | None = None  # the rank an export was sent to (``sent``) or an import came from, when traced
 
 
 @dataclass(frozen=True, slots=True)
 class Anomaly:
-    """Something the trace shows went wrong; ``kind`` is one of ``ANOMALY_KINDS``."""
+    """Something the trace shows went wrong; ``kind`` is one of ``ANOMALY_KINDS``.
+
+    ``slot`` is the pool slot it concerns; None only for a received state that
+    never reached one (``import-never-completed``), which goes with its request.
+    """
 
     kind: str
-    slot: int
+    slot: int | None
     step: int | None
     line: int
     request_id: str | None
@@ -127,9 +141,20 @@ class TraceAnalysis:
             "releases": count["release"],
             "held_at_end": len(keep & set(self.held)),
             "host_held_at_end": len(self.host_held_for(keep)),
-            "anomalies": sum(a.slot in keep for a in self.anomalies),
+            "anomalies": len(self.anomalies_for(keep)),
             "bad_lines": len(self.bad_lines),
         }
+
+    def anomalies_for(self, slots: Iterable[int]) -> list[Anomaly]:
+        """The anomalies on ``slots``, and those on no pool slot (a received state never imported) whose request
+        touched one of them: all of those when ``slots`` covers the whole trace."""
+        keep = set(slots)
+        slotless = [a for a in self.anomalies if a.slot is None]
+        if slotless and not keep >= set(self.timelines):
+            touched = {e.request_id for s in keep for e in self.timelines.get(s, ())}
+            slotless = [a for a in slotless if a.request_id in touched]
+        chosen = {id(a) for a in slotless}
+        return [a for a in self.anomalies if a.slot in keep or id(a) in chosen]
 
     def host_held_for(self, slots: Iterable[int]) -> dict[int, str | None]:
         """``host_held`` narrowed to host slots offloaded from one of ``slots``: a ``--slot`` or ``--request``
@@ -150,7 +175,7 @@ class TraceAnalysis:
             "slots": {str(s): [asdict(e) for e in self.timelines[s]] for s in sorted(keep) if s in self.timelines},
             "held": {str(s): t for s, t in sorted(self.held.items()) if s in keep},
             "host_held": {str(h): t for h, t in sorted(self.host_held_for(keep).items())},
-            "anomalies": [asdict(a) for a in self.anomalies if a.slot in keep],
+            "anomalies": [asdict(a) for a in self.anomalies_for(keep)],
             "bad_lines": [asdict(b) for b in self.bad_lines],
         }
 
@@ -181,8 +206,10 @@ def _checked(record: dict[str, Any]) -> dict[str, Any]:
     out["request_id"] = rid
     if event == "slot.cow":
         out["src"], out["dst"] = _int(record, "src", required=True), _int(record, "dst", required=True)
-    elif event == "slot.offload" or event == "slot.restore":
+        out["shift"] = _int(record, "shift", required=False) or 0  # a shifted copy forks as a copy does
+    elif event in _HOST_EVENTS:
         out["slot"], out["host"] = _int(record, "slot", required=True), _int(record, "host", required=True)
+        out["peer"] = _int(record, "peer", required=False)
         keep = record.get("keep", False)
         if type(keep) is not bool:
             raise ValueError(f"'keep' must be true or false, got {type(keep).__name__} {keep!r}"[:80])
@@ -209,7 +236,29 @@ def _checked(record: dict[str, Any]) -> dict[str, Any]:
     elif event == "step.flush":
         for key in ("events", "elided"):
             out[key] = _int(record, key, required=False) or 0
+    elif event in TRANSFER_EVENTS:
+        _check_transfer(record, out)
     return out
+
+
+_HOST_EVENTS = frozenset({"slot.offload", "slot.restore", "slot.export", "slot.import"})
+
+
+def _check_transfer(record: dict[str, Any], out: dict[str, Any]) -> None:
+    """A transfer line's ``peer`` (none on a withdraw or discard) and ``request_ids``, and a receive's ``hosts``
+    (one per id)."""
+    out["peer"] = _int(record, "peer", required=record["event"] not in ("transfer.withdraw", "transfer.discard"))
+    ids = record.get("request_ids")
+    if type(ids) is not list or not all(type(r) is str for r in ids):
+        raise ValueError(f"'request_ids' must be a list of strings, got {type(ids).__name__}")
+    out["request_ids"] = ids
+    if record["event"] == "transfer.receive":
+        hosts = record.get("hosts")
+        if type(hosts) is not list or len(hosts) != len(ids) or not all(type(h) is int and h >= 0 for h in hosts):
+            raise ValueError("'hosts' must list one host slot (an integer >= 0) per request id")
+        out["hosts"] = hosts
+    error = record.get("error")
+    out["error"] = error if type(error) is str else None
 
 
 def parse_lines(lines: Iterable[bytes | str]) -> tuple[list[tuple[int, dict[str, Any]]], list[BadLine], int, int]:
@@ -243,7 +292,9 @@ def parse_lines(lines: Iterable[bytes | str]) -> tuple[list[tuple[int, dict[str,
                 other += 1
             continue
         event = record.get("event") if isinstance(record, dict) else None
-        if not isinstance(event, str) or not (event in SLOT_EVENTS or event in STEP_EVENTS or event in TIER_EVENTS):
+        if not isinstance(event, str) or not (
+            event in SLOT_EVENTS or event in STEP_EVENTS or event in TIER_EVENTS or event in TRANSFER_EVENTS
+        ):
             if isinstance(event, str) and event.startswith(_PREFIXES):
                 bad.append(BadLine(number, f"unknown mambacache event {event!r}"[:80]))
             else:
@@ -318,6 +369,8 @@ class _Slot:
     released_at: int | None = None  # line of the release that freed it
     tenant: str | None = None
     flagged_uncleared: bool = False
+    flagged_import: bool = False  # read-before-import reported for this tenancy (its state never imported)
+    since: int = 0  # line of the alloc that began this tenancy
     taint: str = ""  # why an uninitialised slot is so, for the message
 
 
@@ -338,6 +391,11 @@ _COUNTS = (
     "prefix_misses",
     "prefix_inserts",
     "prefix_evictions",
+    "exports",
+    "imports",
+    "states_sent",
+    "states_received",
+    "transfer_failures",
 )
 
 
@@ -348,18 +406,19 @@ class _Pass:
     are appended as they are seen, so their order is the trace's.
     """
 
-    __slots__ = ("counts", "evicted", "host_from", "host_held", "out", "requests", "slots")
+    __slots__ = ("counts", "evicted", "handoffs", "host_from", "host_held", "out", "requests", "slots")
 
     def __init__(self) -> None:
         self.out = TraceAnalysis()
         self.slots: dict[int, _Slot] = {}
         self.counts = dict.fromkeys(_COUNTS, 0)
+        self.handoffs = Handoffs(self.flag, self.counts)
         self.host_held: dict[int, bool] = {}  # held host slot -> whether its state was initialised
         self.host_from: dict[int, tuple[int, str | None]] = {}  # held host slot -> (pool slot, tenant) of its offload
         self.evicted: dict[int, int] = {}  # checkpoint slot evicted (and not allocated since) -> line of the eviction
         self.requests: set[str] = set()
 
-    def flag(self, kind: str, slot: int, line: int, step: int | None, rid: str | None, message: str) -> None:
+    def flag(self, kind: str, slot: int | None, line: int, step: int | None, rid: str | None, message: str) -> None:
         """Record an anomaly."""
         self.out.anomalies.append(Anomaly(kind, slot, step, line, rid, message))
 
@@ -368,16 +427,29 @@ class _Pass:
         self.out.timelines.setdefault(slot, []).append(e)
 
     def flush(self, r: dict[str, Any], line: int, step: int | None) -> None:
-        """``step.flush``: a step ran, so every allocated slot still uninitialised was used with stale state."""
+        """``step.flush``: a step ran, so every allocated slot still uninitialised was used with stale state,
+        and so was every slot held by a request whose received state is still waiting to be imported."""
         self.counts["steps"] += 1
         self.counts["clears_elided"] += r["elided"]
         self.counts["events_flushed"] += r["events"]
+        handoffs = self.handoffs
+        handoffs.flushed(step)
         for s, st in self.slots.items():
             if st.allocated and not st.initialized and not st.flagged_uncleared:
                 st.flagged_uncleared = True
                 why = st.taint or "with neither a clear nor a fork into it since its alloc"
                 message = f"slot {s} (tenant {st.tenant}) was used by step {step} {why}: it holds stale state"
                 self.flag("uncleared-reuse", s, line, step, st.tenant, message)
+            waiting = handoffs.waiting(st.tenant) if st.allocated and not st.flagged_import else None
+            if waiting is not None and waiting[2] < st.since:  # a tenancy begun after the state arrived, not by it
+                st.flagged_import = True
+                host, peer, at = waiting
+                message = (
+                    f"slot {s} (tenant {st.tenant}) was used by step {step} while the state received for"
+                    f" {st.tenant!r} from rank {peer} (line {at}) still waits in staging host slot {host}, never"
+                    " imported: the slot does not hold it"
+                )
+                self.flag("read-before-import", s, line, step, st.tenant, message)
 
     def cow(self, r: dict[str, Any], line: int, step: int | None, rid: str | None) -> None:
         """``slot.cow``: the fork's target inherits its source's initialisation (or lack of it)."""
@@ -393,6 +465,7 @@ class _Pass:
         if src in self.evicted:
             message = f"fork {src} -> {dst} reads checkpoint slot {src}, evicted on line {self.evicted[src]}"
             self.flag("fork-from-evicted", src, line, step, rid, message)
+        self.handoffs.read(src, line, step, rid, f"fork {src} -> {dst} reads")
         s_dst.initialized = s_src.initialized
         s_dst.taint = "" if s_src.initialized else f"forked from slot {src}, itself never cleared"
         self.entry(src, Entry(line, step, "fork-out", rid, other=dst))
@@ -407,7 +480,8 @@ class _Pass:
             message = f"slot {slot} allocated to {rid} while {st.tenant} holds it"
             self.flag("double-alloc", slot, line, step, rid, message)
         st.allocated, st.initialized, st.tenant, st.flagged_uncleared = True, cleared, rid, False
-        st.taint = ""
+        st.taint, st.flagged_import, st.since = "", False, line
+        self.handoffs.gone(slot)
         self.evicted.pop(slot, None)
         self.entry(slot, Entry(line, step, "alloc", rid, cleared=cleared))
 
@@ -416,6 +490,7 @@ class _Pass:
         self.counts["commits"] += 1
         if not st.allocated:
             self.flag("use-after-release", slot, line, step, rid, f"commit into slot {slot}, which is free")
+        self.handoffs.read(slot, line, step, rid, "a commit of draft tokens into")
         self.entry(slot, Entry(line, step, "commit", rid, other=r["accepted"]))
 
     def clear(self, slot: int, st: _Slot, r: dict[str, Any], line: int, step: int | None, rid: str | None) -> None:
@@ -431,6 +506,7 @@ class _Pass:
         self.counts["offloads"] += 1
         if not st.allocated:
             self.flag("use-after-release", slot, line, step, rid, f"offload of slot {slot}, which is free")
+        self.handoffs.read(slot, line, step, rid, "an offload reads")
         self.host_held[r["host"]] = st.initialized
         self.host_from[r["host"]] = (slot, rid)
         self.entry(slot, Entry(line, step, "offload", rid, other=r["host"]))
@@ -467,7 +543,29 @@ class _Pass:
             where = f" (first released on line {st.released_at})" if st.released_at is not None else ""
             self.flag(kind, slot, line, step, rid, f"release of slot {slot}, which is already free{where}")
         st.allocated, st.released_at = False, line
+        self.handoffs.gone(slot)
         self.entry(slot, Entry(line, step, "release", rid))
+
+    def export(self, slot: int, st: _Slot, r: dict[str, Any], line: int, step: int | None, rid: str | None) -> None:
+        """``slot.export``: the slot's state as of here is staged in a host slot for a peer (an offload's read)."""
+        if not st.allocated:
+            self.flag("use-after-release", slot, line, step, rid, f"export of slot {slot}, which is free")
+        self.handoffs.read(slot, line, step, rid, "an export reads")
+        self.handoffs.exported(slot, r["host"], line, rid)
+        self.entry(slot, Entry(line, step, "export", rid, other=r["host"]))
+
+    def import_(self, slot: int, st: _Slot, r: dict[str, Any], line: int, step: int | None, rid: str | None) -> None:
+        """``slot.import``: the slot takes the state received for ``rid`` (once its flush has run)."""
+        if not st.allocated:
+            self.flag("use-after-release", slot, line, step, rid, f"import into slot {slot}, which is free")
+        st.initialized, st.taint = True, ""
+        peer = self.handoffs.imported(slot, r["host"], line, step, rid, r["peer"])
+        self.entry(slot, Entry(line, step, "import", rid, other=r["host"], peer=peer))
+
+    def transfer(self, r: dict[str, Any], line: int, step: int | None) -> None:
+        """``transfer.*``: a send's delivered exports go on their slots' timelines as ``sent``, with the peer."""
+        for slot, rid in self.handoffs.transfer(r, line):
+            self.entry(slot, Entry(line, step, "sent", rid, peer=r["peer"]))
 
     def finish(self, last_line: int, last_step: int | None, expect_idle: bool) -> TraceAnalysis:
         """The analysis: what is still held at the end (anomalies with ``expect_idle``), and the summary."""
@@ -484,6 +582,7 @@ class _Pass:
                     " (neither dropped nor restored without keep since)"
                 )
                 self.flag("host-held-at-end", src, last_line, last_step, tenant, message)
+            self.handoffs.finish(last_line, last_step)
         counts["slots_used"] = len(out.timelines)
         counts["requests"] = len(self.requests)
         counts["held_at_end"] = len(out.held)
@@ -503,6 +602,8 @@ _SLOT_HANDLERS: dict[str, _SlotHandler] = {
     "slot.offload": _Pass.offload,
     "slot.restore": _Pass.restore,
     "slot.release": _Pass.release,
+    "slot.export": _Pass.export,
+    "slot.import": _Pass.import_,
 }
 
 
@@ -516,6 +617,10 @@ def _analyze_records(records: Iterable[tuple[int, dict[str, Any]]], expect_idle:
         if rid is not None:
             p.requests.add(rid)
         if event == "step.error":
+            p.handoffs.errored(line, step)
+            continue
+        if event.startswith("transfer."):
+            p.transfer(r, line, step)
             continue
         if event.startswith(("prefix.", "host.")):
             _tier_event(r, line, p.counts, p.host_held, p.evicted, p.flag)

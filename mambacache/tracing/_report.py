@@ -52,6 +52,12 @@ def _describe(e: Entry) -> str:
         return f"-> slot {e.other}"
     if e.action == "commit":
         return f"{e.other} draft token(s) accepted"
+    if e.action == "export":
+        return f"-> host slot {e.other}"
+    if e.action == "sent":
+        return f"to rank {e.peer}, acknowledged"
+    if e.action == "import":
+        return f"<- host slot {e.other}" + (f", from rank {e.peer}" if e.peer is not None else "")
     return ""
 
 
@@ -83,11 +89,11 @@ def render_text(analysis: TraceAnalysis, slots: list[int], max_entries: int = 50
             f"skipped {len(analysis.bad_lines)} malformed line(s) (--strict refuses them); first: line"
             f" {first.line}: {first.reason}"
         )
-    shown = [a for a in analysis.anomalies if a.slot in set(slots)]
+    shown = analysis.anomalies_for(slots)
     out.append("")
     if shown:
         out.append(f"anomalies ({len(shown)}):")
-        out += [f"  line {a.line}  step {a.step}  slot {a.slot}  {a.kind}: {a.message}" for a in shown]
+        out += [f"  line {a.line}  step {a.step}  {_where(a.slot)}  {a.kind}: {a.message}" for a in shown]
     else:
         out.append("no anomalies")
     return "\n".join(out)
@@ -121,7 +127,7 @@ def plot(analysis: TraceAnalysis, path: str) -> None:
         if start is not None:
             _bar(ax, cmap, colours, row, start, last)
     for a in analysis.anomalies:
-        if a.slot in slots:
+        if a.slot is not None and a.slot in slots:
             ax.plot(a.step or 0, slots.index(a.slot), marker="o", color="red", fillstyle="none", markersize=9)
     ax.set_yticks(range(len(slots)), [str(s) for s in slots], fontsize=7)
     ax.set_xlabel("step")
@@ -164,7 +170,11 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(render_text(analysis, slots, args.max_entries) + "\n")
     if args.plot:
         plot(analysis, args.plot)
-    return 1 if any(a.slot in set(slots) for a in analysis.anomalies) else 0
+    return 1 if analysis.anomalies_for(slots) else 0
+
+
+def _where(slot: int | None) -> str:
+    return "no slot" if slot is None else f"slot {slot}"
 
 
 def _held_text(held: dict[int, str | None]) -> str:

@@ -1,0 +1,326 @@
+"""Re-slicing states between tensor-parallel sizes: a layout of segments per pool tensor (issue #20).
+
+A state tensor's first per-slot dimension (conv channels, temporal heads) is a
+run of segments, each either split evenly across the ranks or replicated on
+every rank. The segments follow the rule the sharded presets use
+(``bench/_presets.py`` ``_shard_config``) over the shapes ``_hf.py`` derives:
+
+* Mamba2 / Nemotron-H conv channels: ``x`` (inner) split, then ``B`` and ``C``
+  (``G * N`` each) split when ``tp`` divides the groups, replicated when there is
+  one group (vLLM's rule: any other group count does not shard);
+* Qwen3-Next conv channels: ``q``, ``k`` (``Hk * Dk`` each) and ``v`` (``Hv * Dv``) split;
+* temporal states: the heads (first dimension) split;
+* extras (per-slot scales and the like): replicated.
+
+A spec with no config behind it (a synthetic one) splits the first dimension of
+its conv and temporal tensors and replicates extras. See ``docs/transfer-tp.md``.
+
+Directions: TP ``a`` -> TP 1 joins on the receiver (:class:`ReslicingReceiver`),
+TP 1 -> TP ``b`` cuts on the sender (:class:`ReslicingSender`: each receiving
+rank gets only its shard's bytes), and ``a`` -> ``b`` where one divides the
+other is either of them over :meth:`StateLayout.shard_layout` (a shard is
+itself a layout, re-sliced ``b / a`` or ``a / b`` ways).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import _tracing
+from ._errors import DistributedError, InvalidArgumentError, TransferError
+from ._events import Export
+from ._manager import CacheManager
+from ._spec import StateSpec
+from ._transfer import StateTransfer, send_exports, staged_event, write_staging
+
+__all__ = ["ReslicingReceiver", "ReslicingSender", "Segment", "StateLayout", "TensorLayout"]
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """``size`` entries of the full tensor's first state dimension: split across the ranks, or replicated."""
+
+    size: int
+    split: bool
+    unit: int = 1  # a split never cuts one of these (a head, a group): it splits whole units only
+
+
+@dataclass(frozen=True, slots=True)
+class TensorLayout:
+    """One pool tensor's first state dimension as segments (none: a scalar state, replicated whole).
+
+    Invariant: a rank's shard holds, in segment order, its ``1/tp`` of each split
+    segment and the whole of each replicated one.
+    """
+
+    segments: tuple[Segment, ...]
+
+    def full_size(self) -> int:
+        """The first state dimension of the full tensor."""
+        return sum(s.size for s in self.segments)
+
+    def check(self, tp: int) -> None:
+        """InvalidArgumentError unless every split segment divides by ``tp``."""
+        bad = [s.size for s in self.segments if s.split and (s.size % s.unit or (s.size // s.unit) % tp)]
+        if bad:
+            raise InvalidArgumentError(f"segments of sizes {bad} do not split {tp} ways in whole heads or groups")
+
+    def shard_size(self, tp: int) -> int:
+        """The first state dimension of one rank's shard."""
+        self.check(tp)
+        return sum(s.size // tp if s.split else s.size for s in self.segments)
+
+    def slice(self, full: torch.Tensor, tp: int, rank: int, dim: int) -> torch.Tensor:
+        """Rank ``rank``'s shard of ``full`` (segments along ``dim``), a new contiguous tensor."""
+        self.check(tp)
+        if not self.segments:
+            return full.clone()
+        parts, start = [], 0
+        for seg in self.segments:
+            width = seg.size // tp if seg.split else seg.size
+            offset = start + (rank * width if seg.split else 0)
+            parts.append(full.narrow(dim, offset, width))
+            start += seg.size
+        return torch.cat(parts, dim)
+
+    def gather(self, shards: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+        """The full tensor from every rank's shard, in rank order; TransferError when replicated parts differ."""
+        tp = len(shards)
+        self.check(tp)
+        if not self.segments:
+            _same(shards, "a replicated tensor")
+            return shards[0].clone()
+        pieces, start = [], 0
+        for i, seg in enumerate(self.segments):
+            width = seg.size // tp if seg.split else seg.size
+            parts = [s.narrow(dim, start, width) for s in shards]
+            if seg.split:
+                pieces.extend(parts)
+            else:
+                _same(parts, f"replicated segment {i}")
+                pieces.append(parts[0])
+            start += width
+        return torch.cat(pieces, dim)
+
+
+def _same(parts: Sequence[torch.Tensor], what: str) -> None:
+    # Bytes, not values: a NaN is equal to itself here, and -0.0 differs from 0.0, as the wire sees them.
+    first = parts[0].contiguous().view(torch.uint8) if parts[0].dim() else parts[0].reshape(1).view(torch.uint8)
+    for k, p in enumerate(parts[1:], 1):
+        raw = p.contiguous().view(torch.uint8) if p.dim() else p.reshape(1).view(torch.uint8)
+        if not torch.equal(raw, first):
+            raise TransferError(f"{what} differs between rank 0 and rank {k}: the shards are not of one state")
+
+
+def _split(size: int, unit: int = 1) -> Segment:
+    return Segment(size, True, unit)
+
+
+@dataclass(frozen=True, slots=True)
+class StateLayout:
+    """How each pool tensor of a full ``spec`` divides across tensor-parallel ranks (convs, temporal, extras).
+
+    Invariant: for every ``tp`` that :meth:`check` accepts, gathering the
+    ``tp`` slices of a state gives the state back, byte for byte.
+    """
+
+    spec: StateSpec
+    tensors: tuple[TensorLayout, ...]
+
+    @classmethod
+    def from_config(cls, config: Any, spec: StateSpec | None = None) -> StateLayout:
+        """The layout of the model ``config`` describes (its full spec: ``StateSpec.from_hf_config`` unless given)."""
+        text = getattr(config, "text_config", None) or config  # multimodal Qwen3.5: the language model's
+        kind = getattr(text, "model_type", None)
+        full = spec if spec is not None else StateSpec.from_hf_config(config)
+        temporal = TensorLayout((_split(full.temporal_shape[0]),))
+        if kind in ("mamba2", "nemotron_h"):
+            state = text.state_size if kind == "mamba2" else text.ssm_state_size
+            groups = text.n_groups * state
+            inner = full.conv_shapes[0][0] - 2 * groups
+            head = text.head_dim if kind == "mamba2" else text.mamba_head_dim
+            bc = Segment(groups, text.n_groups != 1, state)  # one group: every rank holds it (vLLM's rule)
+            conv = TensorLayout((_split(inner, head), bc, bc))
+        elif kind in ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"):
+            key = text.linear_num_key_heads * text.linear_key_head_dim
+            value = text.linear_num_value_heads * text.linear_value_head_dim
+            dk, dv = text.linear_key_head_dim, text.linear_value_head_dim
+            conv = TensorLayout((_split(key, dk), _split(key, dk), _split(value, dv)))
+        else:
+            raise InvalidArgumentError(f"no sharding rule for model_type {kind!r}: mamba2, nemotron_h, qwen3_next")
+        if conv.full_size() != full.conv_shapes[0][0]:
+            raise InvalidArgumentError(f"the config's conv channels {conv.full_size()} are not the spec's")
+        return cls(full, (conv, temporal, *(TensorLayout(()) for _ in full.extra_shapes)))
+
+    @classmethod
+    def synthetic(cls, spec: StateSpec) -> StateLayout:
+        """A spec without a config: the first dimension of each conv and of the temporal state split, extras
+        replicated (the synthetic presets' rule)."""
+        conv = [TensorLayout((_split(c[0]),)) for c in spec.conv_shapes]
+        temporal = TensorLayout((_split(spec.temporal_shape[0]),))
+        return cls(spec, (*conv, temporal, *(TensorLayout(()) for _ in spec.extra_shapes)))
+
+    def check(self, tp: int) -> None:
+        """InvalidArgumentError unless the state divides ``tp`` ways (``tp`` a positive int)."""
+        if type(tp) is not int or tp < 1:
+            raise InvalidArgumentError(f"tp must be a positive int, got {tp!r}")
+        for t in self.tensors:
+            t.check(tp)
+
+    def shard_spec(self, tp: int) -> StateSpec:
+        """The spec of one rank's shard at ``tp``."""
+        self.check(tp)
+        spec, n = self.spec, len(self.spec.conv_shapes)
+        conv = [(t.shard_size(tp), *c[1:]) for t, c in zip(self.tensors[:n], spec.conv_shapes, strict=True)]
+        temporal = (self.tensors[n].shard_size(tp), *spec.temporal_shape[1:])
+        return dataclasses.replace(spec, conv_shapes=conv, temporal_shape=temporal)
+
+    def shard_layout(self, tp: int) -> StateLayout:
+        """One rank's shard at ``tp`` as a layout of its own: each split segment ``1/tp`` its size, the rest kept.
+
+        Why: slicing this ``m`` ways gives the shards at ``tp * m`` (rank ``k`` of
+        ``tp`` holds ranks ``k * m .. k * m + m - 1`` of ``tp * m``), so ``a`` -> ``b``
+        where one divides the other is a 1 -> ``m`` or ``m`` -> 1 re-slice per shard.
+        """
+        spec = self.shard_spec(tp)
+        return StateLayout(
+            spec,
+            tuple(
+                TensorLayout(tuple(Segment(s.size // tp, True, s.unit) if s.split else s for s in t.segments))
+                for t in self.tensors
+            ),
+        )
+
+    def slice(self, full: Sequence[torch.Tensor], tp: int, rank: int, dim: int = 2) -> list[torch.Tensor]:
+        """Rank ``rank``'s shard of each full tensor (pool-shaped ``[layers, slots, *state]``: ``dim=2``)."""
+        self.check(tp)
+        if type(rank) is not int or not 0 <= rank < tp:
+            raise InvalidArgumentError(f"rank must be in [0, {tp}), got {rank!r}")
+        return [t.slice(x, tp, rank, dim) for t, x in zip(self.tensors, full, strict=True)]
+
+    def gather(self, shards: Sequence[Sequence[torch.Tensor]], dim: int = 2) -> list[torch.Tensor]:
+        """The full tensors from ``shards[rank]`` (each rank's tensors in pool order); TransferError when the
+        replicated parts of two ranks differ."""
+        self.check(len(shards))
+        return [t.gather([s[i] for s in shards], dim) for i, t in enumerate(self.tensors)]
+
+
+class ReslicingReceiver:
+    """Receives each state from the ``tp`` ranks of a peer at another tensor-parallel size and lands it whole.
+
+    ``transfers[k]`` talks to the peer's rank ``k`` (its shard ``k`` of
+    ``layout``); the manager holds full states (``layout.spec``). Invariants:
+    a batch lands only when every rank sent the same ids and their replicated
+    parts agree, and no rank is acknowledged before it has landed, so a failure
+    anywhere leaves every sender holding its slots and nothing landed here.
+    """
+
+    def __init__(self, manager: CacheManager, transfers: Sequence[StateTransfer], layout: StateLayout) -> None:
+        if not transfers:
+            raise InvalidArgumentError("a reslicing receiver needs one transfer per peer rank")
+        layout.check(len(transfers))
+        if manager.host_pool is None or manager.pool.spec != layout.spec:
+            raise InvalidArgumentError("the manager must hold the layout's full spec, with a host pool to land in")
+        self._mgr, self._transfers, self._layout = manager, list(transfers), layout
+        self._shapes = layout.shard_spec(len(transfers)).shapes()
+
+    def receive(self) -> list[str]:
+        """One batch from every peer rank, assembled and landed in staging host slots; returns the ids.
+
+        Each is then read by ``manager.import_into(slot, request_id=...)``.
+        """
+        got = [x.receive_rows(self._shapes) for x in self._transfers]
+        ids = got[0][0]
+        for k, (other, _) in enumerate(got[1:], 1):
+            if other != ids:
+                raise TransferError(f"peer rank 0 sent {ids}, rank {k} sent {other}: not one batch", ids)
+        full = self._layout.gather([rows for _, rows in got], dim=2)
+        slots = self._mgr.land(ids)
+        write_staging(self._mgr, slots, full)
+        peers = [x.peer for x in self._transfers]  # the line names the first; `peers` lists every shard's rank
+        _tracing.tracer.transfer("transfer.receive", peers[0], ids, step=self._mgr.step, n=len(ids), hosts=slots,
+                                 peers=peers)  # fmt: skip
+        for x in self._transfers:
+            x.acknowledge(ids)
+        return ids
+
+
+class ReslicingSender:
+    """Sends each exported state to the ``tp`` ranks of a peer at another tensor-parallel size, each only its shard.
+
+    The counterpart of :class:`ReslicingReceiver`: the manager holds whole
+    states (``layout.spec``) and ``peers[k]`` is the peer's rank ``k``, which
+    receives with a plain :class:`~mambacache.StateTransfer` into a manager of
+    ``layout.shard_spec(len(peers))``. The cut happens here so each rank is sent
+    its ``1/tp`` of the split segments (and the replicated ones), never the whole
+    state. Invariants: the wire is :class:`~mambacache.StateTransfer`'s, one
+    batch per rank per call; the exported slots are released only once every
+    rank acknowledged, so a rank that dies or times out is a
+    :class:`TransferError` with every slot still held (send again or release),
+    while each rank that did receive landed its whole batch (a
+    ``StateTransfer.receive`` lands all or nothing).
+    """
+
+    def __init__(
+        self, manager: CacheManager, group: Any, peers: Sequence[int], layout: StateLayout, *, timeout: float = 60.0
+    ) -> None:
+        import torch.distributed as dist
+
+        if not isinstance(manager, CacheManager) or manager.host_pool is None or manager.pool.spec != layout.spec:
+            raise InvalidArgumentError("the manager must hold the layout's full spec, with a host pool to stage in")
+        if not peers:
+            raise InvalidArgumentError("a reslicing sender needs the peer's ranks, one per shard")
+        layout.check(len(peers))
+        if not dist.is_initialized():
+            raise DistributedError("torch.distributed is not initialized: call init_process_group first")
+        members, me = dist.get_process_group_ranks(group), dist.get_rank()
+        if any(type(p) is not int or p == me or p not in members for p in peers) or len(set(peers)) != len(peers):
+            raise InvalidArgumentError(f"peers must be distinct other ranks of the group, got {list(peers)!r}")
+        if not timeout > 0:
+            raise InvalidArgumentError(f"timeout must be positive seconds, got {timeout!r}")
+        self._mgr, self._layout = manager, layout
+        self.peers = list(peers)
+        self._transfers = [StateTransfer(manager, group, p, timeout=timeout) for p in peers]
+
+    def send(self) -> list[str]:
+        """Ship every export whose flush has run, rank ``k`` its shard ``k``; once all acknowledged, free the slots.
+
+        Returns the request ids delivered (none: nothing was sent). Every rank is
+        sent its batch before any acknowledgement is awaited, and every rank that
+        took its batch is heard out even when another failed, so no rank is left
+        with an unread acknowledgement. A failure returns the exports to the
+        manager (send again, or release: :meth:`StateTransfer.send`'s rules).
+        """
+        return send_exports(self._mgr, self._ship, self.peers)
+
+    def _ship(self, ready: list[Export], ids: list[str]) -> None:
+        """Each rank its shard of every staged state, all posted before any wait; raises unless all acknowledged."""
+        mgr, tp = self._mgr, len(self.peers)
+        staged = staged_event(mgr)
+        if staged is not None:
+            staged.synchronize()  # the shards are cut from the staging slots: their bytes must be final
+        hosts = torch.tensor([ev.host for ev in ready], dtype=torch.long)
+        host = mgr.host_pool
+        assert host is not None  # checked at construction
+        full = [t.index_select(1, hosts) for t in host.tensors]
+        failed: list[tuple[int, TransferError]] = []
+        waits = []
+        for k, x in enumerate(self._transfers):
+            try:
+                waits.append((x.peer, x.post_rows(ids, [s.contiguous() for s in self._layout.slice(full, tp, k)])))
+            except TransferError as exc:
+                failed.append((x.peer, exc))
+        for peer, wait in waits:
+            try:
+                wait()
+            except TransferError as exc:
+                failed.append((peer, exc))
+        for peer, err in failed:
+            _tracing.tracer.transfer("transfer.failed", peer, ids, call="send", error=str(err))
+        if failed:
+            raise TransferError(f"{len(failed)} of {tp} ranks did not take their shards: {failed[0][1]}", ids)

@@ -1,0 +1,239 @@
+"""``mambacache bench --transfer``: a StateTransfer of n slots against a plain send/recv of the same bytes.
+
+Two processes (rank 0 prefill, rank 1 decode) over gloo on 127.0.0.1, one
+torch thread each (two ranks share the machine, as two engines would share a
+host). Per size, rounds alternate the two paths (which goes first flips every
+round), so a slow spell of a shared machine hits both alike:
+
+* ``transfer``: ``export`` of n slots, ``flush_nowait`` (the staging copies into
+  the host pool), ``StateTransfer.send`` / ``receive`` (header, ids, one message
+  per pool tensor, the acknowledgement), ``import_into`` of n slots and the
+  receiver's ``flush_nowait`` (the copies into its pool);
+* ``send``: one ``dist.send`` / ``dist.recv`` of a ready contiguous buffer of the
+  same bytes, the bound of this group and link.
+
+Both are timed on the sender from the start to the receiver's one-word "done",
+so each includes one small message's latency. The first transfer round of each
+size is checked byte for byte (untimed): a benchmark that moved the wrong bytes
+fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from .._host import HostPool
+from .._manager import CacheManager
+from .._pool import StatePool
+from .._spec import StateSpec
+from .._transfer import StateTransfer
+from ._presets import fit_layers, lookup
+
+__all__ = ["transfer_vs_send"]
+
+PATHS = ("transfer", "send")
+# Per process: the pool, the host pool, the plain path's buffer and the transfer's gathered rows, each about
+# max(sizes) slots; two processes.
+COPIES = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _fill(pool: StatePool, seed: int) -> None:
+    """Random bytes (compared as bytes: a NaN pattern must still compare equal)."""
+    g = torch.Generator().manual_seed(seed)
+    for t in pool.tensors:
+        raw = t.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, generator=g, dtype=torch.uint8))
+
+
+def transfer_vs_send(
+    preset: str, sizes: list[int], repeats: int, budget_bytes: int, *, timeout: float = 60.0
+) -> list[dict[str, Any]]:
+    """One row per size: the transfer's and the plain send's median and best milliseconds, and their ratio.
+
+    ``ratio`` is the transfer's median over the send's (1.0 = no cost over moving
+    the bytes), ``best_ratio`` the same of the fastest rounds. ``stage_ms`` (export
+    and flush on the sender), ``wire_ms`` (``send`` until the acknowledgement) and
+    ``land_ms`` (``import_into`` and flush on the receiver) split the transfer's
+    median round. Layers are cut so that both processes fit ``budget_bytes``.
+    """
+    import torch.multiprocessing as mp
+
+    spec = fit_layers(lookup(preset).spec, COPIES * max(sizes), budget_bytes)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = (_free_port(), spec, sizes, repeats, timeout, tmp)
+        mp.spawn(_worker, args=args, nprocs=2, join=True)  # type: ignore[attr-defined,no-untyped-call]
+        with open(os.path.join(tmp, "0.json"), encoding="utf-8") as f:
+            sender = json.load(f)
+        with open(os.path.join(tmp, "1.json"), encoding="utf-8") as f:
+            receiver = json.load(f)
+    rows = []
+    for n in sizes:
+        t, land = sender[str(n)], receiver[str(n)]
+        row: dict[str, Any] = {"preset": preset, "layers": spec.num_layers, "slots": n, "bytes": n * spec.slot_bytes}
+        for path in PATHS:
+            row[f"{path}_ms"] = statistics.median(t[path]) * 1e3
+            row[f"{path}_min_ms"] = min(t[path]) * 1e3
+            row[f"{path}_gb_s"] = row["bytes"] / statistics.median(t[path]) / 1e9
+        row["ratio"] = row["transfer_ms"] / row["send_ms"]
+        row["best_ratio"] = row["transfer_min_ms"] / row["send_min_ms"]
+        row["stage_ms"] = statistics.median(t["stage"]) * 1e3
+        row["wire_ms"] = statistics.median(t["wire"]) * 1e3
+        row["land_ms"] = statistics.median(land) * 1e3
+        row["rounds"] = len(t["transfer"])
+        rows.append(row)
+    return rows
+
+
+def _worker(rank: int, port: int, spec: StateSpec, sizes: list[int], repeats: int, timeout: float, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=timeout)
+    )
+    try:
+        pool, host = StatePool(spec, max(sizes)), HostPool(spec, max(sizes))
+        _fill(pool, 1234 + rank)
+        with CacheManager(pool, host_pool=host) as mgr:
+            xfer = StateTransfer(mgr, dist.group.WORLD, peer=1 - rank, timeout=timeout)
+            side = _Sender(mgr, xfer) if rank == 0 else _Receiver(mgr, xfer)
+            times = {str(n): side.size(n, repeats) for n in sizes}
+        with open(os.path.join(out, f"{rank}.json"), "w", encoding="utf-8") as f:
+            json.dump(times, f)
+    finally:
+        dist.destroy_process_group()
+
+
+class _Side:
+    """What both ranks do around a round: the plain buffer and the rounds' order."""
+
+    def __init__(self, mgr: CacheManager, xfer: StateTransfer) -> None:
+        import torch.distributed as dist
+
+        self.dist, self.mgr, self.xfer = dist, mgr, xfer
+        self.done = torch.zeros(1, dtype=torch.int64)
+
+    def size(self, n: int, repeats: int) -> Any:
+        """Times of ``n`` slots: two warm-up rounds, then ``repeats`` rounds, the paths alternating."""
+        buf = torch.empty(n * self.mgr.pool.spec.slot_bytes, dtype=torch.uint8)
+        self.setup(n)
+        for r in range(repeats + 2):
+            for path in PATHS if r % 2 else PATHS[::-1]:
+                self.dist.barrier()  # both sides start a round together: untimed
+                if path == "send":
+                    self.plain(buf, keep=r >= 2)
+                else:
+                    self.transfer(n, keep=r >= 2, check=r == 0)
+        return self.times()
+
+    def setup(self, n: int) -> None:
+        """Per-size state (slot choice, buffers)."""
+
+    def plain(self, buf: torch.Tensor, keep: bool) -> None:
+        """One plain round."""
+        raise NotImplementedError
+
+    def transfer(self, n: int, keep: bool, check: bool) -> None:
+        """One transfer round."""
+        raise NotImplementedError
+
+    def times(self) -> Any:
+        """This size's samples, JSON-ready."""
+        raise NotImplementedError
+
+
+class _Sender(_Side):
+    def setup(self, n: int) -> None:
+        """Slots spread over the pool (every other where they fit: the staging copies are not one run)."""
+        step = max(1, self.mgr.pool.num_slots // n)
+        self.slots = [1 + i * step for i in range(n)]
+        self.samples: dict[str, list[float]] = {"transfer": [], "send": [], "stage": [], "wire": []}
+
+    def plain(self, buf: torch.Tensor, keep: bool) -> None:
+        """Send the bytes, wait for the receiver's word."""
+        t0 = time.perf_counter()
+        self.dist.send(buf, 1)
+        self.dist.recv(self.done, 1)
+        if keep:
+            self.samples["send"].append(time.perf_counter() - t0)
+
+    def transfer(self, n: int, keep: bool, check: bool) -> None:
+        """Export, stage, send until acknowledged, wait for the receiver's word that the states landed."""
+        mgr, ids = self.mgr, [f"r{i}" for i in range(n)]
+        for s, r in zip(self.slots, ids, strict=True):
+            mgr.alloc_slots([s], r, clear=False)
+        mgr.flush_nowait()
+        t0 = time.perf_counter()
+        for s, r in zip(self.slots, ids, strict=True):
+            mgr.export(s, r)
+        mgr.flush_nowait()
+        t1 = time.perf_counter()
+        if self.xfer.send() != ids:
+            raise RuntimeError("the transfer did not deliver every export")
+        t2 = time.perf_counter()
+        self.dist.recv(self.done, 1)
+        t3 = time.perf_counter()
+        if check:  # the receiver compares against these rows: untimed
+            for t in mgr.pool.tensors:
+                self.dist.send(t[:, self.slots].contiguous().view(torch.uint8), 1)
+        if keep:
+            self.samples["transfer"].append(t3 - t0)
+            self.samples["stage"].append(t1 - t0)
+            self.samples["wire"].append(t2 - t1)
+
+    def times(self) -> Any:
+        """The sender's samples: both paths, and the transfer's stage and wire parts."""
+        return self.samples
+
+
+class _Receiver(_Side):
+    def setup(self, n: int) -> None:
+        """Import into the last ``n`` slots (not the sender's: the ids are the receiver's own)."""
+        self.slots = list(range(self.mgr.pool.num_slots - n + 1, self.mgr.pool.num_slots + 1))
+        self.land: list[float] = []
+
+    def plain(self, buf: torch.Tensor, keep: bool) -> None:
+        """Receive the bytes, say done."""
+        self.dist.recv(buf, 0)
+        self.dist.send(self.done, 0)
+
+    def transfer(self, n: int, keep: bool, check: bool) -> None:
+        """Receive, import, flush, say done; then free the slots (untimed)."""
+        mgr = self.mgr
+        ids = self.xfer.receive()
+        t0 = time.perf_counter()
+        for s, r in zip(self.slots, ids, strict=True):
+            mgr.import_into(s, r)
+        mgr.flush_nowait()
+        t1 = time.perf_counter()
+        self.dist.send(self.done, 0)
+        if check:
+            for t in mgr.pool.tensors:
+                want = torch.empty_like(t[:, self.slots]).contiguous()
+                self.dist.recv(want.view(torch.uint8), 0)
+                if not torch.equal(t[:, self.slots].contiguous().view(torch.uint8), want.view(torch.uint8)):
+                    raise RuntimeError(f"the transfer of {n} slots delivered different bytes")
+        for s, r in zip(self.slots, ids, strict=True):
+            mgr.release(s, r)
+        mgr.flush_nowait()
+        if keep:
+            self.land.append(t1 - t0)
+
+    def times(self) -> Any:
+        """The receiver's samples: the landing part."""
+        return self.land

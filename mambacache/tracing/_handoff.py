@@ -1,0 +1,180 @@
+"""The analyzer's view of state hand-offs between engines (issue #20): exports, received states, imports.
+
+A piece of the analysis pass of its own: what is in flight between two
+engines at each line of one engine's trace, and the three anomalies that shows.
+
+* ``read-before-import``: the engine read a slot whose imported state had not
+  landed. Two ways the trace shows it: a flush ran while request ``r`` held a
+  slot allocated after the state received for ``r`` arrived, and that state
+  still waited in staging, never imported (the slot holds something else:
+  LMCache#2863's state never loaded); or a
+  flush carrying an import failed (``step.error``) and, before any flush
+  completed, a later step read the slot (a fork from it, an offload, an export, a
+  commit), so the engine ran on as if the import had landed.
+* ``import-never-completed`` (``expect_idle``): a received state never
+  imported, or an import whose flush never completed, at the end.
+* ``export-undelivered`` (``expect_idle``): an export no ``transfer.send`` ever
+  named (no acknowledgement from a peer) by the end.
+
+A release that withdraws an export (``transfer.withdraw``) and a received
+state given up (``transfer.discard``) end their hand-offs without an anomaly:
+the engine chose so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Handoffs"]
+
+Flag = Callable[[str, "int | None", int, "int | None", "str | None", str], None]
+
+
+@dataclass(slots=True)
+class _Import:
+    """An import whose step no flush has completed since it was queued."""
+
+    host: int
+    line: int
+    step: int | None
+    request_id: str | None
+    failed_line: int | None = None  # a step.error since: its flush did not complete
+    flagged: bool = False  # a read-before-import was reported for it already
+
+
+def _not_after(step: int | None, then: int | None) -> bool:
+    """Whether ``step`` is not later than ``then`` (a line without a step is taken as the same step)."""
+    return step is None or then is None or step <= then
+
+
+class Handoffs:
+    """What one engine's trace shows in flight between engines, line by line.
+
+    Invariants: ``exports`` holds, per request, the exports no ``transfer.send``
+    has named yet (oldest first: a send delivers the oldest); ``arrived`` the
+    states a ``transfer.receive`` landed that no ``slot.import`` has read;
+    ``unlanded`` the imports no completed flush has run yet. A slot's release
+    ends its import's tracking: whatever was pending no longer reaches a tenant.
+    """
+
+    __slots__ = ("arrived", "counts", "exports", "flag", "last_failure", "unlanded")
+
+    def __init__(self, flag: Flag, counts: dict[str, int]) -> None:
+        self.flag, self.counts = flag, counts
+        self.exports: dict[str, list[tuple[int, int, int]]] = {}  # request id -> [(slot, host, line)]
+        self.arrived: dict[str, tuple[int, int, int]] = {}  # request id -> (host, peer, line of the receive)
+        self.unlanded: dict[int, _Import] = {}  # pool slot -> its import
+        self.last_failure: tuple[int, str | None] | None = None  # (line, error) of the last transfer.failed
+
+    # -- the slot events --------------------------------------------------
+    def exported(self, slot: int, host: int, line: int, rid: str | None) -> None:
+        """``slot.export``: in flight until a ``transfer.send`` names its request."""
+        self.counts["exports"] += 1
+        if rid is not None:
+            self.exports.setdefault(rid, []).append((slot, host, line))
+
+    def imported(
+        self, slot: int, host: int, line: int, step: int | None, rid: str | None, peer: int | None
+    ) -> int | None:
+        """``slot.import``: the received state is read; returns the rank it came from (the line's, or its receive's)."""
+        self.counts["imports"] += 1
+        came = self.arrived.pop(rid, None) if rid is not None else None
+        self.unlanded[slot] = _Import(host, line, step, rid)
+        return peer if peer is not None or came is None else came[1]
+
+    def read(self, slot: int, line: int, step: int | None, rid: str | None, what: str) -> None:
+        """``what`` reads ``slot`` (its state goes somewhere): flag it if its import's flush failed before."""
+        imp = self.unlanded.get(slot)
+        if imp is None or imp.failed_line is None or imp.flagged or _not_after(step, imp.step):
+            return
+        imp.flagged = True
+        message = (
+            f"{what} slot {slot} in step {step}, but the import of {imp.request_id!r} into it (line {imp.line},"
+            f" step {imp.step}) had not landed: its flush failed on line {imp.failed_line} and none completed since"
+        )
+        self.flag("read-before-import", slot, line, step, rid, message)
+
+    def gone(self, slot: int) -> None:
+        """The slot was released (or allocated anew): its import no longer concerns a tenant."""
+        self.unlanded.pop(slot, None)
+
+    def waiting(self, tenant: str | None) -> tuple[int, int, int] | None:
+        """``(host, peer, line)`` of a state received for ``tenant`` and not imported, if any."""
+        return self.arrived.get(tenant) if tenant is not None and self.arrived else None
+
+    # -- flushes ----------------------------------------------------------
+    def flushed(self, step: int | None) -> None:
+        """``step.flush``: every import queued for this step or an earlier one has landed."""
+        if self.unlanded:
+            for slot in [s for s, imp in self.unlanded.items() if _not_after(imp.step, step)]:
+                del self.unlanded[slot]
+
+    def errored(self, line: int, step: int | None) -> None:
+        """``step.error``: the imports of this step or earlier are kept for a retry, not landed."""
+        for imp in self.unlanded.values():
+            if imp.failed_line is None and _not_after(imp.step, step):
+                imp.failed_line = line
+
+    # -- the transfer's own lines ------------------------------------------
+    def transfer(self, r: dict[str, Any], line: int) -> list[tuple[int, str]]:
+        """A ``transfer.*`` line; returns ``(slot, request id)`` of each export a send delivered."""
+        event, ids, peer = r["event"], r["request_ids"], r["peer"]
+        if event == "transfer.failed":
+            self.counts["transfer_failures"] += 1
+            self.last_failure = (line, r["error"])
+            return []
+        if event == "transfer.withdraw":  # a release gave up the oldest export of each id: nothing was sent
+            for rid in ids:
+                pending = self.exports.get(rid)
+                if pending:
+                    pending.pop(0)
+                    if not pending:
+                        del self.exports[rid]
+            return []
+        if event == "transfer.discard":  # the decode side gave up the arrived state: no import will read it
+            for rid in ids:
+                self.arrived.pop(rid, None)
+            return []
+        if event == "transfer.receive":
+            self.counts["states_received"] += len(ids)
+            for rid, host in zip(ids, r["hosts"], strict=True):
+                self.arrived[rid] = (host, peer, line)
+            return []
+        self.counts["states_sent"] += len(ids)
+        sent = []
+        for rid in ids:
+            pending = self.exports.get(rid)
+            if pending:
+                slot = pending.pop(0)[0]
+                if not pending:
+                    del self.exports[rid]
+                sent.append((slot, rid))
+        return sent
+
+    # -- the end of the trace ------------------------------------------------
+    def finish(self, line: int, step: int | None) -> None:
+        """With ``expect_idle``: every hand-off still in flight at the end is an anomaly."""
+        for rid, (host, peer, at) in self.arrived.items():
+            message = (
+                f"the state received for {rid!r} from rank {peer} on line {at} was never imported:"
+                f" staging host slot {host} still holds it"
+            )
+            self.flag("import-never-completed", None, line, step, rid, message)
+        for slot, imp in self.unlanded.items():
+            why = f" (its flush failed on line {imp.failed_line})" if imp.failed_line is not None else ""
+            message = (
+                f"the import of {imp.request_id!r} into slot {slot} (line {imp.line}, step {imp.step}) never"
+                f" landed: no flush of its step completed{why}"
+            )
+            self.flag("import-never-completed", slot, line, step, imp.request_id, message)
+        failure = self.last_failure
+        why = f"; the last transfer failure, line {failure[0]}: {failure[1]}" if failure is not None else ""
+        for rid, pending in self.exports.items():
+            for slot, host, at in pending:
+                message = (
+                    f"the export of {rid!r} from slot {slot} (line {at}, staging host slot {host}) was never"
+                    f" acknowledged by a peer{why}"
+                )
+                self.flag("export-undelivered", slot, line, step, rid, message)

@@ -1,0 +1,46 @@
+"""A state transfer between two managers of one process: what :class:`mambacache.StateTransfer` does, minus the wire.
+
+``loopback(sender, receiver)`` takes the sender's exports whose flush has run
+(``exports_ready``), gathers their staging host rows, lands them on the receiver
+(``land``: staging host slots held by each request id), copies the rows in and
+only then tells the sender they were delivered (``exports_delivered``: it drops
+the staging slots and releases the exported slots). It refuses, as ``send`` does,
+exports whose flush left work unfinished. A failing ``land`` raises before the
+sender lets go of anything, so the sender keeps every slot (as after a send with
+no acknowledgement).
+
+Property and fault tests use it to mix transfers with every other event in one
+process; tests/test_transfer.py runs the real thing over gloo.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import mambacache as mc
+
+__all__ = ["loopback"]
+
+
+def loopback(sender: mc.CacheManager, receiver: mc.CacheManager, *, row: int | None = None) -> list[str]:
+    """Move every ready export of ``sender`` into staging host slots of ``receiver``; returns their request ids.
+
+    ``row`` (for mutation checks only): gather that host row for every export instead of each export's own.
+    """
+    ready = sender.exports_ready()
+    if not ready:
+        return []
+    if sender.unfinished:
+        raise mc.TransferError("the flush that ran the exports left work unfinished: flush again first", [])
+    src, dst = sender.host_pool, receiver.host_pool
+    assert src is not None and dst is not None
+    ids = [ev.request_id or "" for ev in ready]
+    hosts = torch.tensor([ev.host if row is None else row for ev in ready], dtype=torch.long)
+    rows = [t.index_select(1, hosts).contiguous() for t in src.tensors]  # the bytes that would go on the wire
+    slots = receiver.land(ids)
+    index = torch.tensor(slots, dtype=torch.long)
+    for t, buf in zip(dst.tensors, rows, strict=True):
+        # Indexed assignment, not index_copy_: CPU has no index_copy_ for float8 (see test_transfer_property).
+        t[:, index] = buf
+    sender.exports_delivered(ready)
+    return ids

@@ -1,0 +1,251 @@
+"""An export's life on the sender (``mambacache/_exports.py``): queued, ready, sending, then delivered or withdrawn.
+
+The rules a scheduler relies on: the exported slot stays held by its request
+until the peer acknowledges; a release before or after a send withdraws the
+export (its staging slot is dropped, nothing is sent); a release while a send
+awaits the ack is refused with nothing changed (the peer may or may not hold
+the state); a hand-over or a second export of an exporting slot is refused;
+the delivery releases and drops all of a batch or none. A state machine
+against a model of that diagram, plus the cases one by one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import mambacache as mc
+
+from .util import small_spec
+
+SLOTS, HOST = 4, 6
+
+
+def _manager() -> mc.CacheManager:
+    spec = small_spec(2)
+    return mc.CacheManager(mc.StatePool(spec, SLOTS), host_pool=mc.HostPool(spec, HOST))
+
+
+def _state(mgr: mc.CacheManager) -> tuple[object, ...]:
+    assert mgr.host_pool is not None
+    return mgr.held(), mgr.queued(), mgr.host_pool.held(), mgr.exports_ready()
+
+
+def test_a_release_before_the_send_withdraws_the_export() -> None:
+    with _manager() as mgr:
+        (s,) = mgr.alloc(1, "r")
+        h = mgr.export(s, "r")
+        mgr.flush_nowait()
+        assert [ev.slot for ev in mgr.exports_ready()] == [s]
+        mgr.release(s, "r")
+        assert mgr.exports_ready() == [] and mgr.take_exports() == []
+        assert mgr.queued()[-1] == mc.DropHost(h)
+        mgr.flush_nowait()
+        mgr.check_idle(host=True)
+
+
+def test_a_release_in_the_exports_own_step_withdraws_it_after_the_staging_copy() -> None:
+    with _manager() as mgr:
+        (s,) = mgr.alloc(1, "r")
+        h = mgr.export(s, "r")
+        mgr.release(s, "r")
+        assert mgr.queued()[-3:] == [mc.Export(s, h, "r"), mc.Release(s, "r"), mc.DropHost(h)]
+        mgr.flush_nowait()
+        assert mgr.exports_ready() == []
+        mgr.check_idle(host=True)
+
+
+def test_a_release_while_sending_is_refused_and_changes_nothing_then_allowed_once_returned() -> None:
+    with _manager() as mgr:
+        a, b = mgr.alloc(2, "r")
+        mgr.export(a, "r")
+        mgr.flush_nowait()
+        taken = mgr.take_exports()
+        assert [ev.slot for ev in taken] == [a]
+        before = _state(mgr)
+        for call in (lambda: mgr.release(a, "r"), lambda: mgr.release_many([b, a], "r")):
+            with pytest.raises(mc.SlotStateError, match="being sent"):
+                call()
+            assert _state(mgr) == before
+        assert mgr.take_exports() == []  # a second send does not ship it twice
+        mgr.exports_returned(taken)
+        mgr.release(a, "r")
+        mgr.release(b, "r")
+        mgr.flush_nowait()
+        mgr.check_idle(host=True)
+
+
+@pytest.mark.parametrize("call", ["hand_over", "export"])
+def test_an_exporting_slot_cannot_be_handed_over_or_exported_again(call: str) -> None:
+    with _manager() as mgr:
+        (s,) = mgr.alloc(1, "r")
+        mgr.export(s, "r")
+        before = _state(mgr)
+        with pytest.raises(mc.SlotStateError, match="exporting"):
+            mgr.hand_over(s, "cache", "r") if call == "hand_over" else mgr.export(s, "r")
+        assert _state(mgr) == before
+
+
+def test_delivery_releases_and_drops_the_whole_batch_and_on_a_closed_manager_nothing() -> None:
+    mgr = _manager()
+    with mgr:
+        slots = mgr.alloc(3, "r")
+        for i, s in enumerate(slots):
+            mgr.hand_over(s, f"r{i}", "r")
+            mgr.export(s, f"r{i}")
+        mgr.flush_nowait()
+        taken = mgr.take_exports()
+        mgr.exports_delivered(taken[:2])
+        mgr.exports_delivered(taken[:2])  # a repeated ack changes nothing more
+        assert mgr.held() == {slots[2]: "r2"}
+        last = mgr.take_exports() or taken[2:]
+        mgr.flush_nowait()
+    assert mgr.held() == {slots[2]: "r2"}
+    with pytest.raises(mc.ManagerClosedError):
+        mgr.exports_delivered(last)
+    assert mgr.held() == {slots[2]: "r2"}
+
+
+def test_a_pool_state_staged_then_withdrawn_is_not_what_a_later_export_sends() -> None:
+    with _manager() as mgr:
+        (s,) = mgr.alloc(1, "r")
+        mgr.flush_nowait()
+        mgr.pool.temporal[:, s] = 1.0
+        mgr.export(s, "r")
+        mgr.flush_nowait()
+        mgr.release(s, "r")
+        (t,) = mgr.alloc(1, "q")
+        mgr.flush_nowait()
+        mgr.pool.temporal[:, t] = 2.0
+        h = mgr.export(t, "q")
+        mgr.flush_nowait()
+        (ev,) = mgr.take_exports()
+        assert ev.host == h and ev.request_id == "q"
+        assert mgr.host_pool is not None
+        assert torch.equal(mgr.host_pool.temporal[:, h], torch.full_like(mgr.host_pool.temporal[:, h], 2.0))
+
+
+def test_an_arrived_state_is_imported_once_or_discarded_once() -> None:
+    with _manager() as mgr:
+        (h,) = mgr.land(["r"])
+        assert mgr.host_pool is not None and mgr.host_pool.held() == {h: "r"}
+        before = _state(mgr)
+        for bad in ("q", 3):
+            with pytest.raises((mc.SlotStateError, mc.InvalidArgumentError)):
+                mgr.discard_arrived(bad)  # type: ignore[arg-type]
+            assert _state(mgr) == before
+        assert mgr.discard_arrived("r") == h
+        with pytest.raises(mc.SlotStateError, match="no state"):
+            mgr.import_into(1, "r")
+        with pytest.raises(mc.SlotStateError):
+            mgr.discard_arrived("r")
+        mgr.flush_nowait()
+        mgr.check_idle(host=True)
+        assert mgr.land(["r"]) == [h]  # the id may arrive again once its state is gone (its slot is free again)
+        mgr.import_into(1, "r")
+        with pytest.raises(mc.SlotStateError):
+            mgr.discard_arrived("r")
+        mgr.release(1, "r")
+        mgr.flush_nowait()
+        mgr.check_idle(host=True)
+
+
+class ExportLife(RuleBasedStateMachine):
+    """The sender's export lifecycle against a model: slot -> "queued" | "ready" | "sending"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mgr = _manager()
+        self.mgr.__enter__()
+        self.model: dict[int, str] = {}
+        self.held: dict[int, str] = {}
+        self.taken: list[list[mc.Export]] = []
+        self.n = 0
+
+    def teardown(self) -> None:
+        self.mgr.__exit__(None, None, None)
+
+    @precondition(lambda self: len(self.held) < SLOTS)
+    @rule()
+    def alloc(self) -> None:
+        self.n += 1
+        (s,) = self.mgr.alloc(1, f"r{self.n}")
+        self.held[s] = f"r{self.n}"
+
+    @rule(data=st.data())
+    def export(self, data: st.DataObject) -> None:
+        if not self.held:
+            return
+        s = data.draw(st.sampled_from(sorted(self.held)))
+        if s in self.model:
+            with pytest.raises(mc.SlotStateError):
+                self.mgr.export(s, self.held[s])
+            return
+        try:
+            self.mgr.export(s, self.held[s])
+        except mc.PoolExhaustedError:
+            assert self.mgr.host_pool is not None and self.mgr.host_pool.num_free == 0
+            return
+        self.model[s] = "queued"
+
+    @rule()
+    def flush(self) -> None:
+        self.mgr.flush_nowait()
+        self.model = {s: ("ready" if v == "queued" else v) for s, v in self.model.items()}
+
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        if not self.held:
+            return
+        s = data.draw(st.sampled_from(sorted(self.held)))
+        if self.model.get(s) == "sending":
+            with pytest.raises(mc.SlotStateError):
+                self.mgr.release(s, self.held[s])
+            return
+        self.mgr.release(s, self.held.pop(s))
+        self.model.pop(s, None)
+
+    @rule()
+    def take(self) -> None:
+        got = self.mgr.take_exports()
+        assert sorted(ev.slot for ev in got) == sorted(s for s, v in self.model.items() if v == "ready")
+        for ev in got:
+            self.model[ev.slot] = "sending"
+        if got:
+            self.taken.append(got)
+
+    @precondition(lambda self: self.taken)
+    @rule(ok=st.booleans())
+    def settle(self, ok: bool) -> None:
+        batch = self.taken.pop(0)
+        if ok:
+            self.mgr.exports_delivered(batch)
+            for ev in batch:
+                del self.model[ev.slot]
+                del self.held[ev.slot]
+        else:
+            self.mgr.exports_returned(batch)
+            for ev in batch:
+                self.model[ev.slot] = "ready"
+
+    @invariant()
+    def agrees(self) -> None:
+        assert self.mgr.held() == self.held
+        assert sorted(ev.slot for ev in self.mgr.exports_ready()) == sorted(
+            s for s, v in self.model.items() if v == "ready"
+        )
+
+    @invariant()
+    def host_slots_are_the_exports_in_the_book(self) -> None:
+        host = self.mgr.host_pool
+        assert host is not None
+        # Drops free their host slot for the next step: count held ones net of queued drops.
+        dropped = sum(isinstance(ev, mc.DropHost) for ev in self.mgr.queued())
+        assert len(host.held()) - dropped <= len(self.model) <= len(host.held())
+
+
+ExportLife.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+test_export_life = ExportLife.TestCase

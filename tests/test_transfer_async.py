@@ -1,0 +1,54 @@
+"""StateTransfer.send_async / receive_async: the blocking wire runs in a worker thread, shielded once started."""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import pytest
+
+from mambacache import StateTransfer
+
+pytestmark = pytest.mark.anyio
+
+
+class _Wire(StateTransfer):
+    """The wire replaced by a call that blocks until released: no group, no peer (the async forms only wrap)."""
+
+    def __init__(self) -> None:  # deliberately skips StateTransfer's checks: no torch.distributed here
+        self.started, self.release, self.finished = threading.Event(), threading.Event(), []
+
+    def send(self) -> list[str]:
+        self.started.set()
+        self.release.wait(5)
+        self.finished.append("send")
+        return ["a"]
+
+    def receive(self) -> list[str]:
+        self.started.set()
+        self.release.wait(5)
+        self.finished.append("receive")
+        return ["b"]
+
+
+@pytest.mark.parametrize("which", ["send", "receive"])
+async def test_a_cancelled_transfer_still_completes_its_batch(which: str) -> None:
+    wire = _Wire()
+    call = wire.send_async if which == "send" else wire.receive_async
+    with anyio.CancelScope() as scope:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(call)
+            await anyio.to_thread.run_sync(wire.started.wait, 5)
+            scope.cancel()  # cancelled while the batch is on the wire
+            await anyio.sleep(0.01)
+            assert wire.finished == []  # the shield keeps the thread's batch going
+            wire.release.set()
+    assert scope.cancelled_caught and wire.finished == [which]
+
+
+@pytest.mark.parametrize("which", ["send", "receive"])
+async def test_an_uncancelled_transfer_returns_the_ids(which: str) -> None:
+    wire = _Wire()
+    wire.release.set()
+    ids = await (wire.send_async() if which == "send" else wire.receive_async())
+    assert ids == (["a"] if which == "send" else ["b"]) and wire.finished == [which]

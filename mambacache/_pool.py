@@ -13,7 +13,24 @@ Layout of each pool tensor (one per conv shape, the temporal tensor, one per ext
 (none of the latter by default), so the live slots stay ``1..num_slots``.
 
 ``t[l, a:b]`` is contiguous; ``t[:, a:b]`` is ``num_layers`` contiguous chunks,
-one per layer, which is what the executors coalesce runs of slots into. An extra
+one per layer, which is what the executors coalesce runs of slots into.
+
+An engine's tensors adopted with :meth:`StatePool.from_tensors` may instead be
+*paged*: only each ``(layer, slot)`` row is contiguous, because the engine keeps
+every state of a block in one page (vLLM: a mamba layer's conv and SSM state
+share the block's page, conv first)::
+
+    one layer's storage, block (slot) pages one after another
+    +------------------------------+------------------------------+-----
+    | page of slot 0               | page of slot 1               | ...
+    | conv[l, 0] | temporal[l, 0]  | conv[l, 1] | temporal[l, 1]  |
+    +------------------------------+------------------------------+-----
+    conv:     [L, S + 1, *conv]      strides (.., page, contiguous inside a row)
+    temporal: [L, S + 1, *temporal]  strides (.., page, contiguous inside a row)
+
+Every executor but the npu one takes paged tensors (``t[l, s]`` views, index
+ops and strided slices); the npu executor refuses them, since an Ascend op
+adapter would copy each strided input into a contiguous temporary. An extra
 tensor (``StateSpec.extra_shapes``, e.g. an int8 state's per-slot scales) has the
 same layout, so every executor carries it with the slot as one more tensor.
 """
@@ -21,7 +38,6 @@ same layout, so every executor carries it with the slot as one more tensor.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -99,8 +115,10 @@ def _check_adopted(
             raise InvalidArgumentError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
         if t.ndim < ndim:
             raise InvalidArgumentError(f"{what} must be [num_layers, num_slots + 1, *state], got {tuple(t.shape)}")
-        if not t.is_contiguous():
-            raise InvalidArgumentError(f"{what} must be contiguous (a view with strides {t.stride()} is not)")
+        if not t.is_contiguous() and not t[0, 0].is_contiguous():
+            raise InvalidArgumentError(
+                f"{what} must hold each (layer, slot) row contiguously (a view with strides {t.stride()} does not)"
+            )
         if t.requires_grad:
             raise InvalidArgumentError(f"{what} requires grad: state tensors are written in place")
         if t.device != temporal.device:
@@ -125,13 +143,53 @@ def _check_adopted(
             raise InvalidArgumentError("every draft buffer needs the same draft_tokens (at least 1)")
     if len({c.dtype for c in conv}) > 1:
         raise InvalidArgumentError(f"conv tensors must share one dtype, got {[c.dtype for c in conv]}")
-    tensors = [t for _, t, _, _ in named]
-    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i) for i, t in enumerate(tensors))
-    for (_, end, i), (start, _, j) in itertools.pairwise(spans):
-        if start < end:
-            raise InvalidArgumentError(
-                f"pool tensors {named[min(i, j)][0]} and {named[max(i, j)][0]} overlap in memory"
-            )
+    overlap = _first_overlap([t for _, t, _, _ in named])
+    if overlap is not None:
+        i, j = overlap
+        what = f"pool tensors {named[i][0]} and {named[j][0]}" if i != j else f"the rows of {named[i][0]}"
+        raise InvalidArgumentError(f"{what} overlap in memory")
+
+
+def _footprint(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The byte addresses where ``t``'s ``(layer, slot)`` rows start, and the bytes of one row.
+
+    A contiguous tensor is one span (one row of all its bytes); a paged one (an
+    engine's block pages, each holding several states, see :meth:`StatePool.from_tensors`)
+    is ``layers * slots`` rows, one per ``t[l, s]``.
+    """
+    size = t.element_size()
+    if t.is_contiguous():
+        return torch.tensor([t.data_ptr()], dtype=torch.int64), t.numel() * size
+    layers = torch.arange(t.shape[0], dtype=torch.int64) * (t.stride(0) * size)
+    slots = torch.arange(t.shape[1], dtype=torch.int64) * (t.stride(1) * size)
+    return (t.data_ptr() + layers[:, None] + slots[None, :]).reshape(-1), t[0, 0].numel() * size
+
+
+def _first_overlap(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
+    """Two tensors (or one, twice) with bytes in common, as indices into ``tensors``; None if none.
+
+    Exact for paged tensors too: every row is an interval, and intervals sorted
+    by start are disjoint exactly when each ends before the next one starts.
+    One sort on the host, once, when a pool is adopted.
+    """
+    starts, ends, owners = [], [], []
+    for i, t in enumerate(tensors):
+        row_starts, row_bytes = _footprint(t)
+        if row_bytes == 0:
+            continue
+        starts.append(row_starts)
+        ends.append(row_starts + row_bytes)
+        owners.append(torch.full_like(row_starts, i))
+    if not starts:
+        return None
+    start, order = torch.sort(torch.cat(starts), stable=True)
+    end, owner = torch.cat(ends)[order], torch.cat(owners)[order]
+    clash = torch.nonzero(end[:-1] > start[1:])
+    if clash.numel() == 0:
+        return None
+    k = int(clash[0, 0])
+    i, j = int(owner[k]), int(owner[k + 1])
+    return min(i, j), max(i, j)
 
 
 class StatePool:
@@ -246,7 +304,10 @@ class StatePool:
     ) -> StatePool:
         """Adopt engine-owned ``[num_layers, num_slots + 1, *state]`` tensors: same storage, no copy.
 
-        Validated: every tensor is a contiguous tensor of at least 3 dims on one
+        Validated: every tensor has at least 3 dims and holds each
+        ``(layer, slot)`` row contiguously (the whole tensor contiguous, or paged:
+        see the module docstring; rows may interleave with other tensors' rows,
+        as in vLLM's block pages), all on one
         device, with the same ``num_layers`` and ``num_slots + 1`` (at least 2), the
         conv tensors share one dtype, no two overlap in memory, and none requires
         grad. Slot 0 of each is padding: mambacache never hands it out or writes

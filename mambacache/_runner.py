@@ -121,10 +121,16 @@ def check_executor(executor: Executor, tensors: list[torch.Tensor], drafts: list
     """Run every stage kind once on a small scratch tensor of each dtype in ``tensors``.
 
     Stages go through :func:`run_stage`, so the probe takes the paths a flush takes.
-    Raises :class:`UnsupportedDtypeError` naming the dtype and executor when one
+    Raises :class:`InvalidArgumentError` for a paged pool on an executor that
+    does not take one, and :class:`UnsupportedDtypeError` naming the dtype and executor when one
     fails, so a pool that could zero and copy but never swap is refused when the
     manager is made, not on the first swap with work piling up behind it.
     """
+    if not executor.takes_paged and not all(t.is_contiguous() for t in [*tensors, *(drafts or [])]):
+        raise InvalidArgumentError(
+            f"executor {executor.name!r} needs contiguous pool tensors; this pool's are paged (only each"
+            " (layer, slot) row is contiguous): use the torch executor"
+        )
     seen: set[tuple[torch.dtype, tuple[int, ...]]] = set()
     for i, t in enumerate(tensors):
         key = (t.dtype, tuple(t.shape[2:3]))

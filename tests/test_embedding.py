@@ -122,7 +122,7 @@ def test_from_tensors_adopts_the_engines_storage() -> None:
         ([torch.zeros(2, 5, 3)], torch.zeros(2, 4, 3), "slots"),
         ([torch.zeros(3, 5, 3)], torch.zeros(2, 5, 3), "layers"),
         ([torch.zeros(2, 5)], torch.zeros(2, 5, 3), "num_layers"),
-        ([torch.zeros(2, 5, 3).transpose(0, 1)], torch.zeros(5, 2, 3), "contiguous"),
+        ([torch.zeros(2, 5, 2, 3).transpose(2, 3)], torch.zeros(2, 5, 3), "each \\(layer, slot\\) row contiguously"),
         ([torch.zeros(2, 5, 3), torch.zeros(2, 5, 3, dtype=torch.float16)], torch.zeros(2, 5, 3), "one dtype"),
         ([torch.zeros(2, 5, 3, requires_grad=True)], torch.zeros(2, 5, 3), "grad"),
         ([torch.zeros(2, 5, 3, device="meta")], torch.zeros(2, 5, 3), "meta"),
@@ -134,6 +134,35 @@ def test_from_tensors_adopts_the_engines_storage() -> None:
 def test_from_tensors_refuses_what_it_cannot_drive(conv: object, temporal: torch.Tensor, match: str) -> None:
     with pytest.raises(mc.InvalidArgumentError, match=match):
         mc.StatePool.from_tensors(conv=conv, temporal=temporal)  # type: ignore[arg-type]
+
+
+def test_paged_tensors_interleaved_in_block_pages_are_adopted_as_they_are() -> None:
+    # vLLM's layout: one page per (layer, block) holding the block's conv state, then its SSM state, then slack.
+    layers, blocks, conv, ssm = 2, 6, (4, 3), (2, 5)
+    page = torch.zeros(layers, blocks, 12 + 10 + 2)
+    c, t = page[..., :12].view(layers, blocks, *conv), page[..., 12:22].view(layers, blocks, *ssm)
+    pool = mc.StatePool.from_tensors([c], t)
+    assert pool.conv[0].data_ptr() == c.data_ptr() and not pool.temporal.is_contiguous()
+    with mc.CacheManager(pool) as mgr:
+        a, b = mgr.alloc(2)
+        mgr.flush_nowait()
+        c[:, a], t[:, a] = 3.0, 4.0
+        mgr.copy_on_write(a, b, shift=1)
+        mgr.flush_nowait()
+    assert bool((c[:, b, :, :2] == 3.0).all()) and bool((c[:, b, :, 2] == 0).all()) and bool((t[:, b] == 4.0).all())
+    assert bool((page[..., 22:] == 0).all())  # the slack between pages is never written
+
+
+def test_paged_rows_that_share_a_byte_are_refused_exactly() -> None:
+    page = torch.zeros(2, 6, 22)
+    conv = page[..., :12].view(2, 6, 4, 3)
+    with pytest.raises(mc.InvalidArgumentError, match=r"pool tensors conv\[0\] and temporal overlap"):
+        mc.StatePool.from_tensors([conv], page[..., 11:21].view(2, 6, 2, 5))  # one element in common per page
+    mc.StatePool.from_tensors([conv], page[..., 12:22].view(2, 6, 2, 5))  # adjacent: fine
+    # A slot stride shorter than a row: rows of one tensor overlap each other.
+    squeezed = page.reshape(-1)[: 2 * 6 * 8 + 4].as_strided((2, 6, 12), (48, 8, 1))
+    with pytest.raises(mc.InvalidArgumentError, match="the rows of temporal overlap"):
+        mc.StatePool.from_tensors([], squeezed)
 
 
 def test_from_tensors_refuses_overlapping_views() -> None:

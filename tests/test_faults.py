@@ -32,7 +32,7 @@ from mambacache._planner import Stage
 from .oracle import SequentialOracle
 from .strategies import events_from_ops, shift_ops
 from .sweep import fault_points
-from .util import SPEC, SPECS, VARIANTS, FaultAt, drive, fill_random, flush_with_fault, small_spec
+from .util import SPEC, VARIANTS, FaultAt, drive, fill_random, flush_with_fault, kinds_for, small_spec, sweep_pool
 
 
 def swap_via_temp(mgr: mc.CacheManager, slots: list[int]) -> None:
@@ -91,11 +91,11 @@ SCENARIOS = {"swap": swap_via_temp, "mixed": mixed_step, "three-cycle": three_cy
 
 
 def run_scenario(
-    make: Callable[[], mc.Executor], scenario: str, at: int, exc: type[BaseException], spec: mc.StateSpec = SPEC
+    make: Callable[[], mc.Executor], scenario: str, at: int, exc: type[BaseException], kind: str = "plain"
 ) -> int:
-    """Run the scenario with a fault before op ``at`` (0: none) on a pool of ``spec``; returns the ops the flush
-    ran."""
-    pool = mc.StatePool(spec, 9)
+    """Run the scenario with a fault before op ``at`` (0: none) on a pool of ``kind`` (tests/util.py's
+    :data:`POOL_KINDS`); returns the ops the flush ran."""
+    pool = sweep_pool(kind, 9)
     with mc.CacheManager(pool, executor=make()) as mgr:
         slots = mgr.alloc(8)
         mgr.flush_nowait()
@@ -115,16 +115,15 @@ def _queued(mgr: mc.CacheManager) -> list[Any]:
     return mgr.queued()
 
 
-@pytest.mark.parametrize("spec", sorted(SPECS))
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_a_fault_at_every_op_then_one_flush_is_exact(variant: str, scenario: str, spec: str) -> None:
+@pytest.mark.parametrize(("variant", "kind"), [(v, k) for v in sorted(VARIANTS) for k in kinds_for(v)])
+def test_a_fault_at_every_op_then_one_flush_is_exact(variant: str, kind: str, scenario: str) -> None:
     make = VARIANTS[variant]
-    total = run_scenario(make, scenario, 0, MemoryError, SPECS[spec])
+    total = run_scenario(make, scenario, 0, MemoryError, kind)
     assert total > 0
     excs: list[type[BaseException]] = [MemoryError, RuntimeError, KeyboardInterrupt]
     for at in fault_points(total):
-        run_scenario(make, scenario, at, excs[at % len(excs)], SPECS[spec])
+        run_scenario(make, scenario, at, excs[at % len(excs)], kind)
 
 
 def test_the_sweep_samples_both_ends_and_the_middle_and_runs_every_op_under_the_switch(
@@ -188,15 +187,17 @@ class Flaky:
     raw=shift_ops,
     fail_at=st.sets(st.integers(1, 40), max_size=5),
     seed=st.integers(0, 99),
-    spec=st.sampled_from(sorted(SPECS)),
+    data=st.data(),
 )
 @settings(max_examples=25)
 def test_faults_lose_nothing(
-    variant: str, raw: list[tuple[str, int, int]], fail_at: set[int], seed: int, spec: str
+    variant: str, raw: list[tuple[str, int, int]], fail_at: set[int], seed: int, data: st.DataObject
 ) -> None:
+    kind = data.draw(st.sampled_from(kinds_for(variant)), label="pool")
+
     async def main() -> None:
         n = 8
-        pool = mc.StatePool(SPECS[spec], n)
+        pool = sweep_pool(kind, n)
         flaky = Flaky(VARIANTS[variant](), fail_at)
         async with mc.CacheManager(pool, executor=flaky, max_failed_flushes=100) as mgr:
             flaky.armed = True
@@ -210,7 +211,7 @@ def test_faults_lose_nothing(
             fill_random(pool, seed)
             oracle = SequentialOracle(pool)
             raw0 = [(k, 0 if k == "alloc" else a, b) for k, a, b in raw]
-            max_shift = min(s[-1] for s in SPECS[spec].conv_shapes) - 1
+            max_shift = min(s[-1] for s in pool.spec.conv_shapes) - 1
             for events, _ in events_from_ops(raw0, n, set(pool.allocated_slots()), max_shift=max_shift):
                 drive(mgr, events, oracle)
                 try:

@@ -23,7 +23,7 @@ from mambacache._planner import (
 from .oracle import SequentialOracle
 from .strategies import host_ops
 from .sweep import fault_points
-from .util import SPECS, VARIANTS, Driver, fill_random, flush_with_fault, small_spec
+from .util import VARIANTS, Driver, fill_random, flush_with_fault, kinds_for, small_spec, sweep_pool
 
 N, H = 10, 6
 SPEC = small_spec()
@@ -54,8 +54,9 @@ def test_plan_examples() -> None:
 
 
 # -- through the manager, on every executor ---------------------------------------
-def _open(executor: Any, spec: mc.StateSpec = SPEC) -> tuple[mc.StatePool, mc.HostPool, mc.CacheManager]:
-    pool, host = mc.StatePool(spec, N), mc.HostPool(spec, H)
+def _open(executor: Any, kind: str = "plain") -> tuple[mc.StatePool, mc.HostPool, mc.CacheManager]:
+    pool = sweep_pool(kind, N)  # tests/util.py's POOL_KINDS
+    host = mc.HostPool(pool.spec, H)
     return pool, host, mc.CacheManager(pool, executor=executor, host_pool=host, max_failed_flushes=1000)
 
 
@@ -70,12 +71,13 @@ def _started(mgr: mc.CacheManager, seed: int) -> tuple[SequentialOracle, Driver]
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-@given(raw=host_ops, seed=st.integers(0, 2**16), spec=st.sampled_from(sorted(SPECS)))
+@given(raw=host_ops, seed=st.integers(0, 2**16), data=st.data())
 @settings(max_examples=30)
 def test_host_events_match_sequential_on_every_executor(
-    variant: str, raw: list[tuple[str, int, int]], seed: int, spec: str
+    variant: str, raw: list[tuple[str, int, int]], seed: int, data: st.DataObject
 ) -> None:
-    pool, host, mgr = _open(VARIANTS[variant](), SPECS[spec])
+    kind = data.draw(st.sampled_from(kinds_for(variant)), label="pool")
+    pool, host, mgr = _open(VARIANTS[variant](), kind)
     with mgr:
         oracle, drive = _started(mgr, seed)
         step = 0
@@ -105,8 +107,8 @@ def host_scenario(mgr: mc.CacheManager, slots: list[int], h0: int) -> None:
     mgr.drop(h0)
 
 
-def run_host_scenario(variant: str, at: int, exc: type[BaseException], spec: mc.StateSpec = SPEC) -> int:
-    pool, host, mgr = _open(VARIANTS[variant](), spec)
+def run_host_scenario(variant: str, at: int, exc: type[BaseException], kind: str = "plain") -> int:
+    pool, host, mgr = _open(VARIANTS[variant](), kind)
     with mgr:
         slots = mgr.alloc(8)
         mgr.flush_nowait()
@@ -125,14 +127,13 @@ def run_host_scenario(variant: str, at: int, exc: type[BaseException], spec: mc.
         return ops
 
 
-@pytest.mark.parametrize("spec", sorted(SPECS))
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_a_fault_at_every_op_of_a_host_step_loses_nothing(variant: str, spec: str) -> None:
-    total = run_host_scenario(variant, 0, MemoryError, SPECS[spec])
+@pytest.mark.parametrize(("variant", "kind"), [(v, k) for v in sorted(VARIANTS) for k in kinds_for(v)])
+def test_a_fault_at_every_op_of_a_host_step_loses_nothing(variant: str, kind: str) -> None:
+    total = run_host_scenario(variant, 0, MemoryError, kind)
     assert total > 0
     excs: list[type[BaseException]] = [MemoryError, RuntimeError, KeyboardInterrupt]
     for at in fault_points(total):
-        run_host_scenario(variant, at, excs[at % len(excs)], SPECS[spec])
+        run_host_scenario(variant, at, excs[at % len(excs)], kind)
 
 
 class FlakyHost:

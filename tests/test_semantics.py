@@ -14,7 +14,7 @@ from mambacache._executors._torch import TorchExecutor
 
 from .oracle import SequentialOracle
 from .strategies import events_from_ops, shift_ops
-from .util import drive, fill_random, quant_spec, small_spec, step_value
+from .util import drive, fill_random, paged_pool, quant_spec, small_spec, step_value
 
 N = 10
 # The extras follow the same semantics as conv/temporal; "wide" has convs of widths 4 and 5, so that shifted
@@ -24,6 +24,10 @@ SPECS = {
     "quantized": quant_spec(),
     "wide": mc.StateSpec(num_layers=2, conv_shapes=[(3, 5), (4, 4)], temporal_shape=(2, 3)),
 }
+# Paged pools (an engine's block pages: only each (layer, slot) row contiguous) of the same specs; the npu
+# executor refuses them (test_a_paged_pool_is_refused_by_the_npu_executor_only).
+POOLS = {name: (spec, False) for name, spec in SPECS.items()}
+POOLS |= {f"paged-{name}": (SPECS[name], True) for name in ("quantized", "wide")}
 
 
 def executors() -> dict[str, object]:
@@ -47,9 +51,10 @@ EXECUTORS = executors()
 
 
 async def run_steps(
-    executor: object, raw: list[tuple[str, int, int]], initially: set[int], seed: int, spec: mc.StateSpec
-) -> None:
-    pool = mc.StatePool(spec, N)
+    executor: object, raw: list[tuple[str, int, int]], initially: set[int], seed: int, spec: mc.StateSpec,
+    paged: bool = False,
+) -> None:  # fmt: skip
+    pool = paged_pool(spec, N) if paged else mc.StatePool(spec, N)
     async with mc.CacheManager(pool, executor=executor) as mgr:
         if initially:
             mgr.alloc(len(initially))
@@ -70,15 +75,28 @@ async def run_steps(
                     t[:, s] = value
 
 
-@pytest.mark.parametrize("spec", sorted(SPECS))
-@pytest.mark.parametrize("name", list(EXECUTORS))
+@pytest.mark.parametrize(
+    ("pool", "name"), [(p, n) for p in sorted(POOLS) for n in EXECUTORS if not (POOLS[p][1] and "npu" in n)]
+)
 @given(raw=shift_ops, initially=st.sets(st.integers(1, N), max_size=6), seed=st.integers(0, 2**16))
 @settings(max_examples=100)
 def test_executor_matches_sequential(
-    name: str, spec: str, raw: list[tuple[str, int, int]], initially: set[int], seed: int
+    name: str, pool: str, raw: list[tuple[str, int, int]], initially: set[int], seed: int
 ) -> None:
     # `alloc` picks the slot, so the strategy's own choice is replaced by the manager's.
-    anyio.run(run_steps, EXECUTORS[name], _lowest_free_allocs(raw), initially, seed, SPECS[spec])
+    anyio.run(run_steps, EXECUTORS[name], _lowest_free_allocs(raw), initially, seed, *POOLS[pool])
+
+
+def test_a_paged_pool_is_refused_by_the_npu_executor_only() -> None:
+    pool = paged_pool(quant_spec(), 4)
+    fill_random(pool, 0)
+    before = [t.clone() for t in pool.tensors]
+    for executor in ("npu", NpuExecutor(8)):
+        with pytest.raises(mc.InvalidArgumentError, match="needs contiguous pool tensors; this pool's are paged"):
+            mc.CacheManager(pool, executor=executor).__enter__()
+    assert all(torch.equal(a.float(), b.float()) for a, b in zip(before, pool.tensors, strict=True))
+    with mc.CacheManager(pool, executor="torch") as mgr:  # the refusals claimed nothing
+        assert mgr.alloc(4) == [1, 2, 3, 4]
 
 
 def _lowest_free_allocs(raw: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:

@@ -7,6 +7,7 @@ another test file.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -38,6 +39,27 @@ def quant_spec(layers: int = 3, draft_tokens: int = 0) -> mc.StateSpec:
         extra_shapes={"conv_scale": ((), torch.float32), "ssm_scale": ((2,), torch.bfloat16)},
         draft_tokens=draft_tokens,
     )
+
+
+def paged_pool(spec: mc.StateSpec, num_slots: int, gap: int = 24) -> mc.StatePool:
+    """A pool of ``spec`` adopted from one byte buffer in pages, as vLLM keeps a block's states: the page of
+    ``(layer, slot)`` holds that row of every tensor (each at a 16-byte aligned offset) and ``gap`` spare bytes,
+    so no tensor is contiguous, only each of its rows."""
+    shapes = [(s, spec.conv_dtype) for s in spec.conv_shapes] + [(spec.temporal_shape, spec.temporal_dtype)]
+    shapes += list(spec.extra_shapes.values())
+    offsets, page = [], 0
+    for shape, dtype in shapes:
+        offsets.append(page)
+        page += -(-math.prod(shape) * dtype.itemsize // 16) * 16
+    page += gap
+    buf = torch.zeros((spec.num_layers, num_slots + 1, page), dtype=torch.uint8)
+    views = [
+        buf[:, :, off : off + math.prod(shape) * dtype.itemsize].view(dtype).view(*buf.shape[:2], *shape)
+        for off, (shape, dtype) in zip(offsets, shapes, strict=True)
+    ]
+    n = len(spec.conv_shapes)
+    extra = dict(zip(spec.extra_shapes, views[n + 1 :], strict=True))
+    return mc.StatePool.from_tensors(views[:n], views[n], extra=extra or None)
 
 
 def step_value(step: int, slot: int) -> float:
@@ -96,6 +118,18 @@ def drive(
 # -- fault injection (tests/sweep.py says which ops) ---------------------
 SPEC = small_spec()
 SPECS = {"plain": SPEC, "quantized": quant_spec()}  # the fault sweeps run on both: extras are more tensors
+# ... and on the quantized spec's tensors paged (vLLM's block pages), where the executor takes them.
+POOL_KINDS = [*SPECS, "paged"]
+
+
+def sweep_pool(kind: str, num_slots: int) -> mc.StatePool:
+    """A pool of one of :data:`POOL_KINDS`."""
+    return paged_pool(SPECS["quantized"], num_slots) if kind == "paged" else mc.StatePool(SPECS[kind], num_slots)
+
+
+def kinds_for(variant: str) -> list[str]:
+    """The pool kinds an executor variant runs on: the npu executor refuses paged pools."""
+    return [k for k in POOL_KINDS if not (k == "paged" and variant.startswith("npu"))]
 ROW = max(SPEC.layer_bytes())  # the largest state of one slot in one layer, in bytes
 
 

@@ -40,6 +40,9 @@ class Executor(abc.ABC):
     """
 
     name: str
+    # Whether it runs on paged pool tensors (only each ``(layer, slot)`` row contiguous, as in an
+    # engine's block pages; :mod:`mambacache._pool`); the manager refuses a paged pool otherwise.
+    takes_paged: bool = True
 
     @abc.abstractmethod
     def execute(self, stage: Stage, tensor: torch.Tensor, draft: torch.Tensor | None = None) -> None:

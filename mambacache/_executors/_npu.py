@@ -50,6 +50,7 @@ def import_torch_npu() -> None:
 
 class NpuExecutor(Executor):
     name = "npu"
+    takes_paged = False  # a paged tensor's layer chunks are strided: each op would stage a temporary
 
     def __init__(self, copy_workspace_bytes: int = 64 << 20) -> None:
         if type(copy_workspace_bytes) is not int or copy_workspace_bytes < 1:

@@ -49,6 +49,14 @@ __all__ = ["PATHS", "TorchExecutor"]
 PATHS = ("auto", "runs", "index", "direct")
 
 
+def _unbind(tensor: torch.Tensor, depth: int) -> list[torch.Tensor]:
+    """``tensor``'s rows over its first ``depth`` dims in row-major order, as views (any strides)."""
+    rows = [tensor]
+    for _ in range(depth):
+        rows = [r for t in rows for r in t.unbind(0)]
+    return rows
+
+
 def _slot_bytes(tensor: torch.Tensor) -> int:
     """Bytes of one slot of a ``[layers, slots, ...]`` pool tensor, all layers."""
     return tensor.numel() // tensor.shape[1] * tensor.element_size()
@@ -119,18 +127,19 @@ class TorchExecutor(Executor):
         """
         entry = self._entry(tensor)
         if entry.rows is None:
-            entry.rows = tensor.view(-1, *tensor.shape[depth:]).unbind(0)
+            if tensor.is_contiguous():
+                entry.rows = tensor.view(-1, *tensor.shape[depth:]).unbind(0)
+            else:  # paged: each (layer, slot) row is contiguous, the rows are not evenly spaced
+                entry.rows = tuple(_unbind(tensor, depth))
         rows, stride = entry.rows, len(entry.rows) // tensor.shape[0]
         return [rows[base + s] for base in range(0, len(rows), stride) for s in slots]
 
     # -- the rule ------------------------------------------------------------
     def _choose(self, tensor: torch.Tensor, slots: int, runs: int) -> str:
         if self.path != "auto":
-            if self.path == "direct" and not tensor.is_contiguous():
-                return "runs"  # rows need a contiguous tensor; pool tensors always are
             return self.path
         if tensor.device.type != "cpu":
-            return "direct" if tensor.is_contiguous() else "index"
+            return "direct"
         if runs <= self.max_runs or slots * _slot_bytes(tensor) >= runs * self.min_run_bytes:
             return "runs"
         return "index"
@@ -155,7 +164,7 @@ class TorchExecutor(Executor):
         if self.path == "auto" and runs <= self.max_runs:
             # Few runs (a decode step): the rule does not depend on the tensor's size.
             cpu = tensors[0].device.type == "cpu"
-            paths = {"runs"} if cpu else {"direct" if all(t.is_contiguous() for t in tensors) else "index"}
+            paths = {"runs" if cpu else "direct"}
         else:
             paths = {self._choose(t, slots, runs) for t in tensors}
         if len(paths) != 1 or "index" in paths:

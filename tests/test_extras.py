@@ -186,7 +186,7 @@ def _bad_adoptions() -> list[tuple[str, dict[str, Any]]]:
         ("layers", with_extra(s=torch.zeros(3, 5))),
         ("layers", with_extra(s=torch.zeros(2, 4))),
         (r"\*state", with_extra(s=torch.zeros(2))),
-        ("contiguous", with_extra(s=torch.zeros(5, 2).t())),
+        ("row contiguously", with_extra(s=torch.zeros(2, 5, 3, 2).transpose(2, 3))),
         ("grad", with_extra(s=torch.zeros(2, 5, requires_grad=True))),
         ("identifiers", with_extra(**{"a b": torch.zeros(2, 5)})),
         ("overlap", overlapping),

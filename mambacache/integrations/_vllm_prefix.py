@@ -1,4 +1,4 @@
-"""vLLM's align-mode mamba prefix caching taken over by the mambacache plugin (a prototype, #23).
+"""vLLM's align-mode mamba prefix caching taken over by the mambacache plugin (#23).
 
 vLLM's align mode (``enable_prefix_caching=True, mamba_cache_mode="align"``)
 needs two things the CPU build lacks (docs/engines.md, "Prefix caching on the
@@ -20,8 +20,22 @@ CPU build: what is missing"):
   ``do_mamba_copy_block`` (the one launch of ``batch_memcpy``) flushes the
   step's events instead, so vLLM's copy kernel is never called.
 
-Speculative decoding's copies (``accept_token_bias > 0``, and the fused
-pre/post-copy kernels it enables) are not taken over yet: they raise.
+With speculative decoding on a hybrid model, vLLM runs these copies as fused
+Triton kernels instead (``MambaSpecDecodeGPUContext.run_fused_precopy`` and
+``run_fused_postprocess``), which the CPU build cannot run either. The plugin
+adopts each layer's conv and SSM states as pools of their own
+(:func:`~mambacache.integrations.vllm.split_pools`), since such a copy reads
+the conv window of block column ``s`` shifted by the accepted-token bias ``k``
+(``copy_on_write(..., shift=k * unit)``) and the SSM state of column ``s + k``,
+and wraps:
+
+* ``preprocess_mamba``: called without its fused context, so it takes the
+  scalar path above, whose ``collect_mamba_copy_meta`` passes the bias on;
+* ``postprocess_mamba_align_gpu`` (after the forward: a request whose accepted
+  tokens reach a block boundary gets the boundary's state copied into that
+  block): :meth:`~mambacache.integrations.vllm.VllmStates.postprocess` makes
+  the same decisions as vLLM's kernel and queues the same copies as events,
+  which the next step's flush runs before its own.
 """
 
 from __future__ import annotations
@@ -79,18 +93,36 @@ def install() -> None:
             return
         if current is None:
             raise RuntimeError("mambacache: an align-mode copy before the plugin adopted the KV cache")
-        if accept_token_bias:
-            raise NotImplementedError("mambacache: align-mode copies with accepted draft tokens (a conv shift)")
-        for g in mamba_group_ids:
-            ids = req_state.block_ids[g]
-            current.copy_block(req_state.req_id, int(ids[src_block_idx]), int(ids[dest_block_idx]))
+        current.copy_columns(req_state.req_id, req_state.block_ids, src_block_idx, dest_block_idx, accept_token_bias)
 
     def do_mamba_copy_block(copy_bufs: Any) -> None:
         # The step's clears, hand-overs and copies, planned together, before the forward.
         if current is not None:
             current.flush()
 
+    original_preprocess = mamba_utils.preprocess_mamba
+    original_postprocess = mamba_utils.postprocess_mamba_align_gpu
+
+    def preprocess_mamba(*args: Any, **kwargs: Any) -> Any:
+        if current is not None:
+            kwargs["align_ctx"] = None  # the scalar path: its copies come to collect_mamba_copy_meta above
+        return original_preprocess(*args, **kwargs)
+
+    def postprocess_mamba_align_gpu(**kwargs: Any) -> Any:
+        if current is None:
+            return original_postprocess(**kwargs)
+        current.postprocess(
+            kwargs["bufs"].postprocess_align,
+            kwargs["num_reqs"],
+            kwargs["num_accepted_tokens_gpu"],
+            kwargs["num_accepted_tokens_cpu_tensor"],
+            kwargs["input_batch"],
+        )
+        return None
+
     GPUModelRunner.get_kv_cache_spec = get_kv_cache_spec
+    mamba_utils.preprocess_mamba = preprocess_mamba
+    mamba_utils.postprocess_mamba_align_gpu = postprocess_mamba_align_gpu
     mamba_utils.collect_mamba_copy_meta = collect_mamba_copy_meta
     mamba_utils.do_mamba_copy_block = do_mamba_copy_block
     _installed = True

@@ -42,11 +42,12 @@ from typing import Any
 
 import torch
 
+from .._errors import InvalidArgumentError
 from .._manager import CacheManager
 from .._pool import StatePool
 from . import _vllm_prefix
 
-__all__ = ["CACHED", "PLUGIN_NAME", "VllmStates", "active", "block_rows", "register"]
+__all__ = ["CACHED", "PLUGIN_NAME", "VllmStates", "active", "block_rows", "register", "split_pools"]
 
 CACHED = "vllm:prefix-cache"  # the tenant of blocks that vLLM's prefix cache may still hit
 
@@ -168,12 +169,45 @@ def _pools(rows: list[torch.Tensor]) -> list[StatePool]:
     return [StatePool.from_tensors([], r[None]) for r in rows]
 
 
+def split_pools(
+    layers: list[tuple[torch.Tensor, torch.Tensor]], dim_first: bool = False
+) -> tuple[list[StatePool], list[tuple[str, int]]]:
+    """Each layer's conv and SSM states as two paged pools, same storage, and each pool's role.
+
+    For speculative decoding's align-mode copies, which read a block's conv
+    window and its SSM state from different blocks (the conv window of column
+    ``s`` shifted by the accepted-token bias ``k``, the SSM state of column
+    ``s + k``): a page pool moves both from one block, so the states get a pool
+    each, and a copy is one event in each with its own source. The conv pool's
+    time axis is last, so a shift of ``k`` tokens is ``shift=k * unit``::
+
+        vLLM "SD" conv block [state_len, dim]  ->  [1, state_len * dim]   unit = dim
+        vLLM "DS" conv block [dim, state_len]  ->  as it is               unit = 1
+
+    (:class:`~mambacache.StatePool` needs a temporal state, so the conv pool's is
+    a one-byte placeholder per block that nothing reads.) Roles: ``("conv", unit)``
+    and ``("ssm", 0)``, one per pool, conv pool first for each layer.
+    """
+    pools: list[StatePool] = []
+    roles: list[tuple[str, int]] = []
+    for conv, ssm in layers:
+        if dim_first:
+            window, unit = conv[None], 1
+        else:
+            window, unit = conv.flatten(1)[None, :, None, :], conv.shape[-1]
+        placeholder = torch.zeros((1, conv.shape[0], 1), dtype=torch.uint8, device=conv.device)
+        pools += [StatePool.from_tensors([window], placeholder), StatePool.from_tensors([], ssm[None])]
+        roles += [("conv", unit), ("ssm", 0)]
+    return pools, roles
+
+
 @dataclass(frozen=True, slots=True)
 class VllmStats:
     """What the plugin did: blocks allocated (and cleared), released, copied, and taken back from preempted.
 
     In align mode also: ``kept``, blocks handed over to vLLM's prefix cache (tenant :data:`CACHED`) when
-    their request let go of them, and ``hits``, blocks a new request got as prefix-cache hits (not cleared).
+    their request let go of them, ``hits``, blocks a new request got as prefix-cache hits (not cleared),
+    and, with speculative decoding, ``shifted``: the copies that carried an accepted-token bias.
     """
 
     allocs: int = 0
@@ -185,6 +219,7 @@ class VllmStats:
     kept: int = 0
     hits: int = 0
     skipped_copies: int = 0
+    shifted: int = 0
 
 
 class VllmStates:
@@ -204,8 +239,17 @@ class VllmStates:
     the request's current block, through :meth:`copy_block`.
     """
 
-    def __init__(self, pools: list[StatePool], groups: list[int], block_size: int | None = None) -> None:
+    def __init__(
+        self,
+        pools: list[StatePool],
+        groups: list[int],
+        block_size: int | None = None,
+        roles: list[tuple[str, int]] | None = None,
+    ) -> None:
         self.pools = pools
+        # Per pool: ("page", 0), a block's whole page (block_rows); or, from split_pools, ("conv", unit) and
+        # ("ssm", 0), which a copy with an accepted-token bias reads from different blocks.
+        self.roles = roles if roles is not None else [("page", 0)] * len(pools)
         self.groups = groups  # indices of the mamba KV cache groups
         self.block_size = block_size  # the mamba block size in align mode with prefix caching, else None
         self.managers = [CacheManager(p).__enter__() for p in pools]
@@ -227,20 +271,21 @@ class VllmStates:
         if not groups:
             return None
         context = runner.compilation_config.static_forward_context
-        rows = []
+        layers = []
         for i in groups:
             for name in kv_groups[i].layer_names:
                 kv = context[name].kv_cache
                 conv, ssm = (kv[0] if isinstance(kv[0], list | tuple) else kv)[:2]
-                rows.append(block_rows(conv, ssm))
+                layers.append((conv, ssm))
         cache = runner.cache_config
         align = bool(cache.enable_prefix_caching) and cache.mamba_cache_mode == "align"
+        block_size = kv_groups[groups[0]].kv_cache_spec.block_size if align else None
         if align and getattr(runner, "speculative_config", None) is not None:
-            # Measured wrong on CPU (docs/engines.md): refuse rather than serve wrong tokens.
-            raise NotImplementedError(
-                "mambacache: align-mode prefix caching with speculative decoding is not taken over yet"
-            )
-        return cls(_pools(rows), groups, kv_groups[groups[0]].kv_cache_spec.block_size if align else None)
+            from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+            pools, roles = split_pools(layers, is_conv_state_dim_first())
+            return cls(pools, groups, block_size, roles)
+        return cls(_pools([block_rows(c, s) for c, s in layers]), groups, block_size)
 
     @property
     def stats(self) -> VllmStats:
@@ -326,21 +371,76 @@ class VllmStates:
         for copy in getattr(so, "kv_cache_block_copies", None) or ():
             src, dst = int(copy[0]), int(copy[1])
             if src in self.tenant_of and dst in self.tenant_of:
-                self._each("copy_on_write", src, dst, request_id=self.tenant_of[dst])
-                self._counts["copies"] += 1
+                self._copy(self.tenant_of[dst], src, dst)
 
-    def copy_block(self, req_id: str, src: int, dst: int) -> None:
+    def copy_block(self, req_id: str, src: int, dst: int, bias: int = 0, temporal_src: int | None = None) -> None:
         """Queue vLLM's align-mode copy of block ``src``'s state into ``req_id``'s block ``dst``.
 
         ``src`` is the request's previous block or a prefix-cache hit (held by
         another request or by :data:`CACHED`); ``dst`` is held by ``req_id``.
-        ``MAMBACACHE_VLLM_FAULT=skip-copy`` drops it (a deliberate fault).
+        With speculative decoding, ``bias`` accepted draft tokens shift the conv
+        window by ``bias`` tokens and the SSM state comes from block
+        ``temporal_src`` (vLLM's ``get_conv_copy_spec`` / ``get_temporal_copy_spec``);
+        that needs :func:`split_pools`. ``MAMBACACHE_VLLM_FAULT=skip-copy`` drops
+        it (a deliberate fault).
         """
         if not self.copy:
             self._counts["skipped_copies"] += 1
             return
-        self._each("copy_on_write", src, dst, request_id=req_id)
+        self._copy(req_id, src, dst, bias, src if temporal_src is None else temporal_src)
+
+    def _copy(self, req_id: str, src: int, dst: int, bias: int = 0, temporal_src: int | None = None) -> None:
+        if (bias or temporal_src not in (None, src)) and ("page", 0) in self.roles:
+            raise InvalidArgumentError(
+                "a copy with an accepted-token bias needs the conv and SSM states in pools of their own (split_pools)"
+            )
+        for mgr, (role, unit) in zip(self.managers, self.roles, strict=True):
+            if role == "ssm" and temporal_src is not None:
+                if temporal_src != dst:
+                    mgr.copy_on_write(temporal_src, dst, request_id=req_id)
+            elif role != "conv" or bias or src != dst:
+                mgr.copy_on_write(src, dst, request_id=req_id, shift=bias * unit)
         self._counts["copies"] += 1
+        self._counts["shifted"] += bias > 0
+
+    def copy_columns(self, req_id: str, block_ids: Any, src_col: int, dst_col: int, bias: int = 0) -> None:
+        """:meth:`copy_block` from block column ``src_col`` to ``dst_col`` of each mamba group of ``block_ids``
+        (a request's block ids per KV cache group), as vLLM's ``collect_mamba_copy_meta`` addresses it."""
+        for g in self.groups:
+            ids = block_ids[g]
+            self.copy_block(req_id, int(ids[src_col]), int(ids[dst_col]), bias, int(ids[src_col + bias]))
+
+    def postprocess(
+        self, ctx: Any, num_reqs: int, accepted: torch.Tensor, accepted_out: torch.Tensor, input_batch: Any
+    ) -> None:
+        """vLLM's ``postprocess_mamba_fused_kernel`` as events: after a speculative step, a request whose
+        accepted tokens reach a block boundary gets the state at the boundary copied into that block.
+
+        Reads the step's figures vLLM staged on ``ctx`` (``stage_postprocess_inputs_to_gpu``) and the
+        accepted counts; writes the counts the next ``preprocess_mamba`` reads into ``accepted_out`` (1
+        where the copy stayed in the running block). The copies run with the next step's flush, before
+        its own copies, so nothing reads them sooner.
+        """
+        block_size = self.block_size
+        if block_size is None:
+            raise RuntimeError("mambacache: a speculative postprocess outside align mode")
+        counts = accepted[:num_reqs].tolist()  # on the CPU build: no device sync
+        state_idx, scheduled = ctx.mamba_state_idx_buf.np, ctx.num_scheduled_tokens_buf.np
+        computed, drafts = ctx.num_computed_tokens_buf.np, ctx.num_draft_tokens_buf.np
+        out = list(counts)
+        for i, n in enumerate(counts):
+            running = int(computed[i]) + int(scheduled[i]) - int(drafts[i])  # tokens in the running state
+            aligned = (running + n - 1) // block_size * block_size
+            if aligned < running:
+                continue  # the accepted tokens stay inside the running block
+            src, dst, bias = int(state_idx[i]), aligned // block_size - 1, aligned - running
+            if src == dst:
+                out[i] = 1
+                if bias == 0:
+                    continue
+            ids = [input_batch.block_table[g].block_table.np[i] for g in range(len(input_batch.block_table.block_tables))]
+            self.copy_columns(input_batch.req_ids[i], ids, src, dst, bias)
+        accepted_out[:num_reqs] = torch.tensor(out, dtype=accepted_out.dtype)
 
     def flush(self) -> None:
         """Run the step's events on the forward's stream, before the forward."""

@@ -35,8 +35,10 @@ from typing import Any
 VOCAB = 128
 
 
-def build_model(out: Path) -> None:
-    """A tiny random Mamba2 and a word-level tokenizer, saved to ``out``."""
+def build_model(out: Path, kind: str = "mamba2") -> None:
+    """A tiny random Mamba2 (or, ``kind="qwen3-next"``, a hybrid Qwen3-Next) and a word-level tokenizer, saved
+    to ``out``. The Qwen3-Next's head dims (128) and attention heads are what vLLM's CPU kernels accept, and
+    its one-head linear attention keeps the mamba page (so the block) small."""
     import torch
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -47,14 +49,28 @@ def build_model(out: Path) -> None:
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
     )
-    config = transformers.Mamba2Config(
-        vocab_size=VOCAB, hidden_size=64, state_size=16, num_heads=8, head_dim=16, n_groups=1, expand=2,
-        conv_kernel=4, num_hidden_layers=2, chunk_size=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        tie_word_embeddings=False,
-    )  # fmt: skip
+    common: dict[str, Any] = {
+        "vocab_size": VOCAB, "hidden_size": 64, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+        "tie_word_embeddings": False,
+    }  # fmt: skip
+    if kind == "qwen3-next":
+        config: Any = transformers.Qwen3NextConfig(
+            intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+            shared_expert_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+            head_dim=128, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+            linear_num_key_heads=1, linear_num_value_heads=1, layer_types=["linear_attention", "full_attention"] * 2,
+            **common,
+        )  # fmt: skip
+        cls: Any = transformers.Qwen3NextForCausalLM
+    else:
+        config = transformers.Mamba2Config(
+            state_size=16, num_heads=8, head_dim=16, n_groups=1, expand=2, conv_kernel=4, num_hidden_layers=2,
+            chunk_size=8, **common,
+        )  # fmt: skip
+        cls = transformers.Mamba2ForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = transformers.Mamba2ForCausalLM(config).float().eval()
+        model = cls(config).float().eval()
     model.save_pretrained(out)
     fast.save_pretrained(out)
 
@@ -68,7 +84,7 @@ def transformers_greedy(model_dir: Path, requests: list[list[int]], new_tokens: 
     import torch
     import transformers
 
-    model = transformers.Mamba2ForCausalLM.from_pretrained(model_dir).float().eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).float().eval()
     out = []
     with torch.no_grad():
         for p in requests:

@@ -13,7 +13,14 @@ process):
   block copies then run through its C++ fallback for ``batch_memcpy_kernel``;
 * ``plugin``: align mode with ``VLLM_PLUGINS=mambacache``;
 
-then transformers' greedy ``generate`` as the reference. Each run reports its
+then transformers' greedy ``generate`` as the reference.
+
+``--spec K`` runs every vLLM run with ngram speculative decoding (``K`` draft
+tokens; transformers' greedy output stays the reference) and ``--model
+qwen3-next`` a tiny hybrid Qwen3-Next instead (gated delta net and attention
+layers, bf16, dims the CPU build's kernels accept; vLLM's accepted-token
+counts reach its mamba state copies only on a hybrid model). Its prompts open
+with a repeated pattern, so that the ngram drafter finds drafts. Each run reports its
 tokens, vLLM's per-request ``num_cached_tokens`` (the prefix-cache hits) and,
 when it fails, the exception's last line. ``--fault skip-copy`` sets
 ``MAMBACACHE_VLLM_FAULT=skip-copy`` for the plugin run. Exit 0 when the plugin
@@ -40,10 +47,20 @@ from vllm_plugin import VOCAB, build_model, transformers_greedy
 MODES = ("off", "align", "align-nockpt", "plugin")
 
 
-def workload(systems: int, per_system: int, system_tokens: int, seed: int) -> list[list[int]]:
-    """``systems`` shared prefixes, ``per_system`` requests each with a unique 3 to 9 token tail, interleaved."""
+def workload(
+    systems: int, per_system: int, system_tokens: int, seed: int, patterned: bool = False
+) -> list[list[int]]:
+    """``systems`` shared prefixes, ``per_system`` requests each with a unique 3 to 9 token tail, interleaved.
+
+    ``patterned``: each prefix opens with a short pattern repeated over two thirds of it (drafts for ngram).
+    """
     rng = random.Random(seed)
-    prefixes = [[rng.randrange(3, VOCAB) for _ in range(system_tokens)] for _ in range(systems)]
+    prefixes = []
+    for _ in range(systems):
+        head = (2 * system_tokens // 3) if patterned else 0
+        pattern = [rng.randrange(3, VOCAB) for _ in range(rng.randint(3, 6))]
+        prefix = (pattern * system_tokens)[:head] + [rng.randrange(3, VOCAB) for _ in range(system_tokens - head)]
+        prefixes.append(prefix)
     return [
         prefixes[s] + [rng.randrange(3, VOCAB) for _ in range(rng.randint(3, 9))]
         for _ in range(per_system)
@@ -151,7 +168,7 @@ def shared_prefixes(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
     """The workload in waves; the tokens, cached tokens per request and the plugin's counters (then closes it)."""
     from vllm import SamplingParams
 
-    reqs = workload(args.systems, args.per_system, args.system_tokens, args.seed)
+    reqs = workload(args.systems, args.per_system, args.system_tokens, args.seed, args.model == "qwen3-next")
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     # In waves, one request per system prompt first: later waves can hit what earlier ones cached.
     outs = []
@@ -198,11 +215,18 @@ def worker(args: argparse.Namespace) -> None:
         caching: dict[str, Any] = {"enable_prefix_caching": False}
         if args.mode != "off":
             caching = {"enable_prefix_caching": True, "mamba_cache_mode": "align"}
+        model: dict[str, Any] = {"dtype": "float32", "max_model_len": 512, "block_size": args.block_size}
+        if args.model == "qwen3-next":
+            # The CPU build's gated delta net needs bf16; vLLM sizes a hybrid model's blocks itself.
+            model = {"dtype": "bfloat16", "max_model_len": 1024}
+        if args.spec:
+            model["speculative_config"] = {
+                "method": "ngram", "num_speculative_tokens": args.spec, "prompt_lookup_max": 3, "prompt_lookup_min": 2,
+            }  # fmt: skip
         llm = LLM(
-            model=str(args.model_dir), dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
-            disable_log_stats=not args.measure,
+            model=str(args.model_dir), enforce_eager=True, seed=0, disable_log_stats=not args.measure,
             max_num_seqs=4, enable_chunked_prefill=True, max_num_batched_tokens=args.batch_tokens,
-            block_size=args.block_size, num_gpu_blocks_override=args.blocks, **caching, **parallel,
+            num_gpu_blocks_override=args.blocks, **model, **caching, **parallel,
         )  # fmt: skip
         report["block_size"] = llm.llm_engine.vllm_config.cache_config.block_size
         if args.measure:
@@ -231,7 +255,7 @@ def run(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         if args.trace is not None:
             env["MAMBACACHE_TRACE"] = str(args.trace)
     cmd = [sys.executable, __file__, "--worker", f"--mode={mode}", "--model-dir", str(args.model_dir)]
-    for name in ("systems", "per_system", "system_tokens", "new_tokens", "seed", "blocks", "block_size"):
+    for name in ("systems", "per_system", "system_tokens", "new_tokens", "seed", "blocks", "block_size", "spec", "model"):
         cmd.append(f"--{name.replace('_', '-')}={getattr(args, name)}")
     cmd += [f"--batch-tokens={args.batch_tokens}", f"--rounds={args.rounds}", f"--tp={args.tp}"] + (
         ["--measure"] if args.measure else []
@@ -261,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--measure", action="store_true", help="time to first token, hit and miss waves alternated")
     p.add_argument("--rounds", type=int, default=6, help="with --measure: rounds of one hit and one miss wave")
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (workers in processes of their own)")
+    p.add_argument("--spec", type=int, default=0, help="ngram speculative decoding with this many draft tokens")
+    p.add_argument("--model", choices=["mamba2", "qwen3-next"], default="mamba2")
     p.add_argument("--json", action="store_true")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=MODES, default="off", help=argparse.SUPPRESS)
@@ -274,14 +300,14 @@ def main(argv: list[str] | None = None) -> int:
         args.trace.unlink(missing_ok=True)  # the tracer appends
     with tempfile.TemporaryDirectory() as tmp:
         if args.model_dir is None:
-            args.model_dir = Path(tmp) / "mamba2-tiny"
+            args.model_dir = Path(tmp) / f"{args.model}-tiny"
         if not (args.model_dir / "config.json").exists():
-            build_model(args.model_dir)
+            build_model(args.model_dir, args.model)
         runs = {m: run(args, m) for m in args.modes.split(",")}
         if args.measure:
             print(json.dumps(runs, indent=None if args.json else 1))
             return 0 if all("error" not in r for r in runs.values()) else 1
-        reqs = workload(args.systems, args.per_system, args.system_tokens, args.seed)
+        reqs = workload(args.systems, args.per_system, args.system_tokens, args.seed, args.model == "qwen3-next")
         reference = transformers_greedy(args.model_dir, reqs, args.new_tokens)
     n = len(reqs)
     result: dict[str, Any] = {"requests": n, "fault": args.fault, "runs": {}}
@@ -324,7 +350,7 @@ def summary(result: dict[str, Any]) -> str:
             line += f", {r['matches_off']}/{n} = caching off"
         line += f", {hit}/{n} requests hit ({sum(cached)} cached tokens)"
         if r.get("plugin"):
-            figures = ("allocs", "copies", "hits", "kept", "reclaimed", "skipped_copies")
+            figures = ("allocs", "copies", "shifted", "hits", "kept", "reclaimed", "skipped_copies")
             line += "; plugin " + " ".join(f"{k}={r['plugin'][k]}" for k in figures if r["plugin"].get(k))
         lines.append(line)
     if "trace" in result:

@@ -109,6 +109,29 @@ def test_align_mode_prefix_caching_fails_alone_on_cpu_and_is_token_exact_with_th
     assert bad["returncode"] == 0 and bad["runs"]["plugin"]["matches_transformers"] < 12, bad  # the test can fail
 
 
+def test_speculative_decoding_in_align_mode_fails_alone_on_cpu_and_runs_with_the_plugin(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """ngram drafts on a tiny hybrid Qwen3-Next: vLLM alone dies in its fused pre-copy kernel (Triton); with the
+    plugin the run finishes with prefix-cache hits and copies that carry an accepted-token bias.
+
+    The copies themselves are checked byte for byte against vLLM's kernels in test_vllm_kernels.py: this
+    tiny model's greedy tokens hardly depend on its linear-attention state (measured: vLLM with every
+    align-mode copy dropped gives the same tokens), so equal tokens here show the run, not the copies.
+    """
+    model = tmp_path_factory.mktemp("model") / "qwen3-next-tiny"
+    args = ("--model", "qwen3-next", "--spec", "2", "--systems", "3", "--per-system", "2", "--system-tokens", "230",
+            "--new-tokens", "32", "--batch-tokens", "64")  # fmt: skip
+    r = example(model, *args, "--modes", "off,align,plugin", script="vllm_prefix_cpu.py")
+    runs = r["runs"]
+    assert runs["align"]["error"].startswith("TypeError"), runs["align"]  # vLLM alone: Triton has no CPU backend
+    assert "run_fused_precopy" in runs["align"]["where"][-1]
+    plug = runs["plugin"]
+    assert r["returncode"] == 0 and plug["matches_transformers"] == plug["matches_off"] == 6, r
+    assert plug["plugin"]["shifted"] > 0 and plug["plugin"]["copies"] > plug["plugin"]["shifted"], plug
+    assert sum(c > 0 for c in plug["cached"]) == 3, plug  # the second wave hits
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two tensor-parallel workers need two CPUs")
 def test_tensor_parallel_2_each_rank_adopts_its_own_shard_and_stays_exact(model_dir: Path) -> None:
     args = ("--modes", "plugin", "--systems", "4", "--per-system", "2", "--blocks", "16")

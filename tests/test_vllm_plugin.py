@@ -255,3 +255,65 @@ def test_closing_releases_the_prefix_cache_so_the_trace_ends_idle_with_the_copie
     assert {a.slot: (a.kind, a.request_id) for a in unclosed.anomalies} == dict.fromkeys(
         (2, 3, 4), ("held-at-end", plugin.CACHED)
     )
+
+
+def test_split_pools_copy_the_conv_window_shifted_and_the_ssm_state_from_the_accepted_column() -> None:
+    raw, layers = vllm_layout()
+    before = raw.clone()
+    pools, roles = plugin.split_pools(layers)
+    assert roles == [("conv", CONV[1]), ("ssm", 0)] * 2 and all(not p.temporal.is_contiguous() for p in pools[1::2])
+    s = plugin.VllmStates(pools, groups=[1], block_size=4, roles=roles)
+    try:
+        s.take(step(new=(("a", [2, 3, 4, 5]),)))
+        s.flush()
+        for conv, ssm in layers:  # dirty again: the copies below must read what is there
+            conv[2:6] = torch.randn(4, *CONV)
+            ssm[2:6] = torch.randn(4, *SSM)
+        want = [(conv[2, 1:].clone(), ssm[3].clone(), conv[5].clone()) for conv, ssm in layers]
+        # Column 0 -> 1 with one accepted draft token: the conv window from block 2 one token in, the SSM
+        # state from the block of column 0 + 1 (block 3): vLLM's get_conv_copy_spec / get_temporal_copy_spec.
+        s.copy_columns("a", ([], [2, 3, 4, 5]), 0, 2, bias=1)
+        s.flush()
+        for (conv, ssm), (window, state, untouched) in zip(layers, want, strict=True):
+            assert torch.equal(conv[4, :2], window) and bool((conv[4, 2] == 0).all())  # the shift zero-fills
+            assert torch.equal(ssm[4], state) and torch.equal(conv[5], untouched)
+        assert s.stats.copies == 1 and s.stats.shifted == 1
+        # Blocks nobody holds keep every byte (the page slack too).
+        others = torch.ones(BLOCKS, dtype=torch.bool)
+        others[2:6] = False
+        page = raw.numel() // (2 * BLOCKS)
+        assert torch.equal(raw.view(2, BLOCKS, page)[:, others], before.view(2, BLOCKS, page)[:, others])
+    finally:
+        s.close()
+
+
+def test_a_shifted_copy_is_refused_on_page_pools() -> None:
+    _, layers = vllm_layout()
+    s = plugin.VllmStates(plugin._pools([plugin.block_rows(c, ssm) for c, ssm in layers]), groups=[1], block_size=4)
+    try:
+        s.take(step(new=(("a", [2, 3, 4]),)))
+        with pytest.raises(mc.InvalidArgumentError, match="pools of their own"):
+            s.copy_block("a", 2, 3, bias=1, temporal_src=4)
+        assert s.stats.copies == 0
+    finally:
+        s.close()
+
+
+def test_split_pools_trace_each_block_event_once(tmp_path: Any) -> None:
+    path = tmp_path / "trace.jsonl"
+    _, layers = vllm_layout()
+    mc.tracing.configure(path, level="debug")
+    try:
+        pools, roles = plugin.split_pools(layers)
+        s = plugin.VllmStates(pools, groups=[1], block_size=4, roles=roles)  # 4 pools, 4 managers
+        s.take(step(new=(("a", [2, 3, 4]),)))
+        s.copy_columns("a", ([], [2, 3, 4]), 0, 1, bias=1)
+        s.flush()
+        s.take(step(finished=("a",)))
+        s.flush()
+        s.close()
+    finally:
+        mc.tracing.disable()
+    analysis = mc.tracing.analyze(path, expect_idle=True)
+    assert analysis.anomalies == [] and analysis.held == {} and analysis.summary["forks"] == 1
+    assert analysis.summary["allocs"] == 3

@@ -35,6 +35,7 @@ copies: deliberate faults for tests.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ import torch
 from .._errors import InvalidArgumentError
 from .._manager import CacheManager
 from .._pool import StatePool
+from .._tracing import muted
 from . import _vllm_prefix
 
 __all__ = ["CACHED", "PLUGIN_NAME", "VllmStates", "active", "block_rows", "register", "split_pools"]
@@ -201,6 +203,11 @@ def split_pools(
     return pools, roles
 
 
+def _mirror(i: int) -> contextlib.AbstractContextManager[None]:
+    """Every pool after the first gets the same block events: only the first one's are traced."""
+    return muted() if i else contextlib.nullcontext()
+
+
 @dataclass(frozen=True, slots=True)
 class VllmStats:
     """What the plugin did: blocks allocated (and cleared), released, copied, and taken back from preempted.
@@ -301,8 +308,9 @@ class VllmStates:
         return [list(p.temporal.shape) for p in self.pools]
 
     def _each(self, method: str, *args: Any, **kwargs: Any) -> None:
-        for mgr in self.managers:
-            getattr(mgr, method)(*args, **kwargs)
+        for i, mgr in enumerate(self.managers):
+            with _mirror(i):
+                getattr(mgr, method)(*args, **kwargs)
 
     def _mamba_ids(self, block_ids: tuple[list[int], ...] | None, computed: int = 0) -> list[int]:
         if not block_ids:
@@ -394,12 +402,13 @@ class VllmStates:
             raise InvalidArgumentError(
                 "a copy with an accepted-token bias needs the conv and SSM states in pools of their own (split_pools)"
             )
-        for mgr, (role, unit) in zip(self.managers, self.roles, strict=True):
-            if role == "ssm" and temporal_src is not None:
-                if temporal_src != dst:
-                    mgr.copy_on_write(temporal_src, dst, request_id=req_id)
-            elif role != "conv" or bias or src != dst:
-                mgr.copy_on_write(src, dst, request_id=req_id, shift=bias * unit)
+        for i, (mgr, (role, unit)) in enumerate(zip(self.managers, self.roles, strict=True)):
+            with _mirror(i):
+                if role == "ssm" and temporal_src is not None:
+                    if temporal_src != dst:
+                        mgr.copy_on_write(temporal_src, dst, request_id=req_id)
+                elif role != "conv" or bias or src != dst:
+                    mgr.copy_on_write(src, dst, request_id=req_id, shift=bias * unit)
         self._counts["copies"] += 1
         self._counts["shifted"] += bias > 0
 
@@ -457,5 +466,6 @@ class VllmStates:
             return
         self._closed = True
         self._release(CACHED)  # the prefix cache dies with the engine: its blocks are no one's now
-        for mgr in self.managers:
-            mgr.__exit__(None, None, None)
+        for i, mgr in enumerate(self.managers):
+            with _mirror(i):
+                mgr.__exit__(None, None, None)

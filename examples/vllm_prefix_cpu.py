@@ -47,9 +47,7 @@ from vllm_plugin import VOCAB, build_model, transformers_greedy
 MODES = ("off", "align", "align-nockpt", "plugin")
 
 
-def workload(
-    systems: int, per_system: int, system_tokens: int, seed: int, patterned: bool = False
-) -> list[list[int]]:
+def workload(systems: int, per_system: int, system_tokens: int, seed: int, patterned: bool = False) -> list[list[int]]:
     """``systems`` shared prefixes, ``per_system`` requests each with a unique 3 to 9 token tail, interleaved.
 
     ``patterned``: each prefix opens with a short pattern repeated over two thirds of it (drafts for ngram).
@@ -255,7 +253,8 @@ def run(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         if args.trace is not None:
             env["MAMBACACHE_TRACE"] = str(args.trace)
     cmd = [sys.executable, __file__, "--worker", f"--mode={mode}", "--model-dir", str(args.model_dir)]
-    for name in ("systems", "per_system", "system_tokens", "new_tokens", "seed", "blocks", "block_size", "spec", "model"):
+    names = ("systems", "per_system", "system_tokens", "new_tokens", "seed", "blocks", "block_size", "spec", "model")
+    for name in names:
         cmd.append(f"--{name.replace('_', '-')}={getattr(args, name)}")
     cmd += [f"--batch-tokens={args.batch_tokens}", f"--rounds={args.rounds}", f"--tp={args.tp}"] + (
         ["--measure"] if args.measure else []

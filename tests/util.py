@@ -130,6 +130,8 @@ def sweep_pool(kind: str, num_slots: int) -> mc.StatePool:
 def kinds_for(variant: str) -> list[str]:
     """The pool kinds an executor variant runs on: the npu executor refuses paged pools."""
     return [k for k in POOL_KINDS if not (k == "paged" and variant.startswith("npu"))]
+
+
 ROW = max(SPEC.layer_bytes())  # the largest state of one slot in one layer, in bytes
 
 

@@ -447,8 +447,8 @@ class VllmStates:
                 out[i] = 1
                 if bias == 0:
                     continue
-            ids = [input_batch.block_table[g].block_table.np[i] for g in range(len(input_batch.block_table.block_tables))]
-            self.copy_columns(input_batch.req_ids[i], ids, src, dst, bias)
+            tables = input_batch.block_table.block_tables  # one per KV cache group, rows in batch order
+            self.copy_columns(input_batch.req_ids[i], [t.block_table.np[i] for t in tables], src, dst, bias)
         accepted_out[:num_reqs] = torch.tensor(out, dtype=accepted_out.dtype)
 
     def flush(self) -> None:

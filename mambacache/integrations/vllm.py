@@ -8,7 +8,9 @@ subclasses):
 
 * ``initialize_kv_cache``: after vLLM has bound each mamba layer's ``(conv,
   ssm)`` tensors, adopt them into :class:`~mambacache.StatePool` s, same
-  storage, no copy (see :func:`block_rows` for the layout);
+  storage, no copy: each block's page as one byte row (:func:`block_rows`),
+  or, with speculative decoding in align mode, the two states as paged pools
+  of their own (:func:`split_pools`);
 * ``_update_states``: before vLLM's own update, turn the scheduler output into
   events (finished requests' blocks into releases, new and resumed requests'
   mamba blocks into ``alloc_slots`` with a clear, block copies between mamba

@@ -28,6 +28,7 @@ from ._planner import (
     Stage,
     ZeroStage,
     copy_runs,
+    shift_stage,
     zero_runs,
 )
 
@@ -117,8 +118,13 @@ def _probe_stages() -> list[Stage]:
     ]
 
 
-def check_executor(executor: Executor, tensors: list[torch.Tensor], drafts: list[torch.Tensor] | None = None) -> None:
+def check_executor(
+    executor: Executor, tensors: list[torch.Tensor], drafts: list[torch.Tensor] | None = None, convs: int = 0
+) -> None:
     """Run every stage kind once on a small scratch tensor of each dtype in ``tensors``.
+
+    The first ``convs`` tensors are conv states: they are probed with a shift
+    stage too, on a scratch of their whole state shape (time last).
 
     Stages go through :func:`run_stage`, so the probe takes the paths a flush takes.
     Raises :class:`InvalidArgumentError` for a paged pool on an executor that
@@ -144,8 +150,15 @@ def check_executor(executor: Executor, tensors: list[torch.Tensor], drafts: list
             k = drafts[i].shape[2]
             draft = torch.zeros((2, 12, k, *t.shape[2:3]), dtype=t.dtype, device=t.device)
             stages.append((CommitStage(((1, 0, 2), (3, k - 1, 4), (5, 0, 5))), draft))
+        if i < convs and t.shape[-1] > 1:
+            windows = torch.zeros((2, 12, *t.shape[2:]), dtype=t.dtype, device=t.device)
+            stages.append((shift_stage(1, [(1, 2), (3, 3), (5, 4)]), windows))
         for stage, draft_scratch in stages:
             try:
+                if isinstance(stage, ShiftStage):
+                    assert draft_scratch is not None
+                    run_stage(executor, stage, [draft_scratch], convs=1)
+                    continue
                 run_stage(executor, stage, [scratch], None if draft_scratch is None else [draft_scratch])
             except Exception as exc:
                 raise UnsupportedDtypeError(
@@ -198,7 +211,7 @@ class StepRunner:
 
     def check(self, executor: Executor) -> None:
         """:func:`check_executor` on this pool's tensors: refuse an executor that cannot run a dtype."""
-        check_executor(executor, self._tensors, self._drafts)
+        check_executor(executor, self._tensors, self._drafts, self._convs)
 
     def run(self, stream: Any | None, step: int) -> int:
         """Run the backlog to the end on ``stream``; returns the stages run.

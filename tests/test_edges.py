@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import mambacache as mc
 from mambacache._executors._reference import ReferenceExecutor
 from mambacache._executors._torch import TorchExecutor
-from mambacache._planner import RotateStage, Stage
+from mambacache._planner import RotateStage, ShiftStage, Stage
 
 from .oracle import SequentialOracle
 from .strategies import events_from_ops, shift_ops
@@ -87,6 +87,27 @@ def test_an_executor_that_cannot_run_every_stage_kind_is_refused_when_the_manage
     assert isinstance(info.value, TypeError)
     assert pool.ledger.owner is None
     mc.CacheManager(mc.StatePool(small_spec(), 4), executor=NoRotateFor())  # no float64 there: accepted
+
+
+class NoShift(NoRotateFor):
+    """An executor that can do everything but shift a conv window."""
+
+    name = "no-shift"
+
+    def execute(self, stage: Stage, tensor: torch.Tensor) -> None:
+        if isinstance(stage, ShiftStage):
+            raise NotImplementedError("no shifted copies here")
+        self.inner.execute(stage, tensor)
+
+
+def test_an_executor_that_cannot_shift_is_refused_for_a_pool_with_conv_states_only() -> None:
+    pool = mc.StatePool(small_spec(), 4)
+    with pytest.raises(mc.UnsupportedDtypeError, match=r"no-shift.*ShiftStage.*torch\.bfloat16"):
+        mc.CacheManager(pool, executor=NoShift())
+    assert pool.ledger.owner is None
+    no_conv = mc.StatePool.from_tensors([], torch.zeros(2, 5, 3))  # nothing to shift: accepted
+    with mc.CacheManager(no_conv, executor=NoShift()) as mgr:
+        mgr.alloc(2)
 
 
 ODD_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.bits8, torch.bool]

@@ -317,3 +317,23 @@ def test_split_pools_trace_each_block_event_once(tmp_path: Any) -> None:
     analysis = mc.tracing.analyze(path, expect_idle=True)
     assert analysis.anomalies == [] and analysis.held == {} and analysis.summary["forks"] == 1
     assert analysis.summary["allocs"] == 3
+
+
+def test_groups_sharing_their_tensors_make_one_pool_per_storage_so_a_shift_in_place_runs_once() -> None:
+    # vLLM gives layer i of each mamba group the same tensors: adopted twice, a step would run twice.
+    _, layers = vllm_layout()
+    twice = layers + [(c.view(c.shape), s.view(s.shape)) for c, s in layers]  # new tensor objects, same bytes
+    assert plugin.distinct_layers(twice) == layers
+    pools, roles = plugin.split_pools(plugin.distinct_layers(twice))
+    s = plugin.VllmStates(pools, groups=[1], block_size=4, roles=roles)
+    try:
+        s.take(step(new=(("a", [2, 3]),)))
+        s.flush()
+        conv = layers[0][0]
+        conv[2] = torch.arange(15.0).view(CONV)
+        s.copy_columns("a", ([], [2, 3]), 0, 0, bias=1)  # the postprocess case: a shift within the running block
+        s.flush()
+        want = torch.cat([torch.arange(15.0).view(CONV)[1:], torch.zeros(1, CONV[1])])
+        assert torch.equal(conv[2], want)  # shifted once, not once per group
+    finally:
+        s.close()

@@ -51,7 +51,7 @@ from .._pool import StatePool
 from .._tracing import muted
 from . import _vllm_prefix
 
-__all__ = ["CACHED", "PLUGIN_NAME", "VllmStates", "active", "block_rows", "register", "split_pools"]
+__all__ = ["CACHED", "PLUGIN_NAME", "VllmStates", "active", "block_rows", "distinct_layers", "register", "split_pools"]
 
 CACHED = "vllm:prefix-cache"  # the tenant of blocks that vLLM's prefix cache may still hit
 
@@ -173,6 +173,25 @@ def _pools(rows: list[torch.Tensor]) -> list[StatePool]:
     return [StatePool.from_tensors([], r[None]) for r in rows]
 
 
+def distinct_layers(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``layers`` without the repeats: a ``(conv, ssm)`` pair over the same bytes as one before it, as vLLM
+    gives layer ``i`` of every mamba KV cache group (the groups share their tensors; a block id belongs to
+    one group at a time).
+
+    One pool per storage, since a pool replays every block event on its bytes: two pools over the same
+    bytes would run a step twice, which a copy whose source the step later overwrites, or a shift in
+    place, does not survive.
+    """
+    seen: set[tuple[Any, ...]] = set()
+    out = []
+    for conv, ssm in layers:
+        key = tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in (conv, ssm))
+        if key not in seen:
+            seen.add(key)
+            out.append((conv, ssm))
+    return out
+
+
 def split_pools(
     layers: list[tuple[torch.Tensor, torch.Tensor]], dim_first: bool = False
 ) -> tuple[list[StatePool], list[tuple[str, int]]]:
@@ -197,8 +216,8 @@ def split_pools(
     for conv, ssm in layers:
         if dim_first:
             window, unit = conv[None], 1
-        else:
-            window, unit = conv.flatten(1)[None, :, None, :], conv.shape[-1]
+        else:  # a view (a reshape could copy, and the pool would then write the copy)
+            window, unit = conv.view(conv.shape[0], 1, -1)[None], conv.shape[-1]
         placeholder = torch.zeros((1, conv.shape[0], 1), dtype=torch.uint8, device=conv.device)
         pools += [StatePool.from_tensors([window], placeholder), StatePool.from_tensors([], ssm[None])]
         roles += [("conv", unit), ("ssm", 0)]
@@ -286,6 +305,7 @@ class VllmStates:
                 kv = context[name].kv_cache
                 conv, ssm = (kv[0] if isinstance(kv[0], list | tuple) else kv)[:2]
                 layers.append((conv, ssm))
+        layers = distinct_layers(layers)
         cache = runner.cache_config
         align = bool(cache.enable_prefix_caching) and cache.mamba_cache_mode == "align"
         block_size = kv_groups[groups[0]].kv_cache_spec.block_size if align else None

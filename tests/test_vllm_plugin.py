@@ -320,7 +320,7 @@ def test_split_pools_trace_each_block_event_once(tmp_path: Any) -> None:
 
 
 def test_groups_sharing_their_tensors_make_one_pool_per_storage_so_a_shift_in_place_runs_once() -> None:
-    # vLLM gives layer i of each mamba group the same tensors: adopted twice, a step would run twice.
+    # vLLM lays layer i of each mamba group over the same bytes: adopted twice, a step would run twice.
     _, layers = vllm_layout()
     twice = layers + [(c.view(c.shape), s.view(s.shape)) for c, s in layers]  # new tensor objects, same bytes
     assert plugin.distinct_layers(twice) == layers

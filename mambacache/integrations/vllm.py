@@ -174,9 +174,9 @@ def _pools(rows: list[torch.Tensor]) -> list[StatePool]:
 
 
 def distinct_layers(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``layers`` without the repeats: a ``(conv, ssm)`` pair over the same bytes as one before it, as vLLM
-    gives layer ``i`` of every mamba KV cache group (the groups share their tensors; a block id belongs to
-    one group at a time).
+    """``layers`` without the repeats: a ``(conv, ssm)`` pair over the same bytes as one before it, as layer
+    ``i`` of every mamba KV cache group is (vLLM lays every group out from byte 0 of the same buffers; a
+    block id belongs to one group at a time).
 
     One pool per storage, since a pool replays every block event on its bytes: two pools over the same
     bytes would run a step twice, which a copy whose source the step later overwrites, or a shift in

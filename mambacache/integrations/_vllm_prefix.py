@@ -47,6 +47,7 @@ __all__ = ["current", "install"]
 
 current: Any = None  # the VllmStates of this process's model runner (one per process)
 _installed = False
+_originals: dict[str, Any] = {}  # vLLM's functions that the wrappers hand over to without a plugin
 
 
 def _without_prefill_checkpoints(specs: dict[str, Any]) -> dict[str, Any]:
@@ -58,6 +59,52 @@ def _without_prefill_checkpoints(specs: dict[str, Any]) -> dict[str, Any]:
         else spec
         for name, spec in specs.items()
     }
+
+
+def _collect_mamba_copy_meta(
+    copy_bufs: Any,
+    kv_cache_config: Any,
+    mamba_state_copy_funcs: Any,
+    mamba_group_ids: list[int],
+    src_block_idx: int,
+    dest_block_idx: int,
+    accept_token_bias: int,
+    req_state: Any,
+    forward_context: dict[str, Any],
+) -> None:
+    """vLLM's "block column ``src`` into column ``dst``" (with the accepted-token bias) as copy events."""
+    if src_block_idx == dest_block_idx and accept_token_bias == 0:
+        return
+    if current is None:
+        raise RuntimeError("mambacache: an align-mode copy before the plugin adopted the KV cache")
+    current.copy_columns(req_state.req_id, req_state.block_ids, src_block_idx, dest_block_idx, accept_token_bias)
+
+
+def _do_mamba_copy_block(copy_bufs: Any) -> None:
+    """The step's clears, hand-overs and copies, planned together, before the forward."""
+    if current is not None:
+        current.flush()
+
+
+def _preprocess_mamba(*args: Any, **kwargs: Any) -> Any:
+    """vLLM's ``preprocess_mamba`` on its scalar path: its copies come to :func:`_collect_mamba_copy_meta`."""
+    if current is not None:
+        kwargs["align_ctx"] = None
+    return _originals["preprocess_mamba"](*args, **kwargs)
+
+
+def _postprocess_mamba_align_gpu(**kwargs: Any) -> Any:
+    """vLLM's post-forward fused copies, as the plugin's events (``VllmStates.postprocess``)."""
+    if current is None:
+        return _originals["postprocess_mamba_align_gpu"](**kwargs)
+    current.postprocess(
+        kwargs["bufs"].postprocess_align,
+        kwargs["num_reqs"],
+        kwargs["num_accepted_tokens_gpu"],
+        kwargs["num_accepted_tokens_cpu_tensor"],
+        kwargs["input_batch"],
+    )
+    return None
 
 
 def install() -> None:
@@ -78,51 +125,11 @@ def install() -> None:
             specs = _without_prefill_checkpoints(specs)
         return specs
 
-    def collect_mamba_copy_meta(
-        copy_bufs: Any,
-        kv_cache_config: Any,
-        mamba_state_copy_funcs: Any,
-        mamba_group_ids: list[int],
-        src_block_idx: int,
-        dest_block_idx: int,
-        accept_token_bias: int,
-        req_state: Any,
-        forward_context: dict[str, Any],
-    ) -> None:
-        if src_block_idx == dest_block_idx and accept_token_bias == 0:
-            return
-        if current is None:
-            raise RuntimeError("mambacache: an align-mode copy before the plugin adopted the KV cache")
-        current.copy_columns(req_state.req_id, req_state.block_ids, src_block_idx, dest_block_idx, accept_token_bias)
-
-    def do_mamba_copy_block(copy_bufs: Any) -> None:
-        # The step's clears, hand-overs and copies, planned together, before the forward.
-        if current is not None:
-            current.flush()
-
-    original_preprocess = mamba_utils.preprocess_mamba
-    original_postprocess = mamba_utils.postprocess_mamba_align_gpu
-
-    def preprocess_mamba(*args: Any, **kwargs: Any) -> Any:
-        if current is not None:
-            kwargs["align_ctx"] = None  # the scalar path: its copies come to collect_mamba_copy_meta above
-        return original_preprocess(*args, **kwargs)
-
-    def postprocess_mamba_align_gpu(**kwargs: Any) -> Any:
-        if current is None:
-            return original_postprocess(**kwargs)
-        current.postprocess(
-            kwargs["bufs"].postprocess_align,
-            kwargs["num_reqs"],
-            kwargs["num_accepted_tokens_gpu"],
-            kwargs["num_accepted_tokens_cpu_tensor"],
-            kwargs["input_batch"],
-        )
-        return None
-
     GPUModelRunner.get_kv_cache_spec = get_kv_cache_spec
-    mamba_utils.preprocess_mamba = preprocess_mamba
-    mamba_utils.postprocess_mamba_align_gpu = postprocess_mamba_align_gpu
-    mamba_utils.collect_mamba_copy_meta = collect_mamba_copy_meta
-    mamba_utils.do_mamba_copy_block = do_mamba_copy_block
+    for name in ("preprocess_mamba", "postprocess_mamba_align_gpu"):
+        _originals[name] = getattr(mamba_utils, name)
+    mamba_utils.preprocess_mamba = _preprocess_mamba
+    mamba_utils.postprocess_mamba_align_gpu = _postprocess_mamba_align_gpu
+    mamba_utils.collect_mamba_copy_meta = _collect_mamba_copy_meta
+    mamba_utils.do_mamba_copy_block = _do_mamba_copy_block
     _installed = True

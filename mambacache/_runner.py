@@ -145,21 +145,19 @@ def check_executor(
         seen.add(key)
         # Keep the state's leading dim (rows), so a workspace bound is probed on real row sizes.
         scratch = torch.zeros((2, 12, *t.shape[2:3]), dtype=t.dtype, device=t.device)
-        stages: list[tuple[Stage, torch.Tensor | None]] = [(stage, None) for stage in _probe_stages()]
+        # (stage, the tensor it runs on, the draft buffer a commit reads)
+        probes: list[tuple[Stage, torch.Tensor, torch.Tensor | None]] = [(s, scratch, None) for s in _probe_stages()]
         if drafts:
             k = drafts[i].shape[2]
             draft = torch.zeros((2, 12, k, *t.shape[2:3]), dtype=t.dtype, device=t.device)
-            stages.append((CommitStage(((1, 0, 2), (3, k - 1, 4), (5, 0, 5))), draft))
+            probes.append((CommitStage(((1, 0, 2), (3, k - 1, 4), (5, 0, 5))), scratch, draft))
         if i < convs and t.shape[-1] > 1:
             windows = torch.zeros((2, 12, *t.shape[2:]), dtype=t.dtype, device=t.device)
-            stages.append((shift_stage(1, [(1, 2), (3, 3), (5, 4)]), windows))
-        for stage, draft_scratch in stages:
+            probes.append((shift_stage(1, [(1, 2), (3, 3), (5, 4)]), windows, None))
+        for stage, target, draft_scratch in probes:
             try:
-                if isinstance(stage, ShiftStage):
-                    assert draft_scratch is not None
-                    run_stage(executor, stage, [draft_scratch], convs=1)
-                    continue
-                run_stage(executor, stage, [scratch], None if draft_scratch is None else [draft_scratch])
+                # convs=1: a shift stage treats its one tensor as a conv state; other stages ignore it
+                run_stage(executor, stage, [target], None if draft_scratch is None else [draft_scratch], convs=1)
             except Exception as exc:
                 raise UnsupportedDtypeError(
                     f"executor {executor.name!r} cannot run a {type(stage).__name__} on {t.dtype} tensors on"

@@ -142,13 +142,13 @@ def main() -> int:
                 ctx.num_computed_tokens_buf.gpu, ctx.num_draft_tokens_buf.gpu,
             )  # fmt: skip
             out = torch.zeros(REQS, dtype=torch.int32)
-            before = states._counts["copies"]
+            before = states.stats.copies
             if args.wrong_bias:
                 states.copy_columns = _without_bias(states.copy_columns)  # type: ignore[method-assign]
             states.postprocess(ctx, REQS, counts, out, batch)
             if out.tolist() != ctx.num_accepted_tokens_out[:REQS].tolist():
                 mismatches.append(f"case {case}: accepted {out.tolist()} != {ctx.num_accepted_tokens_out.tolist()}")
-            made = states._counts["copies"] - before
+            made = states.stats.copies - before
         else:  # the pre-copy kernel: the previous running column into the new one, with last step's bias
             src = [rng.choice([-1, *range(COLS - NSPEC)]) for _ in range(REQS)]
             dst = [rng.randrange(COLS - NSPEC) for _ in range(REQS)]
@@ -181,7 +181,7 @@ def main() -> int:
                     same = same_bytes(cm[b, :window], cr[b, :window])
                 if not same:
                     mismatches.append(f"case {case}: layer {name} block {b}: conv")
-        shifted += states._counts["shifted"]
+        shifted += states.stats.shifted
         states.close()
     report = {"cases": args.cases, "copies": copies, "shifted": shifted, "mismatches": len(mismatches)}
     print(json.dumps({**report, "first": mismatches[:5]}))

@@ -27,3 +27,16 @@ def test_example(name: str, expect: str) -> None:
         [sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, timeout=120, check=True
     )
     assert expect in out.stdout, out.stdout + out.stderr
+
+
+def test_cuda_check_runs_on_the_cpu() -> None:
+    """The prepared accelerator check (examples/cuda_check.py) runs its own differential check on CPU pools."""
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "cuda_check.py"), "--device", "cpu", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
+    assert out.stdout.count(": equal") == 6, out.stdout + out.stderr
+    assert "decode step host reads: none" in out.stdout, out.stdout

@@ -99,10 +99,9 @@ def _int_values(values: Any, what: str, error: type[InvalidArgumentError]) -> li
     the other arguments and of the kernels' index tensor, so an order that is
     an accident of hashing or insertion is no order.
     """
-    t = type(values)
-    if t is list:
+    if type(values) is list:
         return values[:]
-    if t is tuple:
+    if type(values) is tuple:
         return list(values)
     if isinstance(values, torch.Tensor):
         return _host_ints(values, 1, what, error).tolist()  # type: ignore[no-any-return]

@@ -202,7 +202,7 @@ def engine(rank: int, port: int, sizes: list[int], repeats: int, out: str, cpu: 
         times = rounds(rank, device, sizes, repeats, nccl=two)
         note = nccl_only(rank, device) if two else "skipped: fewer than two GPUs (NCCL needs one GPU per rank)"
         if rank == 0:
-            what = "CPU pools (--cpu)" if cpu else f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(device)}"
+            what = "CPU (--cpu)" if cpu else f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(device)}"
             lines = [f"pools on {what}, backend {backend}"]
             for n, t in times.items():
                 med = {p: statistics.median(v) * 1e3 for p, v in t.items()}

@@ -32,11 +32,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The parser of each subcommand of :func:`build_parser`'s ``parser``, by name."""
+    return next(dict(a.choices) for a in parser._actions if isinstance(a, argparse._SubParsersAction) and a.choices)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit codes: 0 success, 1 a finding (anomalies, mismatches), 2 bad input or usage, 130 interrupted."""
     from ._console import UsageError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the subcommand's error, naming it: "mambacache simulate: error: unrecognized arguments: ..."
+        subcommands(parser)[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args))
     except UsageError as exc:

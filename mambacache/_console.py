@@ -16,15 +16,64 @@ class UsageError(Exception):
     """Bad input to a command: reported as one line, exit 2, before any work starts."""
 
 
-def check_output_path(path: str | Path | None) -> None:
-    """Refuse, before minutes of work, an output path whose folder does not exist (``-`` is stdout)."""
-    if path is None or str(path) == "-":
-        return
+def unwritable(path: str | Path) -> str | None:
+    """Why ``path`` cannot be written as an output file (None: it can), found by opening it for appending (and
+    removing it again when it was not there): a folder, a missing or read-only folder, ``/proc``, a full quota
+    all read as they would at the end of the run, but now, before minutes of work."""
     p = Path(path)
     if p.is_dir():
-        raise UsageError(f"{p} is a directory; give a file path")
-    if not p.parent.exists():
-        raise UsageError(f"{p}: folder {p.parent} does not exist")
+        return f"{p} is a folder; give a file path"
+    if not p.parent.is_dir():
+        return f"{p}: folder {p.parent} does not exist"
+    existed = p.exists()
+    try:
+        with open(p, "a", encoding="utf-8"):  # "a" changes nothing in a file that exists
+            pass
+        if not existed:
+            p.unlink()
+    except OSError as exc:
+        return f"cannot write {p}: {exc.strerror or exc}"
+    return None
+
+
+def check_output_path(path: str | Path | None) -> None:
+    """:class:`UsageError` for an output path that cannot be written (see :func:`unwritable`); None and ``-``
+    (stdout) pass."""
+    if path is not None and str(path) != "-":
+        reason = unwritable(path)
+        if reason is not None:
+            raise UsageError(reason)
+
+
+def output_path(*, stdout: bool = False) -> Any:
+    """An argparse type for every command's output files (``--json``, ``--plot``, ``--trace``): the path is
+    checked writable when the command line is parsed, so a bad one is argparse's one-line error, exit 2, before
+    any work; ``-`` is stdout where ``stdout`` allows it."""
+
+    def parse(text: str) -> str:
+        if not (stdout and text == "-"):
+            reason = unwritable(text)
+            if reason is not None:
+                raise argparse.ArgumentTypeError(reason)
+        return text
+
+    parse.__name__ = "path"
+    return parse
+
+
+def executor_name(*extra: str) -> Any:
+    """An argparse type: a registered executor's name (or one of ``extra``), else argparse's one-line error."""
+
+    def parse(text: str) -> str:
+        from ._executors import known_executors
+
+        known = [*known_executors(), *extra]
+        if text not in known:
+            raise argparse.ArgumentTypeError(f"unknown executor {text!r}; known: {', '.join(known)}")
+        return text
+
+    parse.__name__ = "executor"
+    return parse
 
 
 def need_matplotlib(flag: str) -> None:

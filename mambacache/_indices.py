@@ -38,6 +38,10 @@ if TYPE_CHECKING:
 
 __all__ = ["StateIndices"]
 
+MAX_CAPACITY = 2**24
+"""The most positions a :class:`StateIndices` takes unless its pool has more slots: far beyond any batch, and four
+buffers of 64 MiB; more is a mistake (a slot count for a token count, say), refused before anything is built."""
+
 
 class StateIndices:
     """A fixed-address ``[capacity]`` int32 index tensor, rewritten in place by :meth:`update`.
@@ -61,6 +65,12 @@ class StateIndices:
             raise InvalidArgumentError(f"capacity must be a positive int, got {capacity!r}")
         if num_slots is not None and (type(num_slots) is not int or num_slots < 1):
             raise InvalidArgumentError(f"num_slots must be a positive int or None, got {num_slots!r}")
+        top = max(MAX_CAPACITY, num_slots or 0)
+        if capacity > top:
+            raise InvalidArgumentError(
+                f"capacity {capacity} is more positions than any batch holds: at most {top} (2**24, or the pool's"
+                " slots when it has more); nothing was allocated"
+            )
         pads = _pads(pad_slots, num_slots)
         self.device = as_device(device)
         self.capacity = capacity
@@ -68,8 +78,10 @@ class StateIndices:
         self.pad_slots = pads
         self._extra_pads = frozenset(p for p in pads if num_slots is not None and p > num_slots)
         self._limit = max(num_slots if num_slots is not None else 2**31 - 1, *pads)
-        # The padding of every position, built once: an update copies its tail, on the device too (no sync).
-        pattern = torch.tensor([pads[i % len(pads)] for i in range(capacity)], dtype=torch.int32)
+        # The padding of every position, built once (by torch: no per-position Python object): an update copies its
+        # tail, on the device too (no sync).
+        reps = -(-capacity // len(pads))
+        pattern = torch.tensor(pads, dtype=torch.int32).repeat(reps)[:capacity].clone()
         self._pattern = pattern
         self._pattern_dev = pattern.to(self.device)
         self.tensor = self._pattern_dev.clone()

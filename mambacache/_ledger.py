@@ -34,15 +34,17 @@ class SlotLedger:
       restore still reads) goes back to the heap only at ``reuse_freed()``, the
       flush that takes the freeing event; before that ``take`` hands it out only
       when nothing else is free, and the planner orders the read first;
-    * a reservation keeps ``reserved`` slots for one tenant: ``rheld`` counts the
-      slots that tenant holds (kept by every take, give-back and hand-over, so
-      reading it is O(1)), and every other tenant may take only what leaves
-      ``reserved - rheld`` slots free (:meth:`available`).
+    * each reservation keeps ``k`` slots for its tenant (several tenants may
+      each have one: two prefix caches on one manager): ``reservations[t]`` is
+      ``[k, held]``, ``held`` counting the slots ``t`` holds (kept by every
+      take, give-back and hand-over, so reading it is O(1)); ``kept`` is the sum
+      of every reservation's ``max(0, k - held)``, the free slots kept back, and
+      a tenant may take only what leaves the other tenants' share of ``kept``
+      free (:meth:`available`). The sum of the ``k`` stays below ``size``.
     """
 
     __slots__ = (
-        "_free", "_later", "_num_free", "_pending", "held", "name", "owner", "reserved", "rheld", "rtenant", "size",
-        "tenants",
+        "_free", "_later", "_num_free", "_pending", "held", "kept", "name", "owner", "reservations", "size", "tenants",
     )  # fmt: skip
 
     def __init__(self, size: int, name: str = "pool") -> None:
@@ -55,9 +57,8 @@ class SlotLedger:
         self._later: list[int] = []  # freed by free_later, in order
         self._pending = bytearray(size + 1)  # 1 for the slots in _later (O(1) membership)
         self.owner: object | None = None  # the open manager driving this ledger, if any
-        self.rtenant: str | None = None  # the tenant slots are reserved for (None: no reservation)
-        self.reserved = 0
-        self.rheld = 0  # slots rtenant holds; counted only while a reservation stands
+        self.reservations: dict[str | None, list[int]] = {}  # tenant -> [reserved, held]; only standing ones
+        self.kept = 0  # free slots kept for their tenants: the sum of max(0, reserved - held)
 
     def claim(self, owner: object) -> None:
         """Make ``owner`` (an open manager) the only one driving this ledger."""
@@ -69,7 +70,7 @@ class SlotLedger:
         """``owner`` closed: another manager may drive the ledger."""
         if self.owner is owner:
             self.owner = None
-            self.rtenant, self.reserved, self.rheld = None, 0, 0  # the reservation was the manager's
+            self.reservations, self.kept = {}, 0  # the reservations were the manager's
 
     @property
     def num_free(self) -> int:
@@ -82,53 +83,95 @@ class SlotLedger:
         at once, outside the step's order (a transfer landing states), may take."""
         return self._num_free
 
+    @property
+    def reserved(self) -> int:
+        """Slots reserved, all reservations together (0: none)."""
+        return sum(r[0] for r in self.reservations.values())
+
+    def _own_kept(self, tenant: str | None) -> int:
+        """The free slots kept for ``tenant``'s own reservation (0 without one)."""
+        r = self.reservations.get(tenant)
+        return r[0] - r[1] if r is not None and r[0] > r[1] else 0
+
     def available(self, tenant: str | None) -> int:
-        """Slots ``take(n, tenant)`` can hand out now: all free ones for the reserved tenant (or with no
-        reservation), else those left once ``reserved - rheld`` stay free for it."""
-        if self.rtenant is None or tenant == self.rtenant:
+        """Slots ``take(n, tenant)`` can hand out now: the free ones less those kept for other tenants'
+        reservations (all free ones with none)."""
+        if not self.kept:
             return self.num_free
-        return max(0, self.num_free - max(0, self.reserved - self.rheld))
+        return max(0, self.num_free - (self.kept - self._own_kept(tenant)))
 
     def check_available(self, n: int, tenant: str | None) -> None:
         """:class:`PoolExhaustedError` unless ``n`` slots are :meth:`available` to ``tenant``."""
-        if n > self.num_free or (self.rtenant is not None and n > self.available(tenant)):
+        if n > self.num_free or (self.kept and n > self.available(tenant)):
             raise self._exhausted(n, tenant)
+
+    def check_ever_available(self, n: int, tenant: str | None, what: str) -> None:
+        """:class:`InvalidArgumentError` when ``n`` exceeds what ``tenant`` could hold with every other
+        reservation kept: ``what`` (``alloc_wait(n)``) can never be met."""
+        others = {t: r[0] for t, r in self.reservations.items() if t != tenant}
+        if others and n > self.size - sum(others.values()):
+            names = ", ".join(f"{t!r} ({k})" for t, k in others.items())
+            raise InvalidArgumentError(
+                f"{what} can never be met: {sum(others.values())} of the {self.name}'s {self.size} slots are"
+                f" reserved for {names}"
+            )
 
     def _exhausted(self, n: int, tenant: str | None) -> PoolExhaustedError:
         msg = f"{self.name} exhausted: asked for {n} slot(s), {self.num_free} of {self.size} are free"
-        if self.rtenant is not None and tenant != self.rtenant:
-            kept = max(0, self.reserved - self.rheld)
-            msg += f", {kept} of them kept for {self.rtenant!r} ({self.reserved} reserved, {self.rheld} held)"
+        for t, (k, h) in self.reservations.items():
+            if t != tenant:
+                msg += f", {max(0, k - h)} of them kept for {t!r} ({k} reserved, {h} held)"
         return PoolExhaustedError(msg)
+
+    def _count(self, tenant: str | None, delta: int) -> None:
+        """``tenant`` holds ``delta`` more slots: its reservation's count and ``kept`` follow (the caller checked
+        that it has one)."""
+        r = self.reservations[tenant]
+        before = r[0] - r[1] if r[0] > r[1] else 0
+        r[1] += delta
+        self.kept += (r[0] - r[1] if r[0] > r[1] else 0) - before
 
     def reserve(self, n: int, tenant: str) -> None:
         """Keep ``n`` slots for ``tenant`` (0: none); all or nothing.
 
-        :class:`InvalidArgumentError` when another tenant's reservation stands
-        (one per ledger; its own is resized), :class:`PoolExhaustedError` when
-        fewer than ``n`` minus what ``tenant`` holds are free now, so a
+        Each tenant has at most one reservation (its own is resized) and other
+        tenants' stand beside it. :class:`InvalidArgumentError` when all of them
+        together would reach ``size`` (no slot left for anyone else);
+        :class:`PoolExhaustedError` when fewer than ``n`` minus what ``tenant``
+        holds are free now, beyond those kept for the other reservations, so a
         reservation is always met when it is made. Counts the tenant's slots
         once (O(size)): not for the hot path.
         """
-        if self.rtenant is not None and self.rtenant != tenant:
+        others = self.reserved - (self.reservations[tenant][0] if tenant in self.reservations else 0)
+        if n and others + n >= self.size:
             raise InvalidArgumentError(
-                f"{self.name}: {self.reserved} slot(s) are already reserved for {self.rtenant!r}; one reservation"
-                " at a time (reserve(0, tenant) ends it)"
+                f"{self.name}: cannot reserve {n} slot(s) for {tenant!r}: {others} of its {self.size} are reserved"
+                " for other tenants, and the reservations together must leave a slot"
             )
         held, tenants = self.held, self.tenants
         count = sum(1 for s in range(1, self.size + 1) if held[s] and tenants[s] == tenant)
-        if n - count > self.num_free:
+        free = self.num_free - (self.kept - self._own_kept(tenant))
+        if n and n - count > free:
             raise PoolExhaustedError(
-                f"{self.name}: cannot reserve {n} slot(s) for {tenant!r}: it holds {count} and {self.num_free} are free"
+                f"{self.name}: cannot reserve {n} slot(s) for {tenant!r}: it holds {count} and {free} are free"
+                + (" beyond those kept for other reservations" if free != self.num_free else "")
             )
-        self.rtenant, self.reserved, self.rheld = (tenant, n, count) if n else (None, 0, 0)
+        self.kept -= self._own_kept(tenant)
+        if n:
+            self.reservations[tenant] = [n, count]
+            self.kept += max(0, n - count)
+        else:
+            self.reservations.pop(tenant, None)
 
     def hand_over(self, slot: int, to: str | None) -> str | None:
         """``slot``'s tenant becomes ``to`` (held: the caller checked); returns the old tenant."""
         old, self.tenants[slot] = self.tenants[slot], to
-        rt = self.rtenant
-        if rt is not None:
-            self.rheld += (to == rt) - (old == rt)
+        res = self.reservations
+        if res and old != to:
+            if old in res:
+                self._count(old, -1)
+            if to in res:
+                self._count(to, +1)
         return old
 
     def is_held(self, slot: int) -> bool:
@@ -142,10 +185,10 @@ class SlotLedger:
     def take(self, n: int, tenant: str | None) -> list[int]:
         """The ``n`` lowest free slots, now held by ``tenant``; :class:`PoolExhaustedError` (nothing taken) if
         fewer are :meth:`available` to ``tenant``."""
-        if n > self.num_free or (self.rtenant is not None and n > self.available(tenant)):
+        if n > self.num_free or (self.kept and n > self.available(tenant)):
             raise self._exhausted(n, tenant)
-        if self.rtenant is not None and tenant == self.rtenant:
-            self.rheld += n
+        if tenant in self.reservations:
+            self._count(tenant, n)
         free, held, tenants, pending = self._free, self.held, self.tenants, self._pending
         slots: list[int] = []
         while len(slots) < n and self._num_free:
@@ -170,15 +213,15 @@ class SlotLedger:
             held[s] = 1
             tenants[s] = tenant
         self._num_free -= len(slots)
-        if self.rtenant is not None and tenant == self.rtenant:
-            self.rheld += len(slots)
+        if tenant in self.reservations:
+            self._count(tenant, len(slots))
 
     def give_back(self, slots: Iterable[int]) -> None:
         """Free ``slots`` now: the next ``take`` may hand them out."""
-        held, tenants, free, rt = self.held, self.tenants, self._free, self.rtenant
+        held, tenants, free, res = self.held, self.tenants, self._free, self.reservations
         for s in slots:
-            if rt is not None and tenants[s] == rt:
-                self.rheld -= 1
+            if res and tenants[s] in res:
+                self._count(tenants[s], -1)
             held[s] = 0
             tenants[s] = None
             heapq.heappush(free, s)
@@ -188,8 +231,8 @@ class SlotLedger:
 
     def free_later(self, slot: int) -> None:
         """Free ``slot`` as of the end of the event queue; it rejoins the heap at :meth:`reuse_freed`."""
-        if self.rtenant is not None and self.tenants[slot] == self.rtenant:
-            self.rheld -= 1
+        if self.tenants[slot] in self.reservations:
+            self._count(self.tenants[slot], -1)
         self.held[slot] = 0
         self.tenants[slot] = None
         self._later.append(slot)

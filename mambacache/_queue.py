@@ -187,11 +187,7 @@ class StepQueue:
             while True:
                 with self.lock:
                     ledger = self.ledger
-                    if ledger.rtenant is not None and tenant != ledger.rtenant and n > ledger.size - ledger.reserved:
-                        raise InvalidArgumentError(
-                            f"alloc_wait({n}) can never be met: {ledger.reserved} of the pool's {ledger.size} slots"
-                            f" are reserved for {ledger.rtenant!r}"
-                        )
+                    ledger.check_ever_available(n, tenant, f"alloc_wait({n})")
                     if self._waiters[0] == ticket and ledger.available(tenant) >= n:
                         self.check()
                         slots = self.ledger.take(n, tenant)

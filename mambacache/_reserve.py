@@ -1,5 +1,5 @@
-"""CacheManager's reservation surface: slots kept for one tenant (a PrefixCache's checkpoints), and what a request
-may take now.
+"""CacheManager's reservation surface: slots kept for a tenant (a PrefixCache's checkpoints; each cache its own),
+and what a request may take now.
 
 A piece of its own so the manager's class stays small; the mechanism is
 :class:`~mambacache._ledger.SlotLedger`'s (``reserve``, ``available``), driven
@@ -24,7 +24,9 @@ class Reservations:
 
     Invariant: while a reservation of ``k`` slots for a tenant stands, at least
     ``k`` minus what that tenant holds are free (a hand-over away from the
-    tenant aside): other tenants' allocations stop short of them.
+    tenant aside): other tenants' allocations stop short of them. Several
+    tenants may each have one (two prefix caches on one manager); each counts
+    only its own tenant's slots.
     """
 
     _pool: StatePool
@@ -38,19 +40,27 @@ class Reservations:
 
     @property
     def reserved(self) -> int:
-        """Slots kept for one tenant by :meth:`reserve` (a ``PrefixCache(..., reserved=k)``'s checkpoints); 0: none."""
+        """Slots reserved by :meth:`reserve` (``PrefixCache(..., reserved=k)``'s checkpoints), all tenants together;
+        0: none."""
         return self._pool.ledger.reserved
+
+    @property
+    def reservations(self) -> dict[str, int]:
+        """Each standing reservation: its tenant and the slots it keeps (a copy)."""
+        return {str(t): r[0] for t, r in self._pool.ledger.reservations.items()}
 
     def reserve(self, n: int, tenant: str) -> None:
         """Keep ``n`` slots for ``tenant``: every other tenant's allocation leaves ``n`` minus what ``tenant`` holds
         free, and raises :class:`PoolExhaustedError` (nothing allocated) beyond that.
 
-        ``tenant``'s own allocations take any free slot. One reservation per
-        manager: another tenant's raises :class:`InvalidArgumentError`, the same
-        tenant's resizes it (0 ends it); it ends when the manager closes. Raises
-        :class:`PoolExhaustedError` when fewer than ``n`` minus what ``tenant``
-        holds are free now, and :class:`ManagerClosedError` unless the manager
-        is open. All or nothing.
+        ``tenant``'s own allocations take any free slot not kept for another
+        reservation. One reservation per tenant, beside other tenants' ones: the
+        same tenant's call resizes it (0 ends it); all end when the manager
+        closes. Raises :class:`InvalidArgumentError` when the reservations
+        together would keep every slot, :class:`PoolExhaustedError` when fewer
+        than ``n`` minus what ``tenant`` holds are free now (beyond those kept
+        for the others), and :class:`ManagerClosedError` unless the manager is
+        open. All or nothing.
         """
         if type(n) is not int or not 0 <= n < self._pool.num_slots:
             raise InvalidArgumentError(f"reserve takes an int in 0..{self._pool.num_slots - 1} slots, got {n!r}")

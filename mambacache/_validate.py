@@ -9,7 +9,7 @@ wait for the device.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set, ValuesView
 from typing import Any
 
 import torch
@@ -92,9 +92,17 @@ def _count(x: Any, what: str) -> int:
 
 
 def _int_values(values: Any, what: str, error: type[InvalidArgumentError]) -> list[Any]:
-    """``values`` (a list, tuple, numpy array or 1-D CPU integer tensor) as a list; elements unchecked."""
+    """``values`` (a list, tuple, numpy array or 1-D CPU integer tensor) as a list; elements unchecked.
+
+    Unordered containers (a dict or any mapping, a set, a frozenset, a dict's
+    keys, values or items) are refused: slot ``i`` pairs with position ``i`` of
+    the other arguments and of the kernels' index tensor, so an order that is
+    an accident of hashing or insertion is no order.
+    """
     if type(values) is list:
         return values[:]
+    if type(values) is tuple:
+        return list(values)
     if isinstance(values, torch.Tensor):
         return _host_ints(values, 1, what, error).tolist()  # type: ignore[no-any-return]
     if type(values).__module__ == "numpy" and hasattr(values, "dtype"):
@@ -103,6 +111,11 @@ def _int_values(values: Any, what: str, error: type[InvalidArgumentError]) -> li
         return values.tolist()  # type: ignore[no-any-return]
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         raise error(f"{what} must be a list, numpy array or 1-D CPU int tensor, got {type(values).__name__}")
+    if isinstance(values, (Mapping, Set, ValuesView)):
+        raise error(
+            f"{what} must be ordered (a list, tuple, numpy array or 1-D CPU int tensor), got a {type(values).__name__}"
+            f"{': pass list(...) of its keys' if isinstance(values, Mapping) else ''}"
+        )
     return list(values)
 
 

@@ -50,20 +50,43 @@ def flush(mgr: mc.CacheManager, at: int) -> int:
     return fault.ops
 
 
+class PoolModel:
+    """The pool slots free now, shared by the caches on one manager, and those caches (for their reservations)."""
+
+    def __init__(self, free: int) -> None:
+        self.free = free
+        self.caches: list[CacheModel] = []
+
+    def kept(self, but: CacheModel | None = None) -> int:
+        """Free slots kept for the caches' reservations (``but``'s aside): each keeps ``reserved - len(device)``."""
+        return sum(max(0, c.reserved - len(c.device)) for c in self.caches if c is not but)
+
+    def available(self, cache: CacheModel | None = None) -> int:
+        """Slots a request (``cache`` None) or ``cache``'s checkpoints may take now."""
+        return max(0, self.free - self.kept(but=cache))
+
+
 class CacheModel:
     """The contract as a dict per tier, keyed by (extra key, tokens), least recently used first.
 
     ``pool_free`` and ``host_free`` are the slots the manager can hand out now
     (a host slot freed in the step counts at once: HostPool.num_free).
-    ``reserved`` slots are kept for checkpoints: a request may take a slot only
-    while more than ``reserved - len(device)`` are free.
+    ``reserved`` slots are kept for this cache's checkpoints: another tenant
+    (a request, another cache's checkpoints) may take a slot only while more
+    than ``reserved - len(device)`` are free. Caches on one manager share a
+    :class:`PoolModel` (``pool``), each with its own reservation.
     """
 
-    def __init__(self, max_ckpt: int, host_ckpt: int, pool_free: int, host_free: int, reserved: int = 0) -> None:
+    def __init__(
+        self, max_ckpt: int, host_ckpt: int, pool_free: int, host_free: int, reserved: int = 0,
+        pool: PoolModel | None = None,
+    ) -> None:  # fmt: skip
         self.max_ckpt, self.host_ckpt, self.reserved = max_ckpt, host_ckpt, reserved
         self.device: OrderedDict[Key, float] = OrderedDict()
         self.host: OrderedDict[Key, float] = OrderedDict()
-        self.pool_free, self.host_free = pool_free, host_free
+        self.pool = PoolModel(pool_free) if pool is None else pool
+        self.pool.caches.append(self)
+        self.host_free = host_free
         self.counts = dict.fromkeys(
             ("hits", "misses", "tokens_saved", "inserts", "evictions", "offloads", "restores", "host_drops", "skipped"),
             0,
@@ -82,9 +105,17 @@ class CacheModel:
         self._touch(key)
         return key, "device" if key in self.device else "host"
 
+    @property
+    def pool_free(self) -> int:
+        return self.pool.free
+
+    @pool_free.setter
+    def pool_free(self, value: int) -> None:
+        self.pool.free = value
+
     def available(self) -> int:
         """Slots a request may take now."""
-        return max(0, self.pool_free - max(0, self.reserved - len(self.device)))
+        return self.pool.available()
 
     def fork(self, key: Key) -> float:
         self.alloc(protect=key, request=True)  # PoolExhaustedError propagates: the real fork raises too
@@ -116,7 +147,7 @@ class CacheModel:
             while not self.available():
                 if len(self.device) <= self.reserved or not self.evict(protect):
                     raise mc.PoolExhaustedError("model: no slot a request may take")
-        while not self.pool_free:
+        while not self.pool.available(self):  # another cache's reservation is not this one's to use
             if not self.evict(protect):
                 raise mc.PoolExhaustedError("model: no slot and nothing to evict")
         self.pool_free -= 1

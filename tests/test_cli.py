@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -10,8 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from mambacache._cli import main
+from mambacache._cli import build_parser, main, subcommands
 from mambacache.tracing import analyze
+
+from .util import CLEAN, line
+
+SUBCOMMANDS = sorted(subcommands(build_parser()))
+README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -35,6 +42,14 @@ BAD = [
     ("simulate", "--preempt", "later"),
     ("simulate", "--seed", "x"),
     ("simulate", "--json", "/no/such/folder/out.json"),
+    # Unwritable outputs: refused when parsed, not after the simulation (or never, for --trace: a traceback).
+    ("simulate", "--trace", "/proc/t.jsonl"),
+    ("simulate", "--json", "/proc/r.json"),
+    ("simulate", "--json", "/"),
+    ("simulate", "--trace", "/no/such/folder/t.jsonl", "--model", "toy", "--model", "mamba2"),
+    ("simulate", "--executor", "bogus"),
+    ("simulate", "--append"),
+    ("simulate", "--bogus"),
     ("bench", "--device", "cuda"),
     ("bench", "--device", "npu"),
     ("bench", "--device", "foo"),
@@ -46,6 +61,9 @@ BAD = [
     ("bench", "--budget-gb", "-1"),
     ("bench", "--json", "/no/such/folder/out.json"),
     ("bench", "--plot", "/no/such/folder/out.png"),
+    ("bench", "--json", "/proc/b.json"),
+    ("bench", "--plot", "/proc/b.png"),
+    ("bench", "--quick", "--json", "/"),
     ("bench", "--transfer", "--tp", "2"),
     ("trace",),
     ("trace", "/no/such/file.jsonl"),
@@ -65,7 +83,160 @@ def test_bad_input_is_one_line_and_exit_2_at_once(args: tuple[str, ...]) -> None
     assert run.returncode == 2, (run.stdout, run.stderr)
     assert run.stderr.count("\n") == 1 and "Traceback" not in run.stderr, run.stderr
     assert run.stdout == ""
+    # The subcommand's own name, whoever reports it (argparse, the command's checks).
+    assert run.stderr.startswith(f"mambacache {args[0]}:" if args[0] in SUBCOMMANDS else "mambacache:"), run.stderr
     assert time.monotonic() - t0 < 30  # refused before any work
+
+
+@pytest.mark.parametrize("command", ["", *SUBCOMMANDS])
+def test_every_help_exits_0(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"] if command else ["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: mambacache") and f"mambacache {command}".rstrip() in out
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_a_usage_error_names_a_help_that_works(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--no-such-option"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mambacache {command}: error: ") and err.count("\n") == 1, err
+    hint = re.search(r"\(see mambacache (\S+) --help\)$", err.strip())
+    assert hint is not None and hint.group(1) == command, err
+    with pytest.raises(SystemExit) as exit_:
+        main([hint.group(1), "--help"])
+    assert exit_.value.code == 0
+
+
+def _trace_file(tmp_path: Path) -> Path:
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(CLEAN) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    "bad", [("--json", "/proc/a.json"), ("--plot", "/proc/occ.png"), ("--json", "{tmp}"), ("--plot", "{tmp}/no/o.png")]
+)
+def test_trace_refuses_an_unwritable_output_before_reading_the_trace(
+    bad: tuple[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mambacache.tracing import _report
+
+    def no_analysis(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the trace was read before the output path was checked")
+
+    monkeypatch.setattr(_report, "analyze", no_analysis)
+    flag, path = bad[0], bad[1].format(tmp=tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["trace", str(_trace_file(tmp_path)), flag, path])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mambacache trace: error: argument {flag}:") and err.count("\n") == 1, err
+
+
+def test_an_output_check_leaves_no_file_behind(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "a.json"
+    with pytest.raises(SystemExit):  # the check passes, then the missing trace is the error
+        main(["trace", str(tmp_path / "missing.jsonl"), "--json", str(out), "--bogus"])
+    assert not out.exists()
+    existing = tmp_path / "b.json"
+    existing.write_text("kept")
+    assert main(["trace", str(_trace_file(tmp_path)), "--json", str(existing)]) == 0
+    assert json.loads(existing.read_text())["summary"]["allocs"] == 2
+    capsys.readouterr()
+
+
+def test_trace_plot_draws_only_the_selected_slots_and_says_where(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("matplotlib")
+    from mambacache.tracing import _report
+
+    lines = [line("slot.alloc", 0, slot=s, request_id=f"r{s}", cleared=True) for s in (1, 2, 3, 4)]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join([*lines, line("step.flush", 0, events=4, elided=0)]) + "\n")
+    drawn: list[list[int]] = []
+    real_plot = _report.plot
+
+    def spy(analysis: object, out: str, slots: list[int] | None = None) -> None:
+        drawn.append(sorted(analysis.timelines if slots is None else slots))  # type: ignore[attr-defined]
+        real_plot(analysis, out, slots)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_report, "plot", spy)
+    png = tmp_path / "occ.png"
+    assert main(["trace", str(path), "--plot", str(png), "--slot", "3"]) == 0
+    assert drawn == [[3]] and png.read_bytes()[:4] == b"\x89PNG"
+    assert f"occupancy plot of 1 slot(s): {png}" in capsys.readouterr().out
+    assert main(["trace", str(path), "--plot", str(png), "--json", "-"]) == 0
+    captured = capsys.readouterr()
+    assert drawn[-1] == [1, 2, 3, 4] and json.loads(captured.out)["summary"]["allocs"] == 4
+    assert f"occupancy plot of 4 slot(s): {png}" in captured.err
+
+
+def test_no_tenant_bar_has_the_anomaly_colour(monkeypatch: pytest.MonkeyPatch) -> None:
+    matplotlib = pytest.importorskip("matplotlib")
+    import matplotlib.colors as mcolors
+
+    from mambacache.tracing import analyze_lines
+    from mambacache.tracing._report import ANOMALY_COLOUR, plot
+
+    # Old code coloured tenants by first appearance from tab20: the 7th (index 6) was red, as anomalies are.
+    # Here the prefix cache's checkpoints come 7th, among 40 tenants (the palette wraps round).
+    tenants = [f"r{i}" for i in range(6)] + ["prefix-cache"] + [f"r{i}" for i in range(6, 40)]
+    lines = [line("slot.alloc", 0, slot=i + 1, request_id=t, cleared=True) for i, t in enumerate(tenants)]
+    analysis = analyze_lines([*lines, line("step.flush", 0, events=len(lines), elided=0)], expect_idle=False)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures: list[object] = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure to read its bars
+    plot(analysis, str(Path("/dev/null")))
+    fig = figures[0]
+    bars = [tuple(c) for coll in fig.axes[0].collections for c in coll.get_facecolors()]  # type: ignore[attr-defined]
+    assert len(bars) == len(tenants)
+    anomaly = mcolors.to_rgba(ANOMALY_COLOUR)
+    for r, g, b, a in bars:
+        assert (r, g, b, a) != anomaly and not (r > 0.8 and g < 0.7 and abs(g - b) < 0.1), (r, g, b)  # no red
+    monkeypatch.undo()
+    plt.close(fig)  # type: ignore[arg-type]
+
+
+def test_readme_commands_table_names_every_option_and_choice() -> None:
+    """Every option (and each choice of a choices option) of every subcommand, read from the parsers, is in the
+    README's commands table row of that subcommand: a new option without a README entry fails here."""
+    rows = {}
+    for text in README.read_text(encoding="utf-8").splitlines():
+        m = re.match(r"\| `mambacache (\w+)(.*?)` \|", text)
+        if m:
+            rows[m.group(1)] = m.group(2).replace("\\|", "|")
+    missing: list[str] = []
+    for name, parser in subcommands(build_parser()).items():
+        row = rows.get(name)
+        if row is None:
+            missing.append(f"no row for `mambacache {name}`")
+            continue
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            if not action.option_strings:  # a positional: its metavar
+                word = str(action.metavar or action.dest.upper())
+                if not re.search(rf"(?<![\w-]){re.escape(word)}(?![\w-])", row):
+                    missing.append(f"mambacache {name} {word}")
+                continue
+            flag = max(action.option_strings, key=len)
+            m = re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])( [^\s\]]+)?", row)
+            if m is None:
+                missing.append(f"mambacache {name} {flag}")
+                continue
+            if action.choices is not None:
+                listed = set((m.group(1) or "").strip().split("|"))
+                lacking = [str(c) for c in action.choices if str(c) not in listed]
+                if lacking:
+                    missing.append(f"mambacache {name} {flag} {'|'.join(lacking)}")
+    assert not missing, "README.md's commands table lacks: " + "; ".join(missing)
 
 
 def test_python_dash_m_runs_the_cli() -> None:

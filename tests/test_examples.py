@@ -40,3 +40,14 @@ def test_cuda_check_runs_on_the_cpu() -> None:
     )
     assert out.stdout.count(": equal") == 6, out.stdout + out.stderr
     assert "decode step host reads: none" in out.stdout, out.stdout
+
+
+@pytest.mark.slow
+def test_transfer_gpu_check_runs_its_gloo_parts_on_cpu() -> None:
+    """``--cpu``: the prepared GPU check's own check, on CPU pools (it used to say "pools on CPU pools")."""
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "transfer_gpu_check.py"), "--cpu", "--quick"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    assert "pools on CPU (--cpu), backend" in out.stdout and "CPU pools" not in out.stdout, out.stdout
+    assert "transfer check: bytes exact" in out.stdout, out.stdout + out.stderr

@@ -36,14 +36,13 @@ ops = st.lists(
 
 
 class LedgerModel:
-    """Held slots by tenant and one reservation, counted the obvious way (by walking everything)."""
+    """Held slots by tenant and each tenant's reservation, counted the obvious way (by walking everything)."""
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.held: dict[int, str | None] = {}
         self.later: list[int] = []  # freed by free_later, reusable only after everything else
-        self.rtenant: str | None = None
-        self.reserved = 0
+        self.reserved: dict[str, int] = {}  # tenant -> slots kept for it
 
     def free(self) -> list[int]:
         return sorted(set(range(1, self.size + 1)) - set(self.held) - set(self.later))
@@ -51,15 +50,15 @@ class LedgerModel:
     def count(self, tenant: str | None) -> int:
         return sum(1 for t in self.held.values() if t == tenant)
 
+    def kept_for_others(self, tenant: str | None) -> int:
+        return sum(max(0, k - self.count(t)) for t, k in self.reserved.items() if t != tenant)
+
     def available(self, tenant: str | None) -> int:
-        free = self.size - len(self.held)
-        if self.rtenant is None or tenant == self.rtenant:
-            return free
-        return max(0, free - max(0, self.reserved - self.count(self.rtenant)))
+        return max(0, self.size - len(self.held) - self.kept_for_others(tenant))
 
 
 def _state(ledger: SlotLedger) -> tuple[Any, ...]:
-    return ledger.held_by(), ledger.num_free, ledger.rtenant, ledger.reserved, ledger.rheld
+    return ledger.held_by(), ledger.num_free, {t: list(r) for t, r in ledger.reservations.items()}, ledger.kept
 
 
 @given(ops, st.integers(1, 8))
@@ -107,21 +106,27 @@ def test_the_reservation_matches_a_walking_model(raw: list[tuple[str, int, int, 
             m.later.clear()
         elif kind == "reserve" and tenant is not None:
             k = n % size
-            if m.rtenant is not None and m.rtenant != tenant:
-                with pytest.raises(mc.InvalidArgumentError, match="already reserved"):
+            others = sum(v for t, v in m.reserved.items() if t != tenant)
+            if k and others + k >= size:  # every slot kept: none left for anyone else
+                with pytest.raises(mc.InvalidArgumentError, match="must leave a slot"):
                     ledger.reserve(k, tenant)
                 assert _state(ledger) == before
                 continue
-            if k - m.count(tenant) > size - len(m.held):
+            if k and k - m.count(tenant) > size - len(m.held) - m.kept_for_others(tenant):
                 with pytest.raises(mc.PoolExhaustedError, match="cannot reserve"):
                     ledger.reserve(k, tenant)
                 assert _state(ledger) == before
                 continue
             ledger.reserve(k, tenant)
-            m.rtenant, m.reserved = (tenant, k) if k else (None, 0)
+            if k:
+                m.reserved[tenant] = k
+            else:
+                m.reserved.pop(tenant, None)
         assert ledger.held_by() == dict(sorted(m.held.items()))
-        assert (ledger.rtenant, ledger.reserved) == (m.rtenant, m.reserved)
-        assert ledger.rheld == (m.count(m.rtenant) if m.rtenant is not None else 0)
+        assert {t: r[0] for t, r in ledger.reservations.items()} == m.reserved
+        assert {t: r[1] for t, r in ledger.reservations.items()} == {t: m.count(t) for t in m.reserved}
+        assert ledger.reserved == sum(m.reserved.values())
+        assert ledger.kept == sum(max(0, k - m.count(t)) for t, k in m.reserved.items())
         for t in TENANTS:
             assert ledger.available(t) == m.available(t), t
 
@@ -186,7 +191,8 @@ def test_hand_over_moves_slots_in_and_out_of_the_reservation() -> None:
         ((True, "ck"), mc.InvalidArgumentError),
         ((1, None), mc.InvalidArgumentError),
         ((1, 3), mc.InvalidArgumentError),
-        ((1, "other"), mc.InvalidArgumentError),  # one reservation at a time
+        ((3, "other"), mc.InvalidArgumentError),  # with ck's 1, every slot kept: none left for a request
+        ((2, "other"), mc.PoolExhaustedError),  # 1 free: 2 cannot be kept beside ck's
         ((3, "ck"), mc.PoolExhaustedError),  # 1 free, and ck holds 1: 3 cannot be kept
     ],
 )
@@ -285,9 +291,10 @@ def test_prefix_cache_refuses_a_bad_reservation_and_reserves_nothing(kwargs: dic
         assert (mgr.reserved, mgr.available, len(mgr.held())) == (0, 3, 2)
         mc.PrefixCache(mgr, block_size=2, max_checkpoints=4, reserved=3)
         assert (mgr.reserved, mgr.available) == (3, 0)
-        with pytest.raises(mc.InvalidArgumentError, match="already reserves 3"):
+        with pytest.raises(mc.PoolExhaustedError, match="kept for other reservations"):  # every free one is kept
             mc.PrefixCache(mgr, block_size=2, reserved=1)
-        assert mgr.reserved == 3
+        assert mgr.reservations == {"prefix-cache": 3}
+        assert mc.PrefixCache(mgr, block_size=2).tenant == "prefix-cache-2"  # the refused cache took no name
     with pytest.raises(mc.ManagerClosedError):
         mc.PrefixCache(mgr, block_size=2, reserved=1)
 
@@ -357,28 +364,34 @@ def test_a_fork_evicts_only_checkpoints_above_the_reservation(reserved: int) -> 
         assert sum(t == CHECKPOINT_TENANT for t in mgr.held().values()) == (2 if reserved else 1)
 
 
-def test_a_refused_fork_evicts_nothing_even_beside_another_caches_reservation() -> None:
-    """The pool's reservation counts every cache's checkpoints (one tenant): a cache without one must not evict
-    within it, and a closed cache's reservation ends so a new cache may make its own."""
+def test_each_caches_reservation_counts_its_own_checkpoints() -> None:
+    """Each cache holds its checkpoints under its own tenant, and its reservation counts those only (issue #31;
+    they used to share one tenant, so a cache without a reservation could not evict its own checkpoints for a
+    fork: they counted as the other cache's reserved ones): a cache without a reservation evicts its own for a
+    fork, and the other's reserved slots stay kept. A closed cache's reservation ends, so a new one may reserve."""
     spec = mc.StateSpec(num_layers=1, conv_shapes=(), temporal_shape=(2,))
     with mc.CacheManager(mc.StatePool(spec, 6)) as mgr:
         first = mc.PrefixCache(mgr, block_size=2, max_checkpoints=4, reserved=2)
         first.close()
         assert mgr.reserved == 0 and first.reserved == 0
-        again = mc.PrefixCache(mgr, block_size=2, max_checkpoints=4, reserved=2)  # refused before close() existed
+        again = mc.PrefixCache(mgr, block_size=2, max_checkpoints=4, reserved=2)
         plain = mc.PrefixCache(mgr, block_size=2, max_checkpoints=4)
+        assert (first.tenant, again.tenant, plain.tenant) == ("prefix-cache", "prefix-cache-2", "prefix-cache-3")
         runners = mgr.alloc(2, "a")
         mgr.flush_nowait()
         assert plain.insert([1, 2], runners[0]) and plain.insert([5, 6], runners[1])
-        runners += mgr.alloc(mgr.available, "a")
+        assert mgr.available == 0 and mgr.pool.num_free == 2  # both kept for `again`, not used up by `plain`
+        assert sorted(mgr.held().values()) == ["a", "a", "prefix-cache-3", "prefix-cache-3"]
         hit = plain.match([1, 2, 3])
         assert hit is not None
-        before = (plain.stats, mgr.held(), mgr.queued())
-        with pytest.raises(mc.PoolExhaustedError):
-            plain.fork(hit, "c")
-        assert (plain.stats, mgr.held(), mgr.queued()) == before
+        fork = plain.fork(hit, "c")  # evicts plain's other checkpoint: above plain's (zero) reservation
+        assert plain.stats.evictions == 1 and plain.match([5, 6]) is None and plain.match([1, 2]) is not None
+        assert mgr.available == 0 and mgr.pool.num_free == 2  # `again`'s two are still kept
+        assert again.insert([7], runners[0]) and again.insert([8], runners[1])  # and its inserts find them
+        assert again.stats.evictions == plain.stats.skipped == 0
+        assert mgr.reservations == {"prefix-cache-2": 2}
         for cache in (again, plain):
             cache.close()
-        mgr.release_many(runners, "a")
+        mgr.release_many([*runners, fork], None)
         mgr.flush_nowait()
         mgr.check_idle()

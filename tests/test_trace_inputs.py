@@ -151,8 +151,9 @@ def test_analyze_is_public_and_analyze_lines_takes_str_or_bytes() -> None:
 
 def test_trace_usage_errors_are_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write(tmp_path, "t.jsonl", clean_bytes())
-    assert main(["trace", str(path), "--json", str(tmp_path / "missing" / "out.json")]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:  # checked when parsed, as every command's output paths
+        main(["trace", str(path), "--json", str(tmp_path / "missing" / "out.json")])
+    assert info.value.code == 2 and "does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit) as info:
         main(["trace", str(path), "--max-entries", "0"])
     assert info.value.code == 2

@@ -10,6 +10,7 @@ same step still feeds that fork, and a restore reads what the offload wrote.
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -24,21 +25,26 @@ from ._trie import Trie, _Node
 __all__ = ["CHECKPOINT_TENANT", "PrefixCache", "PrefixHit", "PrefixStats"]
 
 CHECKPOINT_TENANT = "prefix-cache"
-"""The ``request_id`` of every checkpoint slot (what ``CacheManager.held`` shows for them)."""
+"""The ``request_id`` of the checkpoint slots of a manager's first cache (what ``CacheManager.held`` shows for
+them); its second cache's are ``"prefix-cache-2"``, and so on (``PrefixCache.tenant``)."""
+
+# Caches made on each manager, for each cache's own tenant: a cache's reservation counts its own checkpoints only.
+_made: weakref.WeakKeyDictionary[CacheManager, int] = weakref.WeakKeyDictionary()
 
 
-def _reserve(manager: CacheManager, reserved: Any, max_checkpoints: int) -> int:
-    """Check ``reserved`` and keep that many of the manager's slots for checkpoints; returns it."""
+def _reserve(manager: CacheManager, reserved: Any, max_checkpoints: int) -> tuple[int, str]:
+    """Check ``reserved``, name the new cache's tenant and keep ``reserved`` of the manager's slots for it."""
     top = min(max_checkpoints, manager.pool.num_slots - 1)
     if type(reserved) is not int or not 0 <= reserved <= top:
         raise InvalidArgumentError(
             f"reserved must be an int in 0..min(max_checkpoints, num_slots - 1) = 0..{top}, got {reserved!r}"
         )
-    if reserved and manager.reserved:
-        raise InvalidArgumentError(f"this manager already reserves {manager.reserved} slot(s): one reservation")
+    made = _made.get(manager, 0) + 1
+    tenant = CHECKPOINT_TENANT if made == 1 else f"{CHECKPOINT_TENANT}-{made}"
     if reserved:
-        manager.reserve(reserved, CHECKPOINT_TENANT)
-    return reserved
+        manager.reserve(reserved, tenant)  # the other caches' reservations stand beside it
+    _made[manager] = made  # only once nothing can refuse the cache
+    return reserved, tenant
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +100,10 @@ class PrefixCache:
     * at most ``max_checkpoints`` checkpoints hold pool slots (a budget apart
       from running requests), and at most ``host_checkpoints`` hold host slots;
       requests never take the ``reserved`` slots, so an insert below that many finds one;
+    * the checkpoint slots are held by the cache's own ``tenant`` (``"prefix-cache"``
+      for a manager's first cache, ``"prefix-cache-2"`` for its second...), and its
+      reservation counts that tenant's slots only: another cache's checkpoints on
+      the same manager never use it up;
     * eviction takes the least recently used *leaf*: a device checkpoint with no
       device checkpoint of a longer prefix extending it (under its key), so a
       chain of checkpoints along one prompt shrinks from its end; with
@@ -129,7 +139,8 @@ class PrefixCache:
             raise InvalidArgumentError(
                 "host_checkpoints > 0 needs a manager with a host pool: CacheManager(pool, host_pool=HostPool(...))"
             )
-        self.reserved = _reserve(manager, reserved, max_checkpoints)  # last: a refusal leaves no cache behind
+        # Last: a refusal leaves no cache behind.
+        self.reserved, self.tenant = _reserve(manager, reserved, max_checkpoints)
         self._mgr = manager
         self.block_size = block_size
         self.max_checkpoints = max_checkpoints
@@ -238,12 +249,12 @@ class PrefixCache:
         while len(self._device) >= self.max_checkpoints and self._evict_one(protect=None):
             pass
         try:
-            checkpoint = self._alloc(CHECKPOINT_TENANT, protect=None)
+            checkpoint = self._alloc(self.tenant, protect=None)
         except PoolExhaustedError:
             self._counts["skipped"] += 1
             return False
         node = self._trie.link(path, key)
-        self._mgr.copy_on_write(slot, checkpoint, request_id=CHECKPOINT_TENANT)
+        self._mgr.copy_on_write(slot, checkpoint, request_id=self.tenant)
         node.slot, node.payload = checkpoint, payload
         node.gen += 1
         self._device[node] = None
@@ -263,7 +274,7 @@ class PrefixCache:
         """Release every checkpoint slot and drop every host checkpoint (before an idle leak check, say)."""
         self._mgr.check_open()
         for node in list(self._device):
-            self._mgr.release(node.slot, request_id=CHECKPOINT_TENANT)
+            self._mgr.release(node.slot, request_id=self.tenant)
             node.slot = 0
         for node in list(self._host):
             self._mgr.drop(node.host)
@@ -281,7 +292,7 @@ class PrefixCache:
         """
         self.clear()
         if self.reserved:
-            self._mgr.reserve(0, CHECKPOINT_TENANT)
+            self._mgr.reserve(0, self.tenant)
             self.reserved = 0
 
     def _alloc(self, request_id: str | None, protect: _Node | None) -> int:
@@ -289,11 +300,10 @@ class PrefixCache:
             try:
                 return self._mgr.alloc(1, request_id, clear=False)[0]
             except PoolExhaustedError:
-                # The pool's reservation, not this cache's count, decides: every cache's checkpoints share the
-                # tenant. At or below it, the evicted slot would stay kept for checkpoints: no help to a request.
-                ledger = self._mgr.pool.ledger
-                kept = ledger.rtenant == CHECKPOINT_TENANT and ledger.rheld <= ledger.reserved
-                if (request_id != CHECKPOINT_TENANT and kept) or not self._evict_one(protect):
+                # This cache's tenant holds exactly its device checkpoints: at or below its reservation, an evicted
+                # slot would stay kept for them, no help to a request (another cache's reservation is not ours).
+                kept = len(self._device) <= self.reserved
+                if (request_id != self.tenant and kept) or not self._evict_one(protect):
                     raise
 
     def _evict_one(self, protect: _Node | None) -> bool:
@@ -311,9 +321,9 @@ class PrefixCache:
             while (len(self._host) >= self.host_checkpoints or hp.num_free == 0) and self._drop_host_one(protect):
                 pass
             if len(self._host) < self.host_checkpoints and hp.num_free:
-                host = mgr.offload(victim.slot, request_id=CHECKPOINT_TENANT)
+                host = mgr.offload(victim.slot, request_id=self.tenant)
         slot = victim.slot
-        mgr.release(slot, request_id=CHECKPOINT_TENANT)
+        mgr.release(slot, request_id=self.tenant)
         del self._device[victim]
         self._trie.adjust_below(victim, -1)
         victim.slot = 0

@@ -14,10 +14,11 @@ import torch
 from .._console import (
     Progress,
     UsageError,
-    check_output_path,
+    executor_name,
     float_in,
     int_at_least,
     need_matplotlib,
+    output_path,
     table,
     write_json,
 )
@@ -48,6 +49,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--executor",
         action="append",
+        type=executor_name(*BENCH_EXECUTORS),
         help="repeatable: a registered executor, or torch-runs / torch-index / torch-direct (the torch executor with"
         " a forced path); default: torch, torch-direct, npu, reference",
     )
@@ -66,15 +68,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--budget-gb",
         type=float_in(0, low_open=True),
         default=5.0,
-        help=f"peak memory of the run, pools and buffers together (default 5); the pool gets {POOL_SHARE:.0%} of it"
+        help=f"peak memory of the run, pools and buffers together (default 5); the pool gets {POOL_SHARE:.0%}% of it"
         " and layers are cut to fit",
     )
     p.add_argument(
         "--workspace-mb", type=float_in(0, low_open=True), default=64.0, help="copy workspace bound of the npu executor"
     )
     p.add_argument("--quick", action="store_true", help="the small preset, sizes 1,8,64: under a minute")
-    p.add_argument("--plot", metavar="PNG", help="ratio to the bandwidth bound per path and size (matplotlib)")
-    p.add_argument("--json", metavar="PATH", help="write every figure as JSON ('-' for stdout)")
+    p.add_argument(
+        "--plot", metavar="PNG", type=output_path(), help="ratio to the bandwidth bound per path and size (matplotlib)"
+    )
+    p.add_argument(
+        "--json", metavar="PATH", type=output_path(stdout=True), help="write every figure as JSON ('-' for stdout)"
+    )
     p.add_argument(
         "--transfer",
         action="store_true",
@@ -103,7 +109,6 @@ def _sizes(text: str) -> list[int]:
 def _check_args(args: argparse.Namespace) -> torch.device:
     """Every argument checked before minutes of work: one line and exit 2 on the first bad one."""
     from .._errors import MambaCacheError
-    from .._executors import known_executors
     from .._torchutil import as_device
 
     if str(args.device).startswith("npu"):
@@ -117,12 +122,6 @@ def _check_args(args: argparse.Namespace) -> torch.device:
         device = as_device(args.device)
     except MambaCacheError as exc:
         raise UsageError(f"--device {args.device}: {exc}") from None
-    known = [*known_executors(), *BENCH_EXECUTORS]
-    for name in args.executor or []:
-        if name not in known:
-            raise UsageError(f"--executor {name!r} is unknown; known: {', '.join(known)}")
-    check_output_path(args.json)
-    check_output_path(args.plot)
     if args.transfer and (device.type != "cpu" or args.plot or args.tp > 1):
         raise UsageError(
             "--transfer runs on CPU over gloo and has no --plot or --tp (pick a sharded --preset);"

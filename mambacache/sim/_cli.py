@@ -10,7 +10,17 @@ from typing import Any
 
 import anyio
 
-from .._console import Progress, UsageError, check_output_path, float_in, int_at_least, table, write_json
+from .._console import (
+    Progress,
+    UsageError,
+    check_output_path,
+    executor_name,
+    float_in,
+    int_at_least,
+    output_path,
+    table,
+    write_json,
+)
 from ._models import MODELS, STATE_DTYPES, build_model
 from ._pd import PD_FAULTS
 from ._scheduler import CHECKPOINTS, FAULTS, PREEMPT, SCENARIOS, SimConfig, SimReport, pool_sizes, simulate
@@ -33,7 +43,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         ),
     )
     _add_model_options(p)
-    p.add_argument("--requests", type=int_at_least(1), default=_D.requests)
+    p.add_argument(
+        "--requests", type=int_at_least(1), default=_D.requests, help=f"requests per model (default {_D.requests})"
+    )
     p.add_argument(
         "--max-running", type=int_at_least(1), default=None, help=f"default: the scenario's, else {_D.max_running}"
     )
@@ -44,7 +56,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help=f"share of prompts with a common prefix (default: the scenario's, else {_D.prefix_share})",
     )
     p.add_argument("--slots", type=int_at_least(2), default=None, help="pool slots (default: max-running * 1.5)")
-    p.add_argument("--seed", type=int_at_least(0), default=_D.seed)
+    p.add_argument(
+        "--seed",
+        type=int_at_least(0),
+        default=_D.seed,
+        help=f"seeds the models' weights, the prompts and the arrivals (default {_D.seed})",
+    )
     p.add_argument(
         "--arrival-rate", type=float_in(0, low_open=True), default=_D.arrival_rate, help="requests per step (> 0)"
     )
@@ -114,11 +131,21 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--preempt", choices=PREEMPT, default=None, help="what to do when slots run out")
     _add_prefix_options(p)
-    p.add_argument("--executor", default=None, help="torch, npu or reference (default: by device)")
-    p.add_argument("--no-verify", action="store_true", help="skip the isolated-generation check")
-    p.add_argument("--json", metavar="PATH", help="write the reports as JSON ('-' for stdout)")
     p.add_argument(
-        "--trace", metavar="PATH", help="write the slot lifecycle trace (JSON lines; one file per model when several)"
+        "--executor",
+        type=executor_name(),
+        default=None,
+        help="a registered executor: torch, npu, reference... (default: by device)",
+    )
+    p.add_argument("--no-verify", action="store_true", help="skip the isolated-generation check")
+    p.add_argument(
+        "--json", metavar="PATH", type=output_path(stdout=True), help="write the reports as JSON ('-' for stdout)"
+    )
+    p.add_argument(
+        "--trace",
+        metavar="PATH",
+        type=output_path(),
+        help="write the slot lifecycle trace (JSON lines; one file per model when several)",
     )
     p.add_argument("--append", action="store_true", help="append to an existing --trace file instead of refusing")
     p.set_defaults(func=run)
@@ -167,6 +194,8 @@ def _trace_path(base: str | None, model: str, several: bool) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.append and args.trace is None:
+        raise UsageError("--append appends to a --trace file: give --trace PATH")
     quantised = args.state_dtype != "float32"
     default = ["toy"] if quantised else ["all"]
     models = list(
@@ -180,7 +209,6 @@ def run(args: argparse.Namespace) -> int:
     if args.scenario == "pd" or pd_tp or args.fault in PD_FAULTS[1:]:
         return _pd(args, models)
     scenario = _scenario(args)
-    check_output_path(args.json)
     traces = _traces(args, models)
     _load_transformers(models)
     reports = _simulate_all(args, models, scenario, traces)
@@ -216,7 +244,6 @@ def _pd(args: argparse.Namespace, models: list[str]) -> int:
         raise UsageError("--scenario pd takes none of --speculative, --trace, --preempt, --adapters")
     args.tp_prefill = args.tp_prefill or 1
     args.tp_decode = args.tp_decode or 1
-    check_output_path(args.json)
     _load_transformers(models)
     return run_cli(args, models)
 

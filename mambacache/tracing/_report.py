@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .._console import table, write_json
+from .._console import output_path, table, write_json
 from .._errors import TraceError
 from ._analyze import Entry, TraceAnalysis, analyze
 
@@ -27,8 +27,18 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--expect-idle", action="store_true", help="slots and host slots still held at the end are anomalies (leaks)"
     )
     p.add_argument("--strict", action="store_true", help="any malformed line makes the trace unusable (exit 2)")
-    p.add_argument("--json", metavar="PATH", help="write the analysis as JSON to PATH ('-' for stdout)")
-    p.add_argument("--plot", metavar="PNG", help="draw slot occupancy over steps (needs matplotlib)")
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        type=output_path(stdout=True),
+        help="write the analysis as JSON to PATH ('-' for stdout)",
+    )
+    p.add_argument(
+        "--plot",
+        metavar="PNG",
+        type=output_path(),
+        help="draw the selected slots' occupancy over steps (needs matplotlib)",
+    )
     p.add_argument("--max-entries", type=_positive, default=50, help="timeline lines shown per slot (default 50)")
     p.set_defaults(func=run)
 
@@ -99,18 +109,36 @@ def render_text(analysis: TraceAnalysis, slots: list[int], max_entries: int = 50
     return "\n".join(out)
 
 
-def plot(analysis: TraceAnalysis, path: str) -> None:
-    """Slot occupancy over steps: one row per slot, a bar per tenancy, coloured by tenant."""
+ANOMALY_COLOUR = "red"
+"""The anomaly markers' colour: no tenant's bar has it (nor tab20's other red)."""
+
+_CHECKPOINT_GREY = (0.5, 0.5, 0.5)
+# tab20's reds (6, 7) would read as anomalies, its greys (14, 15) as checkpoints: requests get the other 16.
+_REQUEST_PALETTE = tuple(i for i in range(20) if i not in (6, 7, 14, 15))
+
+
+def tenant_colour(tenant: str | None, colours: dict[str | None, int]) -> tuple[float, ...]:
+    """``tenant``'s bar colour: grey for a prefix cache's checkpoints (tenant ``prefix-cache...``), else the next
+    of tab20's non-red, non-grey colours by first appearance (``colours`` keeps the order), so neighbours differ."""
+    import matplotlib
+
+    if tenant is not None and tenant.startswith("prefix-cache"):
+        return _CHECKPOINT_GREY
+    index = colours.setdefault(tenant, _REQUEST_PALETTE[len(colours) % len(_REQUEST_PALETTE)])
+    return tuple(matplotlib.colormaps["tab20"](index))
+
+
+def plot(analysis: TraceAnalysis, path: str, slots: list[int] | None = None) -> None:
+    """Occupancy of ``slots`` (default: all) over steps: one row per slot, a bar per tenancy, coloured by tenant."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    last = max((e.step or 0 for es in analysis.timelines.values() for e in es), default=0) + 1
-    slots = sorted(analysis.timelines)
+    slots = sorted(analysis.timelines if slots is None else slots)
+    last = max((e.step or 0 for s in slots for e in analysis.timelines[s]), default=0) + 1
     fig, ax = plt.subplots(figsize=(10, max(2.5, 0.22 * len(slots) + 1.2)))
-    cmap = plt.get_cmap("tab20")
-    colours: dict[str | None, object] = {}  # by first appearance, so neighbours differ
+    colours: dict[str | None, int] = {}
     for row, s in enumerate(slots):
         start: tuple[int, str | None] | None = None
         for e in analysis.timelines[s]:
@@ -118,40 +146,36 @@ def plot(analysis: TraceAnalysis, path: str) -> None:
             if e.action == "alloc":
                 start = (step, e.request_id)
             elif e.action == "release" and start is not None:
-                _bar(ax, cmap, colours, row, start, step)
+                _bar(ax, colours, row, start, step)
                 start = None
             elif e.action == "fork-in":
                 ax.plot(step, row, marker=">", color="black", markersize=4)
             elif e.action == "clear":
                 ax.plot(step, row, marker="x", color="black", markersize=4)
         if start is not None:
-            _bar(ax, cmap, colours, row, start, last)
+            _bar(ax, colours, row, start, last)
     for a in analysis.anomalies:
         if a.slot is not None and a.slot in slots:
-            ax.plot(a.step or 0, slots.index(a.slot), marker="o", color="red", fillstyle="none", markersize=9)
+            ax.plot(a.step or 0, slots.index(a.slot), marker="o", color=ANOMALY_COLOUR, fillstyle="none", markersize=9)
     ax.set_yticks(range(len(slots)), [str(s) for s in slots], fontsize=7)
     ax.set_xlabel("step")
     ax.set_ylabel("slot")
-    ax.set_title("slot occupancy (colour: tenant; > fork in; x clear; red o anomaly)")
+    ax.set_title("slot occupancy (colour: tenant, grey: checkpoints; > fork in; x clear; red o anomaly)")
     ax.set_xlim(0, last)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def _bar(
-    ax: object, cmap: object, colours: dict[str | None, object], row: int, start: tuple[int, str | None], end: int
-) -> None:
+def _bar(ax: object, colours: dict[str | None, int], row: int, start: tuple[int, str | None], end: int) -> None:
     step, tenant = start
-    colour = colours.setdefault(tenant, cmap(len(colours) % 20))  # type: ignore[operator]
+    colour = tenant_colour(tenant, colours)
     ax.broken_barh([(step, max(end - step, 0.6))], (row - 0.4, 0.8), facecolors=colour)  # type: ignore[attr-defined]
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._console import check_output_path, need_matplotlib
+    from .._console import need_matplotlib
 
-    for path in (args.json, args.plot):
-        check_output_path(path)
     if args.plot:
         need_matplotlib("--plot")
     try:
@@ -169,7 +193,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json != "-":
         sys.stdout.write(render_text(analysis, slots, args.max_entries) + "\n")
     if args.plot:
-        plot(analysis, args.plot)
+        plot(analysis, args.plot, slots)
+        where = sys.stderr if args.json == "-" else sys.stdout  # stdout is the JSON's then
+        where.write(f"occupancy plot of {len(slots)} slot(s): {args.plot}\n")
     return 1 if analysis.anomalies_for(slots) else 0
 
 

@@ -97,8 +97,19 @@ class Reads:
         self.root = os.path.dirname(os.path.abspath(mambacache.__file__)) + os.sep
         self.phase = "other"
         self.counts: Counter[str] = Counter()
+        self.originals = {name: torch.Tensor.__dict__.get(name) for name in self.METHODS}  # None: inherited
         for name in self.METHODS:
             setattr(torch.Tensor, name, self._wrap(name, getattr(torch.Tensor, name)))
+
+    def close(self) -> None:
+        """Put torch's own methods back (a test process goes on after counting)."""
+        import torch
+
+        for name, original in self.originals.items():
+            if original is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, original)
 
     def _wrap(self, name: str, original: Any) -> Any:
         def read(tensor: Any, *args: Any, **kwargs: Any) -> Any:
@@ -173,8 +184,10 @@ def main(mode: str, seed: int, steps: int) -> dict[str, Any]:
             for t in tensors:
                 t[:, s] = t[:, s] * 0.5 + float(int(r.rid[1:]) % 97 + step)
 
+    schedule_us: list[float] = []  # host time of each step's scheduling: finishes, matches, allocations
     for step in range(steps):
         reads.phase = "schedule"
+        t_schedule = time.perf_counter()
         # Finish some running requests: their slots become tree checkpoints or are freed.
         for r in [r for r in running if rng.random() < 0.4]:
             r.finished_reason = FINISH_LENGTH(length=0)
@@ -209,6 +222,7 @@ def main(mode: str, seed: int, steps: int) -> dict[str, Any]:
             if m.device_prefix_len:
                 pool.write((r.kv.req_pool_idx, slice(0, m.device_prefix_len)), cache.prefix_device_indices(r))
             new.append(r)
+        schedule_us.append((time.perf_counter() - t_schedule) * 1e6)
         # The step: collect the deferred clears and copies (prepare_for_extend), run them (the forward).
         batch = SimpleNamespace()
         ScheduleBatch._collect_deferred_mamba_cow_and_clear(batch, new)
@@ -269,7 +283,7 @@ def main(mode: str, seed: int, steps: int) -> dict[str, Any]:
         r.finished_reason = FINISH_LENGTH(length=0)
         release_kv_cache(r, cache, checkpoint=True)
     out: dict[str, Any] = {"digests": digests, "work": work, "step_us": step_us, "step_ops": step_ops}
-    out["reads"] = read_log
+    out["reads"], out["schedule_us"] = read_log, schedule_us
     if mode != "plain":
         (mgr,) = plugin.managers()
         plugin.settle()

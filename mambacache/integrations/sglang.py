@@ -101,16 +101,18 @@ def counts() -> dict[str, int]:
     return dict(_counts)
 
 
-def settle() -> None:
-    """Bring every manager's ledger up to SGLang's allocator now, one device read each (at most).
+def settle(sglang_pool: Any = None) -> None:
+    """Bring a manager's ledger up to SGLang's allocator now: one device read (at most).
 
     The hooks record SGLang's allocations, frees and tree hand-overs without
-    reading the slot ids (device values) and the next forward step's flush
+    reading the slot ids (device values), and the next forward step's flush
     applies them; until then :meth:`~mambacache.CacheManager.held` is the
     allocator's held set as of the last step. For operators and tests that
-    look in between.
+    look in between. ``sglang_pool``: the adopted ``HybridReqToTokenPool`` (or
+    its allocator, or its ``MambaPool``); None: every manager the plugin opened.
     """
-    for journal in _journals:
+    journals = _journals if sglang_pool is None else [getattr(sglang_pool, _ATTR)]
+    for journal in journals:
         journal.resolve()
 
 
@@ -385,7 +387,8 @@ def _around_get_cpu_copy(original: Any, mamba_pool: Any, indices: Any) -> Any:
     journal: _Journal | None = getattr(mamba_pool, _ATTR, None)
     mgr = journal.manager if journal is not None else None
     host = mgr.host_pool if mgr is not None else None
-    if journal is None or mgr is None or host is None or host.num_free < indices.numel():
+    n = indices.numel() if isinstance(indices, torch.Tensor) else len(indices)
+    if journal is None or mgr is None or host is None or host.num_free < n:
         _counts["fallbacks"] += 1
         return original(mamba_pool, indices)  # SGLang's own synchronous copy
     (slots,) = journal.resolve(indices)

@@ -197,7 +197,9 @@ class _Journal:
     the ids it held when recorded: an allocation is a slice of the allocator's
     ``free_slots`` and a free the tail of the new ``free_slots`` (SGLang rebinds
     that tensor, never writes it in place; the index a free is given may be a
-    view of a mapping row that a new request overwrites before the step).
+    view of a mapping row that a new request overwrites before the step); a
+    request's ping-pong track buffer, which SGLang writes in place, is copied
+    on the device.
     """
 
     __slots__ = ("manager", "meta", "orphans", "segments")
@@ -235,7 +237,8 @@ class _Journal:
                 _apply(mgr, run_kind, run)
                 run = []
             if kind in (_ALLOC, _FREE):
-                run_kind, run = kind, run + ids
+                run_kind = kind
+                run.extend(ids)
             elif kind == _TENANT:
                 for s in ids:
                     _tenant(mgr, s, tenant)  # -1 (a ping-pong track slot allocated later, on demand) is skipped
@@ -297,8 +300,8 @@ def _after_pool_alloc(result: Any, pool: Any, reqs: Any, *args: Any, **kwargs: A
             if req.kv.mamba_pool_idx is not None:
                 journal.record(_TENANT, req.kv.mamba_pool_idx, str(req.rid))
             track = getattr(req.kv, "mamba_ping_pong_track_buffer", None)  # the extra buffer's track slots
-            if track is not None:
-                journal.record(_TENANT, track, str(req.rid))
+            if track is not None:  # SGLang writes this buffer in place (set_mamba_ping_pong_slot): a copy
+                journal.record(_TENANT, track.clone(), str(req.rid))
 
 
 def _after_match(result: Any, component: Any, params: Any, *args: Any, **kwargs: Any) -> None:

@@ -26,6 +26,7 @@ import sys
 import time
 import types
 from array import array
+from collections import Counter
 from types import SimpleNamespace
 from typing import Any
 
@@ -74,6 +75,56 @@ def _shim() -> None:
         sys.modules[name] = m
 
 
+class Reads:
+    """Counts the device-to-host reads made from mambacache's own code, by phase of the workload.
+
+    On CUDA each ``.tolist()``, ``.item()``, ``int(t)``, ``.cpu()``... of a
+    device tensor waits for the device; on CPU none of them dispatches an op
+    (``.tolist()`` reads the memory directly), so a dispatch mode cannot see
+    them: the tensor methods themselves are wrapped, and a call counts when
+    the frame that made it is in the mambacache package (the plugin, or a
+    manager handed a tensor). SGLang's own reads and this harness's are not
+    counted.
+    """
+
+    METHODS = ("tolist", "item", "numpy", "cpu", "to", "__int__", "__index__", "__float__", "__bool__")
+
+    def __init__(self) -> None:
+        import torch
+
+        import mambacache
+
+        self.root = os.path.dirname(os.path.abspath(mambacache.__file__)) + os.sep
+        self.phase = "other"
+        self.counts: Counter[str] = Counter()
+        self.originals = {name: torch.Tensor.__dict__.get(name) for name in self.METHODS}  # None: inherited
+        for name in self.METHODS:
+            setattr(torch.Tensor, name, self._wrap(name, getattr(torch.Tensor, name)))
+
+    def close(self) -> None:
+        """Put torch's own methods back (a test process goes on after counting)."""
+        import torch
+
+        for name, original in self.originals.items():
+            if original is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, original)
+
+    def _wrap(self, name: str, original: Any) -> Any:
+        def read(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            to_host = name != "to" or any(str(a) == "cpu" for a in (*args, *kwargs.values()))
+            if to_host and sys._getframe(1).f_code.co_filename.startswith(self.root):
+                self.counts[self.phase] += 1
+            return original(tensor, *args, **kwargs)
+
+        return read
+
+    def take(self, phase: str) -> int:
+        """The reads counted in ``phase`` since the last take."""
+        return self.counts.pop(phase, 0)
+
+
 def main(mode: str, seed: int, steps: int) -> dict[str, Any]:
     if mode != "plain":
         os.environ["SGLANG_PLUGINS"] = "mambacache"
@@ -82,6 +133,7 @@ def main(mode: str, seed: int, steps: int) -> dict[str, Any]:
     _shim()
     import torch
 
+    reads = Reads()
     if mode != "plain":
         from sglang.srt.plugins import load_plugins
 
@@ -117,6 +169,9 @@ def main(mode: str, seed: int, steps: int) -> dict[str, Any]:
     tenant_errors: list[dict[str, Any]] = []
     step_us: list[float] = []  # host time of each step's deferred clears and copies
     step_ops: list[int] = []
+    # mambacache's device reads per step: scheduling (frees, matches, allocations, evictions), the forward step's
+    # flush, and the direct calls (retraction backups and loads, checkpoint copies) with how many there were.
+    read_log: dict[str, list[int]] = {k: [] for k in ("schedule", "step", "retract", "retractions", "checkpoint")}
     audit = os.environ.get("MAMBACACHE_SGLANG_AUDIT") == "1"
     from mambacache.audit import OpAudit
 
@@ -129,7 +184,10 @@ def main(mode: str, seed: int, steps: int) -> dict[str, Any]:
             for t in tensors:
                 t[:, s] = t[:, s] * 0.5 + float(int(r.rid[1:]) % 97 + step)
 
+    schedule_us: list[float] = []  # host time of each step's scheduling: finishes, matches, allocations
     for step in range(steps):
+        reads.phase = "schedule"
+        t_schedule = time.perf_counter()
         # Finish some running requests: their slots become tree checkpoints or are freed.
         for r in [r for r in running if rng.random() < 0.4]:
             r.finished_reason = FINISH_LENGTH(length=0)
@@ -164,6 +222,7 @@ def main(mode: str, seed: int, steps: int) -> dict[str, Any]:
             if m.device_prefix_len:
                 pool.write((r.kv.req_pool_idx, slice(0, m.device_prefix_len)), cache.prefix_device_indices(r))
             new.append(r)
+        schedule_us.append((time.perf_counter() - t_schedule) * 1e6)
         # The step: collect the deferred clears and copies (prepare_for_extend), run them (the forward).
         batch = SimpleNamespace()
         ScheduleBatch._collect_deferred_mamba_cow_and_clear(batch, new)
@@ -171,6 +230,7 @@ def main(mode: str, seed: int, steps: int) -> dict[str, Any]:
             got = getattr(batch, field, None)
             work[key] += 0 if got is None else len(got)
         fb = SimpleNamespace(forward_mode=ForwardMode.EXTEND, **vars(batch))
+        reads.phase = "step"
         if audit:  # aten ops of the step's clears and copies (a separate run: the audit's own cost skews timing)
             with OpAudit() as op_audit:
                 ModelRunner._maybe_execute_deferred_mamba_cow_and_clear(runner, fb)
@@ -179,6 +239,7 @@ def main(mode: str, seed: int, steps: int) -> dict[str, Any]:
             t0 = time.perf_counter()
             ModelRunner._maybe_execute_deferred_mamba_cow_and_clear(runner, fb)
             step_us.append((time.perf_counter() - t0) * 1e6)
+        reads.phase = "other"
         for r in new:
             start, n = r.kv.cache_protected_len, len(r.origin_input_ids)
             pool.write((r.kv.req_pool_idx, slice(start, n)), allocator.alloc(n - start))
@@ -188,6 +249,7 @@ def main(mode: str, seed: int, steps: int) -> dict[str, Any]:
         forward(running, step)
         # A retraction with a backup (decode disaggregation's path): the state goes to the host, the slot is
         # freed, the request is admitted again into a new slot and its state loaded back.
+        reads.phase, retractions = "retract", work["retractions"]
         for r in running:
             if rng.random() < 0.2 and pool.mamba_allocator.available_size() >= 1:
                 backup = mp.get_cpu_copy(r.kv.mamba_pool_idx.unsqueeze(0))
@@ -197,11 +259,17 @@ def main(mode: str, seed: int, steps: int) -> dict[str, Any]:
                 mp.load_cpu_copy(backup, r.kv.mamba_pool_idx.unsqueeze(0))
                 work["retractions"] += 1
         # A chunked-prefill style checkpoint of a running request: SGLang copies its slot into a new tree slot.
+        reads.phase = "checkpoint"
         for r in running:
             if rng.random() < 0.3 and pool.mamba_allocator.available_size() >= 1:
                 cache.checkpoint(r, up_to=r.kv.kv_committed_len)
                 work["checkpoints"] += 1
+        reads.phase = "other"
+        for phase in ("schedule", "step", "retract", "checkpoint"):
+            read_log[phase].append(reads.take(phase))
+        read_log["retractions"].append(work["retractions"] - retractions)
         if mode != "plain":  # held() names each slot's request, or the tree for its checkpoints
+            plugin.settle()  # the allocator's frees and allocations since the step, one read (not counted)
             tree = {int(v) for v in cache.all_mamba_values_flatten().tolist()}
             want = {s: plugin.TREE_TENANT for s in tree} | {int(r.kv.mamba_pool_idx): r.rid for r in running}
             got = plugin.managers()[0].held()
@@ -215,8 +283,10 @@ def main(mode: str, seed: int, steps: int) -> dict[str, Any]:
         r.finished_reason = FINISH_LENGTH(length=0)
         release_kv_cache(r, cache, checkpoint=True)
     out: dict[str, Any] = {"digests": digests, "work": work, "step_us": step_us, "step_ops": step_ops}
+    out["reads"], out["schedule_us"] = read_log, schedule_us
     if mode != "plain":
         (mgr,) = plugin.managers()
+        plugin.settle()
         out["tenant_errors"] = tenant_errors[:3]
         out["manager_steps"] = mgr.step
         out["counts"] = plugin.counts()

@@ -48,6 +48,14 @@ def test_the_plugin_leaves_every_byte_as_sglang_alone_does(seed: int, tmp_path: 
         "steps": STEPS, "direct": work["checkpoints"], "fallbacks": 0, "offloads": n, "restores": n
     }, counts  # fmt: skip
     assert plugin["manager_steps"] == STEPS + work["checkpoints"] + 2 * n
+    # Device-to-host reads from mambacache's code (a synchronisation each on CUDA): none at an allocation, a free,
+    # a match or a tree insert; at most one per forward step (its allocations, frees and indices in one transfer);
+    # one per direct call that needs its own slot ids (a backup, its load, a checkpoint's copy).
+    reads = plugin["reads"]
+    assert sum(reads["schedule"]) == 0, reads
+    assert max(reads["step"]) == 1, reads
+    assert reads["retract"] == [2 * k for k in reads["retractions"]], reads
+    assert sum(reads["checkpoint"]) == work["checkpoints"], reads
     assert plugin["held_matches"] is True  # held() is SGLang's allocator's held set
     assert plugin["tenant_errors"] == []  # after every step: each running request's slot, and the tree's checkpoints
     assert plugin["idle"] is True  # after cache.reset() and pool.clear(), check_idle passes
@@ -89,3 +97,13 @@ def test_sglangs_own_test_kits_see_the_same_with_the_plugin() -> None:
     assert plugin == plain
     assert plain["lru"]["before"] != plain["lru"]["after"]  # the match did refresh the LRU
     assert any(v is not None for v in plain["grid"].values())  # and some matches branched at a checkpoint
+
+
+def test_a_request_aborted_while_retracted_frees_its_backup() -> None:
+    """SGLang's abort of a retracted request (``discard_kv_cache_backup``) only lets go of the backup: the host
+    slots its ``HostCopy`` holds are freed at the next step, while the other request's backup loads back."""
+    out = run_json("tests._sglang_abort")
+    assert out["host_held_retracted"] == 2  # both retractions backed up in the plugin's host pool
+    assert out["resumed_state"] is True
+    assert out["host_held_after_step"] == {}
+    assert out["idle"] is True

@@ -18,7 +18,9 @@ scheduler process before the pools and the model runner are built):
   ``alloc_slots`` (without a clear: SGLang decides which slots to clear), each
   free a ``release``, and a reset releases every held slot, so
   :meth:`~mambacache.CacheManager.held` and ``check_idle`` agree with SGLang's
-  allocator at every step;
+  allocator at every step. SGLang keeps its free list on the device: the
+  hooks record the device tensors and read no slot id, and the step's flush
+  reads all of them in one transfer (:func:`settle` does it on demand);
 * ``HybridReqToTokenPool.alloc``, ``MambaComponent.finalize_match_result_in_cache``
   (after): the request's new slot gets its ``rid`` as tenant (SGLang's allocator
   hands slots out without one); ``MambaComponent.commit_insert_component_data``
@@ -35,7 +37,8 @@ scheduler process before the pools and the model runner are built):
   per pool slot by default, ``MAMBACACHE_SGLANG_HOST_SLOTS`` to change it; 0
   leaves backups to SGLang) and its load restores, ordered with the step's
   other events, with no device synchronisation; :class:`HostCopy` is what
-  SGLang keeps in the request's backup meanwhile;
+  SGLang keeps in the request's backup meanwhile (one SGLang lets go of
+  unloaded, an aborted request's, frees its host slots at the next step);
 * ``ModelRunner._maybe_execute_deferred_mamba_cow_and_clear`` (around): the
   step's deferred clears and copy-on-writes become ``clear`` and
   ``copy_on_write`` events in SGLang's order (clears first), flushed once per
@@ -45,8 +48,9 @@ scheduler process before the pools and the model runner are built):
 Left to SGLang's own code, never half taken over: pools with side states
 (PLE ``ShortConvPool``/``NGramPool``, ReplaySSM rings, which ride along on
 SGLang's clear and copy), int8 checkpoints (``mamba_checkpoint_pool.py``), the
-envelope layout, and ``MambaPoolHost``/HiCache. Slot ids are read to the host at each allocation and
-free (SGLang keeps its free list on the device).
+envelope layout, and ``MambaPoolHost``/HiCache. Slot ids are read to the host
+once per forward step, and once per direct call (a checkpoint's copy, a
+backup, its load), never per allocation or free.
 
 ``MAMBACACHE_TRACE=PATH`` writes the slot-lifecycle trace (debug level);
 ``MAMBACACHE_SGLANG_FAULT=skip-clear`` drops the step's clears: a deliberate
@@ -57,6 +61,8 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
+from collections import deque
 from typing import Any
 
 import torch
@@ -66,12 +72,12 @@ from .._host import HostPool
 from .._manager import CacheManager
 from .._pool import StatePool
 
-__all__ = ["PLUGIN_NAME", "TREE_TENANT", "HostCopy", "active", "adopt", "counts", "managers", "register"]
+__all__ = ["PLUGIN_NAME", "TREE_TENANT", "HostCopy", "active", "adopt", "counts", "managers", "register", "settle"]
 
 PLUGIN_NAME = "mambacache"
 TREE_TENANT = "sglang-tree"  # the tenant of a slot SGLang's radix tree holds (a prefix checkpoint)
-_ATTR = "_mambacache_manager"  # set on SGLang's pool and allocator objects the plugin drives
-_managers: list[CacheManager] = []
+_ATTR = "_mambacache_journal"  # set on SGLang's pool and allocator objects the plugin drives
+_journals: list[_Journal] = []
 # What the hooks did in this process: forward steps flushed, direct calls flushed, calls left to SGLang.
 _counts = {"steps": 0, "direct": 0, "fallbacks": 0, "offloads": 0, "restores": 0}
 _registered = False
@@ -85,7 +91,7 @@ def active() -> bool:
 
 def managers() -> list[CacheManager]:
     """The managers the plugin opened in this process, one per adopted mamba pool (for tests and operators)."""
-    return list(_managers)
+    return [j.manager for j in _journals]
 
 
 def counts() -> dict[str, int]:
@@ -93,6 +99,21 @@ def counts() -> dict[str, int]:
     ran as one flush), ``direct`` (direct ``clear_slots`` / ``copy_from`` calls run as a flush of their own)
     and ``fallbacks`` (calls left to SGLang's own code: a slot the allocator did not hand out)."""
     return dict(_counts)
+
+
+def settle(sglang_pool: Any = None) -> None:
+    """Bring a manager's ledger up to SGLang's allocator now: one device read (at most).
+
+    The hooks record SGLang's allocations, frees and tree hand-overs without
+    reading the slot ids (device values), and the next forward step's flush
+    applies them; until then :meth:`~mambacache.CacheManager.held` is the
+    allocator's held set as of the last step. For operators and tests that
+    look in between. ``sglang_pool``: the adopted ``HybridReqToTokenPool`` (or
+    its allocator, or its ``MambaPool``); None: every manager the plugin opened.
+    """
+    journals = _journals if sglang_pool is None else [getattr(sglang_pool, _ATTR)]
+    for journal in journals:
+        journal.resolve()
 
 
 def adopt(req_to_token_pool: Any) -> CacheManager | None:
@@ -103,9 +124,9 @@ def adopt(req_to_token_pool: Any) -> CacheManager | None:
     layout; and, with a warning, when its tensors cannot be adopted or the host
     tier cannot be made. Already adopted: the same manager.
     """
-    existing = getattr(req_to_token_pool, _ATTR, None)
+    existing: _Journal | None = getattr(req_to_token_pool, _ATTR, None)
     if existing is not None:
-        return existing  # type: ignore[no-any-return]
+        return existing.manager
     mamba_pool = req_to_token_pool.mamba_pool
     if not _takes_over(req_to_token_pool, mamba_pool):
         return None
@@ -118,7 +139,7 @@ def adopt(req_to_token_pool: Any) -> CacheManager | None:
         host_slots = int(os.environ.get("MAMBACACHE_SGLANG_HOST_SLOTS", pool.num_slots))
         host = HostPool(pool.spec, host_slots) if host_slots > 0 else None
         mgr = CacheManager(pool, host_pool=host).__enter__()
-        # The allocator may already hand out slots (a pool made before the plugin loaded).
+        # The allocator may already hand out slots (a pool made before the plugin loaded): one read, once.
         held = sorted(set(range(1, pool.num_slots + 1)) - set(allocator.free_slots.tolist()))
         if held:
             mgr.alloc_slots(held, clear=False)
@@ -129,9 +150,10 @@ def adopt(req_to_token_pool: Any) -> CacheManager | None:
             mgr.__exit__(None, None, None)
         logging.getLogger(__name__).warning("mambacache: SGLang keeps its mamba pool: %s", exc)
         return None
+    journal = _Journal(mgr)
     for obj in (req_to_token_pool, allocator, mamba_pool):
-        setattr(obj, _ATTR, mgr)
-    _managers.append(mgr)
+        setattr(obj, _ATTR, journal)
+    _journals.append(journal)
     return mgr
 
 
@@ -148,10 +170,109 @@ def _takes_over(req_to_token_pool: Any, mamba_pool: Any) -> bool:
     )
 
 
-def _slots(index: Any) -> list[int]:
-    if isinstance(index, torch.Tensor):
-        return [int(s) for s in index.reshape(-1).tolist()]
-    return [int(s) for s in index]
+_ALLOC, _FREE, _TENANT, _TREE = range(4)  # what a journal entry does when it is replayed
+_COMPACT = 32  # device segments kept before they are joined into one (a device op, no read)
+
+
+def _tenant(mgr: CacheManager, slot: int, rid: Any) -> None:
+    """A slot SGLang's allocator handed out without a request gets its request as tenant."""
+    if 0 < slot <= mgr.pool.num_slots and mgr.pool.is_allocated(slot) and mgr.pool.ledger.tenants[slot] is None:
+        mgr.hand_over(slot, str(rid))
+
+
+class _Journal:
+    """The slot changes SGLang's allocator and tree made since the last step, kept as SGLang's device tensors.
+
+    SGLang keeps its free list on the device, so a slot id is a device value;
+    reading one to the host at each allocation or free would make each of them
+    wait for the device (a synchronisation SGLang alone does not pay). Instead
+    each allocation, free, tenant and tree hand-over is recorded here with the
+    device tensor that holds its ids, and :meth:`resolve` reads every recorded
+    tensor, with the caller's own index tensors, in one transfer: once per
+    forward step (and once per direct call, which needs its own ids anyway);
+    then it replays the entries in order.
+
+    Invariants: replaying the entries in order brings the manager's ledger to
+    SGLang's allocator's state at the last entry; each recorded tensor holds
+    the ids it held when recorded: an allocation is a slice of the allocator's
+    ``free_slots`` and a free the tail of the new ``free_slots`` (SGLang rebinds
+    that tensor, never writes it in place; the index a free is given may be a
+    view of a mapping row that a new request overwrites before the step); a
+    request's ping-pong track buffer, which SGLang writes in place, is copied
+    on the device.
+    """
+
+    __slots__ = ("manager", "meta", "orphans", "segments")
+
+    def __init__(self, manager: CacheManager) -> None:
+        self.manager = manager
+        self.segments: list[torch.Tensor] = []  # device int64 ids: the entries', in order
+        self.meta: list[tuple[int, int, str | None]] = []  # (kind, how many ids, tenant) of each entry
+        # Host slots of HostCopy objects SGLang let go of without a load or drop; a deque: a finalizer appends.
+        self.orphans: deque[int] = deque()
+
+    def record(self, kind: int, ids: torch.Tensor, tenant: str | None = None) -> None:
+        """One entry, no device read; a long run of entries is joined on the device (no read either)."""
+        flat = ids.reshape(-1)
+        if flat.numel() == 0:
+            return
+        self.segments.append(flat if flat.dtype == torch.int64 else flat.to(torch.int64))
+        self.meta.append((kind, flat.numel(), tenant))
+        if len(self.segments) > _COMPACT:
+            self.segments = [torch.cat(self.segments)]
+
+    def resolve(self, *extra: Any) -> list[list[int]]:
+        """Replay the journal and return each of ``extra``'s ids (index tensors or int sequences), with one
+        device-to-host read at most: the journal's tensors and ``extra``'s in one transfer."""
+        tensors = [x.reshape(-1) for x in extra if isinstance(x, torch.Tensor)]
+        parts = [*self.segments, *(t if t.dtype == torch.int64 else t.to(torch.int64) for t in tensors)]
+        flat: list[int] = torch.cat(parts).tolist() if parts else []  # the one read
+        meta, self.segments, self.meta = self.meta, [], []
+        mgr, at = self.manager, 0
+        run: list[int] = []  # consecutive allocations (or frees): one call
+        run_kind = _ALLOC
+        for kind, n, tenant in meta:
+            ids, at = flat[at : at + n], at + n
+            if run and kind != run_kind:
+                _apply(mgr, run_kind, run)
+                run = []
+            if kind in (_ALLOC, _FREE):
+                run_kind = kind
+                run.extend(ids)
+            elif kind == _TENANT:
+                for s in ids:
+                    _tenant(mgr, s, tenant)  # -1 (a ping-pong track slot allocated later, on demand) is skipped
+            else:
+                for s in ids:
+                    mgr.hand_over(s, TREE_TENANT)
+        if run:
+            _apply(mgr, run_kind, run)
+        self.drop_orphans()
+        out = []
+        for x in extra:
+            n = x.numel() if isinstance(x, torch.Tensor) else 0
+            out.append(flat[at : at + n] if isinstance(x, torch.Tensor) else [int(s) for s in x])
+            at += n
+        return out
+
+    def reset(self) -> None:
+        """SGLang's allocator was reset: every slot is free, whatever the journal says; no read."""
+        self.segments, self.meta = [], []
+        held = list(self.manager.held())
+        if held:
+            self.manager.release_many(held)
+        self.drop_orphans()
+
+    def drop_orphans(self) -> None:
+        while self.orphans:
+            self.manager.drop(self.orphans.popleft())
+
+
+def _apply(mgr: CacheManager, kind: int, slots: list[int]) -> None:
+    if kind == _ALLOC:
+        mgr.alloc_slots(slots, clear=False)  # SGLang decides which slots to clear
+    else:
+        mgr.release_many(slots)
 
 
 # -- the hooks (plain functions: HookRegistry wraps them around SGLang's methods) -------------
@@ -160,62 +281,52 @@ def _after_init_mamba_pool(result: Any, pool: Any, *args: Any, **kwargs: Any) ->
 
 
 def _after_alloc(result: Any, allocator: Any, *args: Any, **kwargs: Any) -> None:
-    mgr: CacheManager | None = getattr(allocator, _ATTR, None)
-    if mgr is not None and result is not None and result.numel():
-        mgr.alloc_slots(_slots(result), clear=False)
+    journal: _Journal | None = getattr(allocator, _ATTR, None)
+    if journal is not None and result is not None:
+        journal.record(_ALLOC, result)
 
 
 def _after_free(result: Any, allocator: Any, free_index: Any, *args: Any, **kwargs: Any) -> None:
-    mgr: CacheManager | None = getattr(allocator, _ATTR, None)
-    if mgr is not None and free_index.numel():
-        mgr.release_many(_slots(free_index))
-
-
-def _tenant(mgr: CacheManager, slot: int, rid: Any) -> None:
-    """A slot SGLang's allocator handed out without a request gets its request as tenant."""
-    if mgr.pool.ledger.tenants[slot] is None and rid is not None:
-        mgr.hand_over(slot, str(rid))
+    journal: _Journal | None = getattr(allocator, _ATTR, None)
+    n = free_index.numel()
+    if journal is not None and n:
+        journal.record(_FREE, allocator.free_slots[-n:])  # what free() appended: never written in place
 
 
 def _after_pool_alloc(result: Any, pool: Any, reqs: Any, *args: Any, **kwargs: Any) -> None:
-    mgr: CacheManager | None = getattr(pool, _ATTR, None)
-    if mgr is not None and result is not None:
+    journal: _Journal | None = getattr(pool, _ATTR, None)
+    if journal is not None and result is not None:
         for req in reqs:
             if req.kv.mamba_pool_idx is not None:
-                _tenant(mgr, int(req.kv.mamba_pool_idx), req.rid)
+                journal.record(_TENANT, req.kv.mamba_pool_idx, str(req.rid))
             track = getattr(req.kv, "mamba_ping_pong_track_buffer", None)  # the extra buffer's track slots
-            if track is not None:
-                for slot in _slots(track):
-                    if slot > 0:  # -1: allocated later, on demand
-                        _tenant(mgr, slot, req.rid)
+            if track is not None:  # SGLang writes this buffer in place (set_mamba_ping_pong_slot): a copy
+                journal.record(_TENANT, track.clone(), str(req.rid))
 
 
 def _after_match(result: Any, component: Any, params: Any, *args: Any, **kwargs: Any) -> None:
-    mgr: CacheManager | None = getattr(component.cache.req_to_token_pool, _ATTR, None)
+    journal: _Journal | None = getattr(component.cache.req_to_token_pool, _ATTR, None)
     req = params.req
-    if mgr is not None and req is not None and req.kv.mamba_pool_idx is not None:
-        _tenant(mgr, int(req.kv.mamba_pool_idx), req.rid)  # the copy-on-write's new slot
+    if journal is not None and req is not None and req.kv.mamba_pool_idx is not None:
+        journal.record(_TENANT, req.kv.mamba_pool_idx, str(req.rid))  # the copy-on-write's new slot
 
 
 def _around_commit_insert(original: Any, component: Any, *args: Any, **kwargs: Any) -> Any:
     # SGLang passes (node, is_new_leaf, params, result, cache_actions) by keyword, and one is named `result`:
     # an around hook, so the names cannot clash with an after hook's own first argument.
     out = original(component, *args, **kwargs)
-    mgr: CacheManager | None = getattr(component.cache.req_to_token_pool, _ATTR, None)
+    journal: _Journal | None = getattr(component.cache.req_to_token_pool, _ATTR, None)
     params = kwargs["params"] if "params" in kwargs else args[2]
     insert = kwargs["result"] if "result" in kwargs else args[3]
-    if mgr is not None and not insert.mamba_exist:  # the tree took the slot: no event in SGLang, a hand-over here
-        for slot in _slots(params.mamba_value):
-            mgr.hand_over(slot, TREE_TENANT)
+    if journal is not None and not insert.mamba_exist:  # the tree took the slot: no event in SGLang, a hand-over
+        journal.record(_TREE, params.mamba_value)
     return out
 
 
 def _after_clear(result: Any, allocator: Any, *args: Any, **kwargs: Any) -> None:
-    mgr: CacheManager | None = getattr(allocator, _ATTR, None)
-    if mgr is not None:
-        held = list(mgr.held())
-        if held:
-            mgr.release_many(held)
+    journal: _Journal | None = getattr(allocator, _ATTR, None)
+    if journal is not None:
+        journal.reset()
 
 
 def _all_held(mgr: CacheManager, *groups: list[int]) -> bool:
@@ -224,27 +335,28 @@ def _all_held(mgr: CacheManager, *groups: list[int]) -> bool:
     return all(0 < s <= n and held(s) for group in groups for s in group)
 
 
-def _direct(original: Any, mamba_pool: Any, slots: list[list[int]], submit: Any, *args: Any) -> Any:
+def _direct(original: Any, mamba_pool: Any, submit: Any, *args: Any) -> Any:
     """A ``clear_slots`` / ``copy_from`` called outside the deferred step: events flushed at once, or SGLang's own
     code when a slot is not one SGLang's allocator handed out (the prefill graph runner's dummy slots)."""
-    mgr: CacheManager | None = getattr(mamba_pool, _ATTR, None)
-    if mgr is None:
+    journal: _Journal | None = getattr(mamba_pool, _ATTR, None)
+    if journal is None:
         return original(mamba_pool, *args)
-    if not _all_held(mgr, *slots):
+    slots = journal.resolve(*args)  # the journal and these indices: one read
+    if not _all_held(journal.manager, *slots):
         _counts["fallbacks"] += 1
         return original(mamba_pool, *args)
     _counts["direct"] += 1
-    submit(mgr, *slots)
-    mgr.flush_nowait()  # the caller expects the work enqueued on return, as SGLang's own does
+    submit(journal.manager, *slots)
+    journal.manager.flush_nowait()  # the caller expects the work enqueued on return, as SGLang's own does
     return None
 
 
 def _around_clear_slots(original: Any, mamba_pool: Any, indices: Any) -> Any:
-    return _direct(original, mamba_pool, [_slots(indices)], CacheManager.clear_many, indices)
+    return _direct(original, mamba_pool, CacheManager.clear_many, indices)
 
 
 def _around_copy_from(original: Any, mamba_pool: Any, src: Any, dst: Any) -> Any:
-    return _direct(original, mamba_pool, [_slots(src), _slots(dst)], CacheManager.copy_many, src, dst)
+    return _direct(original, mamba_pool, CacheManager.copy_many, src, dst)
 
 
 class HostCopy:
@@ -252,60 +364,71 @@ class HostCopy:
     :class:`~mambacache.HostPool` holding the states, in order; ``load_cpu_copy`` restores them.
 
     SGLang keeps it in the request's retraction backup as it would keep its CPU
-    tensors; a backup never loaded (an aborted request) holds its host slots
-    until :meth:`drop`, and ``check_idle`` names them meanwhile.
+    tensors. A backup never loaded (an aborted request: SGLang's
+    ``discard_kv_cache_backup`` just lets go of it) frees its host slots when
+    SGLang lets go of it: the manager drops them at its next step (or
+    :func:`settle`), and ``check_idle`` names them until then; :meth:`drop`
+    frees them at once.
     """
 
-    __slots__ = ("hosts", "manager")
+    __slots__ = ("__weakref__", "hosts", "manager")
 
-    def __init__(self, manager: CacheManager, hosts: list[int]) -> None:
+    def __init__(self, manager: CacheManager, hosts: list[int], orphans: deque[int] | None = None) -> None:
         self.manager = manager
-        self.hosts = hosts
+        self.hosts = hosts  # emptied in place when loaded or dropped: the finalizer shares this list
+        if orphans is not None:  # not from a finalizer's thread into the manager: a deque the next step drains
+            weakref.finalize(self, orphans.extend, hosts)
 
     def drop(self) -> None:
         """Free the host slots without restoring them."""
         for h in self.hosts:
             self.manager.drop(h)
-        self.hosts = []
+        self.hosts.clear()
 
 
 def _around_get_cpu_copy(original: Any, mamba_pool: Any, indices: Any) -> Any:
-    mgr: CacheManager | None = getattr(mamba_pool, _ATTR, None)
-    slots = _slots(indices)
+    journal: _Journal | None = getattr(mamba_pool, _ATTR, None)
+    mgr = journal.manager if journal is not None else None
     host = mgr.host_pool if mgr is not None else None
-    if mgr is None or host is None or host.num_free < len(slots) or not _all_held(mgr, slots):
+    n = indices.numel() if isinstance(indices, torch.Tensor) else len(indices)
+    if journal is None or mgr is None or host is None or host.num_free < n:
         _counts["fallbacks"] += 1
         return original(mamba_pool, indices)  # SGLang's own synchronous copy
+    (slots,) = journal.resolve(indices)
+    if not _all_held(mgr, slots):
+        _counts["fallbacks"] += 1
+        return original(mamba_pool, indices)
     # Offloads are ordered events: a release or a new tenant of the slot later in the step does not reach them,
     # so unlike SGLang's copy nothing waits for the device here.
     tenants = mgr.pool.ledger.tenants
     hosts = [mgr.offload(s, tenants[s]) for s in slots]  # the host slot names the request it backs up
     mgr.flush_nowait()
     _counts["offloads"] += len(hosts)
-    return HostCopy(mgr, hosts)
+    return HostCopy(mgr, hosts, journal.orphans)
 
 
 def _around_load_cpu_copy(original: Any, mamba_pool: Any, mamba_cache_cpu: Any, indices: Any) -> Any:
     if not isinstance(mamba_cache_cpu, HostCopy):
         return original(mamba_pool, mamba_cache_cpu, indices)
     mgr = mamba_cache_cpu.manager
-    slots = _slots(indices)
+    journal: _Journal = getattr(mamba_pool, _ATTR)  # the pool that made the HostCopy: adopted
+    (slots,) = journal.resolve(indices)
     if len(slots) != len(mamba_cache_cpu.hosts):
         raise ValueError(f"load_cpu_copy: {len(mamba_cache_cpu.hosts)} saved states for {len(slots)} slots")
     for h, s in zip(mamba_cache_cpu.hosts, slots, strict=True):
         mgr.restore(h, s)
     mgr.flush_nowait()  # the forward reads the slot next
     _counts["restores"] += len(slots)
-    mamba_cache_cpu.hosts = []
+    mamba_cache_cpu.hosts.clear()
     return None
 
 
 def _deferred_cow_and_clear(original: Any, runner: Any, forward_batch: Any) -> None:
     pool = runner.req_to_token_pool
-    mgr: CacheManager | None = getattr(pool, _ATTR, None)
+    journal: _Journal | None = getattr(pool, _ATTR, None)
     mode = forward_batch.forward_mode
     if (
-        mgr is None
+        journal is None
         or runner.is_draft_worker
         or not mode.is_extend()
         or mode.is_target_verify()
@@ -317,10 +440,20 @@ def _deferred_cow_and_clear(original: Any, runner: Any, forward_batch: Any) -> N
         forward_batch.mamba_cow_src_indices,
         forward_batch.mamba_cow_dst_indices,
     )
-    cleared = _slots(pool.translate_mamba_indices(clear)) if clear is not None and len(clear) else []
+    clearing = clear is not None and len(clear) > 0
     copying = src is not None and len(src) > 0
-    a = _slots(pool.translate_mamba_indices(src)) if copying else []
-    b = _slots(pool.translate_mamba_indices(dst)) if copying else []
+    # The journal (the allocations, frees, tenants since the last read) and the step's indices: the step's one
+    # read. A step with neither a clear nor a copy reads nothing unless the journal has grown long.
+    cleared: list[int] = []
+    a: list[int] = []
+    b: list[int] = []
+    if clearing or copying or len(journal.meta) > _COMPACT:
+        cleared, a, b = journal.resolve(
+            pool.translate_mamba_indices(clear) if clearing else [],
+            pool.translate_mamba_indices(src) if copying else [],
+            pool.translate_mamba_indices(dst) if copying else [],
+        )
+    mgr = journal.manager
     if not _all_held(mgr, cleared, a, b):  # checked before anything is queued: all of the step or none of it
         _counts["fallbacks"] += 1
         return original(runner, forward_batch)  # type: ignore[no-any-return]

@@ -6,7 +6,9 @@ or forced (``path="runs" | "index" | "direct"``):
 * runs: one slice view per run of consecutive slots, ``t[:, a:b]``, zeroed or
   copied by one ``_foreach_zero_`` / ``_foreach_copy_`` over them. Each view is
   ``num_layers`` contiguous chunks, no index tensor, no temporary: memset/memcpy
-  speed when chunks are large (CPU). Single-slot views are cached;
+  speed when chunks are large (CPU). On CPU a view of ``GRAIN`` elements or more
+  is cut into pieces under it (see :func:`_pieces`), so that no op of the stage
+  is an OpenMP parallel region. Single-slot views are cached;
 * index: one ``index_fill_`` (zero) or ``index_select`` + ``index_copy_`` (copy)
   per tensor with host-built indices: one op whatever the slot count, but a
   copy gathers into a temporary (chunked to ``copy_workspace_bytes``), so every
@@ -36,6 +38,7 @@ it to ``t[..., :w - k]`` of the destinations and fill ``t[..., w - k:]`` with 0.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -57,20 +60,83 @@ def _unbind(tensor: torch.Tensor, depth: int) -> list[torch.Tensor]:
     return rows
 
 
+# ATen runs an op over fewer elements than this inline on the calling thread (``at::internal::GRAIN_SIZE``);
+# from it on, the op is an OpenMP parallel region that ends only once every pool thread got a time slice. A
+# runs-path stage is one op per run: on a host where another process computes (shared machines, CPU quotas),
+# each region waits for the thread that process holds, about a scheduler slice each, and a stage of 128 runs
+# took 47x a memset (docs/benchmarks.md, "Contention"). Cut under the grain, every op runs inline: the memory
+# system, not the thread count, bounds these copies, so one thread loses nothing on a quiet machine either.
+GRAIN = 32768
+# Widest first: a zero or a same-dtype copy moves the bytes whatever their dtype (an op copies complex128
+# through vector loads and stores, bit for bit), and a wider element puts more bytes under the grain.
+_WIDE = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def _width(tensor: torch.Tensor, depth: int = 2) -> torch.dtype:
+    """The widest dtype in whose elements every row over the first ``depth`` dims of ``tensor`` starts and ends
+    (``(layer, slot)`` rows of a pool tensor; ``(layer, slot, draft)`` rows of a draft buffer at depth 3)."""
+    size = tensor.element_size()
+    unit = tensor[(0,) * depth].numel() * size
+    for b in (tensor.storage_offset(), *(tensor.stride(d) for d in range(depth))):
+        unit = math.gcd(unit, b * size)
+    return next(dt for dt in _WIDE if unit % dt.itemsize == 0)
+
+
+def _pieces(block: torch.Tensor, width: torch.dtype) -> list[torch.Tensor]:
+    """A contiguous block as 1-D ``width`` views of fewer than ``GRAIN`` elements each, in equal parts.
+
+    Two blocks of the same shape give pieces of the same shapes, so a copy pairs them one to one.
+    """
+    flat = block.view(-1).view(torch.uint8).view(width)
+    n = flat.numel()
+    parts = -(-n // (GRAIN - 1))
+    step = -(-n // parts)
+    return [flat[a : a + step] for a in range(0, n, step)]
+
+
 def _slot_bytes(tensor: torch.Tensor) -> int:
     """Bytes of one slot of a ``[layers, slots, ...]`` pool tensor, all layers."""
     return tensor.numel() // tensor.shape[1] * tensor.element_size()
 
 
 class _Views:
-    """Cached views of one pool tensor: single-slot ``t[:, s]`` (lazily) and the ``(layer, slot)`` rows."""
+    """Cached views of one pool tensor: each single slot's run-path views (lazily) and the ``(layer, slot)`` rows.
 
-    __slots__ = ("rows", "slots", "tensor")
+    A slot's views are ``[t[:, s]]`` (one op), or its pieces under the grain on CPU when that view has
+    ``GRAIN`` elements or more (``split``).
+    """
+
+    __slots__ = ("rows", "slots", "split", "tensor", "width")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
-        self.slots: list[torch.Tensor | None] = [None] * tensor.shape[1]
+        self.slots: list[list[torch.Tensor] | None] = [None] * tensor.shape[1]
         self.rows: tuple[torch.Tensor, ...] | None = None
+        self.split = (
+            tensor.device.type == "cpu"
+            and tensor.shape[0] * tensor[0, 0].numel() >= GRAIN
+            and tensor[0, 0].is_contiguous()
+        )
+        self.width = _width(tensor) if self.split else tensor.dtype
+
+    def run(self, start: int, length: int) -> list[torch.Tensor]:
+        """The views of slots ``start .. start + length - 1``, every layer: one strided view, or pieces."""
+        if length == 1:
+            views = self.slots[start]
+            if views is None:
+                views = self.slots[start] = self._build(start, 1)
+            return views
+        return self._build(start, length)
+
+    def _build(self, start: int, length: int) -> list[torch.Tensor]:
+        t = self.tensor
+        view = t[:, start] if length == 1 else t[:, start : start + length]
+        if not self.split or view.numel() < GRAIN:
+            return [view]
+        blocks = [t[layer, start : start + length] for layer in range(t.shape[0])]
+        if not blocks[0].is_contiguous():  # paged: only each (layer, slot) row is contiguous
+            blocks = [row for block in blocks for row in block.unbind(0)]
+        return [p for block in blocks for p in _pieces(block, self.width)]
 
 
 class TorchExecutor(Executor):
@@ -105,18 +171,12 @@ class TorchExecutor(Executor):
         return entry
 
     def _runs(self, tensor: torch.Tensor, runs: Iterable[tuple[int, int]]) -> list[torch.Tensor]:
-        """``tensor[:, start:start + length]`` for each run; single slots from the cache (a view costs
-        about as much as a small op, and decode steps are mostly single-slot runs)."""
-        cache = self._entry(tensor).slots
-        out = []
+        """The views of ``tensor[:, start:start + length]`` for each run (:meth:`_Views.run`); single slots
+        from the cache (a view costs about as much as a small op, and decode steps are mostly single-slot runs)."""
+        entry = self._entry(tensor)
+        out: list[torch.Tensor] = []
         for start, length in runs:
-            if length == 1:
-                view = cache[start]
-                if view is None:
-                    view = cache[start] = tensor[:, start]
-            else:
-                view = tensor[:, start : start + length]
-            out.append(view)
+            out += entry.run(start, length)
         return out
 
     def _rows(self, tensor: torch.Tensor, slots: list[int] | tuple[int, ...], depth: int = 2) -> list[torch.Tensor]:
@@ -133,6 +193,29 @@ class TorchExecutor(Executor):
                 entry.rows = tuple(_unbind(tensor, depth))
         rows, stride = entry.rows, len(entry.rows) // tensor.shape[0]
         return [rows[base + s] for base in range(0, len(rows), stride) for s in slots]
+
+    def _commit_views(
+        self, stage: CommitStage, tensor: torch.Tensor, draft: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A commit's destinations and sources on CPU: one strided view per slot (every layer at once), as the
+        runs path does (a call per row costs more than the copy of a small row), or, for a view of ``GRAIN``
+        elements or more, its rows in pieces under the grain, cut alike on both sides."""
+        entry = self._entry(tensor)
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        if not entry.split or not draft[0, 0, 0].is_contiguous():
+            for src, pos, dst in stage.entries:
+                dsts += entry.run(dst, 1) if not entry.split else [tensor[:, dst]]
+                srcs.append(draft[:, src, pos])
+            return dsts, srcs
+        width = min(entry.width, _width(draft, 3), key=lambda dt: dt.itemsize)
+        for src, pos, dst in stage.entries:
+            if width == entry.width:
+                dsts += entry.run(dst, 1)
+            else:
+                dsts += [p for layer in range(tensor.shape[0]) for p in _pieces(tensor[layer, dst], width)]
+            srcs += [p for layer in range(draft.shape[0]) for p in _pieces(draft[layer, src, pos], width)]
+        return dsts, srcs
 
     # -- the rule ------------------------------------------------------------
     def _choose(self, tensor: torch.Tensor, slots: int, runs: int) -> str:
@@ -187,32 +270,17 @@ class TorchExecutor(Executor):
         # (a decode step's stages are a few single-slot runs of a few tensors).
         if isinstance(stage, ZeroStage):
             for t in tensors:
-                cache = self._entry(t).slots
+                entry = self._entry(t)
                 for start, length in stage.runs:
-                    if length == 1:
-                        view = cache[start]
-                        if view is None:
-                            view = cache[start] = t[:, start]
-                        views.append(view)
-                    else:
-                        views.append(t[:, start : start + length])
+                    views += entry.run(start, length)
             torch._foreach_zero_(views)
             return True
         sources = []
         for t in tensors:
-            cache = self._entry(t).slots
+            entry = self._entry(t)
             for src, dst, length in stage.runs:
-                if length == 1:
-                    a, b = cache[src], cache[dst]
-                    if a is None:
-                        a = cache[src] = t[:, src]
-                    if b is None:
-                        b = cache[dst] = t[:, dst]
-                    sources.append(a)
-                    views.append(b)
-                else:
-                    sources.append(t[:, src : src + length])
-                    views.append(t[:, dst : dst + length])
+                sources += entry.run(src, length)
+                views += entry.run(dst, length)
         torch._foreach_copy_(views, sources)
         return True
 
@@ -229,18 +297,7 @@ class TorchExecutor(Executor):
                 srcs = [src * k + pos for src, pos, _ in stage.entries]
                 torch._foreach_copy_(self._rows(tensor, dsts), self._rows(draft, srcs, depth=3))
             else:
-                # CPU: one strided view per slot (every layer at once), as the runs path does:
-                # a call per row costs more than the copy of a small row.
-                cache = self._entry(draft).slots
-                if len(cache) != draft.shape[1] * k:
-                    cache[:] = [None] * (draft.shape[1] * k)
-                sources = []
-                for src, pos, _ in stage.entries:
-                    view = cache[src * k + pos]
-                    if view is None:
-                        view = cache[src * k + pos] = draft[:, src, pos]
-                    sources.append(view)
-                torch._foreach_copy_(self._runs(tensor, [(d, 1) for d in dsts]), sources)
+                torch._foreach_copy_(*self._commit_views(stage, tensor, draft))
         elif isinstance(stage, (ZeroStage, CopyStage)):
             # The runs and direct paths are the whole-stage ones, on this one tensor;
             # what they decline takes the index path.

@@ -25,9 +25,11 @@ or forced (``path="runs" | "index" | "direct"``):
   index copy at all.
 
 The auto rule, from the interleaved CPU measurements in docs/benchmarks.md:
-on CPU, runs when there are few runs (``max_runs``) or each moves at least
-``min_run_bytes``, else index (tiny states, many runs: one op beats many);
-elsewhere, direct (no temporary, constant op count; not yet timed on a GPU).
+on CPU, runs when there are few runs (``max_runs``); else a zero stage takes
+index (one ``index_fill_`` per tensor, one parallel region: memset speed, quiet
+or with another process computing), and a copy stage runs when each run moves
+at least ``min_run_bytes``, else index (tiny states, many runs: one op beats
+many); elsewhere, direct (no temporary, constant op count).
 
 Rotate stages (cycles) take the index path on every setting: one gather of all
 members, then one scatter, so every member is read before any is written; the
@@ -218,12 +220,18 @@ class TorchExecutor(Executor):
         return dsts, srcs
 
     # -- the rule ------------------------------------------------------------
-    def _choose(self, tensor: torch.Tensor, slots: int, runs: int) -> str:
+    def _choose(self, tensor: torch.Tensor, slots: int, runs: int, zero: bool = False) -> str:
         if self.path != "auto":
             return self.path
         if tensor.device.type != "cpu":
             return "direct"
-        if runs <= self.max_runs or slots * _slot_bytes(tensor) >= runs * self.min_run_bytes:
+        if runs <= self.max_runs:
+            return "runs"
+        if zero:
+            # One index_fill_ per tensor: one parallel region, at memset speed whatever the state size
+            # (docs/benchmarks.md, "Contention"), where runs cut under the grain make an op per row.
+            return "index"
+        if slots * _slot_bytes(tensor) >= runs * self.min_run_bytes:
             return "runs"
         return "index"
 
@@ -249,7 +257,8 @@ class TorchExecutor(Executor):
             cpu = tensors[0].device.type == "cpu"
             paths = {"runs" if cpu else "direct"}
         else:
-            paths = {self._choose(t, slots, runs) for t in tensors}
+            zero = isinstance(stage, ZeroStage)
+            paths = {self._choose(t, slots, runs, zero) for t in tensors}
         if len(paths) != 1 or "index" in paths:
             return False
         views: list[torch.Tensor] = []

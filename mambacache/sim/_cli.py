@@ -115,6 +115,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--preempt", choices=PREEMPT, default=None, help="what to do when slots run out")
     _add_prefix_options(p)
     p.add_argument("--executor", default=None, help="torch, npu or reference (default: by device)")
+    p.add_argument(
+        "--threads",
+        type=int_at_least(1),
+        default=1,
+        metavar="N",
+        help="torch intra-op threads (default 1: the models are tiny, and on a shared or loaded machine more threads"
+        " wait on each other at every op)",
+    )
     p.add_argument("--no-verify", action="store_true", help="skip the isolated-generation check")
     p.add_argument("--json", metavar="PATH", help="write the reports as JSON ('-' for stdout)")
     p.add_argument(
@@ -167,6 +175,11 @@ def _trace_path(base: str | None, model: str, several: bool) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    # Before any model runs: the tiny models' ops are too small to share between threads, and each op's
+    # parallel region waits for every thread to be scheduled (docs/simulator.md, "Threads").
+    torch.set_num_threads(args.threads)
     quantised = args.state_dtype != "float32"
     default = ["toy"] if quantised else ["all"]
     models = list(

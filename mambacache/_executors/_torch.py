@@ -40,14 +40,13 @@ it to ``t[..., :w - k]`` of the destinations and fill ``t[..., w - k:]`` with 0.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
 
 from .._errors import InvalidArgumentError
 from .._planner import CommitStage, CopyStage, RotateStage, ShiftStage, Stage, ZeroStage
-from ._base import Executor, IndexBuilder, Progress, stage_pairs
+from ._base import GRAIN, Executor, IndexBuilder, Progress, pieces, row_width, stage_pairs
 
 __all__ = ["PATHS", "TorchExecutor"]
 
@@ -60,40 +59,6 @@ def _unbind(tensor: torch.Tensor, depth: int) -> list[torch.Tensor]:
     for _ in range(depth):
         rows = [r for t in rows for r in t.unbind(0)]
     return rows
-
-
-# ATen runs an op over fewer elements than this inline on the calling thread (``at::internal::GRAIN_SIZE``);
-# from it on, the op is an OpenMP parallel region that ends only once every pool thread got a time slice. A
-# runs-path stage is one op per run: on a host where another process computes (shared machines, CPU quotas),
-# each region waits for the thread that process holds, about a scheduler slice each, and a stage of 128 runs
-# took 47x a memset (docs/benchmarks.md, "Contention"). Cut under the grain, every op runs inline: the memory
-# system, not the thread count, bounds these copies, so one thread loses nothing on a quiet machine either.
-GRAIN = 32768
-# Widest first: a zero or a same-dtype copy moves the bytes whatever their dtype (an op copies complex128
-# through vector loads and stores, bit for bit), and a wider element puts more bytes under the grain.
-_WIDE = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
-
-
-def _width(tensor: torch.Tensor, depth: int = 2) -> torch.dtype:
-    """The widest dtype in whose elements every row over the first ``depth`` dims of ``tensor`` starts and ends
-    (``(layer, slot)`` rows of a pool tensor; ``(layer, slot, draft)`` rows of a draft buffer at depth 3)."""
-    size = tensor.element_size()
-    unit = tensor[(0,) * depth].numel() * size
-    for b in (tensor.storage_offset(), *(tensor.stride(d) for d in range(depth))):
-        unit = math.gcd(unit, b * size)
-    return next(dt for dt in _WIDE if unit % dt.itemsize == 0)
-
-
-def _pieces(block: torch.Tensor, width: torch.dtype) -> list[torch.Tensor]:
-    """A contiguous block as 1-D ``width`` views of fewer than ``GRAIN`` elements each, in equal parts.
-
-    Two blocks of the same shape give pieces of the same shapes, so a copy pairs them one to one.
-    """
-    flat = block.view(-1).view(torch.uint8).view(width)
-    n = flat.numel()
-    parts = -(-n // (GRAIN - 1))
-    step = -(-n // parts)
-    return [flat[a : a + step] for a in range(0, n, step)]
 
 
 def _slot_bytes(tensor: torch.Tensor) -> int:
@@ -119,7 +84,7 @@ class _Views:
             and tensor.shape[0] * tensor[0, 0].numel() >= GRAIN
             and tensor[0, 0].is_contiguous()
         )
-        self.width = _width(tensor) if self.split else tensor.dtype
+        self.width = row_width(tensor) if self.split else tensor.dtype
 
     def run(self, start: int, length: int) -> list[torch.Tensor]:
         """The views of slots ``start .. start + length - 1``, every layer: one strided view, or pieces."""
@@ -138,7 +103,7 @@ class _Views:
         blocks = [t[layer, start : start + length] for layer in range(t.shape[0])]
         if not blocks[0].is_contiguous():  # paged: only each (layer, slot) row is contiguous
             blocks = [row for block in blocks for row in block.unbind(0)]
-        return [p for block in blocks for p in _pieces(block, self.width)]
+        return [p for block in blocks for p in pieces(block, self.width)]
 
 
 class TorchExecutor(Executor):
@@ -210,13 +175,13 @@ class TorchExecutor(Executor):
                 dsts += entry.run(dst, 1) if not entry.split else [tensor[:, dst]]
                 srcs.append(draft[:, src, pos])
             return dsts, srcs
-        width = min(entry.width, _width(draft, 3), key=lambda dt: dt.itemsize)
+        width = min(entry.width, row_width(draft, 3), key=lambda dt: dt.itemsize)
         for src, pos, dst in stage.entries:
             if width == entry.width:
                 dsts += entry.run(dst, 1)
             else:
-                dsts += [p for layer in range(tensor.shape[0]) for p in _pieces(tensor[layer, dst], width)]
-            srcs += [p for layer in range(draft.shape[0]) for p in _pieces(draft[layer, src, pos], width)]
+                dsts += [p for layer in range(tensor.shape[0]) for p in pieces(tensor[layer, dst], width)]
+            srcs += [p for layer in range(draft.shape[0]) for p in pieces(draft[layer, src, pos], width)]
         return dsts, srcs
 
     # -- the rule ------------------------------------------------------------

@@ -132,33 +132,3 @@ def test_small_states_keep_one_view_per_slot() -> None:
     with MaxElements() as seen:
         run_stage(ex, stage, pool.exec_tensors)
     assert [f for f, _ in seen.seen] == ["aten._foreach_zero_.default"]
-
-
-@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-@pytest.mark.parametrize("name", list(SPECS))
-def test_offload_and_restore_cut_under_the_grain_and_move_the_same_bytes(name: str, paged: bool) -> None:
-    rng = random.Random(1)
-    slots = rng.sample(range(1, 9), 4)
-    outs = []
-    for executor in (TorchExecutor(), "reference"):
-        pool = make_pool(name, paged)
-        random_bytes(pool.tensors, 3)
-        host = mc.HostPool(pool.spec, 6)
-        with MaxElements() as seen, mc.CacheManager(pool, executor=executor, host_pool=host) as mgr:
-            mgr.alloc_slots(slots)
-            mgr.flush_nowait()
-            seen.seen.clear()  # from here: the offloads (scattered slots, runs of one) and the restores
-            handles = [mgr.offload(s) for s in slots]
-            mgr.release_many(slots)
-            mgr.flush_nowait()
-            back = mgr.alloc(4, clear=False)
-            for h, s in zip(handles, reversed(back), strict=True):
-                mgr.restore(h, s)
-            mgr.flush_nowait()
-        if executor != "reference":
-            writes = [(f, n) for f, n in seen.seen if "copy" in f]
-            assert writes and all(n < GRAIN for _, n in writes), writes
-        outs.append((pool, host))
-    (pool, host), (ref, ref_host) = outs
-    for a, b in zip([*pool.tensors, *host.tensors], [*ref.tensors, *ref_host.tensors], strict=True):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))

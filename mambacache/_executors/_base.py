@@ -156,8 +156,7 @@ def copy_host(stage: HostStage, tensor: torch.Tensor, host: torch.Tensor, per_la
 
     The default for every executor without an ``execute_host`` of its own. Each
     run of slots is one contiguous chunk per layer on both sides, so it copies
-    with no temporary and no index tensor: one strided op per run on the CPU (a
-    run of ``GRAIN`` elements or more in pieces under the grain, one foreach), one
+    with no temporary and no index tensor: one strided op per run on the CPU, one
     op per layer and run on an accelerator (where a strided cross-device copy
     would stage through a contiguous temporary; ``per_layer`` forces either).
     ``non_blocking``: with pinned host memory the copy is enqueued on the current
@@ -166,25 +165,8 @@ def copy_host(stage: HostStage, tensor: torch.Tensor, host: torch.Tensor, per_la
     """
     src, dst = (tensor, host) if type(stage) is OffloadStage else (host, tensor)
     if not (tensor.device.type != "cpu" if per_layer is None else per_layer):
-        # A run of GRAIN elements or more is cut into pieces under the grain (see GRAIN), all in one foreach.
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        cut = src[0, 0].is_contiguous() and dst[0, 0].is_contiguous()
-        width = min(row_width(src), row_width(dst), key=lambda dt: dt.itemsize) if cut else torch.uint8
         for a, b, n in stage.runs:
-            s, d = src[:, a : a + n], dst[:, b : b + n]
-            if not cut or s.numel() < GRAIN:
-                d.copy_(s)
-                continue
-            for layer in range(s.shape[0]):
-                blocks = [(s[layer], d[layer])]
-                if not (blocks[0][0].is_contiguous() and blocks[0][1].is_contiguous()):  # paged: row by row
-                    blocks = list(zip(s[layer].unbind(0), d[layer].unbind(0), strict=True))
-                for x, y in blocks:
-                    srcs += pieces(x, width)
-                    dsts += pieces(y, width)
-        if dsts:
-            torch._foreach_copy_(dsts, srcs)
+            dst[:, b : b + n].copy_(src[:, a : a + n])
         return
     for a, b, n in stage.runs:
         for layer in range(tensor.shape[0]):

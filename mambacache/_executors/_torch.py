@@ -73,12 +73,13 @@ class _Views:
     ``GRAIN`` elements or more (``split``).
     """
 
-    __slots__ = ("rows", "slots", "split", "tensor", "width")
+    __slots__ = ("drafts", "rows", "slots", "split", "tensor", "width")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
         self.slots: list[list[torch.Tensor] | None] = [None] * tensor.shape[1]
         self.rows: tuple[torch.Tensor, ...] | None = None
+        self.drafts: dict[int, list[torch.Tensor]] = {}  # a draft buffer's pieces by slot * k + draft state
         self.split = (
             tensor.device.type == "cpu"
             and tensor.shape[0] * tensor[0, 0].numel() >= GRAIN
@@ -170,18 +171,30 @@ class TorchExecutor(Executor):
         entry = self._entry(tensor)
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
+        k = draft.shape[2]
         if not entry.split or not draft[0, 0, 0].is_contiguous():
+            whole = self._entry(draft).drafts  # one strided view per (slot, draft state), every layer
             for src, pos, dst in stage.entries:
                 dsts += entry.run(dst, 1) if not entry.split else [tensor[:, dst]]
-                srcs.append(draft[:, src, pos])
+                got = whole.get(src * k + pos)
+                if got is None:
+                    got = whole[src * k + pos] = [draft[:, src, pos]]
+                srcs += got
             return dsts, srcs
         width = min(entry.width, row_width(draft, 3), key=lambda dt: dt.itemsize)
+        # The draft's pieces per (slot, draft state), cached on its entry as a slot's views are on the pool's.
+        cache = self._entry(draft).drafts if width == entry.width else {}
         for src, pos, dst in stage.entries:
             if width == entry.width:
                 dsts += entry.run(dst, 1)
             else:
                 dsts += [p for layer in range(tensor.shape[0]) for p in pieces(tensor[layer, dst], width)]
-            srcs += [p for layer in range(draft.shape[0]) for p in pieces(draft[layer, src, pos], width)]
+            got = cache.get(src * k + pos)
+            if got is None:
+                got = cache[src * k + pos] = [
+                    p for layer in range(draft.shape[0]) for p in pieces(draft[layer, src, pos], width)
+                ]
+            srcs += got
         return dsts, srcs
 
     # -- the rule ------------------------------------------------------------

@@ -7,7 +7,7 @@ or forced (``path="runs" | "index" | "direct"``):
   copied by one ``_foreach_zero_`` / ``_foreach_copy_`` over them. Each view is
   ``num_layers`` contiguous chunks, no index tensor, no temporary: memset/memcpy
   speed when chunks are large (CPU). On CPU a view of ``GRAIN`` elements or more
-  is cut into pieces under it (see :func:`_pieces`), so that no op of the stage
+  is cut into pieces under it (``pieces`` in ``_base.py``), so that no op of the stage
   is an OpenMP parallel region. Single-slot views are cached;
 * index: one ``index_fill_`` (zero) or ``index_select`` + ``index_copy_`` (copy)
   per tensor with host-built indices: one op whatever the slot count, but a

@@ -45,6 +45,7 @@ def test_bench_quick_emits_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert [p["events"] for p in data["planner_scaling"]] == [10, 100, 1000, 10000]
     assert all(p["swap_us_per_event"] > 0 and p["swap+refill_us_per_event"] > 0 for p in data["planner_scaling"])
     assert "planner alone" in text
+    assert "decode flush" in text and data["decode_flush"]["ratio"] > 0  # the step against its one op
     assert [b["n"] for b in data["bulk_vs_loop"]] == [1, 64, 1000] and "bulk forms vs single calls" in text
     for b in data["bulk_vs_loop"]:
         assert all(b[f"{k}_{f}_us"] > 0 for k in ("commit", "offload", "restore") for f in ("loop", "bulk"))
@@ -89,3 +90,31 @@ def test_bench_transfer_row(capsys: pytest.CaptureFixture[str]) -> None:
             assert 0 < r[f"{path}_min_ms"] <= r[f"{path}_ms"]
         assert r["ratio"] == r["transfer_ms"] / r["send_ms"]
         assert all(r[f"{part}_ms"] > 0 for part in ("stage", "wire", "land"))
+
+
+def test_bench_contended_prints_quiet_and_contended_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "--contended", "--quick", "--sizes", "2", "--repeats", "1", "--json", "-"]
+    assert main(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    rows = data["contended"]
+    assert {(r["op"], r["path"]) for r in rows} == {
+        (op, p) for op, bound in (("clear", "memset"), ("copy", "memcpy")) for p in (bound, "seed", "torch")
+    }
+    for r in rows:
+        assert r["quiet_ms"] > 0 and r["contended_ms"] > 0 and r["quiet_x_bound"] > 0 and r["contended_x_seed"] > 0
+
+
+def test_the_competing_process_is_killed_even_on_interrupt() -> None:
+    from mambacache.bench._contend import competing_process
+
+    with pytest.raises(KeyboardInterrupt), competing_process(seconds=120) as proc:
+        assert proc.poll() is None  # computing
+        raise KeyboardInterrupt
+    assert proc.poll() is not None  # gone, not left computing for two minutes
+
+
+def test_the_decode_flush_ratio_is_measured() -> None:
+    from mambacache.bench._run import decode_flush
+
+    d = decode_flush(1, steps=50)
+    assert d["flush_us"] > 0 and d["op_us"] > 0 and d["ratio"] == d["flush_us"] / d["op_us"]

@@ -111,6 +111,8 @@ def test_auto_rule() -> None:
     assert ex._choose(cpu, 8, 8) == "index"  # many runs of tiny slots on CPU
     big = torch.zeros(2, 10, 64 << 10)
     assert ex._choose(big, 8, 8) == "runs"  # each run moves enough bytes
+    assert ex._choose(big, 8, 8, zero=True) == "index"  # a zero: one index_fill_ per tensor, at memset speed
+    assert ex._choose(big, 2, 2, zero=True) == "runs"  # few runs (a decode step): a few ops under the grain
     meta = torch.zeros(2, 10, 4, device="meta")
     assert ex._choose(meta, 8, 8) == "direct"  # any accelerator: no temporary, constant ops
     with pytest.raises(mc.InvalidArgumentError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import collections
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -12,7 +13,52 @@ import torch
 
 from .._planner import CopyStage, HostStage, OffloadStage, RotateStage, ShiftStage, Stage
 
-__all__ = ["Executor", "IndexBuilder", "Progress", "as_executor", "copy_host", "on_stream", "stage_pairs"]
+__all__ = [
+    "GRAIN",
+    "Executor",
+    "IndexBuilder",
+    "Progress",
+    "as_executor",
+    "copy_host",
+    "on_stream",
+    "pieces",
+    "row_width",
+    "stage_pairs",
+]
+
+
+# ATen runs an op over fewer elements than this inline on the calling thread (``at::internal::GRAIN_SIZE``);
+# from it on, the op is an OpenMP parallel region that ends only once every pool thread got a time slice. A
+# runs-path stage is one op per run: on a host where another process computes (shared machines, CPU quotas),
+# each region waits for the thread that process holds, about a scheduler slice each, and a stage of 128 runs
+# took 47x a memset (docs/benchmarks.md, "Contention"). Cut under the grain, every op runs inline: the memory
+# system, not the thread count, bounds these copies, so one thread loses nothing on a quiet machine either.
+GRAIN = 32768
+# Widest first: a zero or a same-dtype copy moves the bytes whatever their dtype (an op copies complex128
+# through vector loads and stores, bit for bit), and a wider element puts more bytes under the grain.
+_WIDE = (torch.complex128, torch.int64, torch.int32, torch.int16, torch.uint8)
+
+
+def row_width(tensor: torch.Tensor, depth: int = 2) -> torch.dtype:
+    """The widest dtype in whose elements every row over the first ``depth`` dims of ``tensor`` starts and ends
+    (``(layer, slot)`` rows of a pool tensor; ``(layer, slot, draft)`` rows of a draft buffer at depth 3)."""
+    size = tensor.element_size()
+    unit = tensor[(0,) * depth].numel() * size
+    for b in (tensor.storage_offset(), *(tensor.stride(d) for d in range(depth))):
+        unit = math.gcd(unit, b * size)
+    return next(dt for dt in _WIDE if unit % dt.itemsize == 0)
+
+
+def pieces(block: torch.Tensor, width: torch.dtype) -> list[torch.Tensor]:
+    """A contiguous block as 1-D ``width`` views of fewer than ``GRAIN`` elements each, in equal parts.
+
+    Two blocks of the same shape give pieces of the same shapes, so a copy pairs them one to one.
+    """
+    flat = block.view(-1).view(torch.uint8).view(width)
+    n = flat.numel()
+    parts = -(-n // (GRAIN - 1))
+    step = -(-n // parts)
+    return [flat[a : a + step] for a in range(0, n, step)]
 
 
 class Executor(abc.ABC):

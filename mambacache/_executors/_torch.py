@@ -6,7 +6,9 @@ or forced (``path="runs" | "index" | "direct"``):
 * runs: one slice view per run of consecutive slots, ``t[:, a:b]``, zeroed or
   copied by one ``_foreach_zero_`` / ``_foreach_copy_`` over them. Each view is
   ``num_layers`` contiguous chunks, no index tensor, no temporary: memset/memcpy
-  speed when chunks are large (CPU). Single-slot views are cached;
+  speed when chunks are large (CPU). On CPU a view of ``GRAIN`` elements or more
+  is cut into pieces under it (``pieces`` in ``_base.py``), so that no op of the stage
+  is an OpenMP parallel region. Single-slot views are cached;
 * index: one ``index_fill_`` (zero) or ``index_select`` + ``index_copy_`` (copy)
   per tensor with host-built indices: one op whatever the slot count, but a
   copy gathers into a temporary (chunked to ``copy_workspace_bytes``), so every
@@ -23,9 +25,11 @@ or forced (``path="runs" | "index" | "direct"``):
   index copy at all.
 
 The auto rule, from the interleaved CPU measurements in docs/benchmarks.md:
-on CPU, runs when there are few runs (``max_runs``) or each moves at least
-``min_run_bytes``, else index (tiny states, many runs: one op beats many);
-elsewhere, direct (no temporary, constant op count; not yet timed on a GPU).
+on CPU, runs when there are few runs (``max_runs``); else a zero stage takes
+index (one ``index_fill_`` per tensor, one parallel region: memset speed, quiet
+or with another process computing), and a copy stage runs when each run moves
+at least ``min_run_bytes``, else index (tiny states, many runs: one op beats
+many); elsewhere, direct (no temporary, constant op count).
 
 Rotate stages (cycles) take the index path on every setting: one gather of all
 members, then one scatter, so every member is read before any is written; the
@@ -42,7 +46,7 @@ import torch
 
 from .._errors import InvalidArgumentError
 from .._planner import CommitStage, CopyStage, RotateStage, ShiftStage, Stage, ZeroStage
-from ._base import Executor, IndexBuilder, Progress, stage_pairs
+from ._base import GRAIN, Executor, IndexBuilder, Progress, pieces, row_width, stage_pairs
 
 __all__ = ["PATHS", "TorchExecutor"]
 
@@ -63,14 +67,44 @@ def _slot_bytes(tensor: torch.Tensor) -> int:
 
 
 class _Views:
-    """Cached views of one pool tensor: single-slot ``t[:, s]`` (lazily) and the ``(layer, slot)`` rows."""
+    """Cached views of one pool tensor: each single slot's run-path views (lazily) and the ``(layer, slot)`` rows.
 
-    __slots__ = ("rows", "slots", "tensor")
+    A slot's views are ``[t[:, s]]`` (one op), or its pieces under the grain on CPU when that view has
+    ``GRAIN`` elements or more (``split``).
+    """
+
+    __slots__ = ("drafts", "rows", "slots", "split", "tensor", "width")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
-        self.slots: list[torch.Tensor | None] = [None] * tensor.shape[1]
+        self.slots: list[list[torch.Tensor] | None] = [None] * tensor.shape[1]
         self.rows: tuple[torch.Tensor, ...] | None = None
+        self.drafts: dict[int, list[torch.Tensor]] = {}  # a draft buffer's pieces by slot * k + draft state
+        self.split = (
+            tensor.device.type == "cpu"
+            and tensor.shape[0] * tensor[0, 0].numel() >= GRAIN
+            and tensor[0, 0].is_contiguous()
+        )
+        self.width = row_width(tensor) if self.split else tensor.dtype
+
+    def run(self, start: int, length: int) -> list[torch.Tensor]:
+        """The views of slots ``start .. start + length - 1``, every layer: one strided view, or pieces."""
+        if length == 1:
+            views = self.slots[start]
+            if views is None:
+                views = self.slots[start] = self._build(start, 1)
+            return views
+        return self._build(start, length)
+
+    def _build(self, start: int, length: int) -> list[torch.Tensor]:
+        t = self.tensor
+        view = t[:, start] if length == 1 else t[:, start : start + length]
+        if not self.split or view.numel() < GRAIN:
+            return [view]
+        blocks = [t[layer, start : start + length] for layer in range(t.shape[0])]
+        if not blocks[0].is_contiguous():  # paged: only each (layer, slot) row is contiguous
+            blocks = [row for block in blocks for row in block.unbind(0)]
+        return [p for block in blocks for p in pieces(block, self.width)]
 
 
 class TorchExecutor(Executor):
@@ -105,18 +139,12 @@ class TorchExecutor(Executor):
         return entry
 
     def _runs(self, tensor: torch.Tensor, runs: Iterable[tuple[int, int]]) -> list[torch.Tensor]:
-        """``tensor[:, start:start + length]`` for each run; single slots from the cache (a view costs
-        about as much as a small op, and decode steps are mostly single-slot runs)."""
-        cache = self._entry(tensor).slots
-        out = []
+        """The views of ``tensor[:, start:start + length]`` for each run (:meth:`_Views.run`); single slots
+        from the cache (a view costs about as much as a small op, and decode steps are mostly single-slot runs)."""
+        entry = self._entry(tensor)
+        out: list[torch.Tensor] = []
         for start, length in runs:
-            if length == 1:
-                view = cache[start]
-                if view is None:
-                    view = cache[start] = tensor[:, start]
-            else:
-                view = tensor[:, start : start + length]
-            out.append(view)
+            out += entry.run(start, length)
         return out
 
     def _rows(self, tensor: torch.Tensor, slots: list[int] | tuple[int, ...], depth: int = 2) -> list[torch.Tensor]:
@@ -134,13 +162,54 @@ class TorchExecutor(Executor):
         rows, stride = entry.rows, len(entry.rows) // tensor.shape[0]
         return [rows[base + s] for base in range(0, len(rows), stride) for s in slots]
 
+    def _commit_views(
+        self, stage: CommitStage, tensor: torch.Tensor, draft: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A commit's destinations and sources on CPU: one strided view per slot (every layer at once), as the
+        runs path does (a call per row costs more than the copy of a small row), or, for a view of ``GRAIN``
+        elements or more, its rows in pieces under the grain, cut alike on both sides."""
+        entry = self._entry(tensor)
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        k = draft.shape[2]
+        if not entry.split or not draft[0, 0, 0].is_contiguous():
+            whole = self._entry(draft).drafts  # one strided view per (slot, draft state), every layer
+            for src, pos, dst in stage.entries:
+                dsts += entry.run(dst, 1) if not entry.split else [tensor[:, dst]]
+                got = whole.get(src * k + pos)
+                if got is None:
+                    got = whole[src * k + pos] = [draft[:, src, pos]]
+                srcs += got
+            return dsts, srcs
+        width = min(entry.width, row_width(draft, 3), key=lambda dt: dt.itemsize)
+        # The draft's pieces per (slot, draft state), cached on its entry as a slot's views are on the pool's.
+        cache = self._entry(draft).drafts if width == entry.width else {}
+        for src, pos, dst in stage.entries:
+            if width == entry.width:
+                dsts += entry.run(dst, 1)
+            else:
+                dsts += [p for layer in range(tensor.shape[0]) for p in pieces(tensor[layer, dst], width)]
+            got = cache.get(src * k + pos)
+            if got is None:
+                got = cache[src * k + pos] = [
+                    p for layer in range(draft.shape[0]) for p in pieces(draft[layer, src, pos], width)
+                ]
+            srcs += got
+        return dsts, srcs
+
     # -- the rule ------------------------------------------------------------
-    def _choose(self, tensor: torch.Tensor, slots: int, runs: int) -> str:
+    def _choose(self, tensor: torch.Tensor, slots: int, runs: int, zero: bool = False) -> str:
         if self.path != "auto":
             return self.path
         if tensor.device.type != "cpu":
             return "direct"
-        if runs <= self.max_runs or slots * _slot_bytes(tensor) >= runs * self.min_run_bytes:
+        if runs <= self.max_runs:
+            return "runs"
+        if zero:
+            # One index_fill_ per tensor: one parallel region, at memset speed whatever the state size
+            # (docs/benchmarks.md, "Contention"), where runs cut under the grain make an op per row.
+            return "index"
+        if slots * _slot_bytes(tensor) >= runs * self.min_run_bytes:
             return "runs"
         return "index"
 
@@ -163,14 +232,17 @@ class TorchExecutor(Executor):
             return False
         if self.path == "auto" and runs <= self.max_runs:
             # Few runs (a decode step): the rule does not depend on the tensor's size.
-            cpu = tensors[0].device.type == "cpu"
-            paths = {"runs" if cpu else "direct"}
+            path = "runs" if tensors[0].is_cpu else "direct"
         else:
-            paths = {self._choose(t, slots, runs) for t in tensors}
-        if len(paths) != 1 or "index" in paths:
+            zero = isinstance(stage, ZeroStage)
+            paths = {self._choose(t, slots, runs, zero) for t in tensors}
+            if len(paths) != 1:
+                return False
+            (path,) = paths
+        if path == "index":
             return False
         views: list[torch.Tensor] = []
-        if "direct" in paths:
+        if path == "direct":
             if isinstance(stage, ZeroStage):
                 for t in tensors:
                     views += self._rows(t, stage.slots)
@@ -185,34 +257,24 @@ class TorchExecutor(Executor):
             return True
         # Runs: one pass per tensor over the runs, single-slot views from the cache
         # (a decode step's stages are a few single-slot runs of a few tensors).
+        # A cached single slot is read inline: a method call per run is a measurable part of a decode step.
         if isinstance(stage, ZeroStage):
             for t in tensors:
-                cache = self._entry(t).slots
+                entry = self._entry(t)
+                cache = entry.slots
                 for start, length in stage.runs:
-                    if length == 1:
-                        view = cache[start]
-                        if view is None:
-                            view = cache[start] = t[:, start]
-                        views.append(view)
-                    else:
-                        views.append(t[:, start : start + length])
+                    got = cache[start] if length == 1 else None
+                    views += got if got is not None else entry.run(start, length)
             torch._foreach_zero_(views)
             return True
         sources = []
         for t in tensors:
-            cache = self._entry(t).slots
+            entry = self._entry(t)
+            cache = entry.slots
             for src, dst, length in stage.runs:
-                if length == 1:
-                    a, b = cache[src], cache[dst]
-                    if a is None:
-                        a = cache[src] = t[:, src]
-                    if b is None:
-                        b = cache[dst] = t[:, dst]
-                    sources.append(a)
-                    views.append(b)
-                else:
-                    sources.append(t[:, src : src + length])
-                    views.append(t[:, dst : dst + length])
+                a, b = (cache[src], cache[dst]) if length == 1 else (None, None)
+                sources += a if a is not None else entry.run(src, length)
+                views += b if b is not None else entry.run(dst, length)
         torch._foreach_copy_(views, sources)
         return True
 
@@ -229,18 +291,7 @@ class TorchExecutor(Executor):
                 srcs = [src * k + pos for src, pos, _ in stage.entries]
                 torch._foreach_copy_(self._rows(tensor, dsts), self._rows(draft, srcs, depth=3))
             else:
-                # CPU: one strided view per slot (every layer at once), as the runs path does:
-                # a call per row costs more than the copy of a small row.
-                cache = self._entry(draft).slots
-                if len(cache) != draft.shape[1] * k:
-                    cache[:] = [None] * (draft.shape[1] * k)
-                sources = []
-                for src, pos, _ in stage.entries:
-                    view = cache[src * k + pos]
-                    if view is None:
-                        view = cache[src * k + pos] = draft[:, src, pos]
-                    sources.append(view)
-                torch._foreach_copy_(self._runs(tensor, [(d, 1) for d in dsts]), sources)
+                torch._foreach_copy_(*self._commit_views(stage, tensor, draft))
         elif isinstance(stage, (ZeroStage, CopyStage)):
             # The runs and direct paths are the whole-stage ones, on this one tensor;
             # what they decline takes the index path.

@@ -27,6 +27,7 @@ from ._run import (
     BENCH_EXECUTORS,
     Result,
     bulk_vs_loop,
+    decode_flush,
     embedding_overhead,
     host_overhead,
     host_tier_overhead,
@@ -87,6 +88,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="only the state transfer row: StateTransfer of n slots against a plain send/recv of the same bytes,"
         " two gloo processes on 127.0.0.1 (CPU; default preset qwen3-next-80b-a3b-tp8, --quick: small)",
     )
+    p.add_argument(
+        "--contended",
+        action="store_true",
+        help="only clear and copy, quiet and then with a competing 2-thread torch process that the bench starts"
+        " and stops: both ratios side by side (CPU; default preset qwen3-next-80b-a3b-tp8, executor torch;"
+        " --quick: small)",
+    )
     p.set_defaults(func=run)
 
 
@@ -127,6 +135,8 @@ def _check_args(args: argparse.Namespace) -> torch.device:
             "--transfer runs on CPU over gloo and has no --plot or --tp (pick a sharded --preset);"
             " examples/transfer_gpu_check.py is the GPU check"
         )
+    if args.contended and (device.type != "cpu" or args.plot or args.transfer):
+        raise UsageError("--contended times CPU stages under CPU contention: --device cpu, no --plot or --transfer")
     if args.plot:
         need_matplotlib("--plot")
     return device
@@ -262,11 +272,41 @@ def run_transfer(args: argparse.Namespace, device: torch.device) -> int:
     return 0
 
 
+def _contended_table(rows: list[dict[str, Any]]) -> str:
+    return "\n\n".join(
+        table(["slots", "op", "path", "quiet ms", "x bound", "x seed", "contended ms", "x bound", "x seed"],
+              [[r["slots"], r["op"], r["path"], r["quiet_ms"], f"{r['quiet_x_bound']:.2f}",
+                f"{r['quiet_x_seed']:.2f}", r["contended_ms"], f"{r['contended_x_bound']:.2f}",
+                f"{r['contended_x_seed']:.2f}"] for r in rows if r["preset"] == preset],
+              title=f"{preset}: {rows[0]['layers']} layers; quiet, then with a 2-thread torch process computing"
+                    " (x bound: memset/memcpy time over this one; x seed: the seed path's)")
+        for preset in dict.fromkeys(r["preset"] for r in rows)
+    )  # fmt: skip
+
+
+def run_contended(args: argparse.Namespace, device: torch.device) -> int:
+    """``bench --contended``: clear and copy, quiet and under a competing process (it starts and stops it)."""
+    from ._contend import contended
+
+    presets = args.preset or (["small"] if args.quick else ["qwen3-next-80b-a3b-tp8"])
+    sizes, repeats = args.sizes or ([8, 64] if args.quick else [8, 64, 256]), args.repeats or (5 if args.quick else 7)
+    rows = contended(presets, sizes, args.executor or ["torch"], device, repeats,
+                     int(args.budget_gb * POOL_SHARE * 2**30), int(args.workspace_mb * 2**20))  # fmt: skip
+    info = {**machine(device), "competitor_threads": 2}
+    if args.json != "-":
+        sys.stdout.write(f"machine: {info}\n\n{_contended_table(rows)}\n")
+    if args.json:
+        write_json(args.json, {"machine": info, "contended": rows})
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """``mambacache bench``. One function because it is the report's layout, row after row, as printed."""
     device = _check_args(args)
     if args.transfer:
         return run_transfer(args, device)
+    if args.contended:
+        return run_contended(args, device)
     presets = args.preset or (["small"] if args.quick else [p for p in PRESETS if p != "small"])
     if args.tp > 1:
         try:
@@ -289,6 +329,7 @@ def run(args: argparse.Namespace) -> int:
     host = host_overhead([10, 100, 1000], repeats)
     trace = tracing_overhead(1000, repeats)
     embed = embedding_overhead(repeats)
+    decode = decode_flush(repeats)
     tier = host_tier_overhead(repeats)
     planning, bulk = planner_scaling([10, 100, 1000, 10000], repeats), bulk_vs_loop([1, 64, 1000], repeats)
     info = machine(device)
@@ -308,6 +349,9 @@ def run(args: argparse.Namespace) -> int:
                        title="bulk submits (numpy arrays, tenant-checked)"),
                  f"decode step (8 events: submit + plan + execute via flush_nowait): median"
                  f" {embed['decode_step_us']:.1f} us, min {embed['decode_step_min_us']:.1f} us",
+                 f"decode flush (2 releases, 2 allocs, 2 forks; await flush) vs its one op (_foreach_copy_ +"
+                 f" an anyio checkpoint): {decode['flush_us']:.1f} vs {decode['op_us']:.1f} us ="
+                 f" {decode['ratio']:.2f}x",
                  f"host tier, per slot (submit + plan, {tier['events']:.0f} a step): offload + release"
                  f" {tier['offload_release_us_per_slot']:.2f} us, alloc + restore"
                  f" {tier['alloc_restore_us_per_slot']:.2f} us",
@@ -321,7 +365,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, {"machine": info, "results": [r.to_json() for r in results], "host_overhead": host,
                                "tracing_overhead": trace, "embedding_overhead": embed, "bulk_vs_loop": bulk,
-                               "host_tier_overhead": tier, "planner_scaling": planning})  # fmt: skip
+                               "host_tier_overhead": tier, "planner_scaling": planning,
+                               "decode_flush": decode})  # fmt: skip
     if args.plot:
         plot(results, args.plot)
     return 0

@@ -132,6 +132,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--preempt", choices=PREEMPT, default=None, help="what to do when slots run out")
     _add_prefix_options(p)
     p.add_argument(
+        "--threads",
+        type=int_at_least(1),
+        default=1,
+        metavar="N",
+        help="torch intra-op threads (default 1: the models are tiny, and on a shared or loaded machine more threads"
+        " wait on each other at every op)",
+    )
+    p.add_argument(
         "--executor",
         type=executor_name(),
         default=None,
@@ -196,6 +204,11 @@ def _trace_path(base: str | None, model: str, several: bool) -> str | None:
 def run(args: argparse.Namespace) -> int:
     if args.append and args.trace is None:
         raise UsageError("--append appends to a --trace file: give --trace PATH")
+    import torch
+
+    # Before any model runs: the tiny models' ops are too small to share between threads, and each op's
+    # parallel region waits for every thread to be scheduled (docs/simulator.md, "Threads").
+    torch.set_num_threads(args.threads)
     quantised = args.state_dtype != "float32"
     default = ["toy"] if quantised else ["all"]
     models = list(

@@ -1,0 +1,134 @@
+"""Large CPU states: the runs path cuts each view under ATen's grain, so no op is an OpenMP parallel region.
+
+A parallel region ends only once every pool thread got a time slice; with another process computing on the
+host, each region of a many-run stage waited a scheduler slice (issue 33: a clear at 0.02 of memset). These
+tests pin the property that removes them (every op of a zero, copy or commit stage on a CPU pool touches
+fewer than ``GRAIN`` elements) and that the pieces, wide integer or complex views of the rows, move exactly
+the bytes the reference executor moves, signalling NaN payloads included.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mambacache as mc
+from mambacache._executors._torch import GRAIN, TorchExecutor
+from mambacache._planner import plan_step
+from mambacache._runner import run_stage
+
+from .strategies import events_from_ops, ops
+from .util import drive, paged_pool
+
+# (name, spec): each slot's view over both layers is past the grain; the rows are cut into complex128
+# pieces (fp32, 16-byte rows) or int16 ones (bf16 rows of 2 mod 4 bytes, two pieces per row).
+SPECS = {
+    "wide": mc.StateSpec(num_layers=2, conv_shapes=[(8, 4)], temporal_shape=(4, 64, 65), draft_tokens=2),
+    "narrow": mc.StateSpec(
+        num_layers=2,
+        conv_shapes=[(5, 3)],
+        temporal_shape=(3, 61, 181),
+        conv_dtype=torch.bfloat16,
+        temporal_dtype=torch.bfloat16,
+        draft_tokens=2,
+    ),
+}
+
+
+def random_bytes(tensors: list[torch.Tensor], seed: int) -> None:
+    """Any bit pattern, NaN payloads included: a piece's dtype must not change a byte."""
+    g = torch.Generator().manual_seed(seed)
+    for t in tensors:
+        b = t.view(torch.uint8)
+        b.copy_(torch.randint(0, 256, b.shape, generator=g, dtype=torch.uint8))
+
+
+def make_pool(name: str, paged: bool) -> mc.StatePool:
+    spec = SPECS[name]
+    if paged:
+        return paged_pool(mc.StateSpec(spec.num_layers, spec.conv_shapes, spec.temporal_shape, spec.conv_dtype,
+                                       spec.temporal_dtype), 8)  # fmt: skip
+    return mc.StatePool(spec, 8)
+
+
+class MaxElements(TorchDispatchMode):
+    """Records, per aten op, the largest tensor it was given (in a list or not), in elements."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        flat = [a for x in args for a in (x if isinstance(x, (list, tuple)) else [x])]
+        sizes = [a.numel() for a in flat if isinstance(a, torch.Tensor)]
+        self.seen.append((str(func), max(sizes, default=0)))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("name", list(SPECS))
+@given(raw=ops, seed=st.integers(0, 99))
+@settings(max_examples=15)
+def test_pieces_move_the_bytes_the_reference_moves(name: str, paged: bool, raw: list[Any], seed: int) -> None:
+    raw0 = [(k, 0 if k == "alloc" else a, b) for k, a, b in raw]
+    drafts = 0 if paged else 2
+    pools = []
+    for executor in (TorchExecutor(path="runs"), TorchExecutor(), "reference"):
+        pool = make_pool(name, paged)
+        random_bytes([*pool.tensors, *pool.draft_tensors], seed)
+        with mc.CacheManager(pool, executor=executor) as mgr:
+            for events, _ in events_from_ops(raw0, 8, set(), draft_tokens=drafts):
+                drive(mgr, events)
+                mgr.flush_nowait()
+        pools.append(pool)
+    for pool in pools[:2]:
+        assert pool.allocated_slots() == pools[2].allocated_slots()
+        for a, b in zip(pool.tensors, pools[2].tensors, strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_no_op_of_a_runs_stage_reaches_the_grain(name: str, paged: bool) -> None:
+    pool = make_pool(name, paged)
+    assert pool.tensors[-1].shape[0] * pool.tensors[-1][0, 0].numel() >= GRAIN  # the case this is about
+    rng = random.Random(0)
+    chosen = rng.sample(range(1, 9), 6)
+    events: list[list[Any]] = [
+        [mc.Clear(s) for s in chosen[:3]],
+        [mc.CopyOnWrite(s, d) for s, d in zip(chosen[:3], chosen[3:], strict=True)],
+        [mc.Clear(1), mc.Clear(2), mc.Clear(3)],  # one run of three slots
+        [mc.CopyOnWrite(1, 5), mc.CopyOnWrite(2, 6)],
+    ]
+    if not paged:
+        events.append([mc.CommitDraft(s, 1 + s % 2) for s in chosen[:3]])
+    ex = TorchExecutor(path="runs")
+    for evs in events:
+        (stage,) = plan_step(evs).stages
+        for whole in (True, False):  # all tensors at once (execute_stage), and tensor by tensor (execute)
+            with MaxElements() as seen:
+                if whole:
+                    run_stage(ex, stage, pool.exec_tensors, pool.exec_drafts)
+                else:
+                    for i, t in enumerate(pool.exec_tensors):
+                        ex.execute(stage, t, pool.exec_drafts[i] if pool.exec_drafts else None)
+            writes = [(f, n) for f, n in seen.seen if "_foreach" in f or "copy" in f or "zero" in f or "fill" in f]
+            assert writes, seen.seen
+            assert all(n < GRAIN for _, n in writes), writes
+
+
+def test_small_states_keep_one_view_per_slot() -> None:
+    # Under the grain already: one strided op per slot and tensor, as before (the decode step's case).
+    pool = mc.StatePool(mc.StateSpec(num_layers=4, conv_shapes=[(4, 2)], temporal_shape=(2, 2)), 16)
+    ex = TorchExecutor(path="runs")
+    (stage,) = plan_step([mc.Clear(3), mc.Clear(7)]).stages
+    run_stage(ex, stage, pool.exec_tensors)  # builds the cached views
+    with MaxElements() as seen:
+        run_stage(ex, stage, pool.exec_tensors)
+    assert [f for f, _ in seen.seen] == ["aten._foreach_zero_.default"]

@@ -45,7 +45,9 @@ class FlushCore:
     the local run both happen (shielded), or the ranks would part.
     """
 
-    __slots__ = ("_executor", "_flusher", "_host", "_mutex", "_queue", "_runner", "_slot_bytes", "channel")
+    __slots__ = (
+        "_executor", "_flusher", "_host", "_mutex", "_queue", "_runner", "_settle_s", "_slot_bytes", "channel",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -55,8 +57,10 @@ class FlushCore:
         host_tensors: list[Any] | None,
         slot_bytes: int,
         channel: Channel | None,
+        settle_s: float = 300.0,
     ) -> None:
         self._queue = queue
+        self._settle_s = settle_s  # the longest a close waits for sends in flight
         self._runner = runner
         self._executor = executor
         self._host = host_tensors
@@ -73,47 +77,50 @@ class FlushCore:
         if self._runner.backlog:
             # Earlier work first; if it fails again the new events stay queued, unplanned.
             resumed = self._runner.run(stream, self._queue.step)
-        plan, step, plan_s = self.take_plan()
-        return self._apply(plan, step, stream, plan_s, resumed)
+        plan, step, ticket, plan_s = self.take_plan()
+        return self._apply(plan, step, ticket, stream, plan_s, resumed)
 
     def over_channel(self, channel: Channel, stream: Any | None) -> Core:
         """The flush of a tensor-parallel rank, yielding its one blocking call."""
         self._runner.raise_if_broken()
         if channel.is_source:
-            plan, step, plan_s = self.take_plan()
+            plan, step, ticket, plan_s = self.take_plan()
             yield partial(channel.send, step, plan)
         else:
             step, plan = yield channel.receive
             plan_s = 0.0
-            self._queue.follow(step)
-        return self._apply(plan, step, stream, plan_s, 0)
+            ticket = self._queue.follow(step)
+        return self._apply(plan, step, ticket, stream, plan_s, 0)
 
-    def take_plan(self) -> tuple[Plan, int, float]:
-        """Take the queued events and plan them: ``(plan, step, seconds)``.
+    def take_plan(self) -> tuple[Plan, int, int, float]:
+        """Take the queued events and plan them: ``(plan, step, backlog ticket, seconds)``.
 
         The planner is pure, so if it fails (out of memory on a huge step, say) the
         events go back to the front of the queue, in order, and the step number
         with them: the next flush plans them again, as if this one never ran.
         """
-        events, step = self._queue.take()
+        events, step, ticket = self._queue.take()
         t0 = time.perf_counter()
         try:
             plan = plan_step(events)
         except Exception as exc:
-            self._queue.put_back(events, step)
+            self._queue.put_back(events, step, ticket)
             raise PlanError(
                 f"planning step {step} ({len(events)} events) failed: {exc!r}; the events are queued again"
             ) from exc
-        return plan, step, time.perf_counter() - t0
+        return plan, step, ticket, time.perf_counter() - t0
 
-    def _apply(self, plan: Plan, step: int, stream: Any | None, plan_s: float, resumed: int) -> StepReport:
-        """Queue the plan behind any unfinished work and run it all, oldest first."""
+    def _apply(self, plan: Plan, step: int, ticket: int, stream: Any | None, plan_s: float, resumed: int) -> StepReport:
+        """Queue the plan behind any unfinished work and run it all, oldest first.
+
+        The plan is pushed under its ticket even with no stages, so that the
+        ticket counts as done (``Backlog.done``) exactly when all it took ran.
+        """
         t1 = time.perf_counter()
         runner = self._runner
         backlog = runner.backlog
         resumed += len(backlog)
-        if plan.stages:
-            backlog.push(plan.stages, self._executor, self._host)
+        backlog.push(plan.stages, self._executor, self._host, ticket)
         if backlog:
             runner.run(stream, step)
         report = StepReport.from_plan(
@@ -123,27 +130,43 @@ class FlushCore:
         return report
 
     # -- closing ---------------------------------------------------------
-    def _begin_close(self) -> bool:
-        """Refuse new submits from here on; True when a final flush has work to do."""
-        queued = self._queue.begin_close()
-        # In tensor-parallel mode every rank flushes on exit, so the ranks stay in step.
-        return queued or self.channel is not None or bool(self._runner.pending)
+    def _begin_close(self) -> float:
+        """Refuse new submits (and new sends) from here on; returns the deadline of the wait for sends in flight."""
+        self._queue.begin_close()
+        return time.monotonic() + self._settle_s
+
+    def _settling(self, deadline: float) -> bool:
+        """Whether a send taken before the close still awaits its ack (and the wait for it has time left).
+
+        A serving engine shutting down expects its transfers in flight to finish:
+        the peer may already hold those states, so the close waits (bounded by
+        the manager's ``timeout``) until each send is delivered or returned, and
+        the last flush then runs the releases and drops of the delivered ones.
+        """
+        return bool(self._queue.handoff.in_flight) and time.monotonic() < deadline
+
+    def _last_flush(self) -> bool:
+        """Whether the close's last flush has work: queued events, unfinished stages, or (tensor-parallel: every
+        rank flushes on exit, so the ranks stay in step) a channel."""
+        return bool(self._queue.events) or self.channel is not None or bool(self._runner.pending)
 
     def _finish_close(self, owner: object) -> None:
         # What no flush took (the manager was broken, or the backlog failed) is planned
         # into the pool's backlog, so the next manager on this pool runs it first.
         # The pool stays claimed until then: a manager opened on it meanwhile would run newer work first.
-        events = self._queue.close()
+        events, ticket = self._queue.close()
         try:
-            if events:
-                self._runner.push(plan_step(events).stages, self._executor, self._host)
+            self._runner.push(plan_step(events).stages if events else (), self._executor, self._host, ticket)
         finally:
             self._queue.release(owner)
 
     def close_sync(self, owner: object, exc: BaseException | None) -> None:
         """Leave the manager's ``with`` block: a last flush, then closed for good (``exc``: the block's error)."""
         try:
-            if self._begin_close():
+            deadline = self._begin_close()
+            while self._settling(deadline):
+                time.sleep(0.001)
+            if self._last_flush():
                 self.flush_sync(None)
         except MambaCacheError as flush_error:
             _raise_unless_masking(exc, flush_error)
@@ -153,8 +176,13 @@ class FlushCore:
     async def close_async(self, owner: object, exc: BaseException | None) -> None:
         """:meth:`close_sync` for ``async with``; the last flush is shielded from cancellation."""
         try:
-            if self._begin_close():
-                with anyio.CancelScope(shield=True):
+            deadline = self._begin_close()
+            with anyio.CancelScope(shield=True):  # bounded: the wait by the deadline, the flush as any flush
+                while True:  # polled: the send settles in another thread, which has no event loop to signal
+                    if not self._settling(deadline):
+                        break
+                    await anyio.sleep(0.001)
+                if self._last_flush():
                     await self.flush_async(None)
         except MambaCacheError as flush_error:
             _raise_unless_masking(exc, flush_error)

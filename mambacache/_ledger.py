@@ -34,6 +34,11 @@ class SlotLedger:
       restore still reads) goes back to the heap only at ``reuse_freed()``, the
       flush that takes the freeing event; before that ``take`` hands it out only
       when nothing else is free, and the planner orders the read first;
+    * from ``reuse_freed(ticket)`` until that ticket's work has run (the
+      backlog's ``done`` passes it), such a slot is *busy*: planned work may
+      take it (it runs after the read, oldest first), but :meth:`take_settled`,
+      for a write made at once outside the step order (a transfer landing
+      states), never does;
     * a reservation keeps ``reserved`` slots for one tenant: ``rheld`` counts the
       slots that tenant holds (kept by every take, give-back and hand-over, so
       reading it is O(1)), and every other tenant may take only what leaves
@@ -41,8 +46,8 @@ class SlotLedger:
     """
 
     __slots__ = (
-        "_free", "_later", "_num_free", "_pending", "held", "name", "owner", "reserved", "rheld", "rtenant", "size",
-        "tenants",
+        "_busy", "_free", "_later", "_num_free", "_pending", "held", "name", "owner", "reserved", "rheld", "rtenant",
+        "size", "tenants",
     )  # fmt: skip
 
     def __init__(self, size: int, name: str = "pool") -> None:
@@ -54,6 +59,7 @@ class SlotLedger:
         self._num_free = size  # free slots in the heap (its stale entries aside)
         self._later: list[int] = []  # freed by free_later, in order
         self._pending = bytearray(size + 1)  # 1 for the slots in _later (O(1) membership)
+        self._busy: list[int] | None = None  # per slot: the ticket whose work still reads it (made on first use)
         self.owner: object | None = None  # the open manager driving this ledger, if any
         self.rtenant: str | None = None  # the tenant slots are reserved for (None: no reservation)
         self.reserved = 0
@@ -195,13 +201,63 @@ class SlotLedger:
         self._later.append(slot)
         self._pending[slot] = 1
 
-    def reuse_freed(self) -> None:
-        """The flush took the events that freed the ``free_later`` slots: they are plain free slots now."""
-        for s in self._later:
+    def reuse_freed(self, ticket: int = -1) -> None:
+        """The flush (of backlog ticket ``ticket``) took the events that freed the ``free_later`` slots: planned
+        work may take them now; :meth:`take_settled` only once ``ticket`` ran (-1: at once)."""
+        later = self._later
+        if ticket >= 0 and later:
+            busy = self._busy
+            if busy is None:
+                busy = self._busy = [-1] * (self.size + 1)
+            for s in later:
+                busy[s] = ticket
+        for s in later:
             heapq.heappush(self._free, s)
             self._pending[s] = 0
-        self._num_free += len(self._later)
-        self._later.clear()
+        self._num_free += len(later)
+        later.clear()
+
+    def num_settled(self, done: int) -> int:
+        """Free slots that no unfinished work (a ticket from ``done`` on) nor queued event reads: O(size)."""
+        busy, held, pending = self._busy, self.held, self._pending
+        return sum(
+            1 for s in range(1, self.size + 1) if not held[s] and not pending[s] and (busy is None or busy[s] < done)
+        )
+
+    def take_settled(self, n: int, tenant: str | None, done: int) -> list[int]:
+        """The ``n`` lowest free slots that no queued event and no unfinished work (a ticket from ``done`` on)
+        still reads or writes, now held by ``tenant``: for a write made at once, outside the step order.
+
+        :class:`PoolExhaustedError` (nothing taken) when fewer are; the message
+        counts those that become settled later.
+        """
+        busy, held, tenants, pending, free = self._busy, self.held, self.tenants, self._pending, self._free
+        slots: list[int] = []
+        seen: set[int] = set()
+        kept: list[int] = []  # free, but unfinished work still reads them: back on the heap after
+        while len(slots) < n and free:
+            s = heapq.heappop(free)
+            if held[s] or pending[s] or s in seen:
+                continue  # a stale or duplicate entry, dropped as take() drops it
+            seen.add(s)
+            if busy is not None and busy[s] >= done:
+                kept.append(s)
+            else:
+                slots.append(s)
+        for s in kept:
+            heapq.heappush(free, s)
+        if len(slots) < n:
+            for s in slots:
+                heapq.heappush(free, s)
+            settled = self.num_settled(done)
+            later = self.num_free - settled
+            more = f" (and {later} more once queued or unfinished work has read them)" if later else ""
+            raise PoolExhaustedError(f"{self.name}: {n} slot(s) wanted at once, {settled} free{more}")
+        for s in slots:
+            held[s] = 1
+            tenants[s] = tenant
+        self._num_free -= len(slots)
+        return slots
 
     # -- validation ------------------------------------------------------
     def check_held(self, kind: str, slot: int, tenant: str | None) -> None:

@@ -16,7 +16,7 @@ import anyio
 from . import _tracing
 from ._errors import InvalidArgumentError, ManagerClosedError, SlotLeakError, SlotStateError
 from ._events import Alloc, DropHost, Event, Offload, Restore
-from ._exports import HandOffBook, drop_exports
+from ._exports import HandOffBook
 from ._ledger import SlotLedger
 
 if TYPE_CHECKING:
@@ -50,8 +50,8 @@ class StepQueue:
     """
 
     __slots__ = (
-        "_channel", "_draft_tokens", "_host", "_runner", "_ticket", "_waiters", "events", "handoff", "ledger",
-        "lock", "state", "step",
+        "_backlog", "_channel", "_draft_tokens", "_host", "_runner", "_ticket", "_waiters", "events", "handoff",
+        "ledger", "lock", "state", "step",
     )  # fmt: skip
 
     def __init__(
@@ -70,7 +70,8 @@ class StepQueue:
         self._runner = runner
         self._channel = channel
         self.events: list[Event] = []
-        self.handoff = HandOffBook()  # exports awaiting an ack, states arrived awaiting an import
+        self._backlog = runner.backlog  # hands out the tickets a take runs under (work done: Backlog.done)
+        self.handoff = HandOffBook(self, ledger, host, runner.backlog)  # exports awaiting an ack, states arrived
         self.step = 0
         self.state = NEW
         self._waiters: list[int] = []  # alloc_wait tickets, first come first served
@@ -82,9 +83,10 @@ class StepQueue:
             return ManagerClosedError("CacheManager is not entered (use `with` or `async with`)")
         return ManagerClosedError("CacheManager is closed" + (" (closing)" if self.state == CLOSING else ""))
 
-    def check(self) -> None:
-        """Under the lock: the authoritative check before anything is queued."""
-        if self.state != OPEN:
+    def check(self, settling: bool = False) -> None:
+        """Under the lock: the authoritative check before anything is queued (``settling``: the outcome of a
+        transfer in flight, which a closing manager still takes, since its close waits for it)."""
+        if self.state != OPEN and not (settling and self.state == CLOSING):
             raise self.closed_error()
         self._runner.raise_if_broken()
         if self._channel is not None:
@@ -104,21 +106,22 @@ class StepQueue:
                     raise
             self.state = OPEN
 
-    def begin_close(self) -> bool:
-        """Refuse new events from here on; True when events are queued."""
+    def begin_close(self) -> None:
+        """Refuse new events from here on (a transfer in flight may still settle: :meth:`check`)."""
         with self.lock:
             if self.state == OPEN:
                 self.state = CLOSING
-            return bool(self.events)
 
-    def close(self) -> list[Event]:
-        """Closed for good: returns what no flush took. The ledgers stay claimed until :meth:`release`."""
+    def close(self) -> tuple[list[Event], int]:
+        """Closed for good: returns what no flush took, with the backlog ticket it runs under. The ledgers stay
+        claimed until :meth:`release`."""
         with self.lock:
             events, self.events = self.events, []
             self.state = CLOSED
+            ticket = self._backlog.take_ticket()
             if self._host is not None:
-                self._host.reuse_freed()
-        return events
+                self._host.reuse_freed(ticket)
+        return events, ticket
 
     def release(self, owner: object) -> None:
         """Free the ledgers for the next manager, once this one's leftover work is in the pool's backlog."""
@@ -134,12 +137,17 @@ class StepQueue:
             if self.state != OPEN or self._runner.broken is not None or self._channel is not None:
                 self.check()  # the common case is one test; this raises or checks the source rank
             book = self.handoff
-            withdrawn = book.released_exports(events) if book.exports else None
+            withdrawn = book.withdraw_locked(events) if book.exports else None
             self.ledger.apply_batch(events, self._draft_tokens)
             self.events.extend(events)
             _tracing.tracer.events(events, self.step)
             if withdrawn:
-                drop_exports(self, withdrawn)
+                book.drop_locked(withdrawn)
+
+    def enqueue(self, events: Sequence[Event]) -> None:
+        """Under the lock: queue ``events`` (checked by the caller against the ledgers) and trace them."""
+        self.events.extend(events)
+        _tracing.tracer.events(events, self.step)
 
     def alloc(self, n: int, tenant: str | None, clear: bool) -> list[int]:
         """The ``n`` lowest free slots, held by ``tenant``, each with its queued alloc."""
@@ -248,6 +256,7 @@ class StepQueue:
         with self.lock:
             self.check()
             self._check_host_held("Restore", host)
+            self.handoff.check_host("Restore", host)
             self.ledger.check_held("Restore", slot, tenant)
             ev = Restore(host, slot, tenant, keep)
             self.events.append(ev)
@@ -261,6 +270,7 @@ class StepQueue:
         with self.lock:
             self.check()
             self._check_host_held("DropHost", host)
+            self.handoff.check_host("DropHost", host)
             ev = DropHost(host)
             self.events.append(ev)
             self._host.free_later(host)
@@ -277,26 +287,32 @@ class StepQueue:
             raise _host_gone(kind, host)
 
     # -- the flush's side ------------------------------------------------
-    def take(self) -> tuple[list[Event], int]:
-        """Swap the queue out (vLLM's ``take_events``) and advance the step: ``(events, step)``."""
+    def take(self) -> tuple[list[Event], int, int]:
+        """Swap the queue out (vLLM's ``take_events``) and advance the step: ``(events, step, ticket)``, the
+        ticket being the backlog's for this work (it counts as done once the backlog ran all of it)."""
         with self.lock:
             events, self.events = self.events, []
             step = self.step
             self.step += 1
+            ticket = self._backlog.take_ticket()
             if self._host is not None:
-                self._host.reuse_freed()  # host slots freed by these events: their reads are planned now
-        return events, step
+                self._host.reuse_freed(ticket)  # host slots freed by these events: their reads are planned now
+        return events, step, ticket
 
-    def put_back(self, events: list[Event], step: int) -> None:
-        """Undo :meth:`take` (the plan failed): ``events`` go back to the front, in order, with their step."""
+    def put_back(self, events: list[Event], step: int, ticket: int) -> None:
+        """Undo :meth:`take` (the plan failed): ``events`` go back to the front, in order, with their step and
+        ticket. Host slots they freed stay busy until that ticket runs: never too early."""
         with self.lock:
             self.events[:0] = events
             self.step = step
+            self._backlog.untake(ticket)
 
-    def follow(self, step: int) -> None:
-        """On a receiving rank: the source ran ``step``, so the next flush runs the one after."""
+    def follow(self, step: int) -> int:
+        """On a receiving rank: the source ran ``step``, so the next flush runs the one after; returns the
+        backlog ticket the received plan runs under."""
         with self.lock:
             self.step = step + 1
+            return self._backlog.take_ticket()
 
     def snapshot(self) -> list[Event]:
         """A copy of the queued events."""
@@ -363,6 +379,7 @@ def restore_batch(queue: StepQueue, hosts: list[int], slots: list[int], tenant: 
         for h, s in zip(hosts, slots, strict=True):
             if not host_held[h] or h in read:
                 raise _host_gone("Restore", h)
+            queue.handoff.check_host("Restore", h)
             if not held[s] or (tenant is not None and tenants[s] != tenant):
                 queue.ledger.check_held("Restore", s, tenant)
             if not keep:

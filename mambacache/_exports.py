@@ -44,7 +44,11 @@ class QueueSide(Protocol):
 
     def check(self, settling: bool = False) -> None: ...
 
+    def closed(self) -> bool: ...
+
     def enqueue(self, events: Sequence[Event]) -> None: ...
+
+    def settled(self) -> None: ...
 
 
 class HandOffBook:
@@ -135,26 +139,42 @@ class HandOffBook:
                 sending.update(ev.slot for ev in ready)
         return ready
 
+    def _mine(self, exports: Sequence[Export]) -> list[Export]:
+        """Those of ``exports`` still in the book (a repeated ack, or an export withdrawn since, is not)."""
+        return [ev for ev in exports if self.exports.get(ev.slot, (0, None))[1] is ev]
+
     def returned(self, exports: Sequence[Export]) -> None:
-        """A send of ``exports`` failed: they wait for the next send, and a release may withdraw them again."""
-        with self._queue.lock:
-            for ev in exports:
-                if self.exports.get(ev.slot, (0, None))[1] is ev:
-                    self.sending.discard(ev.slot)
+        """A send of ``exports`` failed: they wait for the next send, and a release may withdraw them again.
+
+        On a closed manager no send can follow: their slots and staging slots
+        are freed at once (:meth:`_settle_closed`), nothing is kept for the next
+        manager on the pool.
+        """
+        q = self._queue
+        with q.lock:
+            mine = self._mine(exports)
+            if q.closed():
+                self._settle_closed(mine, withdrawn=True)
+                return
+            for ev in mine:
+                self.sending.discard(ev.slot)
 
     def delivered(self, exports: Sequence[Export]) -> None:
         """The peer acknowledged ``exports``: queue the release of each pool slot and the drop of each staging slot.
 
-        One hold of the lock, so all of them or (on a closed manager) none; a
-        closing manager still takes them (the close waits for sends in flight,
-        so its last flush runs these releases). Their tenants cannot have
-        changed: a hand-over of an exporting slot is refused, and a release is
-        refused while it is sending.
+        One hold of the lock, so all of them or none. A closing manager still
+        takes them (its last flush, or the backlog, runs them); a closed one
+        frees the slots at once (:meth:`_settle_closed`). Their tenants cannot
+        have changed: a hand-over of an exporting slot is refused, and a release
+        is refused while it is sending.
         """
         q = self._queue
         with q.lock:
+            mine = self._mine(exports)
+            if q.closed():
+                self._settle_closed(mine, withdrawn=False)
+                return
             q.check(settling=True)
-            mine = [ev for ev in exports if self.exports.get(ev.slot, (0, None))[1] is ev]
             releases = [Release(ev.slot, ev.request_id) for ev in mine]
             self._ledger.apply_batch(releases, 0)
             q.enqueue(releases)
@@ -183,10 +203,31 @@ class HandOffBook:
                 "transfer.withdraw", None, ids, slots=[ev.slot for ev in gone], step=self._queue.step
             )
 
-    @property
-    def in_flight(self) -> int:
-        """Exports a send has taken and not settled (read without the lock: a close polls it)."""
-        return len(self.sending)
+    def _settle_closed(self, exports: list[Export], withdrawn: bool) -> None:
+        """Under the lock, on a closed manager: a send taken before the close settled (``withdrawn``: it failed).
+
+        The manager closed while the send awaited its ack, and no flush will
+        run again; a release and a host drop need no device work (the staging
+        copy ran before the send took it, and nothing else reads the staging
+        slot), so the ledgers are changed directly. The closed manager kept the
+        ledgers claimed while the send was in flight (:meth:`QueueSide.settled`
+        frees them with the last one), so no other manager changes them meanwhile.
+        """
+        host = self._host
+        assert host is not None
+        for ev in exports:
+            del self.exports[ev.slot]
+            self.sending.discard(ev.slot)
+            del self.hosts[ev.host]
+        self._ledger.give_back([ev.slot for ev in exports])
+        host.give_back([ev.host for ev in exports])
+        done: list[Event] = [Release(ev.slot, ev.request_id) for ev in exports]
+        q = self._queue
+        _tracing.tracer.events([*done, *(DropHost(ev.host) for ev in exports)], q.step)
+        if withdrawn and exports:
+            ids = [ev.request_id or "" for ev in exports]
+            _tracing.tracer.transfer("transfer.withdraw", None, ids, slots=[ev.slot for ev in exports], step=q.step)
+        q.settled()
 
     # -- the receiver --------------------------------------------------------------
     def land(self, request_ids: list[str]) -> list[int]:

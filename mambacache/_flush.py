@@ -45,9 +45,7 @@ class FlushCore:
     the local run both happen (shielded), or the ranks would part.
     """
 
-    __slots__ = (
-        "_executor", "_flusher", "_host", "_mutex", "_queue", "_runner", "_settle_s", "_slot_bytes", "channel",
-    )  # fmt: skip
+    __slots__ = ("_executor", "_flusher", "_host", "_mutex", "_queue", "_runner", "_slot_bytes", "channel")
 
     def __init__(
         self,
@@ -57,10 +55,8 @@ class FlushCore:
         host_tensors: list[Any] | None,
         slot_bytes: int,
         channel: Channel | None,
-        settle_s: float = 300.0,
     ) -> None:
         self._queue = queue
-        self._settle_s = settle_s  # the longest a close waits for sends in flight
         self._runner = runner
         self._executor = executor
         self._host = host_tensors
@@ -130,25 +126,11 @@ class FlushCore:
         return report
 
     # -- closing ---------------------------------------------------------
-    def _begin_close(self) -> float:
-        """Refuse new submits (and new sends) from here on; returns the deadline of the wait for sends in flight."""
-        self._queue.begin_close()
-        return time.monotonic() + self._settle_s
-
-    def _settling(self, deadline: float) -> bool:
-        """Whether a send taken before the close still awaits its ack (and the wait for it has time left).
-
-        A serving engine shutting down expects its transfers in flight to finish:
-        the peer may already hold those states, so the close waits (bounded by
-        the manager's ``timeout``) until each send is delivered or returned, and
-        the last flush then runs the releases and drops of the delivered ones.
-        """
-        return bool(self._queue.handoff.in_flight) and time.monotonic() < deadline
-
-    def _last_flush(self) -> bool:
-        """Whether the close's last flush has work: queued events, unfinished stages, or (tensor-parallel: every
-        rank flushes on exit, so the ranks stay in step) a channel."""
-        return bool(self._queue.events) or self.channel is not None or bool(self._runner.pending)
+    def _begin_close(self) -> bool:
+        """Refuse new submits (and new sends) from here on; True when a final flush has work to do."""
+        queued = self._queue.begin_close()
+        # In tensor-parallel mode every rank flushes on exit, so the ranks stay in step.
+        return queued or self.channel is not None or bool(self._runner.pending)
 
     def _finish_close(self, owner: object) -> None:
         # What no flush took (the manager was broken, or the backlog failed) is planned
@@ -163,10 +145,7 @@ class FlushCore:
     def close_sync(self, owner: object, exc: BaseException | None) -> None:
         """Leave the manager's ``with`` block: a last flush, then closed for good (``exc``: the block's error)."""
         try:
-            deadline = self._begin_close()
-            while self._settling(deadline):
-                time.sleep(0.001)
-            if self._last_flush():
+            if self._begin_close():
                 self.flush_sync(None)
         except MambaCacheError as flush_error:
             _raise_unless_masking(exc, flush_error)
@@ -176,13 +155,8 @@ class FlushCore:
     async def close_async(self, owner: object, exc: BaseException | None) -> None:
         """:meth:`close_sync` for ``async with``; the last flush is shielded from cancellation."""
         try:
-            deadline = self._begin_close()
-            with anyio.CancelScope(shield=True):  # bounded: the wait by the deadline, the flush as any flush
-                while True:  # polled: the send settles in another thread, which has no event loop to signal
-                    if not self._settling(deadline):
-                        break
-                    await anyio.sleep(0.001)
-                if self._last_flush():
+            if self._begin_close():
+                with anyio.CancelScope(shield=True):
                     await self.flush_async(None)
         except MambaCacheError as flush_error:
             _raise_unless_masking(exc, flush_error)

@@ -114,9 +114,7 @@ class CacheManager(Reservations, HostTier, HandOff):
         host_ledger = host_pool.ledger if host_pool is not None else None
         self._queue = StepQueue(threading.Lock(), pool.ledger, host_ledger, pool.spec.draft_tokens, runner, channel)
         host_tensors = host_pool.exec_tensors if host_pool is not None else None
-        self._core = FlushCore(
-            self._queue, runner, self._executor, host_tensors, pool.spec.slot_bytes, channel, settle_s=timeout
-        )
+        self._core = FlushCore(self._queue, runner, self._executor, host_tensors, pool.spec.slot_bytes, channel)
 
     # -- lifecycle -------------------------------------------------------
     async def __aenter__(self) -> CacheManager:

@@ -50,8 +50,8 @@ class StepQueue:
     """
 
     __slots__ = (
-        "_backlog", "_channel", "_draft_tokens", "_host", "_runner", "_ticket", "_waiters", "events", "handoff",
-        "ledger", "lock", "state", "step",
+        "_backlog", "_channel", "_draft_tokens", "_host", "_owner", "_runner", "_ticket", "_waiters", "events",
+        "handoff", "ledger", "lock", "state", "step",
     )  # fmt: skip
 
     def __init__(
@@ -76,6 +76,7 @@ class StepQueue:
         self.state = NEW
         self._waiters: list[int] = []  # alloc_wait tickets, first come first served
         self._ticket = 0
+        self._owner: object | None = None  # set once closed: the ledgers wait for sends in flight to settle
 
     # -- lifecycle -------------------------------------------------------
     def closed_error(self) -> ManagerClosedError:
@@ -106,11 +107,13 @@ class StepQueue:
                     raise
             self.state = OPEN
 
-    def begin_close(self) -> None:
-        """Refuse new events from here on (a transfer in flight may still settle: :meth:`check`)."""
+    def begin_close(self) -> bool:
+        """Refuse new events from here on (a transfer in flight may still settle: :meth:`check`); True when
+        events are queued."""
         with self.lock:
             if self.state == OPEN:
                 self.state = CLOSING
+            return bool(self.events)
 
     def close(self) -> tuple[list[Event], int]:
         """Closed for good: returns what no flush took, with the backlog ticket it runs under. The ledgers stay
@@ -124,8 +127,17 @@ class StepQueue:
         return events, ticket
 
     def release(self, owner: object) -> None:
-        """Free the ledgers for the next manager, once this one's leftover work is in the pool's backlog."""
+        """Free the ledgers for the next manager, once this one's leftover work is in the pool's backlog and
+        no send of its exports awaits an ack (else the last one to settle frees them: :meth:`settled`)."""
         with self.lock:
+            self._owner = owner
+            self.settled()
+
+    def settled(self) -> None:
+        """Under the lock, once closed: free the ledgers unless a send is still in flight."""
+        owner = self._owner
+        if owner is not None and not self.handoff.sending:
+            self._owner = None
             if self._host is not None:
                 self._host.unclaim(owner)
             self.ledger.unclaim(owner)
@@ -143,6 +155,10 @@ class StepQueue:
             _tracing.tracer.events(events, self.step)
             if withdrawn:
                 book.drop_locked(withdrawn)
+
+    def closed(self) -> bool:
+        """Closed for good (not merely closing): no flush runs again."""
+        return self.state == CLOSED
 
     def enqueue(self, events: Sequence[Event]) -> None:
         """Under the lock: queue ``events`` (checked by the caller against the ledgers) and trace them."""

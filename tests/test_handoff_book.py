@@ -89,7 +89,7 @@ def test_an_exporting_slot_cannot_be_handed_over_or_exported_again(call: str) ->
         assert _state(mgr) == before
 
 
-def test_delivery_releases_and_drops_the_whole_batch_and_on_a_closed_manager_nothing() -> None:
+def test_delivery_releases_and_drops_the_whole_batch_and_on_a_closed_manager_settles_at_once() -> None:
     mgr = _manager()
     with mgr:
         slots = mgr.alloc(3, "r")
@@ -105,8 +105,9 @@ def test_delivery_releases_and_drops_the_whole_batch_and_on_a_closed_manager_not
         mgr.flush_nowait()
     assert mgr.held() == {slots[2]: "r2"}
     with pytest.raises(mc.ManagerClosedError):
-        mgr.exports_delivered(last)
-    assert mgr.held() == {slots[2]: "r2"}
+        mgr.take_exports()
+    mgr.exports_delivered(last)  # acknowledged after the close: released at once, nothing left for the next manager
+    assert mgr.held() == {} and mgr.host_pool is not None and mgr.host_pool.held() == {}
 
 
 def test_a_pool_state_staged_then_withdrawn_is_not_what_a_later_export_sends() -> None:
@@ -126,6 +127,7 @@ def test_a_pool_state_staged_then_withdrawn_is_not_what_a_later_export_sends() -
         assert ev.host == h and ev.request_id == "q"
         assert mgr.host_pool is not None
         assert torch.equal(mgr.host_pool.temporal[:, h], torch.full_like(mgr.host_pool.temporal[:, h], 2.0))
+        mgr.exports_returned([ev])
 
 
 def test_an_arrived_state_is_imported_once_or_discarded_once() -> None:

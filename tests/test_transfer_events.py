@@ -24,7 +24,7 @@ def _as_transfer(events: list[object], picks: list[bool]) -> list[object]:
     out: list[object] = []
     for ev, pick in zip(events, picks, strict=False):
         if pick and isinstance(ev, mc.Offload):
-            out.append(mc.Export(ev.slot, ev.host, ev.request_id))
+            out.append(mc.Export(ev.slot, ev.host, ev.request_id, ev.slot % 3 or None))  # routed or not: same plan
         elif pick and isinstance(ev, mc.Restore) and not ev.keep:
             out.append(mc.Import(ev.host, ev.slot, ev.request_id))
         else:
@@ -45,3 +45,7 @@ def test_exports_and_imports_plan_exactly_as_offloads_and_freeing_restores(
 def test_exports_and_imports_are_traced_under_their_own_names() -> None:
     assert _fields(mc.Export(3, 1, "r")) == ("slot.export", {"slot": 3, "host": 1, "request_id": "r"})
     assert _fields(mc.Import(1, 4, "r")) == ("slot.import", {"host": 1, "slot": 4, "request_id": "r"})
+
+
+def test_a_routed_exports_trace_line_names_its_destination() -> None:
+    assert _fields(mc.Export(3, 1, "r", 2)) == ("slot.export", {"slot": 3, "host": 1, "request_id": "r", "to": 2})

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ._channel import Channel
     from ._runner import StepRunner
 
-__all__ = ["CLOSED", "CLOSING", "NEW", "OPEN", "StepQueue", "offload_batch", "restore_batch"]
+__all__ = ["CLOSED", "CLOSING", "NEW", "OPEN", "StepQueue", "drop_host", "offload_batch", "restore_batch"]
 
 NEW, OPEN, CLOSING, CLOSED = range(4)
 
@@ -251,56 +251,11 @@ class StepQueue:
             self.ledger.reserve(n, tenant)
             _tracing.tracer.note("pool.reserve", slots=n, tenant=tenant, step=self.step)
 
-    # -- the host tier ---------------------------------------------------
-    def offload(self, slot: int, tenant: str | None) -> int:
-        """Queue an offload of ``slot`` into the lowest free host slot; returns the host slot."""
-        assert self._host is not None
-        with self.lock:
-            self.check()
-            self.ledger.check_held("Offload", slot, tenant)
-            h = self._host.take(1, tenant)[0]
-            ev = Offload(slot, h, tenant)
-            self.events.append(ev)
-            _tracing.tracer.events((ev,), self.step)
-        return h
-
-    def restore(self, host: int, slot: int, tenant: str | None, keep: bool) -> None:
-        """Queue a read of host slot ``host`` into ``slot``; frees ``host`` for the next step unless ``keep``."""
-        assert self._host is not None
-        if type(keep) is not bool:
-            raise InvalidArgumentError(f"keep must be a bool, got {keep!r}")
-        with self.lock:
-            self.check()
-            self._check_host_held("Restore", host)
-            self.handoff.check_host("Restore", host)
-            self.ledger.check_held("Restore", slot, tenant)
-            ev = Restore(host, slot, tenant, keep)
-            self.events.append(ev)
-            if not keep:
-                self._host.free_later(host)
-            _tracing.tracer.events((ev,), self.step)
-
-    def drop(self, host: int) -> None:
-        """Queue the end of host slot ``host``: free for the next step, earlier reads still see it."""
-        assert self._host is not None
-        with self.lock:
-            self.check()
-            self._check_host_held("DropHost", host)
-            self.handoff.check_host("DropHost", host)
-            ev = DropHost(host)
-            self.events.append(ev)
-            self._host.free_later(host)
-            _tracing.tracer.events((ev,), self.step)
-
+    # -- the host tier (its calls are the functions below the class) ---------
     @property
     def host_ledger(self) -> SlotLedger | None:
         """The host pool's ledger (None without a host pool); change it only under :attr:`lock`."""
         return self._host
-
-    def _check_host_held(self, kind: str, host: int) -> None:
-        assert self._host is not None
-        if not self._host.held[host]:
-            raise _host_gone(kind, host)
 
     # -- the flush's side ------------------------------------------------
     def take(self) -> tuple[list[Event], int, int]:
@@ -357,7 +312,8 @@ class StepQueue:
             raise SlotLeakError("; ".join(p for p in parts if p), held, host_held)
 
 
-# The bulk host forms: functions of the queue, so that the class stays one focused piece.
+# The host tier's calls (a single offload or restore is a batch of one): functions of the queue, so that the class
+# stays one focused piece.
 def offload_batch(queue: StepQueue, slots: list[int], tenant: str | None) -> list[int]:
     """:meth:`StepQueue.offload` of each of ``slots`` (in range), in order, in one hold: all or none.
 
@@ -405,6 +361,21 @@ def restore_batch(queue: StepQueue, hosts: list[int], slots: list[int], tenant: 
         for h in read:
             host.free_later(h)
         _tracing.tracer.events(events, queue.step)
+
+
+def drop_host(queue: StepQueue, host: int) -> None:
+    """Queue the end of host slot ``host`` (in range): free for the next step, earlier reads still see it."""
+    ledger = queue._host
+    assert ledger is not None
+    with queue.lock:
+        queue.check()
+        if not ledger.held[host]:
+            raise _host_gone("DropHost", host)
+        queue.handoff.check_host("DropHost", host)
+        ev = DropHost(host)
+        queue.events.append(ev)
+        ledger.free_later(host)
+        _tracing.tracer.events((ev,), queue.step)
 
 
 def _host_gone(kind: str, host: int) -> SlotStateError:

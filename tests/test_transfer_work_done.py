@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 from typing import Any
 
@@ -349,3 +350,62 @@ def test_three_managers_every_state_reaches_the_peer_it_was_exported_to() -> Non
             mgr.check_idle(host=True)
         prefill.flush_nowait()
         prefill.check_idle(host=True)
+
+
+# -- threads: a step loop flushing with faults, a transfer thread landing and sending ----------------------------
+def test_a_step_loop_flushing_with_faults_while_another_thread_sends_and_lands_loses_nothing() -> None:
+    """The transfer thread exports on the prefill manager and lands each state on the decode manager; the decode
+    step loop imports each one as it arrives and flushes, every other flush failing once and repaired a little
+    later. Every imported slot must read its own request's bytes."""
+    n = 30
+
+    def value(i: int) -> float:
+        return float(i % 100 + 1)
+
+    arrived: queue.Queue[str] = queue.Queue()
+    errors: list[BaseException] = []
+    with _mgr(slots=4, host=4) as prefill, _mgr(slots=2, host=2) as decode:
+
+        def transfer_thread() -> None:
+            try:
+                for i in range(n):
+                    rid = f"r{i}"
+                    (s,) = prefill.alloc(1, rid, clear=False)
+                    prefill.flush_nowait()
+                    prefill.pool.temporal[:, s] = value(i)  # the prefill forward
+                    prefill.export(s, rid)
+                    prefill.flush_nowait()
+                    while True:
+                        try:
+                            ids = loopback(prefill, decode)
+                            break
+                        except mc.PoolExhaustedError:
+                            threading.Event().wait(0.0005)  # the decode side has no settled host slot yet
+                    for got in ids:
+                        arrived.put(got)
+            except BaseException as exc:
+                errors.append(exc)
+                arrived.put("")
+
+        worker = threading.Thread(target=transfer_thread, daemon=True)
+        worker.start()
+        faults = 0
+        for k in range(n):
+            rid = arrived.get(timeout=60)
+            assert not errors, errors
+            decode.import_into(1, rid)
+            if k % 2:
+                with pytest.raises(mc.ExecutorError), FaultAt(1, RuntimeError):
+                    decode.flush_nowait()
+                faults += 1
+                threading.Event().wait(0.002)  # the repair comes later: the other thread lands meanwhile
+            decode.flush_nowait()
+            assert bool((decode.pool.temporal[:, 1] == value(int(rid[1:]))).all()), f"{rid} read other bytes"
+            decode.release(1, rid)
+        worker.join(60)
+        assert not errors, errors
+        assert faults == n // 2
+        prefill.flush_nowait()
+        decode.flush_nowait()
+        prefill.check_idle(host=True)
+        decode.check_idle(host=True)

@@ -68,8 +68,10 @@ class Backlog:
     ) -> None:
         """Queue ``stages`` (maybe none) of ``ticket`` (default: the newest taken) behind the backlog."""
         t = self.taken - 1 if ticket < 0 else ticket
-        self.stages.extend((stage, executor, host, t) for stage in stages)
-        self.last = max(self.last, t)
+        if stages:  # the decode step's usual flush has none: the ticket is done at once
+            self.stages.extend((stage, executor, host, t) for stage in stages)
+        if t > self.last:
+            self.last = t
         self._settle()
 
     def pop_done(self) -> None:
@@ -80,7 +82,9 @@ class Backlog:
 
     def _settle(self) -> None:
         stages = self.stages
-        self.done = max(self.done, stages[0][3] if stages else self.last + 1)
+        done = stages[0][3] if stages else self.last + 1
+        if done > self.done:
+            self.done = done
 
     def clear(self) -> int:
         """Drop every stage; returns how many there were (nothing unrun is left to read or write anything)."""

@@ -85,11 +85,13 @@ class StepQueue:
         return ManagerClosedError("CacheManager is closed" + (" (closing)" if self.state == CLOSING else ""))
 
     def check(self, settling: bool = False) -> None:
-        """Under the lock: the authoritative check before anything is queued (``settling``: the outcome of a
-        transfer in flight, which a closing manager still takes, since its close waits for it)."""
+        """Under the lock: the authoritative check before anything is queued. ``settling``: the outcome of a
+        send taken earlier, which a closing or broken manager still takes (the peer may hold those states: a
+        refusal would report them lost; the releases it queues need no device work)."""
         if self.state != OPEN and not (settling and self.state == CLOSING):
             raise self.closed_error()
-        self._runner.raise_if_broken()
+        if not settling:
+            self._runner.raise_if_broken()
         if self._channel is not None:
             self._channel.check_source("submit")
 

@@ -247,6 +247,24 @@ def test_a_send_that_fails_after_the_close_frees_its_slots_too() -> None:
         pass  # the ledgers are free again
 
 
+def test_a_manager_that_breaks_while_a_send_awaits_its_ack_still_takes_the_delivery() -> None:
+    mgr = _mgr(max_failed_flushes=1)
+    mgr.__enter__()
+    (s,) = mgr.alloc(1, "r")
+    mgr.export(s, "r")
+    mgr.flush_nowait()
+    taken = mgr.take_exports()
+    (t,) = mgr.alloc(1, "q")
+    with pytest.raises(mc.ManagerBrokenError), FaultAt(1, RuntimeError):
+        mgr.flush_nowait()  # another thread's flush breaks the manager meanwhile
+    mgr.exports_delivered(taken)  # the peer holds the state: not reported lost
+    assert mgr.held() == {t: "q"}
+    with pytest.raises(mc.ManagerBrokenError):
+        mgr.take_exports()  # nothing new goes on the wire
+    with pytest.raises(mc.ManagerBrokenError):
+        mgr.__exit__(None, None, None)  # leaving re-raises that it broke
+
+
 # -- defect 6's transfer-surface input checks -------------------------------------------------------------------------
 @pytest.mark.parametrize("bad", [[5], ["a", 5], "ab", ("a",), [None], [b"a"]])
 def test_land_takes_a_list_of_str_ids_else_a_typed_error_and_nothing_changed(bad: Any) -> None:

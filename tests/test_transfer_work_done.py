@@ -104,6 +104,25 @@ def test_a_landing_with_only_busy_host_slots_is_refused_and_changes_nothing_then
         assert _holds(mgr.pool.tensors, 1, 1.0)
 
 
+def test_a_landing_on_the_next_manager_waits_for_the_backlog_the_last_one_left() -> None:
+    pool, host = mc.StatePool(SPEC, 4), mc.HostPool(SPEC, 2)
+    old = mc.CacheManager(pool, host_pool=host)
+    old.__enter__()
+    h = _arrive(old, "a", 1.0)
+    old.import_into(1, "a")
+    with pytest.raises(mc.ExecutorError), FaultAt(1, RuntimeError):
+        old.__exit__(None, None, None)  # its last flush failed: the import stays in the pool's backlog
+    assert pool.unfinished == 1
+    with mc.CacheManager(pool, host_pool=host) as new:
+        assert _arrive(new, "b", 2.0) != h  # work done outlives the manager: the backlog's tickets
+        new.flush_nowait()  # runs the old manager's import first
+        assert _holds(pool.tensors, 1, 1.0)
+        new.release(1)
+        new.discard_arrived("b")
+        new.flush_nowait()
+        new.check_idle(host=True)
+
+
 # -- defect 2: ready on work done ----------------------------------------------------------------------------------
 def test_an_export_is_not_ready_while_the_flush_that_stages_it_is_still_running() -> None:
     with _mgr() as mgr:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sized
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ._planner import Plan
+from typing import Protocol
 
 __all__ = [
     "Alloc",
@@ -118,12 +116,14 @@ class Export:
     """Staging host slot ``host`` gets ``slot``'s state as of this point, to be sent to another engine.
 
     Planned as an :class:`Offload`: later events on ``slot`` do not reach what is
-    sent. Produced by ``CacheManager.export``; not submittable by hand.
+    sent. ``to``: the peer's rank it is for (None: any). Produced by
+    ``CacheManager.export``; not submittable by hand.
     """
 
     slot: int
     host: int
     request_id: str | None = None
+    to: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +138,27 @@ class Import:
     host: int
     slot: int
     request_id: str | None = None
+
+
+class PlanCounts(Protocol):
+    """What a report reads of a plan (``_planner.Plan``; named here so that events do not import the planner)."""
+
+    @property
+    def events(self) -> int: ...
+    @property
+    def zeroed(self) -> int: ...
+    @property
+    def copied(self) -> int: ...
+    @property
+    def elided(self) -> int: ...
+    @property
+    def committed(self) -> int: ...
+    @property
+    def offloaded(self) -> int: ...
+    @property
+    def restored(self) -> int: ...
+    @property
+    def stages(self) -> Sized: ...
 
 
 Event = Alloc | Clear | CopyOnWrite | Release | CommitDraft | Offload | Restore | DropHost | Export | Import
@@ -176,7 +197,7 @@ class StepReport:
 
     @classmethod
     def from_plan(
-        cls, plan: Plan, step: int, slot_bytes: int, *, plan_s: float = 0.0, execute_s: float = 0.0,
+        cls, plan: PlanCounts, step: int, slot_bytes: int, *, plan_s: float = 0.0, execute_s: float = 0.0,
         resumed_stages: int = 0,
     ) -> StepReport:  # fmt: skip
         """The report of step ``step`` that ran ``plan``; each byte count is its slot count x ``slot_bytes``."""

@@ -1,60 +1,79 @@
 """The hand-off's bookkeeping under the step queue: exports awaiting a peer's ack, states awaiting an import.
 
-:class:`HandOffBook` holds the state; the functions below change it together
-with the ledgers and the event queue, in one hold of the queue's lock each, so
-the three never disagree (the queue's own invariant). No torch.
+:class:`HandOffBook` holds that state and makes every transition of it itself,
+together with the ledgers and the event queue, in one hold of the queue's lock
+each, so the three never disagree (the queue's own invariant). It sees the
+queue only through :class:`QueueSide` (no import of ``_queue``: the queue is
+above the book). No torch.
 
 An export's life on the sender::
 
-    export() ──> queued ──flush──> ready ──take──> sending ──ack──> delivered: slot released, staging dropped
-                   │                 │  <──returned──┘ (send failed: retry or release)
-                   └── release() ────┴──> withdrawn: staging dropped, nothing sent
+    export() ──> queued ──its stage ran──> ready ──take──> sending ──ack──> delivered: slot released, staging dropped
+                   │                         │  <──returned──┘ (send failed: retry or release)
+                   └──── release() ──────────┴──> withdrawn: staging dropped, nothing sent
 
+*Ready* is keyed on work done (:attr:`Backlog.done <mambacache._backlog.Backlog>`): an
+export is ready once the flush that took it ran its staging copy, not when
+that flush took it (a failed flush keeps it unready until the repair runs it).
 A release is refused only while the export is *sending*, since the peer may
 then hold the state or not; before and after a send it withdraws the export.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from . import _tracing
-from ._errors import PoolExhaustedError, SlotStateError
+from ._errors import InvalidArgumentError, SlotStateError
 from ._events import Alloc, DropHost, Event, Export, Import, Release
 
 if TYPE_CHECKING:
-    from ._queue import StepQueue
+    from ._backlog import Backlog
+    from ._ledger import SlotLedger
 
-__all__ = [
-    "HandOffBook",
-    "deliver_exports",
-    "discard_arrived",
-    "drop_exports",
-    "export_slot",
-    "exports_ready",
-    "import_slot",
-    "land",
-    "return_exports",
-]
+__all__ = ["HandOffBook", "QueueSide", "check_exports"]
+
+
+class QueueSide(Protocol):
+    """What the book needs of the step queue (which owns the lock, the event list and the lifecycle)."""
+
+    lock: threading.Lock
+    step: int
+
+    def check(self, settling: bool = False) -> None: ...
+
+    def closed(self) -> bool: ...
+
+    def enqueue(self, events: Sequence[Event]) -> None: ...
+
+    def settled(self) -> None: ...
 
 
 class HandOffBook:
     """Exports not yet acknowledged and states arrived but not yet imported; changed only under the queue's lock.
 
     Invariants: a pool slot has at most one export in ``exports`` (in export
-    order, with the step whose flush stages it), and while it is there its
-    tenant does not change; ``sending`` is a subset of ``exports``' slots; a
-    request id has at most one state in ``arrived``.
+    order, with the backlog ticket of the flush that stages it), and while it
+    is there its tenant does not change; ``sending`` is a subset of
+    ``exports``' slots; a request id has at most one state in ``arrived``;
+    ``hosts`` holds exactly the staging host slots of ``exports`` and
+    ``arrived``, which no call but the hand-off's own changes (drop, restore
+    of one are refused). Methods named ``*_locked`` run under the lock the
+    caller holds; the others take it.
     """
 
-    __slots__ = ("arrived", "exports", "sending")
+    __slots__ = ("_backlog", "_host", "_ledger", "_queue", "arrived", "exports", "hosts", "sending")
 
-    def __init__(self) -> None:
-        self.exports: dict[int, tuple[int, Export]] = {}  # pool slot -> (step, export)
+    def __init__(self, queue: QueueSide, ledger: SlotLedger, host: SlotLedger | None, backlog: Backlog) -> None:
+        self._queue, self._ledger, self._host, self._backlog = queue, ledger, host, backlog
+        self.exports: dict[int, tuple[int, Export]] = {}  # pool slot -> (ticket, export)
         self.sending: set[int] = set()  # pool slots whose export a send has taken and not settled
         self.arrived: dict[str, int] = {}  # request id -> staging host slot
+        self.hosts: dict[int, str] = {}  # staging host slot -> "exporting" | "arrived"
 
+    # -- checks other calls make (under the lock) --------------------------------
     def check_not_exporting(self, what: str, slot: int) -> None:
         """:class:`SlotStateError` when ``slot`` has an export awaiting its ack."""
         if slot in self.exports:
@@ -64,7 +83,15 @@ class HandOffBook:
                 " (the transfer's send() then releases it; release() withdraws the export)"
             )
 
-    def released_exports(self, events: Sequence[Event]) -> list[Export]:
+    def check_host(self, what: str, host: int) -> None:
+        """:class:`SlotStateError` when host slot ``host`` belongs to a transfer (an export's staging slot, or a
+        state arrived for an import): only the hand-off's own calls change it."""
+        role = self.hosts.get(host)
+        if role is not None:
+            how = "import_into() or discard_arrived()" if role == "arrived" else "the transfer's send() or release()"
+            raise SlotStateError(f"{what}: host slot {host} is a transfer's staging slot ({role}); {how} ends it")
+
+    def withdraw_locked(self, events: Sequence[Event]) -> list[Export]:
         """The exports that the releases among ``events`` withdraw; raises, changing nothing, if one is sending."""
         out = []
         for ev in events:
@@ -77,143 +104,195 @@ class HandOffBook:
                 out.append(self.exports[ev.slot][1])
         return out
 
-    def forget(self, exports: Sequence[Export]) -> list[Export]:
-        """``exports`` that are still in the book, removed from it."""
+    # -- the sender ----------------------------------------------------------------
+    def export(self, slot: int, tenant: str, to: int | None) -> int:
+        """Queue an export of ``slot`` (held by ``tenant``) into a fresh staging host slot held by ``tenant``."""
+        host, q = self._host, self._queue
+        assert host is not None
+        with q.lock:
+            q.check()
+            self._ledger.check_held("Export", slot, tenant)
+            self.check_not_exporting("export", slot)
+            h = host.take(1, tenant)[0]
+            ev = Export(slot, h, tenant, to)
+            # The events queued now are taken by the next take, which gets the backlog's next ticket.
+            self.exports[slot] = (self._backlog.taken, ev)
+            self.hosts[h] = "exporting"
+            q.enqueue((ev,))
+        return h
+
+    def ready(self, to: int | None, take: bool) -> list[Export]:
+        """The exports whose staging copy ran, not acknowledged and not being sent, in export order; with ``to``
+        only those addressed to ``to`` or to no one (``take``: now sending, refused on a closed manager)."""
+        q = self._queue
+        with q.lock:
+            if take:
+                q.check()
+            done = self._backlog.done
+            sending = self.sending
+            ready = [
+                ev
+                for ticket, ev in self.exports.values()
+                if ticket < done and ev.slot not in sending and (to is None or ev.to is None or ev.to == to)
+            ]
+            if take:
+                sending.update(ev.slot for ev in ready)
+        return ready
+
+    def _mine(self, exports: Sequence[Export]) -> list[Export]:
+        """Those of ``exports`` still in the book (a repeated ack, or an export withdrawn since, is not)."""
+        return [ev for ev in exports if self.exports.get(ev.slot, (0, None))[1] is ev]
+
+    def returned(self, exports: Sequence[Export]) -> None:
+        """A send of ``exports`` failed: they wait for the next send, and a release may withdraw them again.
+
+        On a closed manager no send can follow: their slots and staging slots
+        are freed at once (:meth:`_settle_closed`), nothing is kept for the next
+        manager on the pool.
+        """
+        q = self._queue
+        with q.lock:
+            mine = self._mine(exports)
+            if q.closed():
+                self._settle_closed(mine, withdrawn=True)
+                return
+            for ev in mine:
+                self.sending.discard(ev.slot)
+
+    def delivered(self, exports: Sequence[Export]) -> None:
+        """The peer acknowledged ``exports``: queue the release of each pool slot and the drop of each staging slot.
+
+        One hold of the lock, so all of them or none. A closing manager still
+        takes them (its last flush, or the backlog, runs them); a closed one
+        frees the slots at once (:meth:`_settle_closed`). Their tenants cannot
+        have changed: a hand-over of an exporting slot is refused, and a release
+        is refused while it is sending.
+        """
+        q = self._queue
+        with q.lock:
+            mine = self._mine(exports)
+            if q.closed():
+                self._settle_closed(mine, withdrawn=False)
+                return
+            q.check(settling=True)
+            releases = [Release(ev.slot, ev.request_id) for ev in mine]
+            self._ledger.apply_batch(releases, 0)
+            q.enqueue(releases)
+            self.drop_locked(mine, withdrawn=False)
+
+    def drop_locked(self, exports: Sequence[Export], withdrawn: bool = True) -> None:
+        """``exports`` leave the book and their staging host slots are dropped from here on (``withdrawn``: by a
+        release, so traced as ``transfer.withdraw``; else delivered)."""
+        host = self._host
+        assert host is not None
         gone = []
         for ev in exports:
             entry = self.exports.get(ev.slot)
             if entry is not None and entry[1] is ev:
                 del self.exports[ev.slot]
                 self.sending.discard(ev.slot)
+                del self.hosts[ev.host]
                 gone.append(ev)
-        return gone
+        drops = [DropHost(ev.host) for ev in gone]
+        for d in drops:
+            host.free_later(d.host)
+        self._queue.enqueue(drops)
+        if withdrawn and gone:
+            ids = [ev.request_id or "" for ev in gone]
+            _tracing.tracer.transfer(
+                "transfer.withdraw", None, ids, slots=[ev.slot for ev in gone], step=self._queue.step
+            )
 
+    def _settle_closed(self, exports: list[Export], withdrawn: bool) -> None:
+        """Under the lock, on a closed manager: a send taken before the close settled (``withdrawn``: it failed).
 
-def export_slot(queue: StepQueue, slot: int, tenant: str) -> int:
-    """Queue an export of ``slot`` (held by ``tenant``) into a fresh staging host slot held by ``tenant``."""
-    host = queue.host_ledger
-    assert host is not None
-    with queue.lock:
-        queue.check()
-        queue.ledger.check_held("Export", slot, tenant)
-        queue.handoff.check_not_exporting("export", slot)
-        h = host.take(1, tenant)[0]
-        ev = Export(slot, h, tenant)
-        queue.events.append(ev)
-        queue.handoff.exports[slot] = (queue.step, ev)
-        _tracing.tracer.events((ev,), queue.step)
-    return h
-
-
-def import_slot(queue: StepQueue, slot: int, tenant: str) -> None:
-    """Hold free ``slot`` for ``tenant`` without a clear, reading the state that arrived for ``tenant``.
-
-    :class:`SlotStateError` (nothing changed) when no state arrived for it, or ``slot`` is held.
-    """
-    host = queue.host_ledger
-    assert host is not None
-    with queue.lock:
-        queue.check()
-        h = queue.handoff.arrived.get(tenant)
-        if h is None:
-            raise SlotStateError(f"import_into: no state has arrived for {tenant!r} (receive it first)")
-        ledger = queue.ledger
-        if ledger.held[slot]:
-            raise SlotStateError(f"import_into: slot {slot} is held by {ledger.tenants[slot]!r}")
-        ledger.check_available(1, tenant)
-        ledger.take_exact([slot], tenant)
-        del queue.handoff.arrived[tenant]
-        events: list[Event] = [Alloc(slot, tenant, False), Import(h, slot, tenant)]
-        queue.events.extend(events)
-        host.free_later(h)
-        _tracing.tracer.events(events, queue.step)
-
-
-def discard_arrived(queue: StepQueue, tenant: str) -> int:
-    """Drop the staging host slot of the state that arrived for ``tenant``; returns it. :class:`SlotStateError`
-    (nothing changed) when none is waiting for an import."""
-    host = queue.host_ledger
-    assert host is not None
-    with queue.lock:
-        queue.check()
-        h = queue.handoff.arrived.pop(tenant, None)
-        if h is None:
-            raise SlotStateError(f"discard_arrived: no state for {tenant!r} awaits an import")
-        ev = DropHost(h)
-        queue.events.append(ev)
-        host.free_later(h)
-        _tracing.tracer.events((ev,), queue.step)
-        _tracing.tracer.transfer("transfer.discard", None, [tenant], step=queue.step)
-    return h
-
-
-def exports_ready(queue: StepQueue, take: bool) -> list[Export]:
-    """The exports whose flush has run, not acknowledged and not being sent, in export order (``take``: now sending)."""
-    with queue.lock:
-        book = queue.handoff
-        ready = [ev for step, ev in book.exports.values() if step < queue.step and ev.slot not in book.sending]
-        if take:
-            book.sending.update(ev.slot for ev in ready)
-    return ready
-
-
-def return_exports(queue: StepQueue, exports: Sequence[Export]) -> None:
-    """A send of ``exports`` failed: they wait for the next send, and a release may withdraw them again."""
-    with queue.lock:
+        The manager closed while the send awaited its ack, and no flush will
+        run again; a release and a host drop need no device work (the staging
+        copy ran before the send took it, and nothing else reads the staging
+        slot), so the ledgers are changed directly. The closed manager kept the
+        ledgers claimed while the send was in flight (:meth:`QueueSide.settled`
+        frees them with the last one), so no other manager changes them meanwhile.
+        """
+        host = self._host
+        assert host is not None
         for ev in exports:
-            queue.handoff.sending.discard(ev.slot)
+            del self.exports[ev.slot]
+            self.sending.discard(ev.slot)
+            del self.hosts[ev.host]
+        self._ledger.give_back([ev.slot for ev in exports])
+        host.give_back([ev.host for ev in exports])
+        done: list[Event] = [Release(ev.slot, ev.request_id) for ev in exports]
+        q = self._queue
+        _tracing.tracer.events([*done, *(DropHost(ev.host) for ev in exports)], q.step)
+        if withdrawn and exports:
+            ids = [ev.request_id or "" for ev in exports]
+            _tracing.tracer.transfer("transfer.withdraw", None, ids, slots=[ev.slot for ev in exports], step=q.step)
+        q.settled()
+
+    # -- the receiver --------------------------------------------------------------
+    def land(self, request_ids: list[str]) -> list[int]:
+        """Staging host slots for states arriving for ``request_ids``, each held by its id; all or none.
+
+        The rows are written at once, outside the step order, so only host
+        slots that neither a queued event nor unfinished work (a flush in
+        progress, a failed flush's backlog) still reads or writes will do
+        (:meth:`SlotLedger.take_settled`).
+        """
+        host, q = self._host, self._queue
+        assert host is not None
+        with q.lock:
+            q.check()
+            arrived = self.arrived
+            clash = [r for r in request_ids if r in arrived]
+            if clash or len(set(request_ids)) != len(request_ids):
+                raise SlotStateError(f"states for {clash or request_ids} arrived twice without an import between")
+            slots = host.take_settled(len(request_ids), None, self._backlog.done)
+            for r, h in zip(request_ids, slots, strict=True):
+                host.tenants[h] = r
+                arrived[r] = h
+                self.hosts[h] = "arrived"
+        return slots
+
+    def import_into(self, slot: int, tenant: str) -> None:
+        """Hold free ``slot`` for ``tenant`` without a clear, reading the state that arrived for ``tenant``.
+
+        :class:`SlotStateError` (nothing changed) when no state arrived for it, or ``slot`` is held.
+        """
+        host, q, ledger = self._host, self._queue, self._ledger
+        assert host is not None
+        with q.lock:
+            q.check()
+            h = self.arrived.get(tenant)
+            if h is None:
+                raise SlotStateError(f"import_into: no state has arrived for {tenant!r} (receive it first)")
+            if ledger.held[slot]:
+                raise SlotStateError(f"import_into: slot {slot} is held by {ledger.tenants[slot]!r}")
+            ledger.check_available(1, tenant)
+            ledger.take_exact([slot], tenant)
+            del self.arrived[tenant]
+            del self.hosts[h]
+            host.free_later(h)
+            q.enqueue([Alloc(slot, tenant, False), Import(h, slot, tenant)])
+
+    def discard(self, tenant: str) -> int:
+        """Drop the staging host slot of the state that arrived for ``tenant``; returns it. :class:`SlotStateError`
+        (nothing changed) when none is waiting for an import."""
+        host, q = self._host, self._queue
+        assert host is not None
+        with q.lock:
+            q.check()
+            h = self.arrived.pop(tenant, None)
+            if h is None:
+                raise SlotStateError(f"discard_arrived: no state for {tenant!r} awaits an import")
+            del self.hosts[h]
+            host.free_later(h)
+            q.enqueue((DropHost(h),))
+            _tracing.tracer.transfer("transfer.discard", None, [tenant], step=q.step)
+        return h
 
 
-def deliver_exports(queue: StepQueue, exports: Sequence[Export]) -> None:
-    """The peer acknowledged ``exports``: queue the release of each pool slot and the drop of each staging slot.
-
-    One hold of the lock, so all of them or (on a closed manager) none. Their
-    tenants cannot have changed: a hand-over of an exporting slot is refused,
-    and a release is refused while it is sending.
-    """
-    with queue.lock:
-        queue.check()
-        book = queue.handoff
-        mine = [ev for ev in exports if book.exports.get(ev.slot, (0, None))[1] is ev]
-        releases = [Release(ev.slot, ev.request_id) for ev in mine]
-        queue.ledger.apply_batch(releases, 0)
-        queue.events.extend(releases)
-        _tracing.tracer.events(releases, queue.step)
-        drop_exports(queue, mine, withdrawn=False)
-
-
-def drop_exports(queue: StepQueue, exports: Sequence[Export], withdrawn: bool = True) -> None:
-    """Under the lock: ``exports`` leave the book and their staging host slots are dropped from here on
-    (``withdrawn``: by a release, so traced as ``transfer.withdraw``; else delivered)."""
-    host = queue.host_ledger
-    assert host is not None
-    gone = queue.handoff.forget(exports)
-    drops = [DropHost(ev.host) for ev in gone]
-    for ev in drops:
-        host.free_later(ev.host)
-    queue.events.extend(drops)
-    _tracing.tracer.events(drops, queue.step)
-    if withdrawn and gone:
-        ids = [ev.request_id or "" for ev in gone]
-        _tracing.tracer.transfer("transfer.withdraw", None, ids, slots=[ev.slot for ev in gone], step=queue.step)
-
-
-def land(queue: StepQueue, request_ids: list[str]) -> list[int]:
-    """Staging host slots for states arriving for ``request_ids``, each held by its id; all or none."""
-    host = queue.host_ledger
-    assert host is not None
-    with queue.lock:
-        queue.check()
-        arrived = queue.handoff.arrived
-        clash = [r for r in request_ids if r in arrived]
-        if clash or len(set(request_ids)) != len(request_ids):
-            raise SlotStateError(f"states for {clash or request_ids} arrived twice without an import between")
-        if len(request_ids) > host.num_free_now:
-            # The rows are written at once, not in the step's order: a slot freed by an event queued in this
-            # step (a restore, an import) is still to be read by it, so only slots free now will do.
-            later = host.num_free - host.num_free_now
-            more = f" (and {later} once the next flush has read them)" if later else ""
-            raise PoolExhaustedError(f"{len(request_ids)} states arrived, {host.num_free_now} host slots free{more}")
-        slots = [host.take(1, r)[0] for r in request_ids]
-        arrived.update(zip(request_ids, slots, strict=True))
-    return slots
+def check_exports(what: str, exports: Any) -> list[Export]:
+    """``exports`` as a list of :class:`Export` (as ``take_exports`` gave them); else :class:`InvalidArgumentError`."""
+    if not isinstance(exports, (list, tuple)) or not all(type(ev) is Export for ev in exports):
+        raise InvalidArgumentError(f"{what} takes the list of Export events take_exports() returned, got {exports!r}")
+    return list(exports)

@@ -73,47 +73,50 @@ class FlushCore:
         if self._runner.backlog:
             # Earlier work first; if it fails again the new events stay queued, unplanned.
             resumed = self._runner.run(stream, self._queue.step)
-        plan, step, plan_s = self.take_plan()
-        return self._apply(plan, step, stream, plan_s, resumed)
+        plan, step, ticket, plan_s = self.take_plan()
+        return self._apply(plan, step, ticket, stream, plan_s, resumed)
 
     def over_channel(self, channel: Channel, stream: Any | None) -> Core:
         """The flush of a tensor-parallel rank, yielding its one blocking call."""
         self._runner.raise_if_broken()
         if channel.is_source:
-            plan, step, plan_s = self.take_plan()
+            plan, step, ticket, plan_s = self.take_plan()
             yield partial(channel.send, step, plan)
         else:
             step, plan = yield channel.receive
             plan_s = 0.0
-            self._queue.follow(step)
-        return self._apply(plan, step, stream, plan_s, 0)
+            ticket = self._queue.follow(step)
+        return self._apply(plan, step, ticket, stream, plan_s, 0)
 
-    def take_plan(self) -> tuple[Plan, int, float]:
-        """Take the queued events and plan them: ``(plan, step, seconds)``.
+    def take_plan(self) -> tuple[Plan, int, int, float]:
+        """Take the queued events and plan them: ``(plan, step, backlog ticket, seconds)``.
 
         The planner is pure, so if it fails (out of memory on a huge step, say) the
         events go back to the front of the queue, in order, and the step number
         with them: the next flush plans them again, as if this one never ran.
         """
-        events, step = self._queue.take()
+        events, step, ticket = self._queue.take()
         t0 = time.perf_counter()
         try:
             plan = plan_step(events)
         except Exception as exc:
-            self._queue.put_back(events, step)
+            self._queue.put_back(events, step, ticket)
             raise PlanError(
                 f"planning step {step} ({len(events)} events) failed: {exc!r}; the events are queued again"
             ) from exc
-        return plan, step, time.perf_counter() - t0
+        return plan, step, ticket, time.perf_counter() - t0
 
-    def _apply(self, plan: Plan, step: int, stream: Any | None, plan_s: float, resumed: int) -> StepReport:
-        """Queue the plan behind any unfinished work and run it all, oldest first."""
+    def _apply(self, plan: Plan, step: int, ticket: int, stream: Any | None, plan_s: float, resumed: int) -> StepReport:
+        """Queue the plan behind any unfinished work and run it all, oldest first.
+
+        The plan is pushed under its ticket even with no stages, so that the
+        ticket counts as done (``Backlog.done``) exactly when all it took ran.
+        """
         t1 = time.perf_counter()
         runner = self._runner
         backlog = runner.backlog
         resumed += len(backlog)
-        if plan.stages:
-            backlog.push(plan.stages, self._executor, self._host)
+        backlog.push(plan.stages, self._executor, self._host, ticket)
         if backlog:
             runner.run(stream, step)
         report = StepReport.from_plan(
@@ -124,7 +127,7 @@ class FlushCore:
 
     # -- closing ---------------------------------------------------------
     def _begin_close(self) -> bool:
-        """Refuse new submits from here on; True when a final flush has work to do."""
+        """Refuse new submits (and new sends) from here on; True when a final flush has work to do."""
         queued = self._queue.begin_close()
         # In tensor-parallel mode every rank flushes on exit, so the ranks stay in step.
         return queued or self.channel is not None or bool(self._runner.pending)
@@ -133,10 +136,9 @@ class FlushCore:
         # What no flush took (the manager was broken, or the backlog failed) is planned
         # into the pool's backlog, so the next manager on this pool runs it first.
         # The pool stays claimed until then: a manager opened on it meanwhile would run newer work first.
-        events = self._queue.close()
+        events, ticket = self._queue.close()
         try:
-            if events:
-                self._runner.push(plan_step(events).stages, self._executor, self._host)
+            self._runner.push(plan_step(events).stages if events else (), self._executor, self._host, ticket)
         finally:
             self._queue.release(owner)
 

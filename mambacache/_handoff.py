@@ -1,21 +1,24 @@
 """CacheManager's hand-off surface: a slot's state leaving for another engine, or arriving from one (issue #20).
 
-A piece of its own so the manager's class stays small. The events are planned as
-the host tier's offload and freeing restore (``docs/transfer.md``); a
+A piece of its own so the manager's class stays small. It checks arguments and
+delegates to the queue's :class:`~mambacache._exports.HandOffBook`, which owns
+every transition. The events are planned as the host tier's offload and
+freeing restore (``docs/transfer.md``); a
 :class:`~mambacache._transfer.StateTransfer` moves the staged bytes between
 engines.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ._errors import InvalidArgumentError
 from ._events import Export
-from ._exports import deliver_exports, discard_arrived, export_slot, exports_ready, import_slot, land, return_exports
+from ._exports import check_exports
 from ._validate import as_slot, check_request_id
 
 if TYPE_CHECKING:
+    from ._exports import HandOffBook
     from ._host import HostPool
     from ._pool import StatePool
     from ._queue import StepQueue
@@ -23,33 +26,47 @@ if TYPE_CHECKING:
 __all__ = ["HandOff"]
 
 
+def _check_to(to: Any) -> int | None:
+    """A destination: a non-negative int (a peer's rank) or None (any peer)."""
+    if to is not None and (type(to) is not int or to < 0):
+        raise InvalidArgumentError(f"to must be a peer's rank (a non-negative int) or None, got {to!r}")
+    return to
+
+
 class HandOff:
     """The export and import methods of :class:`~mambacache.CacheManager` (a mixin over its pools and queue).
 
     Invariant: an export's staging host slot and the exported pool slot stay
     held by the request until the peer acknowledges; an import reads exactly the
-    state that arrived for its request, once.
+    state that arrived for its request, once; a host slot that belongs to a
+    transfer is changed by no other call.
     """
 
     _pool: StatePool
     _host: HostPool | None
     _queue: StepQueue
 
-    def export(self, slot: int, request_id: str) -> int:
+    def _book(self, what: str) -> HandOffBook:
+        if self._host is None:
+            raise InvalidArgumentError(f"{what} needs a host pool to stage in: CacheManager(pool, host_pool=...)")
+        return self._queue.handoff
+
+    def export(self, slot: int, request_id: str, *, to: int | None = None) -> int:
         """``slot``'s state as of this point of the event order goes to the peer (on the transfer's next send).
 
         Later events on ``slot`` do not reach what is sent. ``slot`` stays held by
         ``request_id`` until the peer acknowledges; the transfer then releases it.
         Releasing it first withdraws the export (refused while a send of it awaits
-        the ack); handing it over or exporting it again is refused. Returns the
-        staging host slot. Needs a host pool (the staging area).
+        the ack); handing it over or exporting it again is refused. ``to``: the
+        peer's rank it is for (a transfer to another peer leaves it alone), or
+        None for whichever transfer sends first. Returns the staging host slot.
+        Needs a host pool (the staging area).
         """
         check_request_id(request_id)
         if type(request_id) is not str:
             raise InvalidArgumentError("export needs the request's id: the peer imports by it")
-        if self._host is None:
-            raise InvalidArgumentError("export needs a host pool to stage in: CacheManager(pool, host_pool=...)")
-        return export_slot(self._queue, as_slot(slot, self._pool.num_slots), request_id)
+        dest = _check_to(to)
+        return self._book("export").export(as_slot(slot, self._pool.num_slots), request_id, dest)
 
     def import_into(self, slot: int, request_id: str) -> None:
         """Allocate free ``slot`` to ``request_id`` without a clear; it reads the state received for it.
@@ -61,42 +78,49 @@ class HandOff:
         check_request_id(request_id)
         if type(request_id) is not str:
             raise InvalidArgumentError("import_into needs the request's id: the state arrived under it")
-        if self._host is None:
-            raise InvalidArgumentError("import_into needs a host pool to stage in: CacheManager(pool, host_pool=...)")
-        import_slot(self._queue, as_slot(slot, self._pool.num_slots), request_id)
+        self._book("import_into").import_into(as_slot(slot, self._pool.num_slots), request_id)
 
     def discard_arrived(self, request_id: str) -> int:
         """The state that arrived for ``request_id`` will not be imported (the request was aborted): its staging
         host slot is dropped from this point. Returns it; :class:`SlotStateError`, nothing changed, when no state
         for ``request_id`` awaits an import."""
         check_request_id(request_id)
-        if self._host is None:
-            raise InvalidArgumentError("discard_arrived needs a host pool: CacheManager(pool, host_pool=...)")
-        return discard_arrived(self._queue, request_id)
+        return self._book("discard_arrived").discard(request_id)
 
     # -- the transfer's side (StateTransfer calls these; engines call the two above) --------
-    def exports_ready(self) -> list[Export]:
-        """The exports whose flush has run, not acknowledged and not being sent, in export order."""
-        return exports_ready(self._queue, take=False)
+    def exports_ready(self, to: int | None = None) -> list[Export]:
+        """The exports whose staging copy has run (work done, not a step number), not acknowledged and not being
+        sent, in export order; with ``to``, only those addressed to ``to`` or to no one."""
+        dest = _check_to(to)
+        return self._book("exports_ready").ready(dest, take=False)
 
-    def take_exports(self) -> list[Export]:
+    def take_exports(self, to: int | None = None) -> list[Export]:
         """:meth:`exports_ready`, now being sent: until :meth:`exports_delivered` or :meth:`exports_returned`,
-        a release of their slots is refused (the peer may or may not hold their states)."""
-        return exports_ready(self._queue, take=True)
+        a release of their slots is refused (the peer may or may not hold their states). On a closed or
+        closing manager :class:`ManagerClosedError`, before anything is taken."""
+        dest = _check_to(to)
+        return self._book("take_exports").ready(dest, take=True)
 
     def exports_returned(self, exports: list[Export]) -> None:
         """The send of ``exports`` failed: they wait for the next send, and releasing a slot withdraws its export."""
-        return_exports(self._queue, exports)
+        self._book("exports_returned").returned(check_exports("exports_returned", exports))
 
     def exports_delivered(self, exports: list[Export]) -> None:
-        """The peer acknowledged ``exports``: release their pool slots and drop their staging slots (all or none)."""
-        deliver_exports(self._queue, exports)
+        """The peer acknowledged ``exports``: release their pool slots and drop their staging slots (all or none).
+
+        Taken on a closing manager too (its close waits for sends in flight);
+        :class:`ManagerClosedError` on a closed one, nothing changed."""
+        self._book("exports_delivered").delivered(check_exports("exports_delivered", exports))
 
     def land(self, request_ids: list[str]) -> list[int]:
         """Staging host slots for states arriving for ``request_ids`` (each held by its id until imported).
 
-        All or none: :class:`SlotStateError` when a state for one of them arrived
-        already and is not imported yet, :class:`PoolExhaustedError` when the host
-        pool lacks room.
+        All or none: :class:`InvalidArgumentError` unless a list of str,
+        :class:`SlotStateError` when a state for one of them arrived already and
+        is not imported yet, :class:`PoolExhaustedError` when too few host slots
+        are free of every queued or unfinished read and write (a flush in
+        progress, a failed flush awaiting its repair).
         """
-        return land(self._queue, request_ids)
+        if type(request_ids) is not list or not all(type(r) is str for r in request_ids):
+            raise InvalidArgumentError(f"land takes a list of request ids (str), got {request_ids!r}")
+        return self._book("land").land(request_ids)

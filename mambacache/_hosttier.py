@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._args import host_slot, many, need_host, paired, slot_of
 from ._errors import InvalidSlotError
-from ._queue import offload_batch, restore_batch
+from ._queue import drop_host, offload_batch, restore_batch
 from ._validate import slot_list
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ class HostTier:
         writes the slot. Raises :class:`PoolExhaustedError` when the host pool is full.
         """
         need_host(self, "offload")
-        return self._queue.offload(slot_of(self._pool, slot, request_id), request_id)
+        return offload_batch(self._queue, [slot_of(self._pool, slot, request_id)], request_id)[0]
 
     def offload_many(self, slots: Any, request_id: str | None = None) -> list[int]:
         """``[offload(s) for s in slots]``, all or none (too few free host slots: nothing taken); the host slots."""
@@ -66,7 +66,7 @@ class HostTier:
         the offload that rewrites it, so the read always sees the offloaded state.
         """
         h = host_slot(need_host(self, "restore"), host)
-        self._queue.restore(h, slot_of(self._pool, slot, request_id), request_id, keep)
+        restore_batch(self._queue, [h], [slot_of(self._pool, slot, request_id)], request_id, keep)
 
     def restore_many(self, hosts: Any, slots: Any, request_id: str | None = None, *, keep: bool = False) -> None:
         """``restore(hosts[i], slots[i], keep=keep)`` for each ``i``, in order, all or none."""
@@ -74,7 +74,7 @@ class HostTier:
 
     def drop(self, host: int) -> None:
         """Free host slot ``host`` from this point; earlier restores still read it."""
-        self._queue.drop(host_slot(need_host(self, "drop"), host))
+        drop_host(self._queue, host_slot(need_host(self, "drop"), host))
 
 
 def _restores(mgr: HostTier, hosts: Any, slots: Any, request_id: Any) -> tuple[list[int], list[int]]:

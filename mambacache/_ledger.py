@@ -15,7 +15,7 @@ from typing import Any
 from ._errors import InvalidArgumentError, InvalidEventError, PoolExhaustedError, SlotStateError
 from ._events import CommitDraft, CopyOnWrite, Event, Release
 
-__all__ = ["SlotLedger"]
+__all__ = ["ReservedSlots", "SlotLedger"]
 
 
 class SlotLedger:
@@ -34,17 +34,18 @@ class SlotLedger:
       restore still reads) goes back to the heap only at ``reuse_freed()``, the
       flush that takes the freeing event; before that ``take`` hands it out only
       when nothing else is free, and the planner orders the read first;
-    * each reservation keeps ``k`` slots for its tenant (several tenants may
-      each have one: two prefix caches on one manager): ``reservations[t]`` is
-      ``[k, held]``, ``held`` counting the slots ``t`` holds (kept by every
-      take, give-back and hand-over, so reading it is O(1)); ``kept`` is the sum
-      of every reservation's ``max(0, k - held)``, the free slots kept back, and
-      a tenant may take only what leaves the other tenants' share of ``kept``
-      free (:meth:`available`). The sum of the ``k`` stays below ``size``.
+    * from ``reuse_freed(ticket)`` until that ticket's work has run (the
+      backlog's ``done`` passes it), such a slot is *busy*: planned work may
+      take it (it runs after the read, oldest first), but :meth:`take_settled`,
+      for a write made at once outside the step order (a transfer landing
+      states), never does;
+    * a tenant may take only what leaves free the slots kept for the other
+      tenants' reservations (``quota``, :class:`ReservedSlots`; :meth:`available`);
+      every take, give-back and hand-over keeps its counts.
     """
 
     __slots__ = (
-        "_free", "_later", "_num_free", "_pending", "held", "kept", "name", "owner", "reservations", "size", "tenants",
+        "_busy", "_free", "_later", "_num_free", "_pending", "held", "name", "owner", "quota", "size", "tenants",
     )  # fmt: skip
 
     def __init__(self, size: int, name: str = "pool") -> None:
@@ -56,9 +57,9 @@ class SlotLedger:
         self._num_free = size  # free slots in the heap (its stale entries aside)
         self._later: list[int] = []  # freed by free_later, in order
         self._pending = bytearray(size + 1)  # 1 for the slots in _later (O(1) membership)
+        self._busy: list[int] | None = None  # per slot: the ticket whose work still reads it (made on first use)
         self.owner: object | None = None  # the open manager driving this ledger, if any
-        self.reservations: dict[str | None, list[int]] = {}  # tenant -> [reserved, held]; only standing ones
-        self.kept = 0  # free slots kept for their tenants: the sum of max(0, reserved - held)
+        self.quota = ReservedSlots()
 
     def claim(self, owner: object) -> None:
         """Make ``owner`` (an open manager) the only one driving this ledger."""
@@ -70,7 +71,7 @@ class SlotLedger:
         """``owner`` closed: another manager may drive the ledger."""
         if self.owner is owner:
             self.owner = None
-            self.reservations, self.kept = {}, 0  # the reservations were the manager's
+            self.quota = ReservedSlots()  # the reservations were the manager's
 
     @property
     def num_free(self) -> int:
@@ -86,92 +87,56 @@ class SlotLedger:
     @property
     def reserved(self) -> int:
         """Slots reserved, all reservations together (0: none)."""
-        return sum(r[0] for r in self.reservations.values())
+        return sum(r[0] for r in self.quota.by_tenant.values())
 
-    def _own_kept(self, tenant: str | None) -> int:
-        """The free slots kept for ``tenant``'s own reservation (0 without one)."""
-        r = self.reservations.get(tenant)
-        return r[0] - r[1] if r is not None and r[0] > r[1] else 0
+    @property
+    def reservations(self) -> dict[str | None, list[int]]:
+        """Each standing reservation's tenant -> ``[reserved, held]`` (read only)."""
+        return self.quota.by_tenant
+
+    @property
+    def kept(self) -> int:
+        """Free slots kept back for their tenants' reservations."""
+        return self.quota.kept
 
     def available(self, tenant: str | None) -> int:
         """Slots ``take(n, tenant)`` can hand out now: the free ones less those kept for other tenants'
         reservations (all free ones with none)."""
-        if not self.kept:
+        quota = self.quota
+        if not quota.kept:
             return self.num_free
-        return max(0, self.num_free - (self.kept - self._own_kept(tenant)))
+        return max(0, self.num_free - (quota.kept - quota.own_kept(tenant)))
 
     def check_available(self, n: int, tenant: str | None) -> None:
         """:class:`PoolExhaustedError` unless ``n`` slots are :meth:`available` to ``tenant``."""
-        if n > self.num_free or (self.kept and n > self.available(tenant)):
+        if n > self.num_free or (self.quota.kept and n > self.available(tenant)):
             raise self._exhausted(n, tenant)
 
     def check_ever_available(self, n: int, tenant: str | None, what: str) -> None:
         """:class:`InvalidArgumentError` when ``n`` exceeds what ``tenant`` could hold with every other
         reservation kept: ``what`` (``alloc_wait(n)``) can never be met."""
-        others = {t: r[0] for t, r in self.reservations.items() if t != tenant}
-        if others and n > self.size - sum(others.values()):
-            names = ", ".join(f"{t!r} ({k})" for t, k in others.items())
-            raise InvalidArgumentError(
-                f"{what} can never be met: {sum(others.values())} of the {self.name}'s {self.size} slots are"
-                f" reserved for {names}"
-            )
+        self.quota.check_ever(n, tenant, self.size, self.name, what)
 
     def _exhausted(self, n: int, tenant: str | None) -> PoolExhaustedError:
         msg = f"{self.name} exhausted: asked for {n} slot(s), {self.num_free} of {self.size} are free"
-        for t, (k, h) in self.reservations.items():
-            if t != tenant:
-                msg += f", {max(0, k - h)} of them kept for {t!r} ({k} reserved, {h} held)"
-        return PoolExhaustedError(msg)
-
-    def _count(self, tenant: str | None, delta: int) -> None:
-        """``tenant`` holds ``delta`` more slots: its reservation's count and ``kept`` follow (the caller checked
-        that it has one)."""
-        r = self.reservations[tenant]
-        before = r[0] - r[1] if r[0] > r[1] else 0
-        r[1] += delta
-        self.kept += (r[0] - r[1] if r[0] > r[1] else 0) - before
+        return PoolExhaustedError(msg + self.quota.describe(tenant))
 
     def reserve(self, n: int, tenant: str) -> None:
-        """Keep ``n`` slots for ``tenant`` (0: none); all or nothing.
-
-        Each tenant has at most one reservation (its own is resized) and other
-        tenants' stand beside it. :class:`InvalidArgumentError` when all of them
-        together would reach ``size`` (no slot left for anyone else);
-        :class:`PoolExhaustedError` when fewer than ``n`` minus what ``tenant``
-        holds are free now, beyond those kept for the other reservations, so a
-        reservation is always met when it is made. Counts the tenant's slots
-        once (O(size)): not for the hot path.
-        """
-        others = self.reserved - (self.reservations[tenant][0] if tenant in self.reservations else 0)
-        if n and others + n >= self.size:
-            raise InvalidArgumentError(
-                f"{self.name}: cannot reserve {n} slot(s) for {tenant!r}: {others} of its {self.size} are reserved"
-                " for other tenants, and the reservations together must leave a slot"
-            )
+        """Keep ``n`` slots for ``tenant`` (0: none); all or nothing (:meth:`ReservedSlots.reserve` says when it
+        refuses). Counts the tenant's slots once (O(size)): not for the hot path."""
         held, tenants = self.held, self.tenants
         count = sum(1 for s in range(1, self.size + 1) if held[s] and tenants[s] == tenant)
-        free = self.num_free - (self.kept - self._own_kept(tenant))
-        if n and n - count > free:
-            raise PoolExhaustedError(
-                f"{self.name}: cannot reserve {n} slot(s) for {tenant!r}: it holds {count} and {free} are free"
-                + (" beyond those kept for other reservations" if free != self.num_free else "")
-            )
-        self.kept -= self._own_kept(tenant)
-        if n:
-            self.reservations[tenant] = [n, count]
-            self.kept += max(0, n - count)
-        else:
-            self.reservations.pop(tenant, None)
+        self.quota.reserve(n, tenant, count, self.num_free, self.size, self.name)
 
     def hand_over(self, slot: int, to: str | None) -> str | None:
         """``slot``'s tenant becomes ``to`` (held: the caller checked); returns the old tenant."""
         old, self.tenants[slot] = self.tenants[slot], to
-        res = self.reservations
-        if res and old != to:
-            if old in res:
-                self._count(old, -1)
-            if to in res:
-                self._count(to, +1)
+        quota = self.quota
+        if quota.by_tenant and old != to:
+            if old in quota.by_tenant:
+                quota.count(old, -1)
+            if to in quota.by_tenant:
+                quota.count(to, +1)
         return old
 
     def is_held(self, slot: int) -> bool:
@@ -185,10 +150,10 @@ class SlotLedger:
     def take(self, n: int, tenant: str | None) -> list[int]:
         """The ``n`` lowest free slots, now held by ``tenant``; :class:`PoolExhaustedError` (nothing taken) if
         fewer are :meth:`available` to ``tenant``."""
-        if n > self.num_free or (self.kept and n > self.available(tenant)):
+        if n > self.num_free or (self.quota.kept and n > self.available(tenant)):
             raise self._exhausted(n, tenant)
-        if tenant in self.reservations:
-            self._count(tenant, n)
+        if tenant in self.quota.by_tenant:
+            self.quota.count(tenant, n)
         free, held, tenants, pending = self._free, self.held, self.tenants, self._pending
         slots: list[int] = []
         while len(slots) < n and self._num_free:
@@ -213,15 +178,15 @@ class SlotLedger:
             held[s] = 1
             tenants[s] = tenant
         self._num_free -= len(slots)
-        if tenant in self.reservations:
-            self._count(tenant, len(slots))
+        if tenant in self.quota.by_tenant:
+            self.quota.count(tenant, len(slots))
 
     def give_back(self, slots: Iterable[int]) -> None:
         """Free ``slots`` now: the next ``take`` may hand them out."""
-        held, tenants, free, res = self.held, self.tenants, self._free, self.reservations
+        held, tenants, free, res = self.held, self.tenants, self._free, self.quota.by_tenant
         for s in slots:
             if res and tenants[s] in res:
-                self._count(tenants[s], -1)
+                self.quota.count(tenants[s], -1)
             held[s] = 0
             tenants[s] = None
             heapq.heappush(free, s)
@@ -231,20 +196,70 @@ class SlotLedger:
 
     def free_later(self, slot: int) -> None:
         """Free ``slot`` as of the end of the event queue; it rejoins the heap at :meth:`reuse_freed`."""
-        if self.tenants[slot] in self.reservations:
-            self._count(self.tenants[slot], -1)
+        if self.tenants[slot] in self.quota.by_tenant:
+            self.quota.count(self.tenants[slot], -1)
         self.held[slot] = 0
         self.tenants[slot] = None
         self._later.append(slot)
         self._pending[slot] = 1
 
-    def reuse_freed(self) -> None:
-        """The flush took the events that freed the ``free_later`` slots: they are plain free slots now."""
-        for s in self._later:
+    def reuse_freed(self, ticket: int = -1) -> None:
+        """The flush (of backlog ticket ``ticket``) took the events that freed the ``free_later`` slots: planned
+        work may take them now; :meth:`take_settled` only once ``ticket`` ran (-1: at once)."""
+        later = self._later
+        if ticket >= 0 and later:
+            busy = self._busy
+            if busy is None:
+                busy = self._busy = [-1] * (self.size + 1)
+            for s in later:
+                busy[s] = ticket
+        for s in later:
             heapq.heappush(self._free, s)
             self._pending[s] = 0
-        self._num_free += len(self._later)
-        self._later.clear()
+        self._num_free += len(later)
+        later.clear()
+
+    def num_settled(self, done: int) -> int:
+        """Free slots that no unfinished work (a ticket from ``done`` on) nor queued event reads: O(size)."""
+        busy, held, pending = self._busy, self.held, self._pending
+        return sum(
+            1 for s in range(1, self.size + 1) if not held[s] and not pending[s] and (busy is None or busy[s] < done)
+        )
+
+    def take_settled(self, n: int, tenant: str | None, done: int) -> list[int]:
+        """The ``n`` lowest free slots that no queued event and no unfinished work (a ticket from ``done`` on)
+        still reads or writes, now held by ``tenant``: for a write made at once, outside the step order.
+
+        :class:`PoolExhaustedError` (nothing taken) when fewer are; the message
+        counts those that become settled later.
+        """
+        busy, held, tenants, pending, free = self._busy, self.held, self.tenants, self._pending, self._free
+        slots: list[int] = []
+        seen: set[int] = set()
+        kept: list[int] = []  # free, but unfinished work still reads them: back on the heap after
+        while len(slots) < n and free:
+            s = heapq.heappop(free)
+            if held[s] or pending[s] or s in seen:
+                continue  # a stale or duplicate entry, dropped as take() drops it
+            seen.add(s)
+            if busy is not None and busy[s] >= done:
+                kept.append(s)
+            else:
+                slots.append(s)
+        for s in kept:
+            heapq.heappush(free, s)
+        if len(slots) < n:
+            for s in slots:
+                heapq.heappush(free, s)
+            settled = self.num_settled(done)
+            later = self.num_free - settled
+            more = f" (and {later} more once queued or unfinished work has read them)" if later else ""
+            raise PoolExhaustedError(f"{self.name}: {n} slot(s) wanted at once, {settled} free{more}")
+        for s in slots:
+            held[s] = 1
+            tenants[s] = tenant
+        self._num_free -= len(slots)
+        return slots
 
     # -- validation ------------------------------------------------------
     def check_held(self, kind: str, slot: int, tenant: str | None) -> None:
@@ -289,6 +304,86 @@ class SlotLedger:
                     released[slot] = None
         if released is not None:
             self.give_back(released)
+
+
+class ReservedSlots:
+    """The slots kept for tenants of one ledger: several tenants may each hold a reservation (two prefix caches on
+    one manager), each resized alone.
+
+    Invariants: ``by_tenant[t]`` is ``[k, held]`` for each standing reservation,
+    ``held`` counting the slots ``t`` holds (the ledger reports every take,
+    give-back and hand-over through :meth:`count`, so reading it is O(1));
+    ``kept`` is the sum of every reservation's ``max(0, k - held)``, the free
+    slots kept back; the sum of the ``k`` stays below the ledger's size.
+    """
+
+    __slots__ = ("by_tenant", "kept")
+
+    def __init__(self) -> None:
+        self.by_tenant: dict[str | None, list[int]] = {}  # tenant -> [reserved, held]; only standing ones
+        self.kept = 0
+
+    def own_kept(self, tenant: str | None) -> int:
+        """The free slots kept for ``tenant``'s own reservation (0 without one)."""
+        r = self.by_tenant.get(tenant)
+        return r[0] - r[1] if r is not None and r[0] > r[1] else 0
+
+    def count(self, tenant: str | None, delta: int) -> None:
+        """``tenant`` holds ``delta`` more slots: its reservation's count and ``kept`` follow (the caller checked
+        that it has one)."""
+        r = self.by_tenant[tenant]
+        before = r[0] - r[1] if r[0] > r[1] else 0
+        r[1] += delta
+        self.kept += (r[0] - r[1] if r[0] > r[1] else 0) - before
+
+    def describe(self, tenant: str | None) -> str:
+        """What the other tenants' reservations keep back, for an exhaustion message."""
+        return "".join(
+            f", {max(0, k - h)} of them kept for {t!r} ({k} reserved, {h} held)"
+            for t, (k, h) in self.by_tenant.items()
+            if t != tenant
+        )
+
+    def check_ever(self, n: int, tenant: str | None, size: int, name: str, what: str) -> None:
+        """:class:`InvalidArgumentError` when ``n`` exceeds what ``tenant`` could hold of ``size`` slots with
+        every other reservation kept."""
+        others = {t: r[0] for t, r in self.by_tenant.items() if t != tenant}
+        if others and n > size - sum(others.values()):
+            names = ", ".join(f"{t!r} ({k})" for t, k in others.items())
+            raise InvalidArgumentError(
+                f"{what} can never be met: {sum(others.values())} of the {name}'s {size} slots are reserved for {names}"
+            )
+
+    def reserve(self, n: int, tenant: str, count: int, num_free: int, size: int, name: str) -> None:
+        """Keep ``n`` slots for ``tenant``, who holds ``count`` (0: none); all or nothing.
+
+        Each tenant has at most one reservation (its own is resized) and other
+        tenants' stand beside it. :class:`InvalidArgumentError` when all of them
+        together would reach ``size`` (no slot left for anyone else);
+        :class:`PoolExhaustedError` when fewer than ``n - count`` of the
+        ``num_free`` free slots are left beyond those kept for the other
+        reservations, so a reservation is always met when it is made.
+        """
+        others = sum(r[0] for r in self.by_tenant.values()) - (
+            self.by_tenant[tenant][0] if tenant in self.by_tenant else 0
+        )
+        if n and others + n >= size:
+            raise InvalidArgumentError(
+                f"{name}: cannot reserve {n} slot(s) for {tenant!r}: {others} of its {size} are reserved"
+                " for other tenants, and the reservations together must leave a slot"
+            )
+        free = num_free - (self.kept - self.own_kept(tenant))
+        if n and n - count > free:
+            raise PoolExhaustedError(
+                f"{name}: cannot reserve {n} slot(s) for {tenant!r}: it holds {count} and {free} are free"
+                + (" beyond those kept for other reservations" if free != num_free else "")
+            )
+        self.kept -= self.own_kept(tenant)
+        if n:
+            self.by_tenant[tenant] = [n, count]
+            self.kept += max(0, n - count)
+        else:
+            self.by_tenant.pop(tenant, None)
 
 
 def not_held(kind: str, role: str, slot: int) -> SlotStateError:

@@ -16,7 +16,7 @@ import anyio
 from . import _tracing
 from ._errors import InvalidArgumentError, ManagerClosedError, SlotLeakError, SlotStateError
 from ._events import Alloc, DropHost, Event, Offload, Restore
-from ._exports import HandOffBook, drop_exports
+from ._exports import HandOffBook
 from ._ledger import SlotLedger
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ._channel import Channel
     from ._runner import StepRunner
 
-__all__ = ["CLOSED", "CLOSING", "NEW", "OPEN", "StepQueue", "offload_batch", "restore_batch"]
+__all__ = ["CLOSED", "CLOSING", "NEW", "OPEN", "StepQueue", "drop_host", "offload_batch", "restore_batch"]
 
 NEW, OPEN, CLOSING, CLOSED = range(4)
 
@@ -50,8 +50,8 @@ class StepQueue:
     """
 
     __slots__ = (
-        "_channel", "_draft_tokens", "_host", "_runner", "_ticket", "_waiters", "events", "handoff", "ledger",
-        "lock", "state", "step",
+        "_backlog", "_channel", "_draft_tokens", "_host", "_owner", "_runner", "_ticket", "_waiters", "events",
+        "handoff", "ledger", "lock", "state", "step",
     )  # fmt: skip
 
     def __init__(
@@ -70,11 +70,13 @@ class StepQueue:
         self._runner = runner
         self._channel = channel
         self.events: list[Event] = []
-        self.handoff = HandOffBook()  # exports awaiting an ack, states arrived awaiting an import
+        self._backlog = runner.backlog  # hands out the tickets a take runs under (work done: Backlog.done)
+        self.handoff = HandOffBook(self, ledger, host, runner.backlog)  # exports awaiting an ack, states arrived
         self.step = 0
         self.state = NEW
         self._waiters: list[int] = []  # alloc_wait tickets, first come first served
         self._ticket = 0
+        self._owner: object | None = None  # set once closed: the ledgers wait for sends in flight to settle
 
     # -- lifecycle -------------------------------------------------------
     def closed_error(self) -> ManagerClosedError:
@@ -82,11 +84,14 @@ class StepQueue:
             return ManagerClosedError("CacheManager is not entered (use `with` or `async with`)")
         return ManagerClosedError("CacheManager is closed" + (" (closing)" if self.state == CLOSING else ""))
 
-    def check(self) -> None:
-        """Under the lock: the authoritative check before anything is queued."""
-        if self.state != OPEN:
+    def check(self, settling: bool = False) -> None:
+        """Under the lock: the authoritative check before anything is queued. ``settling``: the outcome of a
+        send taken earlier, which a closing or broken manager still takes (the peer may hold those states: a
+        refusal would report them lost; the releases it queues need no device work)."""
+        if self.state != OPEN and not (settling and self.state == CLOSING):
             raise self.closed_error()
-        self._runner.raise_if_broken()
+        if not settling:
+            self._runner.raise_if_broken()
         if self._channel is not None:
             self._channel.check_source("submit")
 
@@ -105,24 +110,36 @@ class StepQueue:
             self.state = OPEN
 
     def begin_close(self) -> bool:
-        """Refuse new events from here on; True when events are queued."""
+        """Refuse new events from here on (a transfer in flight may still settle: :meth:`check`); True when
+        events are queued."""
         with self.lock:
             if self.state == OPEN:
                 self.state = CLOSING
             return bool(self.events)
 
-    def close(self) -> list[Event]:
-        """Closed for good: returns what no flush took. The ledgers stay claimed until :meth:`release`."""
+    def close(self) -> tuple[list[Event], int]:
+        """Closed for good: returns what no flush took, with the backlog ticket it runs under. The ledgers stay
+        claimed until :meth:`release`."""
         with self.lock:
             events, self.events = self.events, []
             self.state = CLOSED
+            ticket = self._backlog.take_ticket()
             if self._host is not None:
-                self._host.reuse_freed()
-        return events
+                self._host.reuse_freed(ticket)
+        return events, ticket
 
     def release(self, owner: object) -> None:
-        """Free the ledgers for the next manager, once this one's leftover work is in the pool's backlog."""
+        """Free the ledgers for the next manager, once this one's leftover work is in the pool's backlog and
+        no send of its exports awaits an ack (else the last one to settle frees them: :meth:`settled`)."""
         with self.lock:
+            self._owner = owner
+            self.settled()
+
+    def settled(self) -> None:
+        """Under the lock, once closed: free the ledgers unless a send is still in flight."""
+        owner = self._owner
+        if owner is not None and not self.handoff.sending:
+            self._owner = None
             if self._host is not None:
                 self._host.unclaim(owner)
             self.ledger.unclaim(owner)
@@ -134,12 +151,21 @@ class StepQueue:
             if self.state != OPEN or self._runner.broken is not None or self._channel is not None:
                 self.check()  # the common case is one test; this raises or checks the source rank
             book = self.handoff
-            withdrawn = book.released_exports(events) if book.exports else None
+            withdrawn = book.withdraw_locked(events) if book.exports else None
             self.ledger.apply_batch(events, self._draft_tokens)
             self.events.extend(events)
             _tracing.tracer.events(events, self.step)
             if withdrawn:
-                drop_exports(self, withdrawn)
+                book.drop_locked(withdrawn)
+
+    def closed(self) -> bool:
+        """Closed for good (not merely closing): no flush runs again."""
+        return self.state == CLOSED
+
+    def enqueue(self, events: Sequence[Event]) -> None:
+        """Under the lock: queue ``events`` (checked by the caller against the ledgers) and trace them."""
+        self.events.extend(events)
+        _tracing.tracer.events(events, self.step)
 
     def alloc(self, n: int, tenant: str | None, clear: bool) -> list[int]:
         """The ``n`` lowest free slots, held by ``tenant``, each with its queued alloc."""
@@ -223,76 +249,39 @@ class StepQueue:
             self.ledger.reserve(n, tenant)
             _tracing.tracer.note("pool.reserve", slots=n, tenant=tenant, step=self.step)
 
-    # -- the host tier ---------------------------------------------------
-    def offload(self, slot: int, tenant: str | None) -> int:
-        """Queue an offload of ``slot`` into the lowest free host slot; returns the host slot."""
-        assert self._host is not None
-        with self.lock:
-            self.check()
-            self.ledger.check_held("Offload", slot, tenant)
-            h = self._host.take(1, tenant)[0]
-            ev = Offload(slot, h, tenant)
-            self.events.append(ev)
-            _tracing.tracer.events((ev,), self.step)
-        return h
-
-    def restore(self, host: int, slot: int, tenant: str | None, keep: bool) -> None:
-        """Queue a read of host slot ``host`` into ``slot``; frees ``host`` for the next step unless ``keep``."""
-        assert self._host is not None
-        if type(keep) is not bool:
-            raise InvalidArgumentError(f"keep must be a bool, got {keep!r}")
-        with self.lock:
-            self.check()
-            self._check_host_held("Restore", host)
-            self.ledger.check_held("Restore", slot, tenant)
-            ev = Restore(host, slot, tenant, keep)
-            self.events.append(ev)
-            if not keep:
-                self._host.free_later(host)
-            _tracing.tracer.events((ev,), self.step)
-
-    def drop(self, host: int) -> None:
-        """Queue the end of host slot ``host``: free for the next step, earlier reads still see it."""
-        assert self._host is not None
-        with self.lock:
-            self.check()
-            self._check_host_held("DropHost", host)
-            ev = DropHost(host)
-            self.events.append(ev)
-            self._host.free_later(host)
-            _tracing.tracer.events((ev,), self.step)
-
+    # -- the host tier (its calls are the functions below the class) ---------
     @property
     def host_ledger(self) -> SlotLedger | None:
         """The host pool's ledger (None without a host pool); change it only under :attr:`lock`."""
         return self._host
 
-    def _check_host_held(self, kind: str, host: int) -> None:
-        assert self._host is not None
-        if not self._host.held[host]:
-            raise _host_gone(kind, host)
-
     # -- the flush's side ------------------------------------------------
-    def take(self) -> tuple[list[Event], int]:
-        """Swap the queue out (vLLM's ``take_events``) and advance the step: ``(events, step)``."""
+    def take(self) -> tuple[list[Event], int, int]:
+        """Swap the queue out (vLLM's ``take_events``) and advance the step: ``(events, step, ticket)``, the
+        ticket being the backlog's for this work (it counts as done once the backlog ran all of it)."""
         with self.lock:
             events, self.events = self.events, []
             step = self.step
             self.step += 1
+            ticket = self._backlog.take_ticket()
             if self._host is not None:
-                self._host.reuse_freed()  # host slots freed by these events: their reads are planned now
-        return events, step
+                self._host.reuse_freed(ticket)  # host slots freed by these events: their reads are planned now
+        return events, step, ticket
 
-    def put_back(self, events: list[Event], step: int) -> None:
-        """Undo :meth:`take` (the plan failed): ``events`` go back to the front, in order, with their step."""
+    def put_back(self, events: list[Event], step: int, ticket: int) -> None:
+        """Undo :meth:`take` (the plan failed): ``events`` go back to the front, in order, with their step and
+        ticket. Host slots they freed stay busy until that ticket runs: never too early."""
         with self.lock:
             self.events[:0] = events
             self.step = step
+            self._backlog.untake(ticket)
 
-    def follow(self, step: int) -> None:
-        """On a receiving rank: the source ran ``step``, so the next flush runs the one after."""
+    def follow(self, step: int) -> int:
+        """On a receiving rank: the source ran ``step``, so the next flush runs the one after; returns the
+        backlog ticket the received plan runs under."""
         with self.lock:
             self.step = step + 1
+            return self._backlog.take_ticket()
 
     def snapshot(self) -> list[Event]:
         """A copy of the queued events."""
@@ -321,7 +310,8 @@ class StepQueue:
             raise SlotLeakError("; ".join(p for p in parts if p), held, host_held)
 
 
-# The bulk host forms: functions of the queue, so that the class stays one focused piece.
+# The host tier's calls (a single offload or restore is a batch of one): functions of the queue, so that the class
+# stays one focused piece.
 def offload_batch(queue: StepQueue, slots: list[int], tenant: str | None) -> list[int]:
     """:meth:`StepQueue.offload` of each of ``slots`` (in range), in order, in one hold: all or none.
 
@@ -359,6 +349,7 @@ def restore_batch(queue: StepQueue, hosts: list[int], slots: list[int], tenant: 
         for h, s in zip(hosts, slots, strict=True):
             if not host_held[h] or h in read:
                 raise _host_gone("Restore", h)
+            queue.handoff.check_host("Restore", h)
             if not held[s] or (tenant is not None and tenants[s] != tenant):
                 queue.ledger.check_held("Restore", s, tenant)
             if not keep:
@@ -368,6 +359,21 @@ def restore_batch(queue: StepQueue, hosts: list[int], slots: list[int], tenant: 
         for h in read:
             host.free_later(h)
         _tracing.tracer.events(events, queue.step)
+
+
+def drop_host(queue: StepQueue, host: int) -> None:
+    """Queue the end of host slot ``host`` (in range): free for the next step, earlier reads still see it."""
+    ledger = queue._host
+    assert ledger is not None
+    with queue.lock:
+        queue.check()
+        if not ledger.held[host]:
+            raise _host_gone("DropHost", host)
+        queue.handoff.check_host("DropHost", host)
+        ev = DropHost(host)
+        queue.events.append(ev)
+        ledger.free_later(host)
+        _tracing.tracer.events((ev,), queue.step)
 
 
 def _host_gone(kind: str, host: int) -> SlotStateError:

@@ -203,9 +203,9 @@ class StepRunner:
         """Stages in the backlog: kept by failed flushes, or pushed and not run yet."""
         return len(self.backlog)
 
-    def push(self, stages: Iterable[Stage], executor: Executor, host: list[torch.Tensor] | None) -> None:
-        """Queue ``stages`` behind the backlog, to run on ``executor`` (with ``host``'s tensors)."""
-        self.backlog.push(stages, executor, host)
+    def push(self, stages: Iterable[Stage], executor: Executor, host: list[torch.Tensor] | None, ticket: int) -> None:
+        """Queue ``stages`` of ``ticket`` behind the backlog, to run on ``executor`` (with ``host``'s tensors)."""
+        self.backlog.push(stages, executor, host, ticket)
 
     def check(self, executor: Executor) -> None:
         """:func:`check_executor` on this pool's tensors: refuse an executor that cannot run a dtype."""
@@ -223,13 +223,12 @@ class StepRunner:
         done = 0
         with on_stream(self._device, stream):
             while stages:
-                stage, executor, host = stages[0]
+                stage, executor, host, _ = stages[0]
                 try:
                     run_stage(executor, stage, self._tensors, self._drafts, host, backlog, self._convs)
                 except Exception as exc:
                     raise self._failed(exc, executor, stage, step) from exc
-                stages.popleft()
-                backlog.next_tensor = 0
+                backlog.pop_done()  # its ticket's work may now count as done (Backlog.done)
                 done += 1
         self._failures = 0
         return done

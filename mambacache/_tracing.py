@@ -86,7 +86,10 @@ def _fields(ev: Event) -> tuple[str, dict[str, Any]]:
     if t is Restore:
         return "slot.restore", {"host": ev.host, "slot": ev.slot, "request_id": ev.request_id, "keep": ev.keep}  # type: ignore[union-attr]
     if t is Export:
-        return "slot.export", {"slot": ev.slot, "host": ev.host, "request_id": ev.request_id}  # type: ignore[union-attr]
+        fields = {"slot": ev.slot, "host": ev.host, "request_id": ev.request_id}  # type: ignore[union-attr]
+        if ev.to is not None:  # type: ignore[union-attr]  # only a routed export carries it: other lines stay as they were
+            fields["to"] = ev.to  # type: ignore[union-attr]
+        return "slot.export", fields
     if t is Import:
         return "slot.import", {"host": ev.host, "slot": ev.slot, "request_id": ev.request_id}  # type: ignore[union-attr]
     assert t is DropHost

@@ -22,12 +22,15 @@ import mambacache as mc
 __all__ = ["loopback"]
 
 
-def loopback(sender: mc.CacheManager, receiver: mc.CacheManager, *, row: int | None = None) -> list[str]:
+def loopback(
+    sender: mc.CacheManager, receiver: mc.CacheManager, *, row: int | None = None, to: int | None = None
+) -> list[str]:
     """Move every ready export of ``sender`` into staging host slots of ``receiver``; returns their request ids.
 
+    ``to``: only the exports addressed to that peer (or to none), as ``StateTransfer`` to peer ``to`` takes them.
     ``row`` (for mutation checks only): gather that host row for every export instead of each export's own.
     """
-    ready = sender.exports_ready()
+    ready = sender.exports_ready(to=to)
     if not ready:
         return []
     if sender.unfinished:

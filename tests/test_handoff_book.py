@@ -19,14 +19,14 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import mambacache as mc
 
-from .util import small_spec
+from .util import FaultAt, small_spec
 
 SLOTS, HOST = 4, 6
 
 
 def _manager() -> mc.CacheManager:
     spec = small_spec(2)
-    return mc.CacheManager(mc.StatePool(spec, SLOTS), host_pool=mc.HostPool(spec, HOST))
+    return mc.CacheManager(mc.StatePool(spec, SLOTS), host_pool=mc.HostPool(spec, HOST), max_failed_flushes=10**6)
 
 
 def _state(mgr: mc.CacheManager) -> tuple[object, ...]:
@@ -89,7 +89,7 @@ def test_an_exporting_slot_cannot_be_handed_over_or_exported_again(call: str) ->
         assert _state(mgr) == before
 
 
-def test_delivery_releases_and_drops_the_whole_batch_and_on_a_closed_manager_nothing() -> None:
+def test_delivery_releases_and_drops_the_whole_batch_and_on_a_closed_manager_settles_at_once() -> None:
     mgr = _manager()
     with mgr:
         slots = mgr.alloc(3, "r")
@@ -105,8 +105,9 @@ def test_delivery_releases_and_drops_the_whole_batch_and_on_a_closed_manager_not
         mgr.flush_nowait()
     assert mgr.held() == {slots[2]: "r2"}
     with pytest.raises(mc.ManagerClosedError):
-        mgr.exports_delivered(last)
-    assert mgr.held() == {slots[2]: "r2"}
+        mgr.take_exports()
+    mgr.exports_delivered(last)  # acknowledged after the close: released at once, nothing left for the next manager
+    assert mgr.held() == {} and mgr.host_pool is not None and mgr.host_pool.held() == {}
 
 
 def test_a_pool_state_staged_then_withdrawn_is_not_what_a_later_export_sends() -> None:
@@ -126,6 +127,7 @@ def test_a_pool_state_staged_then_withdrawn_is_not_what_a_later_export_sends() -
         assert ev.host == h and ev.request_id == "q"
         assert mgr.host_pool is not None
         assert torch.equal(mgr.host_pool.temporal[:, h], torch.full_like(mgr.host_pool.temporal[:, h], 2.0))
+        mgr.exports_returned([ev])
 
 
 def test_an_arrived_state_is_imported_once_or_discarded_once() -> None:
@@ -153,14 +155,20 @@ def test_an_arrived_state_is_imported_once_or_discarded_once() -> None:
         mgr.check_idle(host=True)
 
 
+PEERS = (None, 1, 2)
+
+
 class ExportLife(RuleBasedStateMachine):
-    """The sender's export lifecycle against a model: slot -> "queued" | "ready" | "sending"."""
+    """The sender's export lifecycle against a model: slot -> "queued" | "ready" | "sending", each export with its
+    destination. A flush may fail (a fault in its first op): its exports stay unready until a flush succeeds (the
+    repair), since readiness is work done, not a step number."""
 
     def __init__(self) -> None:
         super().__init__()
         self.mgr = _manager()
         self.mgr.__enter__()
         self.model: dict[int, str] = {}
+        self.to: dict[int, int | None] = {}
         self.held: dict[int, str] = {}
         self.taken: list[list[mc.Export]] = []
         self.n = 0
@@ -175,25 +183,31 @@ class ExportLife(RuleBasedStateMachine):
         (s,) = self.mgr.alloc(1, f"r{self.n}")
         self.held[s] = f"r{self.n}"
 
-    @rule(data=st.data())
-    def export(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), to=st.sampled_from(PEERS))
+    def export(self, data: st.DataObject, to: int | None) -> None:
         if not self.held:
             return
         s = data.draw(st.sampled_from(sorted(self.held)))
         if s in self.model:
             with pytest.raises(mc.SlotStateError):
-                self.mgr.export(s, self.held[s])
+                self.mgr.export(s, self.held[s], to=to)
             return
         try:
-            self.mgr.export(s, self.held[s])
+            self.mgr.export(s, self.held[s], to=to)
         except mc.PoolExhaustedError:
             assert self.mgr.host_pool is not None and self.mgr.host_pool.num_free == 0
             return
         self.model[s] = "queued"
+        self.to[s] = to
 
-    @rule()
-    def flush(self) -> None:
-        self.mgr.flush_nowait()
+    @rule(fail=st.booleans())
+    def flush(self, fail: bool) -> None:
+        try:
+            with FaultAt(1 if fail else 0, RuntimeError):
+                self.mgr.flush_nowait()
+        except mc.ExecutorError:
+            assert fail and self.mgr.unfinished >= 1
+            return  # taken, not run: nothing it staged is ready
         self.model = {s: ("ready" if v == "queued" else v) for s, v in self.model.items()}
 
     @rule(data=st.data())
@@ -208,10 +222,14 @@ class ExportLife(RuleBasedStateMachine):
         self.mgr.release(s, self.held.pop(s))
         self.model.pop(s, None)
 
-    @rule()
-    def take(self) -> None:
-        got = self.mgr.take_exports()
-        assert sorted(ev.slot for ev in got) == sorted(s for s, v in self.model.items() if v == "ready")
+    def _for(self, to: int | None) -> list[int]:
+        return sorted(s for s, v in self.model.items() if v == "ready" and (to is None or self.to[s] in (None, to)))
+
+    @rule(to=st.sampled_from(PEERS))
+    def take(self, to: int | None) -> None:
+        got = self.mgr.take_exports(to=to)
+        assert sorted(ev.slot for ev in got) == self._for(to)
+        assert all(ev.to == self.to[ev.slot] for ev in got)
         for ev in got:
             self.model[ev.slot] = "sending"
         if got:
@@ -234,9 +252,8 @@ class ExportLife(RuleBasedStateMachine):
     @invariant()
     def agrees(self) -> None:
         assert self.mgr.held() == self.held
-        assert sorted(ev.slot for ev in self.mgr.exports_ready()) == sorted(
-            s for s, v in self.model.items() if v == "ready"
-        )
+        for to in PEERS:
+            assert sorted(ev.slot for ev in self.mgr.exports_ready(to=to)) == self._for(to)
 
     @invariant()
     def host_slots_are_the_exports_in_the_book(self) -> None:

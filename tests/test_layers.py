@@ -38,24 +38,13 @@ def _tree(path: pathlib.Path) -> ast.Module:
     return ast.parse(path.read_text(encoding="utf-8"))
 
 
-def _type_checking_nodes(tree: ast.Module) -> set[int]:
-    """ids of the nodes under ``if TYPE_CHECKING:`` (annotations only: never imported at run time)."""
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
-            skip.update(id(n) for n in ast.walk(node))
-    return skip
-
-
 def _imports(name: str, path: pathlib.Path) -> set[str]:
-    """The package modules ``name`` imports at run time (module level or inside functions)."""
+    """The package modules ``name`` imports: at module level, inside functions, and under ``if TYPE_CHECKING:``
+    too (a circle of types is a circle of the design, even though Python never runs it)."""
     tree = _tree(path)
-    skip = _type_checking_nodes(tree)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         targets: list[str] = []
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]

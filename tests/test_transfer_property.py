@@ -4,7 +4,9 @@ Two managers in one process, each with its own pool (an extra tensor of each of
 two more dtypes, and draft buffers) and host pool, play a random log: allocs,
 clears, forks, releases, draft commits, offloads, restores and drops on both
 sides, exports and imports in both directions, flushes (each maybe faulted at a
-drawn aten op, then repaired) and transfers (``tests/_loopback.py``: what
+drawn aten op, then repaired; a landing from the peer may come between the
+failed flush and its repair, or while the flush runs, held mid-way, in another
+thread) and transfers (``tests/_loopback.py``: what
 ``StateTransfer`` does, minus the wire) at any point of a step.
 
 The reference is plain: each side's :class:`SequentialOracle` applies every
@@ -30,6 +32,7 @@ from hypothesis import strategies as st
 
 import mambacache as mc
 
+from ._gate import flush_paused, resume
 from ._loopback import loopback
 from .oracle import SequentialOracle
 from .sweep import fault_points
@@ -165,11 +168,17 @@ class Engine:
         self.apply(*events)
 
     # -- flushes ----------------------------------------------------------------
-    def flush(self, at: int = 0, peer: Engine | None = None) -> int:
+    def flush(self, at: int = 0, peer: Engine | None = None, between: str = "") -> int:
         """Flush with a fault before aten op ``at`` (0: none), repaired by one more flush; returns the ops run.
 
-        While the failed flush's work is unfinished, a transfer of its exports is refused and changes nothing.
+        While the failed flush's work is unfinished, its exports are not ready (their staging copy has not run),
+        and a transfer of earlier ones is refused and changes nothing. ``between`` (with a ``peer`` and ``at``):
+        ``"land"``, the peer's ready exports land here between the failed flush and its repair; ``"pause"`` or
+        ``"pause-fail"``, the flush runs in another thread, held before op ``at`` (then failing, or not) while
+        they land: never onto a host slot the unfinished work still reads.
         """
+        if between.startswith("pause") and at and peer is not None:
+            return self.flush_in_thread(at, peer, between == "pause-fail")
         mgr = self.mgr
         mode = FaultAt(at, EXCS[at % len(EXCS)])
         try:
@@ -178,11 +187,14 @@ class Engine:
         except (mc.ExecutorError, KeyboardInterrupt) as err:
             assert at, f"no fault was injected, yet: {err!r}"
             assert mgr.pending == 0 and mgr.unfinished >= 1
+            assert mgr.exports_ready() == [ev for ev, ran in self.exports if ran]  # on work done, not step numbers
             if peer is not None and mgr.exports_ready():
                 before = snapshot(self), snapshot(peer)
                 with pytest.raises(mc.TransferError, match="unfinished"):
                     loopback(mgr, peer.mgr)
                 assert (snapshot(self), snapshot(peer)) == before
+            if between == "land" and peer is not None:
+                transfer(peer, self)  # the host slots the failed step freed are still read by its unfinished work
             assert mgr.flush_nowait().resumed_stages >= 1  # the repair
         else:
             assert at == 0 or at > mode.ops
@@ -190,6 +202,21 @@ class Engine:
         self.freed.clear()
         self.check()
         return mode.ops
+
+    def flush_in_thread(self, at: int, peer: Engine, fail: bool) -> int:
+        """:meth:`flush` in another thread, held before aten op ``at`` while ``peer``'s ready exports land here."""
+        held = flush_paused(self.mgr, at, RuntimeError if fail else None)
+        if held.thread.is_alive():  # taken and mid-run: its step number advanced, its work is not done
+            assert self.mgr.exports_ready() == [ev for ev, ran in self.exports if ran]
+            transfer(peer, self)
+        err = resume(held)
+        if err is not None:
+            assert fail and isinstance(err, mc.ExecutorError), repr(err)
+            assert self.mgr.flush_nowait().resumed_stages >= 1  # the repair
+        self.exports = [(ev, True) for ev, _ in self.exports]
+        self.freed.clear()
+        self.check()
+        return held.mode.ops
 
     def check(self) -> None:
         """After a flush: every live slot's and host slot's bytes, and every ledger, are the model's."""
@@ -327,7 +354,7 @@ def play(e: Engine, other: Engine, kind: str, a: int, b: int, faults: Any) -> No
         if b % 3 == 0:
             e.clear(slot)
     elif kind == "flush":
-        e.flush(next(faults, 0), other)
+        e.flush(next(faults, 0), other, ("", "land", "pause", "pause-fail")[a % 4])
         e.forward()
     elif kind == "transfer":
         transfer(e, other)

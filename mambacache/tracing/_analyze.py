@@ -54,6 +54,7 @@ ANOMALY_KINDS = (
     "read-before-import",
     "import-never-completed",
     "export-undelivered",
+    "export-misrouted",
 )
 
 
@@ -210,6 +211,7 @@ def _checked(record: dict[str, Any]) -> dict[str, Any]:
     elif event in _HOST_EVENTS:
         out["slot"], out["host"] = _int(record, "slot", required=True), _int(record, "host", required=True)
         out["peer"] = _int(record, "peer", required=False)
+        out["to"] = _int(record, "to", required=False)  # an export's destination rank, when routed
         keep = record.get("keep", False)
         if type(keep) is not bool:
             raise ValueError(f"'keep' must be true or false, got {type(keep).__name__} {keep!r}"[:80])
@@ -551,7 +553,7 @@ class _Pass:
         if not st.allocated:
             self.flag("use-after-release", slot, line, step, rid, f"export of slot {slot}, which is free")
         self.handoffs.read(slot, line, step, rid, "an export reads")
-        self.handoffs.exported(slot, r["host"], line, rid)
+        self.handoffs.exported(slot, r["host"], line, rid, r["to"])
         self.entry(slot, Entry(line, step, "export", rid, other=r["host"]))
 
     def import_(self, slot: int, st: _Slot, r: dict[str, Any], line: int, step: int | None, rid: str | None) -> None:

@@ -13,6 +13,8 @@ engines at each line of one engine's trace, and the three anomalies that shows.
   commit), so the engine ran on as if the import had landed.
 * ``import-never-completed`` (``expect_idle``): a received state never
   imported, or an import whose flush never completed, at the end.
+* ``export-misrouted``: a ``transfer.send`` to one rank named an export
+  addressed (``to=``) to another.
 * ``export-undelivered`` (``expect_idle``): an export no ``transfer.send`` ever
   named (no acknowledgement from a peer) by the end.
 
@@ -63,17 +65,17 @@ class Handoffs:
 
     def __init__(self, flag: Flag, counts: dict[str, int]) -> None:
         self.flag, self.counts = flag, counts
-        self.exports: dict[str, list[tuple[int, int, int]]] = {}  # request id -> [(slot, host, line)]
+        self.exports: dict[str, list[tuple[int, int, int, int | None]]] = {}  # request id -> [(slot, host, line, to)]
         self.arrived: dict[str, tuple[int, int, int]] = {}  # request id -> (host, peer, line of the receive)
         self.unlanded: dict[int, _Import] = {}  # pool slot -> its import
         self.last_failure: tuple[int, str | None] | None = None  # (line, error) of the last transfer.failed
 
     # -- the slot events --------------------------------------------------
-    def exported(self, slot: int, host: int, line: int, rid: str | None) -> None:
-        """``slot.export``: in flight until a ``transfer.send`` names its request."""
+    def exported(self, slot: int, host: int, line: int, rid: str | None, to: int | None = None) -> None:
+        """``slot.export`` (addressed to rank ``to``, or to any): in flight until a ``transfer.send`` names it."""
         self.counts["exports"] += 1
         if rid is not None:
-            self.exports.setdefault(rid, []).append((slot, host, line))
+            self.exports.setdefault(rid, []).append((slot, host, line, to))
 
     def imported(
         self, slot: int, host: int, line: int, step: int | None, rid: str | None, peer: int | None
@@ -147,10 +149,13 @@ class Handoffs:
         for rid in ids:
             pending = self.exports.get(rid)
             if pending:
-                slot = pending.pop(0)[0]
+                slot, _, at, to = pending.pop(0)
                 if not pending:
                     del self.exports[rid]
                 sent.append((slot, rid))
+                if to is not None and peer is not None and to != peer:
+                    message = f"the export of {rid!r} from slot {slot} (line {at}) was for rank {to}, sent to {peer}"
+                    self.flag("export-misrouted", slot, line, r.get("step"), rid, message)
         return sent
 
     # -- the end of the trace ------------------------------------------------
@@ -172,7 +177,7 @@ class Handoffs:
         failure = self.last_failure
         why = f"; the last transfer failure, line {failure[0]}: {failure[1]}" if failure is not None else ""
         for rid, pending in self.exports.items():
-            for slot, host, at in pending:
+            for slot, host, at, _ in pending:
                 message = (
                     f"the export of {rid!r} from slot {slot} (line {at}, staging host slot {host}) was never"
                     f" acknowledged by a peer{why}"

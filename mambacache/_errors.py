@@ -76,6 +76,20 @@ class TransferError(DistributedError):
         self.request_ids = list(request_ids or [])
 
 
+class TransferRefusedError(TransferError):
+    """The receiving side refused a batch before landing any of it; the sender keeps every state (send again).
+
+    ``reason``: ``"room"`` (not enough free host slots there now: retry once it
+    imported or discarded some), ``"spec"`` (the two sides' states differ in
+    layers, shapes or dtypes: never retried to success) or ``"header"`` (an
+    impossible or malformed batch).
+    """
+
+    def __init__(self, message: str, request_ids: list[str] | None = None, reason: str = "") -> None:
+        super().__init__(message, request_ids)
+        self.reason = reason
+
+
 class SlotLeakError(MambaCacheError, RuntimeError):
     """Slots are still held where none should be (``CacheManager.check_idle``).
 

@@ -23,6 +23,7 @@ lands nothing. No torch in the control path; the pair carries raw bytes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -57,7 +58,7 @@ def root_store(store: Any) -> Any:
     """The store under every prefix (so a process that joins later with a plain client finds the same keys)."""
     import torch.distributed as dist
 
-    while isinstance(store, dist.PrefixStore):
+    while isinstance(store, dist.distributed_c10d.PrefixStore):
         store = store.underlying_store
     return store
 
@@ -70,7 +71,7 @@ class _Direction:
 
         self._dist = dist
         # A clone per direction: a store client is one socket, and a thread waiting on it would block the other.
-        self.store = dist.PrefixStore(f"mambacache/xfer/{src}>{dst}/", root_store(store).clone())
+        self.store = dist.distributed_c10d.PrefixStore(f"mambacache/xfer/{src}>{dst}/", root_store(store).clone())
         self.src, self.dst, self.me = src, dst, me
         self.timeout = timeout
         self._pair: tuple[str, Any] | None = None
@@ -102,7 +103,7 @@ class _Direction:
         """The gloo pair called ``name``, built (both peers build it, nobody else) unless it is the current one."""
         if self._pair is None or self._pair[0] != name:
             self._pair = None
-            prefix = self._dist.PrefixStore(f"pair/{name}/", self.store)
+            prefix = self._dist.distributed_c10d.PrefixStore(f"pair/{name}/", self.store)
             pg = self._dist.ProcessGroupGloo(prefix, self.me, 2, timedelta(seconds=self.timeout))
             self._pair = (name, pg)
         return self._pair[1]
@@ -147,10 +148,8 @@ class Outbox(_Direction):
 
     def _cleanup(self, m: int) -> None:
         for key in (f"hdr/{m}", f"state/{m}", f"ack/{m}"):
-            try:
+            with contextlib.suppress(Exception):  # best effort: a leftover key is only a few bytes in the store
                 self.store.delete_key(key)
-            except Exception:  # best effort: a leftover key is only a few bytes in the store
-                pass
 
     def send(self, ids: list[str], seq: int, fp: list[Any], rows: list[torch.Tensor]) -> None:
         """One batch: header, the receiver's decision, the bytes, its acknowledgement.
@@ -230,11 +229,8 @@ class Inbox(_Direction):
 
     def _advance(self, m: int) -> None:
         self.call("add", "taken", 1)
-        for key in (f"hdr/{m}",):
-            try:
-                self.store.delete_key(key)
-            except Exception:
-                pass
+        with contextlib.suppress(Exception):  # the sender deletes the rest once it read the answer
+            self.store.delete_key(f"hdr/{m}")
 
     def receive(self, fp: list[Any], room: int, rows_for: Any) -> Batch:
         """The next batch's bytes, into ``rows_for(n)`` (one ``[layers, n, *state]`` tensor per pool tensor).
@@ -255,6 +251,9 @@ class Inbox(_Direction):
             got = bytes(self.call("compare_set", f"state/{m}", "", decision)).decode()
             if got != decision:  # withdrawn by its sender, or settled by a receiver before this one
                 self._advance(m)
+                if got == "withdrawn":  # its sender has moved on: nobody reads these any more
+                    with contextlib.suppress(Exception):
+                        self.store.delete_key(f"state/{m}")
                 continue
             if refusal is not None:
                 self._advance(m)
@@ -324,4 +323,3 @@ def _judge(text: str, fp: list[Any], room: int, src: int) -> tuple[str | None, d
     if n > room:
         return f"refuse:room:{n} states arrived, room for {room} here (free host slots, then retry)", header
     return None, header
-

@@ -29,6 +29,6 @@ def test_a_failed_batch_is_retried_to_success_on_the_same_transfer(case: str) ->
 
 @pytest.mark.parametrize("timeout", ["5", None, math.inf, 1e300, [5], True, 0, -1.0, math.nan])
 def test_a_timeout_that_is_not_finite_positive_seconds_is_refused(timeout: object) -> None:
-    with mc.CacheManager(mc.StatePool(spec(), 2), host_pool=mc.HostPool(spec(), HOST)) as mgr:
-        with pytest.raises(mc.InvalidArgumentError, match="timeout"):
-            mc.StateTransfer(mgr, None, 1, timeout=timeout)  # type: ignore[arg-type]
+    mgr = mc.CacheManager(mc.StatePool(spec(), 2), host_pool=mc.HostPool(spec(), HOST))
+    with mgr, pytest.raises(mc.InvalidArgumentError, match="timeout"):
+        mc.StateTransfer(mgr, None, 1, timeout=timeout)  # type: ignore[arg-type]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -311,7 +312,7 @@ class ReslicingSender:
         return send_exports(self._mgr, self._ship, self.peers, self._batches)
 
     def _ship(self, ready: list[Export], ids: list[str], seq: int) -> None:
-        """Each rank its shard of every staged state as batch ``seq``, one rank after another; raises unless all
+        """Each rank its shard of every staged state as batch ``seq``, all ranks at once; raises unless all
         acknowledged (a rank that acknowledged before acknowledges a retry of ``seq`` again, landing nothing)."""
         mgr, tp = self._mgr, len(self.peers)
         staged = staged_event(mgr)
@@ -321,12 +322,20 @@ class ReslicingSender:
         host = mgr.host_pool
         assert host is not None  # checked at construction
         full = [t.index_select(1, hosts) for t in host.tensors]
+        shards = [[s.contiguous() for s in self._layout.slice(full, tp, k)] for k in range(tp)]
+        # One thread per rank: each waits for its rank's decision and acknowledgement on its own store client,
+        # so a dead rank costs one timeout, not one per rank after it.
+        with ThreadPoolExecutor(tp) as threads:
+            outcomes = [
+                threads.submit(x.send_rows, ids, rows, seq) for x, rows in zip(self._transfers, shards, strict=True)
+            ]
         failed: list[tuple[int, TransferError]] = []
-        for k, x in enumerate(self._transfers):
-            try:
-                x.send_rows(ids, [s.contiguous() for s in self._layout.slice(full, tp, k)], seq)
-            except TransferError as exc:
+        for x, outcome in zip(self._transfers, outcomes, strict=True):
+            exc = outcome.exception()
+            if isinstance(exc, TransferError):
                 failed.append((x.peer, exc))
+            elif exc is not None:
+                raise exc
         for peer, err in failed:
             _tracing.tracer.transfer("transfer.failed", peer, ids, call="send", error=str(err))
         if failed:

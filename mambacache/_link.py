@@ -10,10 +10,10 @@ the store (``docs/transfer.md`` has the whole protocol)::
 
     posted          sender: store.add -> m, the batch's header number
     hdr/{m}         sender: JSON header (token, seq, ids, fingerprint, pair, byte sizes)
-    state/{m}       compare_set, first writer wins: receiver "go:<tok>" | "dup:<tok>" | "refuse:<kind>:<why>",
+    state/{m}       compare_set, first writer wins: receiver "go:<tok>" | "dup:<tok>" | "refuse:<kind>:<room>:<why>",
                     or the sender's "withdrawn" (its wait for a decision timed out: nothing was sent)
     pair/{name}/..  the gloo pair's rendezvous (name changes after every failure)
-    ack/{m}         receiver: "ok:<n>" | "refuse:room:<why>" | "fail:<why>"
+    ack/{m}         receiver: "ok:<n>" | "refuse:room:<room>:<why>" | "fail:<why>"
     taken           receiver: how many headers it has settled (a restarted receiver continues from it)
 
 A batch is ``(token, seq)``: a retry of a batch in doubt carries the same pair,
@@ -187,8 +187,7 @@ class Outbox(_Direction):
         if kind == "dup":
             return  # landed by an earlier try whose acknowledgement was lost
         if kind == "refuse":
-            reason, _, text = why.partition(":")
-            raise TransferRefusedError(f"rank {self.dst} refused the batch: {text}", ids, reason)
+            raise self._refused(why, ids)
         self.move(raw, True, pair, ids)
         ack = self.wait_key(f"ack/{m}", self.timeout)
         if ack is None:
@@ -197,9 +196,16 @@ class Outbox(_Direction):
         if kind == "ok" and why == str(len(ids)):
             return
         if kind == "refuse":
-            reason, _, text = why.partition(":")
-            raise TransferRefusedError(f"rank {self.dst} refused the batch: {text}", ids, reason)
+            raise self._refused(why, ids)
         raise TransferError(f"rank {self.dst} did not land the batch: {ack}", ids)
+
+    def _refused(self, why: str, ids: list[str]) -> TransferRefusedError:
+        """The error of a refusal ``<reason>:<room>:<text>`` (room: how many states the receiver could take)."""
+        reason, _, rest = why.partition(":")
+        room, _, text = rest.partition(":")
+        return TransferRefusedError(
+            f"rank {self.dst} refused the batch: {text}", ids, reason, int(room) if room.isdigit() else None
+        )
 
 
 @dataclass(slots=True)
@@ -257,8 +263,9 @@ class Inbox(_Direction):
                 continue
             if refusal is not None:
                 self._advance(m)
-                reason, _, why = refusal.removeprefix("refuse:").partition(":")
-                raise TransferRefusedError(f"refused a batch from rank {self.src}: {why}", [], reason)
+                reason, _, rest = refusal.removeprefix("refuse:").partition(":")
+                why = rest.partition(":")[2]
+                raise TransferRefusedError(f"refused a batch from rank {self.src}: {why}", [], reason, room)
             if decision.startswith("dup"):
                 self._advance(m)
                 continue
@@ -288,7 +295,8 @@ class Inbox(_Direction):
             self._advance(m)
 
     def answer(self, batch: Batch, landed: bool, why: str = "") -> None:
-        """Acknowledge ``batch`` (``landed``) or tell its sender it did not land (``why``: ``room:...`` refuses)."""
+        """Acknowledge ``batch`` (``landed``) or tell its sender it did not land (``why``: ``room:<room>:<text>``
+        refuses it for room, ``<room>`` the states that could land)."""
         if landed:
             self._last = batch.key
             self.answer_raw(batch.number, f"ok:{len(batch.ids)}")
@@ -314,12 +322,12 @@ def _judge(text: str, fp: list[Any], room: int, src: int) -> tuple[str | None, d
     except (ValueError, KeyError, TypeError):
         ok, header = False, {}
     if not ok:
-        return f"refuse:header:rank {src} sent something that is not a transfer header", header
+        return f"refuse:header::rank {src} sent something that is not a transfer header", header
     if header["fp"] != fp:
-        return f"refuse:spec:rank {src} sends states of {header['fp']}, this side holds {fp}", header
+        return f"refuse:spec::rank {src} sends states of {header['fp']}, this side holds {fp}", header
     n = len(ids)
     if n < 1 or len(set(ids)) != n:
-        return f"refuse:header:a batch of {n} states with {len(set(ids))} distinct ids", header
+        return f"refuse:header::a batch of {n} states with {len(set(ids))} distinct ids", header
     if n > room:
-        return f"refuse:room:{n} states arrived, room for {room} here (free host slots, then retry)", header
+        return f"refuse:room:{room}:{n} states arrived, room for {room} here (free host slots, then retry)", header
     return None, header

@@ -98,21 +98,23 @@ class Batches:
     doubt is gone.
     """
 
-    __slots__ = ("doubt", "seq")
+    __slots__ = ("doubt", "limit", "seq")
 
     def __init__(self) -> None:
         self.seq = 0
         self.doubt: list[Export] = []
+        self.limit: int | None = None  # the room the peer last had when it refused a batch for room
 
     def pick(self, ready: list[Export]) -> tuple[list[Export], int]:
-        """The batch to send out of ``ready``, with its number."""
+        """The batch to send out of ``ready`` (the first ``limit`` of them after a refusal for room), with its
+        number."""
         if self.doubt:
             batch = [ev for ev in ready if ev in self.doubt]
             if batch:
                 return batch, self.seq
             self.doubt = []
         self.seq += 1
-        return ready, self.seq
+        return ready[: self.limit] if self.limit else ready, self.seq
 
 
 def _take(manager: CacheManager, peer: int) -> list[Export]:
@@ -138,7 +140,9 @@ def send_exports(
     """The sender's side of an export's life around ``ship`` (the wire, which raises unless every peer acknowledged
     batch ``seq``): take the exports ready for ``peers[0]``, ship them, then deliver them (slots released, staging
     dropped), or on any failure give them back to the manager (retry, or release, which withdraws them). A batch in
-    doubt (:class:`Batches`) goes alone first, then the rest in a batch of its own. Returns the ids delivered.
+    doubt (:class:`Batches`) goes alone first, then the rest in a batch of its own; a batch refused for room goes
+    again at once cut to the room the peer has (none: the refusal is raised). Returns the ids delivered; raises
+    only when none was (a failure after a part of the call's exports went out returns that part).
 
     One protocol for :class:`StateTransfer` and :class:`~mambacache._reslice.ReslicingSender`; ``sizes(n)``: the
     extra fields of each peer's ``transfer.send`` line.
@@ -157,11 +161,22 @@ def send_exports(
             if manager.unfinished:
                 raise TransferError("the flush that ran the exports left work unfinished: flush again first", [])
             ship(batch, ids, seq)
+        except TransferRefusedError as exc:  # nothing landed: not in doubt
+            batches.doubt = []
+            manager.exports_returned(batch)
+            if exc.reason == "room" and exc.room and exc.room < len(batch):
+                batches.limit = exc.room  # a batch the peer has room for, at once
+                continue
+            if delivered:
+                return delivered  # what went out is the caller's news; the rest fails again on the next call
+            raise
         except BaseException:
             batches.doubt = batch
             manager.exports_returned(batch)
+            if delivered:
+                return delivered
             raise
-        batches.doubt = []
+        batches.doubt, batches.limit = [], None
         for peer in peers:
             _tracing.tracer.transfer("transfer.send", peer, ids, step=manager.step, n=len(ids), **sizes(len(ids)))
         manager.exports_delivered(batch)
@@ -307,8 +322,9 @@ class StateTransfer:
                 raise
             try:
                 slots = self._mgr.land(ids)
-            except PoolExhaustedError as exc:  # room went to another offload since the header was judged
-                self.acknowledge(ids, landed=False, why=f"room:{exc}")
+            except PoolExhaustedError as exc:  # room went elsewhere since the header was judged
+                host = self._mgr.host_pool
+                self.acknowledge(ids, landed=False, why=f"room:{host.num_free if host else 0}:{exc}")
                 raise TransferRefusedError(f"refused a batch from rank {self.peer}: {exc}", ids, "room") from exc
             except BaseException as exc:
                 self.acknowledge(ids, landed=False, why=str(exc))
@@ -351,7 +367,7 @@ class StateTransfer:
     @_tracing.traces_failures
     def acknowledge(self, request_ids: list[str], *, landed: bool = True, why: str = "") -> None:
         """Answer the batch :meth:`receive_rows` returned: ``landed``, the peer releases its slots; else it keeps
-        them and sees ``why`` (``"room:..."``: a refusal for room, which it retries).
+        them and sees ``why`` (``"room:<k>:<text>"``: a refusal for room, ``k`` the states that could land now).
 
         :class:`TransferError` when ``request_ids`` are not that batch's (nothing answered).
         """

@@ -181,7 +181,9 @@ class Outbox(_Direction):
             decision = bytes(self.call("compare_set", f"state/{m}", "", "withdrawn")).decode()
             if decision == "withdrawn":
                 raise TransferError(
-                    f"rank {self.dst} took no batch within {self.timeout:g}s (not receiving?): nothing was sent", ids
+                    f"rank {self.dst} took no batch: timed out after {self.timeout:g}s (not receiving?);"
+                    " nothing was sent",
+                    ids,
                 )
         kind, _, why = decision.partition(":")
         if kind == "dup":
@@ -191,7 +193,7 @@ class Outbox(_Direction):
         self.move(raw, True, pair, ids)
         ack = self.wait_key(f"ack/{m}", self.timeout)
         if ack is None:
-            raise TransferError(f"rank {self.dst} did not acknowledge within {self.timeout:g}s", ids)
+            raise TransferError(f"rank {self.dst} did not acknowledge: timed out after {self.timeout:g}s", ids)
         kind, _, why = ack.partition(":")
         if kind == "ok" and why == str(len(ids)):
             return
@@ -250,7 +252,7 @@ class Inbox(_Direction):
             m = int(self.call("add", "taken", 0)) + 1
             text = self.wait_key(f"hdr/{m}", deadline - time.monotonic())
             if text is None:
-                raise TransferError(f"no batch from rank {self.src} within {self.timeout:g}s")
+                raise TransferError(f"no batch from rank {self.src}: timed out after {self.timeout:g}s")
             refusal, header = _judge(text, fp, room, self.src)
             key = (str(header.get("tok")), int(header.get("seq", -1))) if refusal is None else ("", -1)
             decision = refusal or (f"dup:{self.token}" if key == self._last else f"go:{self.token}")

@@ -40,6 +40,7 @@ __all__ = ["Batch", "Inbox", "Outbox", "check_timeout", "fingerprint", "root_sto
 MAGIC = 0x6D63_7846
 # Far beyond any wait a deployment wants, and well inside what timedelta and c10d's millisecond counts take.
 MAX_TIMEOUT = 1e9
+_RETIRED: list[Any] = []  # gloo pairs replaced after a failure (see _Direction.drop_pair)
 
 
 def check_timeout(timeout: object) -> float:
@@ -102,14 +103,21 @@ class _Direction:
     def pair(self, name: str) -> Any:
         """The gloo pair called ``name``, built (both peers build it, nobody else) unless it is the current one."""
         if self._pair is None or self._pair[0] != name:
-            self._pair = None
+            self.drop_pair()
             prefix = self._dist.distributed_c10d.PrefixStore(f"pair/{name}/", self.store)
             pg = self._dist.ProcessGroupGloo(prefix, self.me, 2, timedelta(seconds=self.timeout))
             self._pair = (name, pg)
         return self._pair[1]
 
     def drop_pair(self) -> None:
-        """After a failure the pair may be closed (gloo closes it on a timeout): the next batch builds another."""
+        """After a failure the pair may be closed (gloo closes it on a timeout): the next batch builds another.
+
+        The old one is kept, never destroyed while the process runs: destroying a
+        gloo group whose peer died can abort the process inside gloo. A pair is
+        only replaced after a failure, so these are few.
+        """
+        if self._pair is not None:
+            _RETIRED.append(self._pair[1])
         self._pair = None
 
     def move(self, tensors: list[torch.Tensor], send: bool, name: str, ids: list[str]) -> None:

@@ -15,6 +15,7 @@ import json
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -201,9 +202,7 @@ def spec_receiver(me: Side) -> None:
 
 def _post_raw(header: dict[str, object]) -> None:
     """A header in the store as a broken or foreign sender would post it."""
-    store = dist.distributed_c10d.PrefixStore(
-        "mambacache/xfer/0>1/", root_store(dist.distributed_c10d._get_default_store())
-    )
+    store: Any = _direction(0, 1)
     store.set(f"hdr/{store.add('posted', 1)}", json.dumps(header))
 
 
@@ -234,6 +233,64 @@ def lying_receiver(me: Side) -> None:
     me.idle()
 
 
+def _direction(src: int, dst: int) -> Any:
+    return dist.distributed_c10d.PrefixStore(
+        f"mambacache/xfer/{src}>{dst}/", root_store(dist.distributed_c10d._get_default_store())
+    )
+
+
+def silent_sender(me: Side) -> None:
+    """Posts a valid header and dies (never builds the pair): the receiver's error is typed, within its timeout."""
+    _post_raw(
+        {"magic": MAGIC, "tok": "gone", "seq": 1, "fp": _fp(), "pair": "gone.0", "ids": ["g"], "bytes": _sizes(1)}
+    )
+    dist.barrier()
+    ids = me.stage(["after"], [1], 18)
+    assert me.xfer.send() == ids
+    me.idle()
+
+
+def _sizes(n: int) -> list[int]:
+    return [
+        spec().num_layers * n * t.numel() * t.element_size()
+        for t in (torch.empty(s, dtype=d) for s, d in spec().shapes())
+    ]
+
+
+def receiver_of_silent(me: Side) -> None:
+    exc = _fails(me.xfer.receive, "a sender that went silent after the receiver took its batch")
+    assert type(exc) is mc.TransferError and "timed out" in str(exc), repr(exc)
+    me.idle()
+    dist.barrier()
+    assert me.xfer.receive() == ["after"]
+    me.imports(["after"], [2], [1], 18, "after a silent sender")
+    me.idle()
+
+
+def sender_to_silent(me: Side) -> None:
+    ids = me.stage(["s"], [1], 19)
+    exc = _fails(me.xfer.send, "a receiver that took the batch and went silent")
+    assert type(exc) is mc.TransferError and "timed out" in str(exc), repr(exc)
+    me.holds(ids, "a batch never acknowledged was delivered")
+    dist.barrier()
+    assert me.xfer.send() == ids, "the retry after a silent receiver"
+    me.idle()
+
+
+def silent_receiver(me: Side) -> None:
+    """Takes the next header ("go") and never builds the pair nor answers, as a receiver dying there would."""
+    store = _direction(0, 1)
+    m = int(store.add("taken", 0)) + 1
+    store.wait([f"hdr/{m}"], timedelta(seconds=10))
+    assert store.compare_set(f"state/{m}", "", "go:silent") == b"go:silent"
+    store.add("taken", 1)
+    time.sleep(2.5 * TIMEOUT)
+    dist.barrier()
+    assert me.xfer.receive() == ["s"]
+    me.imports(["s"], [2], [1], 19, "the retry after a silent receiver")
+    me.idle()
+
+
 CASES = {
     "late receiver": (late_sender, late_receiver),
     "idle receiver": (idle_sender, idle_receiver),
@@ -241,6 +298,8 @@ CASES = {
     "acknowledgement too late": (doubt_sender, doubt_receiver),
     "another spec": (spec_sender, spec_receiver),
     "impossible headers": (lying_sender, lying_receiver),
+    "sender silent after go": (silent_sender, receiver_of_silent),
+    "receiver silent after go": (sender_to_silent, silent_receiver),
 }
 
 

@@ -126,30 +126,38 @@ def idle_receiver(me: Side) -> None:
     me.idle()
 
 
-ROOM_X, ROOM_Y = ["x1", "x2"], ["y1", "y2", "y3", "y4", "y5"]
+ROOM_X, ROOM_Y = ["x1", "x2", "x3", "x4"], ["y1", "y2", "y3"]
 
 
 def room_sender(me: Side) -> None:
     assert me.xfer.send() == [], "nothing staged"
-    me.stage(ROOM_X, [1, 2], 12)
-    assert me.xfer.send() == ROOM_X
-    me.stage(ROOM_Y, [3, 4, 5, 6, 7], 13)  # 5 states: the receiver has room for 4
-    _fails(me.xfer.send, "a batch the receiver has no room for")
-    me.holds(ROOM_Y, "a refused batch delivered something")
+    me.stage(ROOM_X, [1, 2, 3, 4], 12)
+    assert me.xfer.send() == ROOM_X  # the receiver keeps them: 2 of its 6 host slots left
+    me.stage(ROOM_Y, [5, 6, 7], 13)
+    # Refused (room for 2), cut to 2 and sent at once, then the last one refused (room 0): the two delivered.
+    assert me.xfer.send() == ROOM_Y[:2], "a batch cut to the receiver's room"
+    me.holds(ROOM_Y[2:], "a refused state was delivered")
+    exc = _fails(me.xfer.send, "a batch the receiver has no room for", "room")
+    assert getattr(exc, "room", None) == 0, repr(exc)
+    me.holds(ROOM_Y[2:], "a refused state was delivered")
     dist.barrier()
-    assert me.xfer.send() == ROOM_Y, "the retry once the receiver has room"
+    assert me.xfer.send() == ROOM_Y[2:], "the retry once the receiver has room"
     me.idle()
 
 
 def room_receiver(me: Side) -> None:
-    assert me.xfer.receive() == ROOM_X  # kept in staging: 4 host slots left
-    _fails(me.xfer.receive, "a batch larger than the free host slots")
+    assert me.xfer.receive() == ROOM_X  # kept in staging: 2 host slots left
+    _fails(me.xfer.receive, "a batch larger than the free host slots", "room")
+    assert me.xfer.receive() == ROOM_Y[:2]
+    for _ in range(2):  # the rest of the first send, then the second send: no room
+        _fails(me.xfer.receive, "a batch when no host slot is free", "room")
     host = me.mgr.host_pool
-    assert host is not None and host.num_held == 2, "a refused batch took host slots"
-    me.imports(ROOM_X, [1, 2], [1, 2], 12, "the batch before the refused one")
+    assert host is not None and host.num_held == 6, "a refused batch took host slots"
+    me.imports(ROOM_X, [1, 2, 3, 4], [1, 2, 3, 4], 12, "the batch before the refused one")
+    me.imports(ROOM_Y[:2], [5, 6], [5, 6], 13, "the batch cut to the room")
     dist.barrier()
-    assert me.xfer.receive() == ROOM_Y
-    me.imports(ROOM_Y, [3, 4, 5, 6, 7], [3, 4, 5, 6, 7], 13, "the refused batch, retried")
+    assert me.xfer.receive() == ROOM_Y[2:]
+    me.imports(ROOM_Y[2:], [7], [7], 13, "the refused state, retried")
     me.idle()
 
 

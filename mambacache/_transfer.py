@@ -26,7 +26,14 @@ import anyio
 import torch
 
 from . import _tracing
-from ._errors import DistributedError, InvalidArgumentError, PoolExhaustedError, TransferError, TransferRefusedError
+from ._errors import (
+    DistributedError,
+    InvalidArgumentError,
+    MambaCacheError,
+    PoolExhaustedError,
+    TransferError,
+    TransferRefusedError,
+)
 from ._events import Export
 from ._link import Inbox, Outbox, check_timeout, fingerprint
 from ._manager import CacheManager
@@ -334,7 +341,14 @@ class StateTransfer:
             except BaseException as exc:
                 self.acknowledge(ids, landed=False, why=str(exc))
                 raise
-            write_staging(self._mgr, slots, rows)
+            try:
+                write_staging(self._mgr, slots, rows)
+            except BaseException as exc:  # landed but not written: given up here, and the sender keeps them
+                for r in ids:
+                    with contextlib.suppress(MambaCacheError):
+                        self._mgr.discard_arrived(r)
+                self.acknowledge(ids, landed=False, why=f"writing the states failed: {exc}")
+                raise
             _tracing.tracer.transfer(
                 "transfer.receive",
                 self.peer,

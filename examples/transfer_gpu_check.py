@@ -29,10 +29,10 @@ tensors over NCCL). Per size n (slots of the small bench preset, 1 MiB each):
    wire the transfer uses today.
 
 Rounds alternate the paths; it prints medians and bests and the ratios. Last,
-with two GPUs, it makes an NCCL-only group and expects ``send()`` to fail
-(host tensors over NCCL) with an error on both sides within the timeout, not a
-hang and not wrong bytes; it prints the error. If that ever succeeds with exact
-bytes it says so (update docs/transfer.md); with wrong bytes it exits 1.
+with two GPUs, it makes an NCCL-only group and expects the hand-off to work
+with exact bytes (since issue #32 the transfer agrees on each batch through the
+group's store and moves the bytes over a gloo pair of its own, never the
+group's backend); a failure or wrong bytes exits 1.
 Exit status: 0 all as expected, 1 a mismatch or an unexpected outcome, 2 no CUDA
 (without ``--cpu``).
 """
@@ -158,7 +158,8 @@ def check(pool: mc.StatePool, sent: mc.StatePool, src: list[int], dst: list[int]
 
 
 def nccl_only(rank: int, device: torch.device) -> str:
-    """The transfer over an NCCL-only group: expected to fail on both sides (host tensors), within the timeout."""
+    """The transfer over an NCCL-only group: expected to work (control through the group's store, bytes over the
+    transfer's own gloo pair of host tensors), with exact bytes."""
     group = dist.new_group([0, 1], backend="nccl", timeout=timedelta(seconds=TIMEOUT))
     pool, host = mc.StatePool(SPEC, 2, device=device), mc.HostPool(SPEC, 2)
     fill(pool, 100 + rank)
@@ -180,9 +181,9 @@ def nccl_only(rank: int, device: torch.device) -> str:
                 check(pool, sent, [1], [2], 1)
         except SystemExit:
             raise
-        except Exception as exc:  # the expected outcome today
-            return f"failed as expected after {time.monotonic() - t0:.1f} s: {type(exc).__name__}: {exc}"[:300]
-    return "SUCCEEDED with exact bytes: the NCCL-only path works now; update docs/transfer.md"
+        except Exception as exc:  # not expected since issue #32: the transfer never uses the group's backend
+            raise SystemExit(f"FAILED over an NCCL-only group: {type(exc).__name__}: {exc}"[:300]) from exc
+    return f"works with exact bytes in {time.monotonic() - t0:.1f} s (store control, own gloo pair)"
 
 
 def sync(device: torch.device) -> None:

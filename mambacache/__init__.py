@@ -21,6 +21,7 @@ from ._errors import SlotStateError as SlotStateError
 from ._errors import StaleHitError as StaleHitError
 from ._errors import TraceError as TraceError
 from ._errors import TransferError as TransferError
+from ._errors import TransferRefusedError as TransferRefusedError
 from ._errors import UnknownExecutorError as UnknownExecutorError
 from ._errors import UnsupportedDtypeError as UnsupportedDtypeError
 from ._events import Alloc as Alloc
@@ -110,6 +111,7 @@ __all__ = [
     "StepReport",
     "TraceError",
     "TransferError",
+    "TransferRefusedError",
     "UnknownExecutorError",
     "UnsupportedDtypeError",
     "known_executors",

@@ -76,6 +76,23 @@ class TransferError(DistributedError):
         self.request_ids = list(request_ids or [])
 
 
+class TransferRefusedError(TransferError):
+    """The receiving side refused a batch before landing any of it; the sender keeps every state (send again).
+
+    ``reason``: ``"room"`` (not enough free host slots there now: retry once it
+    imported or discarded some), ``"spec"`` (the two sides' states differ in
+    layers, shapes or dtypes: never retried to success) or ``"header"`` (an
+    impossible or malformed batch). ``room``: with ``"room"``, how many states
+    the receiver could take when it refused (a sender splits the batch to that).
+    """
+
+    def __init__(
+        self, message: str, request_ids: list[str] | None = None, reason: str = "", room: int | None = None
+    ) -> None:
+        super().__init__(message, request_ids)
+        self.reason, self.room = reason, room
+
+
 class SlotLeakError(MambaCacheError, RuntimeError):
     """Slots are still held where none should be (``CacheManager.check_idle``).
 

@@ -24,19 +24,22 @@ itself a layout, re-sliced ``b / a`` or ``a / b`` ways).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from . import _tracing
-from ._errors import DistributedError, InvalidArgumentError, TransferError
+from ._errors import DistributedError, InvalidArgumentError, PoolExhaustedError, TransferError
 from ._events import Export
+from ._link import check_timeout
 from ._manager import CacheManager
 from ._spec import StateSpec
-from ._transfer import StateTransfer, send_exports, staged_event, write_staging
+from ._transfer import Batches, StateTransfer, send_exports, staged_event, write_staging
 
 __all__ = ["ReslicingReceiver", "ReslicingSender", "Segment", "StateLayout", "TensorLayout"]
 
@@ -234,13 +237,25 @@ class ReslicingReceiver:
 
         Each is then read by ``manager.import_into(slot, request_id=...)``.
         """
-        got = [x.receive_rows(self._shapes) for x in self._transfers]
-        ids = got[0][0]
-        for k, (other, _) in enumerate(got[1:], 1):
-            if other != ids:
-                raise TransferError(f"peer rank 0 sent {ids}, rank {k} sent {other}: not one batch", ids)
-        full = self._layout.gather([rows for _, rows in got], dim=2)
-        slots = self._mgr.land(ids)
+        got: list[tuple[list[str], list[torch.Tensor]]] = []
+        try:
+            for x in self._transfers:
+                got.append(x.receive_rows(self._shapes))
+            ids = got[0][0]
+            for k, (other, _) in enumerate(got[1:], 1):
+                if other != ids:
+                    raise TransferError(f"peer rank 0 sent {ids}, rank {k} sent {other}: not one batch", ids)
+            full = self._layout.gather([rows for _, rows in got], dim=2)
+            slots = self._mgr.land(ids)
+        except BaseException as exc:
+            # Every rank that sent its shard hears that nothing landed: it keeps its slots and sends again.
+            host = self._mgr.host_pool
+            room = host.num_free if host is not None else 0
+            why = f"room:{room}:{exc}" if isinstance(exc, PoolExhaustedError) else str(exc)
+            for x, (shard_ids, _) in zip(self._transfers, got, strict=False):
+                with contextlib.suppress(TransferError):
+                    x.acknowledge(shard_ids, landed=False, why=why)
+            raise
         write_staging(self._mgr, slots, full)
         peers = [x.peer for x in self._transfers]  # the line names the first; `peers` lists every shard's rank
         _tracing.tracer.transfer("transfer.receive", peers[0], ids, step=self._mgr.step, n=len(ids), hosts=slots,
@@ -281,9 +296,9 @@ class ReslicingSender:
         members, me = dist.get_process_group_ranks(group), dist.get_rank()
         if any(type(p) is not int or p == me or p not in members for p in peers) or len(set(peers)) != len(peers):
             raise InvalidArgumentError(f"peers must be distinct other ranks of the group, got {list(peers)!r}")
-        if not timeout > 0:
-            raise InvalidArgumentError(f"timeout must be positive seconds, got {timeout!r}")
+        check_timeout(timeout)
         self._mgr, self._layout = manager, layout
+        self._batches = Batches()
         self.peers = list(peers)
         self._transfers = [StateTransfer(manager, group, p, timeout=timeout) for p in peers]
 
@@ -291,15 +306,16 @@ class ReslicingSender:
         """Ship every export whose flush has run, rank ``k`` its shard ``k``; once all acknowledged, free the slots.
 
         Returns the request ids delivered (none: nothing was sent). Every rank is
-        sent its batch before any acknowledgement is awaited, and every rank that
-        took its batch is heard out even when another failed, so no rank is left
-        with an unread acknowledgement. A failure returns the exports to the
-        manager (send again, or release: :meth:`StateTransfer.send`'s rules).
+        sent its batch even when another failed; a failure returns the exports to
+        the manager (send again, or release: :meth:`StateTransfer.send`'s rules),
+        and the retry carries the same batch number, so a rank that landed it
+        already acknowledges it again without landing it twice.
         """
-        return send_exports(self._mgr, self._ship, self.peers)
+        return send_exports(self._mgr, self._ship, self.peers, self._batches)
 
-    def _ship(self, ready: list[Export], ids: list[str]) -> None:
-        """Each rank its shard of every staged state, all posted before any wait; raises unless all acknowledged."""
+    def _ship(self, ready: list[Export], ids: list[str], seq: int) -> None:
+        """Each rank its shard of every staged state as batch ``seq``, all ranks at once; raises unless all
+        acknowledged (a rank that acknowledged before acknowledges a retry of ``seq`` again, landing nothing)."""
         mgr, tp = self._mgr, len(self.peers)
         staged = staged_event(mgr)
         if staged is not None:
@@ -308,18 +324,20 @@ class ReslicingSender:
         host = mgr.host_pool
         assert host is not None  # checked at construction
         full = [t.index_select(1, hosts) for t in host.tensors]
+        shards = [[s.contiguous() for s in self._layout.slice(full, tp, k)] for k in range(tp)]
+        # One thread per rank: each waits for its rank's decision and acknowledgement on its own store client,
+        # so a dead rank costs one timeout, not one per rank after it.
+        with ThreadPoolExecutor(tp) as threads:
+            outcomes = [
+                threads.submit(x.send_rows, ids, rows, seq) for x, rows in zip(self._transfers, shards, strict=True)
+            ]
         failed: list[tuple[int, TransferError]] = []
-        waits = []
-        for k, x in enumerate(self._transfers):
-            try:
-                waits.append((x.peer, x.post_rows(ids, [s.contiguous() for s in self._layout.slice(full, tp, k)])))
-            except TransferError as exc:
+        for x, outcome in zip(self._transfers, outcomes, strict=True):
+            exc = outcome.exception()
+            if isinstance(exc, TransferError):
                 failed.append((x.peer, exc))
-        for peer, wait in waits:
-            try:
-                wait()
-            except TransferError as exc:
-                failed.append((peer, exc))
+            elif exc is not None:
+                raise exc
         for peer, err in failed:
             _tracing.tracer.transfer("transfer.failed", peer, ids, call="send", error=str(err))
         if failed:

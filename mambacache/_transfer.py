@@ -1,70 +1,60 @@
 """StateTransfer: exported slot states to a peer engine, imported ones from it, over torch.distributed (issue #20).
 
-One batch per call, point to point: a header (a magic number, the count, the
-length of the ids), the request ids (UTF-8 JSON: no pickling), then one message
-per pool tensor holding every exported slot's rows, gathered from the staging
-host slots; the receiver answers with one acknowledgement. The rows are
-gathered into buffers kept across batches (grown to the largest batch seen),
-and received into such buffers, then copied into staging; the messages of a
-batch are posted together (``batch_isend_irecv``) and waited on together. A
-batch is bounded by ``timeout`` (the receiver's wait for the header by one
-more): a dead or silent peer is a :class:`TransferError` on both sides, never
-a hang. See ``docs/transfer.md``.
-
-Wire, per batch (sender -> receiver unless marked)::
-
-    int64[3]   MAGIC, n, len(ids)
-    uint8[..]  JSON list of the n request ids
-    uint8[..]  per pool tensor: its [layers, n, *state] rows as bytes
-    int64[2]   <- ACK, n
+One batch per call, point to point, in two planes (``_link.py``): the batch is
+agreed on through the process group's key-value store (a header naming the
+ids, a fingerprint of the states' layout and the byte sizes; the receiver's
+decision: take it, re-acknowledge a batch it landed already, or refuse it for
+room, spec or an impossible size; after the bytes, its acknowledgement), and
+the bytes go over a two-rank gloo group of the two peers alone, one message per
+pool tensor holding every state's rows, replaced after any failure. Why: gloo
+closes a pair on any timeout, so on the group itself one late peer would break
+every later batch; here a failed batch is retried to success on the same
+transfer. Every wait is bounded by ``timeout``; every failure is a
+:class:`TransferError`. See ``docs/transfer.md``.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import math
-import time
+import threading
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import anyio
 import torch
 
 from . import _tracing
-from ._errors import DistributedError, InvalidArgumentError, TransferError
+from ._errors import (
+    DistributedError,
+    InvalidArgumentError,
+    MambaCacheError,
+    PoolExhaustedError,
+    TransferError,
+    TransferRefusedError,
+)
 from ._events import Export
+from ._link import Inbox, Outbox, check_timeout, fingerprint
 from ._manager import CacheManager
 
 __all__ = ["StateTransfer"]
 
-MAGIC, ACK = 0x6D63_7846, 0x6D63_7841
-
-
-def _as_bytes(data: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)  # a copy: frombuffer wants a writable buffer
+Shapes = list[tuple[tuple[int, ...], torch.dtype]]
 
 
 class _Buffers:
     """A transfer's message buffers, kept across batches: a batch's rows are contiguous prefixes of them.
 
     Invariant: nothing here is allocated in a batch no larger than one seen
-    before. After a failed batch the transfer drops the whole set, since a
-    message of it may still be in flight: the next batch never writes under it.
+    before. After a failed batch the transfer drops the whole set (its pair is
+    dropped too, so no message of it can still write into them, but a fresh set
+    costs nothing next to a failure).
     """
 
     def __init__(self) -> None:
-        self.header = torch.zeros(3, dtype=torch.int64)
-        self._ids = torch.zeros(0, dtype=torch.uint8)
         self._flat: list[torch.Tensor] = []
 
-    def id_bytes(self, size: int) -> torch.Tensor:
-        """``size`` bytes for the request ids."""
-        if self._ids.numel() < size:
-            self._ids = torch.zeros(size, dtype=torch.uint8)
-        return self._ids[:size]
-
-    def rows(self, layers: int, n: int, shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    def rows(self, layers: int, n: int, shapes: Shapes) -> list[torch.Tensor]:
         """One ``[layers, n, *shape]`` view per ``(shape, dtype)``, each buffer grown to fit if it is too small."""
         if len(self._flat) != len(shapes):
             self._flat = [torch.zeros(0, dtype=dtype) for _, dtype in shapes]
@@ -105,34 +95,86 @@ def write_staging(manager: CacheManager, slots: list[int], rows: list[torch.Tens
             t.index_copy_(1, index, buf)
 
 
+class Batches:
+    """A sender's batch numbers and its batch in doubt.
+
+    Invariant: a batch that failed after the peer may have landed it (no
+    acknowledgement seen) is the next one sent, with the same number and no
+    other export in it, so the peer re-acknowledges it instead of landing it
+    twice; exports withdrawn meanwhile leave it, and once none is left the
+    doubt is gone.
+    """
+
+    __slots__ = ("doubt", "limit", "seq")
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.doubt: list[Export] = []
+        self.limit: int | None = None  # the room the peer last had when it refused a batch for room
+
+    def pick(self, ready: list[Export]) -> tuple[list[Export], int]:
+        """The batch to send out of ``ready`` (the first ``limit`` of them after a refusal for room), with its
+        number."""
+        if self.doubt:
+            batch = [ev for ev in ready if ev in self.doubt]
+            if batch:
+                return batch, self.seq
+            self.doubt = []
+        self.seq += 1
+        return ready[: self.limit] if self.limit else ready, self.seq
+
+
 def send_exports(
     manager: CacheManager,
-    ship: Callable[[list[Export], list[str]], None],
+    ship: Callable[[list[Export], list[str], int], None],
     peers: list[int],
+    batches: Batches,
     sizes: Callable[[int], dict[str, Any]] = lambda n: {},
 ) -> list[str]:
-    """The sender's side of an export's life around ``ship`` (the wire, which raises unless every peer acknowledged):
-    take the exports whose flush has run, ship them, then deliver them (slots released, staging dropped), or on any
-    failure give them back to the manager (retry, or release, which withdraws them). Returns the ids delivered.
+    """The sender's side of an export's life around ``ship`` (the wire, which raises unless every peer acknowledged
+    batch ``seq``): take the exports ready for ``peers[0]``, ship them, then deliver them (slots released, staging
+    dropped), or on any failure give them back to the manager (retry, or release, which withdraws them). A batch in
+    doubt (:class:`Batches`) goes alone first, then the rest in a batch of its own; a batch refused for room goes
+    again at once cut to the room the peer has (none: the refusal is raised). Returns the ids delivered; raises
+    only when none was (a failure after a part of the call's exports went out returns that part).
 
     One protocol for :class:`StateTransfer` and :class:`~mambacache._reslice.ReslicingSender`; ``sizes(n)``: the
     extra fields of each peer's ``transfer.send`` line.
     """
-    ready = manager.take_exports()
-    if not ready:
-        return []
-    ids = [ev.request_id or "" for ev in ready]
-    try:
-        if manager.unfinished:
-            raise TransferError("the flush that ran the exports left work unfinished: flush again first", [])
-        ship(ready, ids)
-    except BaseException:
-        manager.exports_returned(ready)
-        raise
-    for peer in peers:
-        _tracing.tracer.transfer("transfer.send", peer, ids, step=manager.step, n=len(ids), **sizes(len(ids)))
-    manager.exports_delivered(ready)
-    return ids
+    delivered: list[str] = []
+    while True:
+        ready = manager.take_exports(to=peers[0])
+        if not ready:
+            return delivered
+        batch, seq = batches.pick(ready)
+        rest = [ev for ev in ready if ev not in batch]
+        if rest:
+            manager.exports_returned(rest)  # taken again below, once the batch in doubt is settled
+        ids = [ev.request_id or "" for ev in batch]
+        try:
+            ship(batch, ids, seq)
+        except TransferRefusedError as exc:  # nothing landed: not in doubt
+            batches.doubt = []
+            manager.exports_returned(batch)
+            if exc.reason == "room" and exc.room and exc.room < len(batch):
+                batches.limit = exc.room  # a batch the peer has room for, at once
+                continue
+            if delivered:
+                return delivered  # what went out is the caller's news; the rest fails again on the next call
+            raise
+        except BaseException:
+            batches.doubt = batch
+            manager.exports_returned(batch)
+            if delivered:
+                return delivered
+            raise
+        batches.doubt, batches.limit = [], None
+        for peer in peers:
+            _tracing.tracer.transfer("transfer.send", peer, ids, step=manager.step, n=len(ids), **sizes(len(ids)))
+        manager.exports_delivered(batch)
+        delivered += ids
+        if not rest:
+            return delivered
 
 
 class StateTransfer:
@@ -140,14 +182,34 @@ class StateTransfer:
 
     Invariants: a send ships exactly the exports whose flush has run, in export
     order, and releases their pool and staging slots only after the peer's
-    acknowledgement (a failed send keeps them all: call :meth:`send` again, or
-    release); a receive lands every state of a batch or none (a failure gives
-    its staging slots back) and acknowledges only what landed.
+    acknowledgement (a failed send keeps them all: call :meth:`send` again once
+    the peer can take them, or release); a batch that may have landed is sent
+    again under its own number, and the peer acknowledges it without landing it
+    twice; a receive lands every state of a batch or none and acknowledges only
+    what landed. Nothing of one batch outlives its failure: the next batch goes
+    over a fresh gloo pair.
 
-    Not thread-safe: use it from the task or thread that schedules steps.
+    ``send`` and ``receive`` may run in two threads at once (each direction has
+    its own store client and pair); two sends, or two receives, take turns.
+    ``store`` and ``rank``: for a process outside the group's world (one that
+    joins later, a restarted engine), a client of the group's store and the rank
+    its peer knows it by; ``group`` is then None.
     """
 
-    def __init__(self, manager: CacheManager, group: Any, peer: int, *, timeout: float = 60.0) -> None:
+    # What a stand-in built without __init__ (a test that replaces the wire) gets: no turn-taking.
+    _send_lock: Any = contextlib.nullcontext()
+    _receive_lock: Any = contextlib.nullcontext()
+
+    def __init__(
+        self,
+        manager: CacheManager,
+        group: Any,
+        peer: int,
+        *,
+        timeout: float = 60.0,
+        store: Any = None,
+        rank: int | None = None,
+    ) -> None:
         import torch.distributed as dist
 
         if not isinstance(manager, CacheManager):
@@ -156,53 +218,29 @@ class StateTransfer:
             raise InvalidArgumentError(
                 "a transfer stages in the manager's host pool: CacheManager(pool, host_pool=...)"
             )
-        if not dist.is_initialized():
-            raise DistributedError("torch.distributed is not initialized: call init_process_group first")
-        if type(peer) is not int or peer == dist.get_rank() or peer not in dist.get_process_group_ranks(group):
-            raise InvalidArgumentError(f"peer must be another rank of the group, got {peer!r}")
-        if not timeout > 0:
-            raise InvalidArgumentError(f"timeout must be positive seconds, got {timeout!r}")
-        self._dist, self._mgr, self._group, self.peer = dist, manager, group, peer
-        self._timeout = timedelta(seconds=timeout)
-        self._bufs = _Buffers()
+        seconds = check_timeout(timeout)
+        if store is None:
+            if not dist.is_initialized():
+                raise DistributedError("torch.distributed is not initialized: call init_process_group first")
+            members = dist.get_process_group_ranks(group)
+            if type(peer) is not int or peer == dist.get_rank() or peer not in members:
+                raise InvalidArgumentError(f"peer must be another rank of the group, got {peer!r}")
+            rank, store = dist.get_rank(), dist.distributed_c10d._get_default_store()
+        elif group is not None or type(rank) is not int or type(peer) is not int or peer == rank or min(rank, peer) < 0:
+            raise InvalidArgumentError("with a store: group=None, and rank and peer two distinct ranks (ints >= 0)")
+        self._mgr, self.peer, self.rank = manager, peer, rank
+        self._out, self._in = Outbox(store, rank, peer, seconds), Inbox(store, peer, rank, seconds)
+        self._batches = Batches()
+        self._bufs, self._send_bufs = _Buffers(), _Buffers()
+        self._send_lock, self._receive_lock = threading.Lock(), threading.Lock()
 
-    # -- the wire ------------------------------------------------------------
-    def _wait(self, work: Any, what: str, ids: list[str], seconds: float | None = None) -> None:
-        left = self._timeout if seconds is None else timedelta(seconds=max(seconds, 1e-3))  # 0 means "no limit"
-        try:
-            work.wait(left)
-        except Exception as exc:  # gloo reports a dead peer and a timeout as RuntimeError
-            raise TransferError(
-                f"{what} with rank {self.peer} failed or timed out after {self._timeout.total_seconds():g}s: {exc}",
-                ids,
-            ) from exc
+    def _layers(self) -> int:
+        return self._mgr.pool.spec.num_layers
 
-    def _post(self, ops: list[tuple[bool, torch.Tensor, str]], ids: list[str]) -> list[tuple[Any, str]]:
-        """Post ``(send?, tensor, what)`` messages together; each of their works with what it carries."""
-        dist = self._dist
-        p2p = [dist.P2POp(dist.isend if out else dist.irecv, t, self.peer, self._group) for out, t, _ in ops]
-        try:
-            works = dist.batch_isend_irecv(p2p)
-        except Exception as exc:  # a peer known dead already fails the post
-            raise TransferError(f"posting {ops[0][2]} to rank {self.peer} failed: {exc}", ids) from exc
-        return list(zip(works, [what for *_, what in ops], strict=True))
-
-    def _wait_all(self, works: list[tuple[Any, str]], ids: list[str], start: float) -> None:
-        """Wait for ``works`` in order, all within one timeout from ``start`` (a ``time.monotonic()``)."""
-        limit = self._timeout.total_seconds()
-        for work, what in works:
-            self._wait(work, what, ids, limit - (time.monotonic() - start))
-
-    def _host_tensors(self) -> list[torch.Tensor]:
+    def _shapes(self) -> Shapes:
         host = self._mgr.host_pool
         assert host is not None
-        return host.tensors
-
-    def _shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        return [(tuple(t.shape[2:]), t.dtype) for t in self._host_tensors()]
-
-    def _staged(self) -> Any:
-        return staged_event(self._mgr)
+        return [(tuple(t.shape[2:]), t.dtype) for t in host.tensors]
 
     # -- sending -------------------------------------------------------------
     @_tracing.traces_failures
@@ -210,126 +248,146 @@ class StateTransfer:
         """Ship every export whose flush has run, wait for the acknowledgement, then free their slots.
 
         Returns the request ids delivered (none: nothing was sent). Exports queued
-        since the last flush wait for the next send. With pools on an
+        since the last flush wait for the next send. A failure keeps every
+        export: :class:`TransferRefusedError` when the peer refused the batch
+        (``reason`` ``"room"``: send again once it has room), :class:`TransferError`
+        otherwise (send again once the peer is there). With pools on an
         accelerator, the staging copies are waited for through an event recorded
         on the pool device's current stream (where ``flush_nowait()`` runs them:
         after a flush on another stream, send with that stream current), not a
         device synchronize.
         """
         mgr = self._mgr
-        return send_exports(mgr, self._ship, [self.peer], lambda n: {"bytes": n * mgr.pool.spec.slot_bytes})
+        with self._send_lock:
+            return send_exports(
+                mgr, self._ship, [self.peer], self._batches, lambda n: {"bytes": n * mgr.pool.spec.slot_bytes}
+            )
 
-    def _ship(self, ready: list[Export], ids: list[str]) -> None:
-        """One batch on the wire, gathered into the kept buffers, and its acknowledgement."""
-        staged = self._staged()
+    def _ship(self, ready: list[Export], ids: list[str], seq: int) -> None:
+        """One batch, gathered from the staging rows into the kept buffers, until acknowledged."""
+        staged = staged_event(self._mgr)
         try:
             if staged is not None:
                 staged.synchronize()  # the rows are gathered from the staging slots: their bytes must be final
             hosts = torch.tensor([ev.host for ev in ready], dtype=torch.long)
-            rows = self._bufs.rows(self._mgr.pool.spec.num_layers, len(ids), self._shapes())
-            for t, out in zip(self._host_tensors(), rows, strict=True):
+            host = self._mgr.host_pool
+            assert host is not None
+            rows = self._send_bufs.rows(self._layers(), len(ids), self._shapes())
+            for t, out in zip(host.tensors, rows, strict=True):
                 torch.index_select(t, 1, hosts, out=out)
-            self.post_rows(ids, rows)()
+            self.send_rows(ids, rows, seq)
         except BaseException:
-            self._bufs = _Buffers()  # a message may still be in flight from these: never write under it
+            self._send_bufs = _Buffers()
             raise
 
-    def post_rows(self, request_ids: list[str], rows: list[torch.Tensor]) -> Callable[[], None]:
-        """Post one batch of the given ``[layers, n, *state]`` rows (one per pool tensor, the wire's order) for
-        ``request_ids``, with the receive of its acknowledgement; returns the wait for all of it.
+    def send_rows(self, request_ids: list[str], rows: list[torch.Tensor], seq: int) -> None:
+        """Send one batch of the given ``[layers, n, *state]`` rows (one per pool tensor, the wire's order) for
+        ``request_ids`` as batch ``seq`` of this transfer, and wait for its acknowledgement.
 
         The sending side of :meth:`receive_rows` and :meth:`acknowledge`, for a
         sender that reshapes what it sends (a peer at another tensor-parallel
-        size: ``docs/transfer-tp.md``); the manager's slots are not touched. The
-        wait raises :class:`TransferError` unless everything went out and the peer
-        acknowledged ``len(request_ids)`` states within the timeout, counted from
-        the post. ``rows`` must stay unchanged until the wait returns.
+        size: ``docs/transfer-tp.md``); the manager's slots are not touched. A
+        retry of a batch that may have landed must reuse its ``seq`` (the peer
+        then acknowledges without landing it again); a new batch takes a larger
+        one. Raises :class:`TransferRefusedError` (refused, nothing landed) or
+        :class:`TransferError` (failed: it may have landed) unless the peer
+        acknowledged ``len(request_ids)`` states.
         """
-        start = time.monotonic()
-        names = json.dumps(request_ids).encode()
-        header = torch.tensor([MAGIC, len(request_ids), len(names)], dtype=torch.int64)
-        ack = torch.zeros(2, dtype=torch.int64)
-        ops = [(True, header, "the header"), (True, _as_bytes(names), "the request ids")]
-        ops += [(True, r.reshape(-1).view(torch.uint8), "a state tensor") for r in rows]
-        works = self._post([*ops, (False, ack, "the acknowledgement")], request_ids)
-
-        def wait() -> None:
-            self._wait_all(works, request_ids, start)
-            del ops[:]  # the messages are out: their tensors may go
-            if ack.tolist() != [ACK, len(request_ids)]:
-                raise TransferError(
-                    f"rank {self.peer} acknowledged {ack.tolist()}, not {len(request_ids)} states", request_ids
-                )
-
-        return wait
+        layers = rows[0].shape[0] if rows else 0
+        fp = fingerprint(layers, [(tuple(r.shape[2:]), r.dtype) for r in rows])
+        self._out.send(list(request_ids), seq, fp, rows)
 
     # -- receiving -----------------------------------------------------------
     @_tracing.traces_failures
     def receive(self) -> list[str]:
         """Land one batch of the peer's exports in staging host slots and acknowledge it; returns their ids.
 
-        Each is then read by ``manager.import_into(slot, request_id=...)``.
+        Each is then read by ``manager.import_into(slot, request_id=...)``. Waits
+        up to ``timeout`` for a batch (none: :class:`TransferError`, and the next
+        call waits again), then up to ``timeout`` for its bytes. A batch larger
+        than the free host slots, of another spec or of an impossible size is
+        refused before anything is allocated (:class:`TransferRefusedError`, the
+        sender keeps it); a batch landed already (its acknowledgement was lost) is
+        acknowledged again and not landed twice.
         """
-        try:
-            ids, rows = self._receive(self._shapes(), self._bufs)
-        except BaseException:
-            self._bufs = _Buffers()  # as in send: a receive may still be posted into these
-            raise
-        slots = self._mgr.land(ids)
-        write_staging(self._mgr, slots, rows)
-        _tracing.tracer.transfer(
-            "transfer.receive",
-            self.peer,
-            ids,
-            step=self._mgr.step,
-            n=len(ids),
-            hosts=slots,
-            bytes=sum(b.nbytes for b in rows),
-        )
-        self._acknowledge(ids)
-        return ids
+        with self._receive_lock:
+            try:
+                ids, rows = self._receive(self._shapes(), self._bufs)
+            except BaseException:
+                self._bufs = _Buffers()
+                raise
+            try:
+                slots = self._mgr.land(ids)
+            except PoolExhaustedError as exc:  # room went elsewhere since the header was judged
+                host = self._mgr.host_pool
+                self.acknowledge(ids, landed=False, why=f"room:{host.num_free if host else 0}:{exc}")
+                raise TransferRefusedError(f"refused a batch from rank {self.peer}: {exc}", ids, "room") from exc
+            except BaseException as exc:
+                self.acknowledge(ids, landed=False, why=str(exc))
+                raise
+            try:
+                write_staging(self._mgr, slots, rows)
+            except BaseException as exc:  # landed but not written: given up here, and the sender keeps them
+                for r in ids:
+                    with contextlib.suppress(MambaCacheError):
+                        self._mgr.discard_arrived(r)
+                self.acknowledge(ids, landed=False, why=f"writing the states failed: {exc}")
+                raise
+            _tracing.tracer.transfer(
+                "transfer.receive",
+                self.peer,
+                ids,
+                step=self._mgr.step,
+                n=len(ids),
+                hosts=slots,
+                bytes=sum(b.nbytes for b in rows),
+            )
+            self._acknowledge(ids)
+            return ids
 
     @_tracing.traces_failures
-    def receive_rows(
-        self, shapes: list[tuple[tuple[int, ...], torch.dtype]] | None = None
-    ) -> tuple[list[str], list[torch.Tensor]]:
+    def receive_rows(self, shapes: Shapes | None = None) -> tuple[list[str], list[torch.Tensor]]:
         """One batch of the peer's exports as ``[layers, n, *state]`` tensors, landed nowhere and not acknowledged.
 
         The hook for a receiver that reshapes what arrives before it lands (a
         peer at another tensor-parallel size: ``docs/transfer-tp.md``).
         ``shapes``: the peer's per-slot ``(shape, dtype)`` of each pool tensor
-        (its ``StateSpec.shapes()``), default this manager's. Call
-        :meth:`acknowledge` once the states are safe. The tensors are the
-        caller's (fresh each call, unlike :meth:`receive`'s kept buffers).
+        (its ``StateSpec.shapes()``), default this manager's. Answer it with
+        :meth:`acknowledge` once the states are safe (or ``landed=False``). The
+        tensors are the caller's (fresh each call, unlike :meth:`receive`'s kept
+        buffers).
         """
         return self._receive(self._shapes() if shapes is None else shapes, _Buffers())
 
-    def _receive(
-        self, shapes: list[tuple[tuple[int, ...], torch.dtype]], bufs: _Buffers
-    ) -> tuple[list[str], list[torch.Tensor]]:
-        """The header (its own timeout: the peer sends when it is ready), then ids and rows posted together."""
-        self._wait(self._dist.irecv(bufs.header, self.peer, group=self._group), "the header", [])
-        start = time.monotonic()
-        magic, n, size = bufs.header.tolist()
-        if magic != MAGIC or n < 1 or size < 2:
-            raise TransferError(f"rank {self.peer} sent {bufs.header.tolist()}, not a transfer header", [])
-        raw = bufs.id_bytes(size)
-        rows = bufs.rows(self._mgr.pool.spec.num_layers, n, shapes)
-        ops = [(False, r.reshape(-1).view(torch.uint8), "a state tensor") for r in rows]
-        self._wait_all(self._post([(False, raw, "the request ids"), *ops], []), [], start)
-        ids = json.loads(bytes(raw.tolist()).decode())
-        if not isinstance(ids, list) or len(ids) != n or not all(isinstance(r, str) for r in ids):
-            raise TransferError(f"rank {self.peer} sent malformed request ids", [])
-        return list(ids), rows
+    def _receive(self, shapes: Shapes, bufs: _Buffers) -> tuple[list[str], list[torch.Tensor]]:
+        """The next batch's ids and rows (in ``bufs``), judged against ``shapes`` and the host pool's free room."""
+        host = self._mgr.host_pool
+        assert host is not None
+        layers = self._layers()
+        batch = self._in.receive(fingerprint(layers, shapes), host.num_free, lambda n: bufs.rows(layers, n, shapes))
+        return batch.ids, batch.rows
 
     @_tracing.traces_failures
-    def acknowledge(self, request_ids: list[str]) -> None:
-        """Tell the peer its batch of ``request_ids`` is safe here: it then releases their slots."""
-        self._acknowledge(request_ids)
+    def acknowledge(self, request_ids: list[str], *, landed: bool = True, why: str = "") -> None:
+        """Answer the batch :meth:`receive_rows` returned: ``landed``, the peer releases its slots; else it keeps
+        them and sees ``why`` (``"room:<k>:<text>"``: a refusal for room, ``k`` the states that could land now).
+
+        :class:`TransferError` when ``request_ids`` are not that batch's (nothing answered).
+        """
+        if landed:
+            self._acknowledge(request_ids)
+            return
+        batch = self._waiting(request_ids)
+        self._in.answer(batch, False, why or "the receiver did not land it")
+
+    def _waiting(self, request_ids: list[str]) -> Any:
+        batch = self._in.waiting
+        if batch is None or list(request_ids) != batch.ids:
+            raise TransferError(f"no batch of {list(request_ids)} awaits an answer", list(request_ids))
+        return batch
 
     def _acknowledge(self, request_ids: list[str]) -> None:  # untraced: receive() traces its own failures once
-        ack = torch.tensor([ACK, len(request_ids)], dtype=torch.int64)
-        self._wait(self._dist.isend(ack, self.peer, group=self._group), "the acknowledgement", request_ids)
+        self._in.answer(self._waiting(request_ids), True)
 
     # -- async forms ---------------------------------------------------------
     async def send_async(self) -> list[str]:

@@ -28,6 +28,7 @@ FOREIGN_PRIVATES = {
     "_aten._to_copy",  # audit: the op behind .to(), to flag a device-to-host copy
     "argparse._SubParsersAction",  # the type of add_subparsers(), for annotations
     "GPUModelRunner._update_states",  # vLLM plugin: the one hook where a step's requests are known
+    "dist.distributed_c10d._get_default_store",  # StateTransfer's control plane: the group's store, no public form
 }
 MAX_CLASS_LINES = 300
 MAX_FUNCTION_LINES = 60

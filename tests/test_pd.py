@@ -242,13 +242,14 @@ class FakeTransfer:
     def __init__(self, ids: list[str], rows: list[torch.Tensor]) -> None:
         self.ids, self.rows = ids, rows
         self.acked: list[list[str]] = []
+        self.refused: list[list[str]] = []
 
     def receive_rows(self, shapes: object) -> tuple[list[str], list[torch.Tensor]]:
         assert shapes == [(tuple(r.shape[2:]), r.dtype) for r in self.rows]
         return list(self.ids), [r.clone() for r in self.rows]
 
-    def acknowledge(self, ids: list[str]) -> None:
-        self.acked.append(ids)
+    def acknowledge(self, ids: list[str], *, landed: bool = True, why: str = "") -> None:
+        (self.acked if landed else self.refused).append(ids)
 
 
 @pytest.mark.parametrize("fault", ["none", "replicated-differs", "ids-differ"])
@@ -269,6 +270,7 @@ def test_reslicing_receiver_lands_whole_states_or_nothing(fault: str) -> None:
             with pytest.raises(mc.TransferError):
                 receiver.receive()
             assert all(f.acked == [] for f in fakes)  # no sender lets go of its slot
+            assert [f.refused for f in fakes] == [[ids[0]], [ids[1]]]  # each hears at once that nothing landed
             assert mgr.host_pool is not None and mgr.host_pool.num_held == 0  # nothing landed
             with pytest.raises(mc.SlotStateError):
                 mgr.import_into(1, "a")

@@ -1,0 +1,255 @@
+"""Runs in spawned processes: a soak of real StateTransfers (issue #32), one prefill engine and one or two decode ones.
+
+Process 0 is the prefill engine: its step loop writes each request's state
+(the oracle: bytes drawn from the request id), exports it to a decode rank and
+flushes with a fault injected at a drawn aten op (a failed flush is repaired
+by the next), while one worker thread per decode rank sends. Each decode rank
+receives in a worker thread (sometimes sleeping past the timeout first, so the
+sender's batch fails and is retried) while its step loop imports, flushes with
+faults, checks every byte against the oracle and releases; its host pool is
+small, so batches are refused for room and retried. In the three-rank run the
+second decode rank exits at a clean point halfway and a new process (not in the
+group's world: it joins through the store) takes its rank and receives the
+rest. Each process writes what it saw to ``out/<name>.json``; the test adds it
+up: every state delivered exactly once, to the rank it was exported to when the
+manager routes (``export(..., to=)``), with its exact bytes; no thread past its
+deadline (no hang).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import random
+import threading
+import time
+import zlib
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import mambacache as mc
+
+from .util import flush_with_fault
+
+TIMEOUT = 1.0
+DEADLINE = 150.0  # seconds: a thread still running after this is a hang
+N, PREFILL_HOST, DECODE_HOST = 10, 8, 3
+
+
+def spec() -> mc.StateSpec:
+    return mc.StateSpec(
+        num_layers=2, conv_shapes=[(4, 3)], temporal_shape=(3, 5), extra_shapes={"scale": ((), torch.bfloat16)}
+    )
+
+
+def oracle(rid: str, pool: mc.StatePool) -> list[torch.Tensor]:
+    """Request ``rid``'s state, one ``[layers, *state]`` tensor per pool tensor: the same in every process."""
+    g = torch.Generator().manual_seed(zlib.crc32(rid.encode()))
+    return [torch.randn(t[:, 0].shape, generator=g).to(t.dtype) for t in pool.tensors]
+
+
+def _faulted_flush(mgr: mc.CacheManager, rng: random.Random) -> None:
+    """A flush with a fault before a drawn op half the time (repaired at once), else a plain one."""
+    flush_with_fault(mgr, rng.randint(1, 40) if rng.random() < 0.5 else 0, MemoryError)
+
+
+def _store(port: int | None) -> Any:
+    from mambacache._link import root_store
+
+    if port is None:
+        return root_store(dist.distributed_c10d._get_default_store())
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+
+
+class _Deadline:
+    def __init__(self) -> None:
+        self.end = time.monotonic() + DEADLINE
+
+    def check(self, what: str) -> None:
+        if time.monotonic() > self.end:
+            raise AssertionError(f"{what}: still running after {DEADLINE:g}s (a hang)")
+
+
+# -- the prefill engine -------------------------------------------------------------------------------------
+def prefill(peers: list[int], per_peer: int, out: str, seed: int, joiner: bool) -> None:
+    rng, deadline = random.Random(seed), _Deadline()
+    pool = mc.StatePool(spec(), N)
+    start = time.monotonic()
+    with mc.CacheManager(pool, host_pool=mc.HostPool(spec(), PREFILL_HOST)) as mgr:
+        xfers = {p: mc.StateTransfer(mgr, dist.group.WORLD, peer=p, timeout=TIMEOUT) for p in peers}
+        lock = threading.Lock()  # the step loop's manager calls vs. the senders' bookkeeping below
+        stats: dict[str, Any] = {"batches": 0, "states": 0, "failed_sends": 0, "refusals": 0, "delivered": {}}
+        done = threading.Event()
+
+        def sender(p: int) -> None:
+            while True:
+                deadline.check(f"sender to {p}")
+                try:
+                    ids = xfers[p].send()
+                except mc.TransferRefusedError:
+                    with lock:
+                        stats["refusals"] += 1
+                    time.sleep(0.05)
+                    continue
+                except mc.TransferError:
+                    with lock:
+                        stats["failed_sends"] += 1
+                    time.sleep(0.01)
+                    continue
+                if ids:
+                    with lock:
+                        stats["batches"] += 1
+                        stats["states"] += len(ids)
+                        for r in ids:
+                            assert r not in stats["delivered"], f"{r} delivered twice"
+                            stats["delivered"][r] = p
+                elif done.is_set():
+                    return
+                else:
+                    time.sleep(0.01)
+
+        threads = [threading.Thread(target=sender, args=(p,), daemon=True) for p in peers]
+        for t in threads:
+            t.start()
+        todo = [(f"r{p}-{i}", p) for i in range(per_peer) for p in peers]
+        exported: dict[str, int] = {}
+        store, extra = _store(None), 0
+        while todo or mgr.held() or (joiner and not store.check(["soak/joiner-ok"])):
+            deadline.check("the prefill step loop")
+            if joiner and not todo and not store.check(["soak/joiner-ok"]) and len(mgr.held()) < 2:
+                todo.append((f"r{peers[-1]}-x{extra}", peers[-1]))  # more work until the joined engine got some
+                extra += 1
+            host = mgr.host_pool
+            assert host is not None
+            if todo and pool.num_free and host.num_free:
+                rid, p = todo.pop(0)
+                (slot,) = mgr.alloc(1, rid, clear=False)
+                _faulted_flush(mgr, rng)
+                for t, want in zip(pool.tensors, oracle(rid, pool), strict=True):
+                    t[:, slot] = want  # the forward over the prompt
+                mgr.export(slot, rid, to=p)
+                exported[rid] = p
+            _faulted_flush(mgr, rng)
+            time.sleep(0.01)
+        done.set()
+        for t in threads:
+            t.join(DEADLINE)
+            assert not t.is_alive(), "a sender hung"
+        mgr.check_idle(host=True)
+    stats["exported"] = exported
+    stats["wall_s"] = time.monotonic() - start
+    _write(out, "prefill", stats)
+
+
+# -- a decode engine ----------------------------------------------------------------------------------------
+def decode(rank: int, out: str, seed: int, *, store_port: int | None = None, stop_after: int = 0) -> None:
+    """Receive and import until the prefill side says it is done; ``stop_after``: exit at a clean point after
+    that many states (a killed engine); ``store_port``: join through the store (not in the group's world)."""
+    rng, wire_rng, deadline = random.Random(seed), random.Random(seed + 1), _Deadline()
+    pool = mc.StatePool(spec(), N)
+    store = _store(store_port)
+    name = f"decode{rank}" + ("-joined" if store_port else "")
+    stats: dict[str, Any] = {"verified": [], "failed_receives": 0, "delays": 0, "rank": rank}
+    with mc.CacheManager(pool, host_pool=mc.HostPool(spec(), DECODE_HOST)) as mgr:
+        if store_port is None:
+            xfer = mc.StateTransfer(mgr, dist.group.WORLD, peer=0, timeout=TIMEOUT)
+        else:
+            xfer = mc.StateTransfer(mgr, None, peer=0, timeout=TIMEOUT, store=store, rank=rank)
+        arrived: queue.Queue[str] = queue.Queue()
+        quit_ = threading.Event()
+
+        def receiver() -> None:
+            while not quit_.is_set():
+                deadline.check(f"receiver {name}")
+                if wire_rng.random() < 0.05:
+                    stats["delays"] += 1
+                    time.sleep(1.5 * TIMEOUT)  # delayed past the sender's timeout
+                try:
+                    ids = xfer.receive()
+                except mc.TransferError:
+                    stats["failed_receives"] += 1
+                    if store.check(["soak/done"]):
+                        return
+                    continue
+                for r in ids:
+                    arrived.put(r)
+
+        thread = threading.Thread(target=receiver, daemon=True)
+        thread.start()
+        while True:
+            deadline.check(f"the step loop of {name}")
+            try:
+                rid = arrived.get(timeout=0.05)
+            except queue.Empty:
+                if not thread.is_alive():
+                    break  # it only ends once the queue can get nothing more
+                continue
+            while not pool.num_free:
+                _faulted_flush(mgr, rng)
+            slot = _free_slot(mgr)
+            mgr.import_into(slot, rid)  # a landing may run in the receiver thread during this flush
+            _faulted_flush(mgr, rng)
+            for got, want in zip(pool.tensors, oracle(rid, pool), strict=True):
+                assert torch.equal(got[:, slot], want), f"{name}: {rid} arrived with other bytes"
+            mgr.release(slot, rid)
+            _faulted_flush(mgr, rng)
+            stats["verified"].append(rid)
+            if store_port is not None and len(stats["verified"]) == 3:
+                store.set("soak/joiner-ok", "1")  # the prefill side may stop producing
+            if stop_after and len(stats["verified"]) >= stop_after:
+                quit_.set()  # a clean point: the receiver ends after its current receive; what it got is checked
+        thread.join(DEADLINE)
+        assert not thread.is_alive(), "the receiver hung"
+        _faulted_flush(mgr, rng)
+        mgr.check_idle(host=True)
+    stats["stopped_early"] = bool(stop_after)
+    _write(out, name, stats)
+
+
+def _free_slot(mgr: mc.CacheManager) -> int:
+    held = mgr.held()
+    return next(s for s in range(1, mgr.pool.num_slots + 1) if s not in held)
+
+
+def _write(out: str, name: str, stats: dict[str, Any]) -> None:
+    with open(os.path.join(out, f"{name}.json"), "w", encoding="utf-8") as f:
+        json.dump(stats, f)
+
+
+def soak_worker(index: int, port: int, decoders: int, per_peer: int, out: str) -> None:
+    """Process ``index``: 0 the prefill, 1..decoders the decode ranks, decoders + 1 (three-rank run) the joiner."""
+    world = decoders + 1
+    if index == world:  # joins later through the store, as decode rank `decoders`
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+        store.wait(["soak/killed"], timedelta(seconds=DEADLINE))
+        decode(decoders, out, 1000 + index, store_port=port)
+        store.add("soak/left", 1)
+        if int(store.add("soak/left", 0)) >= decoders:
+            store.set("soak/finished", "1")
+        return
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=index, world_size=world, timeout=timedelta(seconds=60)
+    )
+    store = _store(None)
+    try:
+        if index == 0:
+            prefill(list(range(1, world)), per_peer, out, 7, decoders == 2)
+            store.set("soak/done", "1")
+            store.wait(["soak/finished"], timedelta(seconds=DEADLINE))  # keeps the store up for the others
+        elif decoders == 2 and index == 2:
+            decode(index, out, 1000 + index, stop_after=per_peer // 3)
+            store.set("soak/killed", "1")
+            os._exit(0)  # the engine is gone; its rank's states go to the process that joins
+        else:
+            decode(index, out, 1000 + index)
+        if index != 0:
+            store.add("soak/left", 1)
+            if int(store.add("soak/left", 0)) >= decoders:
+                store.set("soak/finished", "1")
+    finally:
+        if index == 0:
+            dist.destroy_process_group()

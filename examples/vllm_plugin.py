@@ -17,6 +17,8 @@ blocks (continuous batching with more requests than fit); ``--chunked`` splits
 prefills into small chunks; ``--unmask`` disables vLLM's initial-state masking
 (new requests then read whatever their block holds: only the plugin's clears
 keep outputs right); ``--fault skip-clear`` makes the plugin skip them.
+``--close-midway`` closes the plugin (``llm.collective_rpc("mambacache_close")``)
+after half the requests: the engine serves the rest on vLLM's own path.
 """
 
 from __future__ import annotations
@@ -135,19 +137,23 @@ def worker(args: argparse.Namespace) -> None:
     for layer in runner.compilation_config.static_forward_context.values():
         for t in layer.kv_cache[:2]:  # a dirty pool, as one reused across requests is
             t.copy_(torch.randn(t.shape, generator=g))
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts(args.requests, args.seed)],
-        SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True),
-        use_tqdm=False,
-    )
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    reqs = [{"prompt_token_ids": p} for p in prompts(args.requests, args.seed)]
+    half = len(reqs) // 2 if args.close_midway else len(reqs)
+    outs = llm.generate(reqs[:half], params, use_tqdm=False)
     # vLLM tells the model runner which requests finished in the *next* step's
     # scheduler output: one more (empty) step hands the last ones over.
     llm.llm_engine.step()
     states = getattr(runner, "_mambacache", None)
+    stats = None if states is None else states.stats_dict()
+    if args.close_midway:
+        if states is not None:
+            llm.collective_rpc("mambacache_close")  # detaches the plugin: the engine goes on without it
+        outs += llm.generate(reqs[half:], params, use_tqdm=False)
     report = {
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "seconds": time.perf_counter() - t0,
-        "plugin": None if states is None else states.stats_dict(),
+        "plugin": stats,
     }
     print(json.dumps(report))
 
@@ -165,6 +171,7 @@ def run_vllm(args: argparse.Namespace, plugin: bool, trace: Path | None) -> dict
     cmd = [sys.executable, __file__, "--worker", "--model-dir", str(args.model_dir)]
     cmd += [f"--requests={args.requests}", f"--blocks={args.blocks}", f"--new-tokens={args.new_tokens}"]
     cmd += [f"--seed={args.seed}"] + (["--chunked"] if args.chunked else []) + (["--unmask"] if args.unmask else [])
+    cmd += ["--close-midway"] if args.close_midway else []
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         sys.stderr.write(done.stderr[-4000:])
@@ -181,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunked", action="store_true", help="chunked prefill, 4 tokens a chunk")
     p.add_argument("--unmask", action="store_true", help="disable vLLM's initial-state masking")
     p.add_argument("--fault", choices=["none", "skip-clear"], default="none")
+    p.add_argument(
+        "--close-midway", action="store_true", help="close the plugin (mambacache_close) after half the requests"
+    )
     p.add_argument("--model-dir", type=Path, default=None, help="where to build the model (default: a temp dir)")
     p.add_argument("--trace", type=Path, default=None, help="write the plugin run's slot trace here")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")

@@ -64,6 +64,13 @@ def test_plugin_outputs_equal_vllm_and_transformers_with_blocks_reused(model_dir
     assert subprocess.run([sys.executable, "-m", "mambacache", "trace", str(trace), "--expect-idle"]).returncode == 0
 
 
+def test_the_engine_serves_on_after_the_plugin_is_closed(model_dir: Path) -> None:
+    # #32.7: the steps after mambacache_close ran into the closed managers (ManagerClosedError in _update_states).
+    r = example(model_dir, "--requests", "8", "--blocks", "6", "--close-midway")
+    assert r["returncode"] == 0 and r["all_agree"], r
+    assert r["plugin"]["allocs"] == 4  # the first half went through the plugin, the rest did not
+
+
 def test_chunked_prefill(model_dir: Path) -> None:
     r = example(model_dir, "--requests", "8", "--chunked")
     assert r["returncode"] == 0 and r["all_agree"], r

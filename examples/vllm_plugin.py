@@ -37,10 +37,12 @@ from typing import Any
 VOCAB = 128
 
 
-def build_model(out: Path, kind: str = "mamba2") -> None:
+def build_model(out: Path, kind: str = "mamba2", linear_layers: int | None = None) -> None:
     """A tiny random Mamba2 (or, ``kind="qwen3-next"``, a hybrid Qwen3-Next) and a word-level tokenizer, saved
     to ``out``. The Qwen3-Next's head dims (128) and attention heads are what vLLM's CPU kernels accept, and
-    its one-head linear attention keeps the mamba page (so the block) small."""
+    its one-head linear attention keeps the mamba page (so the block) small. It has 2 linear-attention
+    layers, each followed by a full-attention one; ``linear_layers=n`` gives it ``n`` in Qwen3-Next-80B's
+    pattern instead (3 linear layers, then a full-attention one)."""
     import torch
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -56,11 +58,14 @@ def build_model(out: Path, kind: str = "mamba2") -> None:
         "tie_word_embeddings": False,
     }  # fmt: skip
     if kind == "qwen3-next":
+        types = ["linear_attention", "full_attention"] * 2
+        if linear_layers is not None:
+            types = [t for i in range(linear_layers) for t in ["linear_attention"] + ["full_attention"] * (i % 3 == 2)]
         config: Any = transformers.Qwen3NextConfig(
             intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-            shared_expert_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-            head_dim=128, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
-            linear_num_key_heads=1, linear_num_value_heads=1, layer_types=["linear_attention", "full_attention"] * 2,
+            shared_expert_intermediate_size=32, num_hidden_layers=len(types), num_attention_heads=4,
+            num_key_value_heads=4, head_dim=128, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+            linear_value_head_dim=128, linear_num_key_heads=1, linear_num_value_heads=1, layer_types=types,
             **common,
         )  # fmt: skip
         cls: Any = transformers.Qwen3NextForCausalLM

@@ -238,10 +238,11 @@ def _adopt_layers(
             raise InvalidArgumentError(f"{where}: {exc}") from None
         for (what, _), k in zip(states + draft_args, kinds + drafts, strict=True):
             first, mine = k[0], k[j]
-            if mine.shape[1:] != first.shape[1:] or mine.dtype != first.dtype:
+            if mine.shape[1:] != first.shape[1:] or mine.dtype != first.dtype or mine.device != first.device:
                 raise InvalidArgumentError(
-                    f"{what}: layer {a} is {tuple(mine.shape[1:])} {mine.dtype}, layer 0"
-                    f" {tuple(first.shape[1:])} {first.dtype}; a pool has one shape and dtype per state"
+                    f"{what}: layer {a} is {tuple(mine.shape[1:])} {mine.dtype} on {mine.device}, layer 0"
+                    f" {tuple(first.shape[1:])} {first.dtype} on {first.device}; a pool has one shape, dtype and"
+                    " device per state"
                 )
     named = [
         (f"layer {i}'s {what}", layer[None]) for what, layers in states + draft_args for i, layer in enumerate(layers)

@@ -89,3 +89,18 @@ def test_bench_transfer_row(capsys: pytest.CaptureFixture[str]) -> None:
             assert 0 < r[f"{path}_min_ms"] <= r[f"{path}_ms"]
         assert r["ratio"] == r["transfer_ms"] / r["send_ms"]
         assert all(r[f"{part}_ms"] > 0 for part in ("stage", "wire", "land"))
+
+
+def test_bench_layers_row(capsys: pytest.CaptureFixture[str]) -> None:
+    """The per-layer row: every layout timed, each against the stacked pool of the same layers."""
+    assert main(["bench", "--layers", "--repeats", "1", "--json", "-"]) == 0
+    rows = json.loads(capsys.readouterr().out)["layer_overhead"]
+    assert [(r["layout"], r["layer_groups"]) for r in rows[:4]] == [
+        ("stacked", 1), ("layers-strided", 1), ("layers-apart", 36), ("managers", 36)
+    ]  # fmt: skip
+    assert {r["state"] for r in rows} == {"tiny", "qwen3-next-80b-a3b-tp8"} and len(rows) == 8
+    for r in rows:
+        assert 0 < r["min_us"] <= r["step_us"] and r["layers"] == 36
+        assert r["ratio"] == 1.0 if r["layout"] == "stacked" else r["ratio"] > 0
+    assert main(["bench", "--layers", "--repeats", "1"]) == 0
+    assert "vs stacked" in capsys.readouterr().out

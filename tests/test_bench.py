@@ -91,6 +91,7 @@ def test_bench_transfer_row(capsys: pytest.CaptureFixture[str]) -> None:
         assert all(r[f"{part}_ms"] > 0 for part in ("stage", "wire", "land"))
 
 
+@pytest.mark.slow
 def test_bench_layers_row(capsys: pytest.CaptureFixture[str]) -> None:
     """The per-layer row: every layout timed, each against the stacked pool of the same layers."""
     assert main(["bench", "--layers", "--repeats", "1", "--json", "-"]) == 0

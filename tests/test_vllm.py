@@ -45,7 +45,7 @@ def example(model_dir: Path, *args: str, script: str = "vllm_plugin.py") -> dict
         text=True,
         timeout=900,
     )
-    assert done.returncode in (0, 1), done.stderr[-3000:]
+    assert done.returncode in (0, 1) and done.stdout.strip(), done.stderr[-3000:]
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     result["returncode"] = done.returncode
     return result

@@ -232,6 +232,9 @@ def worker(args: argparse.Namespace) -> None:
         report["block_size"] = llm.llm_engine.vllm_config.cache_config.block_size
         if args.measure:
             report |= measure(llm, args)
+            if plugin_active():
+                rank = llm.collective_rpc("mambacache_stats")[0]
+                report["plugin_pools"] = {"shapes": rank["pools"], "layer_groups": rank["layer_groups"]}
             report["plugin_host_per_step"] = quantiles(per_step)
             report["execute_model_per_step"] = quantiles(executes)
         else:

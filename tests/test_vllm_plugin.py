@@ -57,6 +57,7 @@ def test_every_layer_is_in_one_pool_stacked_when_evenly_spaced_else_in_layer_gro
     assert pool.layer_groups == ((0, 1), (1, 2), (2, 3))
     assert [t.data_ptr() for (t,) in zip(*pool.layers, strict=True)] == [r.data_ptr() for r in shuffled]
     s = plugin.VllmStates([pool], groups=[1])
+    assert s.layer_groups() == [3] and s.shapes() == [[3, BLOCKS, rows[0].shape[1]]]
     try:
         s.take(step(new=(("a", [2]),)))
         s.flush()

@@ -106,7 +106,9 @@ def register() -> None:
     def mambacache_stats(self: Any) -> dict[str, Any] | None:
         # Every rank's own figures, read with llm.collective_rpc("mambacache_stats") (no pickled function).
         states: VllmStates | None = getattr(self.model_runner, "_mambacache", None)
-        return None if states is None else {"stats": states.stats_dict(), "pools": states.shapes()}
+        if states is None:
+            return None
+        return {"stats": states.stats_dict(), "pools": states.shapes(), "layer_groups": states.layer_groups()}
 
     def mambacache_close(self: Any) -> None:
         states: VllmStates | None = getattr(self.model_runner, "_mambacache", None)
@@ -323,6 +325,10 @@ class VllmStates:
         """Each adopted pool's ``[layers, blocks, *state]`` (page bytes for block pages; with tensor parallelism,
         this rank's shard)."""
         return [[p.spec.num_layers, p.num_slots + p.pad_slots, *p.spec.temporal_shape] for p in self.pools]
+
+    def layer_groups(self) -> list[int]:
+        """Each pool's layer groups (:meth:`StatePool.from_layers`): 1 when its layers run as one tensor."""
+        return [len(p.layer_groups) for p in self.pools]
 
     def _each(self, method: str, *args: Any, **kwargs: Any) -> None:
         for i, mgr in enumerate(self.managers):

@@ -33,6 +33,12 @@ ops and strided slices); the npu executor refuses them, since an Ascend op
 adapter would copy each strided input into a contiguous temporary. An extra
 tensor (``StateSpec.extra_shapes``, e.g. an int8 state's per-slot scales) has the
 same layout, so every executor carries it with the slot as one more tensor.
+
+:meth:`StatePool.from_layers` adopts a tensor per layer instead, ``[S + 1, *state]``
+each, allocated anywhere: the executors get one ``[layers, S + 1, *state]`` tensor
+per *layer group* (consecutive layers that are one strided view of one storage,
+:mod:`mambacache._layout`), so ``exec_tensors`` has ``len(layer_groups)`` tensors
+per state, and ``tensors`` exists only when that is one.
 """
 
 from __future__ import annotations
@@ -366,7 +372,11 @@ class StatePool(_Tensors):
     (held slots and tenants, :class:`~mambacache._ledger.SlotLedger`),
     ``backlog`` (device work a failed flush left) and ``exec_tensors`` /
     ``exec_drafts`` (what executors are handed: the same storage as ``tensors``
-    and ``draft_tensors``, as integer views where a dtype needs one).
+    and ``draft_tensors``, as integer views where a dtype needs one, one tensor
+    per state and layer group, the first ``exec_convs`` the conv states'), with
+    ``layer_groups`` (the layer ranges ``(start, stop)`` of the groups: one
+    range but for a :meth:`from_layers` pool whose layers are apart) and
+    ``exec_split`` (a host pool's tensors cut into the same groups).
 
     ``extra`` / ``draft_extra`` map each name of ``spec.extra_shapes`` to its
     tensor (and draft buffer); they are in ``tensors`` / ``draft_tensors`` after

@@ -86,7 +86,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--layers",
         action="store_true",
         help="only the per-layer row: a decode step on 36 layers held as per-layer tensors (from_layers) and as one"
-        " manager per layer, against the stacked pool",
+        " manager per layer, against the stacked pool (--quick: tiny states only)",
     )
     p.set_defaults(func=run)
 
@@ -276,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
     if args.transfer:
         return run_transfer(args, device)
     if args.layers:
-        return _layers.run(args.repeats or (5 if args.quick else 9), args.json)
+        return _layers.run(args.repeats or (5 if args.quick else 9), args.json, args.quick)
     presets = args.preset or (["small"] if args.quick else [p for p in PRESETS if p != "small"])
     if args.tp > 1:
         try:
@@ -300,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
     trace = tracing_overhead(1000, repeats)
     embed = embedding_overhead(repeats)
     tier = host_tier_overhead(repeats)
-    layered = _layers.layer_overhead(repeats)
+    layered = _layers.layer_overhead(repeats, quick=args.quick)
     planning, bulk = planner_scaling([10, 100, 1000, 10000], repeats), bulk_vs_loop([1, 64, 1000], repeats)
     info = machine(device)
     if args.json != "-":

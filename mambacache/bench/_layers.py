@@ -79,14 +79,19 @@ def _stepper(managers: list[CacheManager]) -> Callable[[], None]:
     return step
 
 
-def layer_overhead(repeats: int, layers: int = 36, slots: int = 6, inner: int = 20) -> list[dict[str, Any]]:
+def layer_overhead(
+    repeats: int, layers: int = 36, slots: int = 6, inner: int = 20, quick: bool = False
+) -> list[dict[str, Any]]:
     """Median microseconds of one decode step per layout and state size, and each over ``stacked``'s.
 
     ``repeats`` rounds; in each, every layout runs ``inner`` steps (after as
-    many to warm up), the order rotating from round to round.
+    many to warm up), the order rotating from round to round. ``quick``: the
+    tiny states only.
     """
     model = lookup("qwen3-next-80b-a3b-tp8")
-    specs = {"tiny": dataclasses.replace(TINY, num_layers=layers), model.name: model.spec}
+    specs = {"tiny": dataclasses.replace(TINY, num_layers=layers)}
+    if not quick:
+        specs[model.name] = model.spec
     rows = []
     for name, full in specs.items():
         spec = dataclasses.replace(full, num_layers=layers)
@@ -127,11 +132,11 @@ def render(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def run(repeats: int, json_path: str | None) -> int:
+def run(repeats: int, json_path: str | None, quick: bool = False) -> int:
     """``mambacache bench --layers``: the per-layer row alone (``json_path``: also as JSON, '-' for stdout)."""
     from .._console import write_json
 
-    rows = layer_overhead(repeats)
+    rows = layer_overhead(repeats, quick=quick)
     if json_path != "-":
         sys.stdout.write(render(rows) + "\n")
     if json_path:

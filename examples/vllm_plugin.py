@@ -17,6 +17,8 @@ blocks (continuous batching with more requests than fit); ``--chunked`` splits
 prefills into small chunks; ``--unmask`` disables vLLM's initial-state masking
 (new requests then read whatever their block holds: only the plugin's clears
 keep outputs right); ``--fault skip-clear`` makes the plugin skip them.
+``--close-midway`` closes the plugin (``llm.collective_rpc("mambacache_close")``)
+after half the requests: the engine serves the rest on vLLM's own path.
 """
 
 from __future__ import annotations
@@ -35,10 +37,12 @@ from typing import Any
 VOCAB = 128
 
 
-def build_model(out: Path, kind: str = "mamba2") -> None:
+def build_model(out: Path, kind: str = "mamba2", linear_layers: int | None = None) -> None:
     """A tiny random Mamba2 (or, ``kind="qwen3-next"``, a hybrid Qwen3-Next) and a word-level tokenizer, saved
     to ``out``. The Qwen3-Next's head dims (128) and attention heads are what vLLM's CPU kernels accept, and
-    its one-head linear attention keeps the mamba page (so the block) small."""
+    its one-head linear attention keeps the mamba page (so the block) small. It has 2 linear-attention
+    layers, each followed by a full-attention one; ``linear_layers=n`` gives it ``n`` in Qwen3-Next-80B's
+    pattern instead (3 linear layers, then a full-attention one)."""
     import torch
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -54,11 +58,14 @@ def build_model(out: Path, kind: str = "mamba2") -> None:
         "tie_word_embeddings": False,
     }  # fmt: skip
     if kind == "qwen3-next":
+        types = ["linear_attention", "full_attention"] * 2
+        if linear_layers is not None:
+            types = [t for i in range(linear_layers) for t in ["linear_attention"] + ["full_attention"] * (i % 3 == 2)]
         config: Any = transformers.Qwen3NextConfig(
             intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-            shared_expert_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-            head_dim=128, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
-            linear_num_key_heads=1, linear_num_value_heads=1, layer_types=["linear_attention", "full_attention"] * 2,
+            shared_expert_intermediate_size=32, num_hidden_layers=len(types), num_attention_heads=4,
+            num_key_value_heads=4, head_dim=128, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+            linear_value_head_dim=128, linear_num_key_heads=1, linear_num_value_heads=1, layer_types=types,
             **common,
         )  # fmt: skip
         cls: Any = transformers.Qwen3NextForCausalLM
@@ -135,19 +142,23 @@ def worker(args: argparse.Namespace) -> None:
     for layer in runner.compilation_config.static_forward_context.values():
         for t in layer.kv_cache[:2]:  # a dirty pool, as one reused across requests is
             t.copy_(torch.randn(t.shape, generator=g))
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts(args.requests, args.seed)],
-        SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True),
-        use_tqdm=False,
-    )
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    reqs = [{"prompt_token_ids": p} for p in prompts(args.requests, args.seed)]
+    half = len(reqs) // 2 if args.close_midway else len(reqs)
+    outs = llm.generate(reqs[:half], params, use_tqdm=False)
     # vLLM tells the model runner which requests finished in the *next* step's
     # scheduler output: one more (empty) step hands the last ones over.
     llm.llm_engine.step()
     states = getattr(runner, "_mambacache", None)
+    stats = None if states is None else states.stats_dict()
+    if args.close_midway:
+        if states is not None:
+            llm.collective_rpc("mambacache_close")  # detaches the plugin: the engine goes on without it
+        outs += llm.generate(reqs[half:], params, use_tqdm=False)
     report = {
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "seconds": time.perf_counter() - t0,
-        "plugin": None if states is None else states.stats_dict(),
+        "plugin": stats,
     }
     print(json.dumps(report))
 
@@ -165,6 +176,7 @@ def run_vllm(args: argparse.Namespace, plugin: bool, trace: Path | None) -> dict
     cmd = [sys.executable, __file__, "--worker", "--model-dir", str(args.model_dir)]
     cmd += [f"--requests={args.requests}", f"--blocks={args.blocks}", f"--new-tokens={args.new_tokens}"]
     cmd += [f"--seed={args.seed}"] + (["--chunked"] if args.chunked else []) + (["--unmask"] if args.unmask else [])
+    cmd += ["--close-midway"] if args.close_midway else []
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         sys.stderr.write(done.stderr[-4000:])
@@ -181,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunked", action="store_true", help="chunked prefill, 4 tokens a chunk")
     p.add_argument("--unmask", action="store_true", help="disable vLLM's initial-state masking")
     p.add_argument("--fault", choices=["none", "skip-clear"], default="none")
+    p.add_argument(
+        "--close-midway", action="store_true", help="close the plugin (mambacache_close) after half the requests"
+    )
     p.add_argument("--model-dir", type=Path, default=None, help="where to build the model (default: a temp dir)")
     p.add_argument("--trace", type=Path, default=None, help="write the plugin run's slot trace here")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")

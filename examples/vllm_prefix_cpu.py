@@ -20,7 +20,10 @@ tokens; transformers' greedy output stays the reference) and ``--model
 qwen3-next`` a tiny hybrid Qwen3-Next instead (gated delta net and attention
 layers, bf16, dims the CPU build's kernels accept; vLLM's accepted-token
 counts reach its mamba state copies only on a hybrid model). Its prompts open
-with a repeated pattern, so that the ngram drafter finds drafts. Each run reports its
+with a repeated pattern, so that the ngram drafter finds drafts; ``--linear-layers N``
+grows it to ``N`` linear-attention layers in Qwen3-Next-80B's pattern (3 linear, 1
+full attention; the real model has 36), for the plugin's host time per step
+against the layer count (``--measure``). Each run reports its
 tokens, vLLM's per-request ``num_cached_tokens`` (the prefix-cache hits) and,
 when it fails, the exception's last line. ``--fault skip-copy`` sets
 ``MAMBACACHE_VLLM_FAULT=skip-copy`` for the plugin run. Exit 0 when the plugin
@@ -229,6 +232,9 @@ def worker(args: argparse.Namespace) -> None:
         report["block_size"] = llm.llm_engine.vllm_config.cache_config.block_size
         if args.measure:
             report |= measure(llm, args)
+            if plugin_active():
+                rank = llm.collective_rpc("mambacache_stats")[0]
+                report["plugin_pools"] = {"shapes": rank["pools"], "layer_groups": rank["layer_groups"]}
             report["plugin_host_per_step"] = quantiles(per_step)
             report["execute_model_per_step"] = quantiles(executes)
         else:
@@ -286,10 +292,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size (workers in processes of their own)")
     p.add_argument("--spec", type=int, default=0, help="ngram speculative decoding with this many draft tokens")
     p.add_argument("--model", choices=["mamba2", "qwen3-next"], default="mamba2")
+    p.add_argument(
+        "--linear-layers",
+        type=int,
+        default=None,
+        help="with --model qwen3-next: this many linear-attention layers, 3 to each full-attention one",
+    )
     p.add_argument("--json", action="store_true")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", choices=MODES, default="off", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.linear_layers is not None and (args.model != "qwen3-next" or args.linear_layers < 1):
+        p.error("--linear-layers needs --model qwen3-next and at least 1")
     if args.trace is not None and args.tp > 1:
         p.error("--trace with --tp: every rank would append to the same file")
     if args.worker:
@@ -299,9 +313,10 @@ def main(argv: list[str] | None = None) -> int:
         args.trace.unlink(missing_ok=True)  # the tracer appends
     with tempfile.TemporaryDirectory() as tmp:
         if args.model_dir is None:
-            args.model_dir = Path(tmp) / f"{args.model}-tiny"
+            layers = "" if args.linear_layers is None else f"-{args.linear_layers}"
+            args.model_dir = Path(tmp) / f"{args.model}{layers}-tiny"
         if not (args.model_dir / "config.json").exists():
-            build_model(args.model_dir, args.model)
+            build_model(args.model_dir, args.model, args.linear_layers)
         runs = {m: run(args, m) for m in args.modes.split(",")}
         if args.measure:
             print(json.dumps(runs, indent=None if args.json else 1))

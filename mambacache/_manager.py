@@ -113,7 +113,7 @@ class CacheManager(Reservations, HostTier, HandOff):
         channel = channel if group is None else _distributed_channel(group, src_rank, pool.num_slots, timeout)
         host_ledger = host_pool.ledger if host_pool is not None else None
         self._queue = StepQueue(threading.Lock(), pool.ledger, host_ledger, pool.spec.draft_tokens, runner, channel)
-        host_tensors = host_pool.exec_tensors if host_pool is not None else None
+        host_tensors = pool.exec_split(host_pool.exec_tensors) if host_pool is not None else None
         self._core = FlushCore(self._queue, runner, self._executor, host_tensors, pool.spec.slot_bytes, channel)
 
     # -- lifecycle -------------------------------------------------------
@@ -299,7 +299,7 @@ class CacheManager(Reservations, HostTier, HandOff):
 
     def _submit(self, events: Any, checked: bool = False) -> None:
         # `checked`: slots and request ids are plain and in range (the hot path).
-        self._queue.submit(events if checked else normalised(events, self._pool.num_slots, self._pool.conv))
+        self._queue.submit(events if checked else normalised(events, self._pool.num_slots, self._pool.spec.conv_shapes))
 
     def hand_over(self, slot: int, to: str | None, request_id: str | None = None) -> None:
         """``slot``'s tenant becomes ``to`` from this point (an engine's cache takes a finished request's slot):
@@ -336,7 +336,7 @@ class CacheManager(Reservations, HostTier, HandOff):
 def _copies(mgr: CacheManager, srcs: Any, dsts: Any, request_id: Any, shift: Any) -> list[CopyOnWrite]:
     a = many(mgr, srcs, request_id)
     b = paired("copy_many", a, slot_list(dsts, mgr.pool.num_slots))
-    k = check_shift(shift, mgr.pool.conv)
+    k = check_shift(shift, mgr.pool.spec.conv_shapes)
     return [CopyOnWrite(s, d, request_id, k) for s, d in zip(a, b, strict=True)]
 
 

@@ -33,17 +33,25 @@ ops and strided slices); the npu executor refuses them, since an Ascend op
 adapter would copy each strided input into a contiguous temporary. An extra
 tensor (``StateSpec.extra_shapes``, e.g. an int8 state's per-slot scales) has the
 same layout, so every executor carries it with the slot as one more tensor.
+
+:meth:`StatePool.from_layers` adopts a tensor per layer instead, ``[S + 1, *state]``
+each, allocated anywhere: the executors get one ``[layers, S + 1, *state]`` tensor
+per *layer group* (consecutive layers that are one strided view of one storage,
+:mod:`mambacache._layout`), so ``exec_tensors`` has ``len(layer_groups)`` tensors
+per state, and ``tensors`` exists only when that is one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 from ._backlog import Backlog
 from ._errors import InvalidArgumentError, PoolAllocationError
+from ._layout import layer_args, layer_groups, stack_group
 from ._ledger import SlotLedger
 from ._spec import StateSpec
 from ._torchutil import as_device, executor_view, failure_reason
@@ -92,6 +100,7 @@ def _check_adopted(
     draft_conv: Sequence[torch.Tensor] | None,
     draft_temporal: torch.Tensor | None,
     extras: tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]] = ([], []),
+    overlap: bool = True,
 ) -> None:
     """:meth:`StatePool.from_tensors`' checks of the engine's tensors, all before anything is built.
 
@@ -143,9 +152,9 @@ def _check_adopted(
             raise InvalidArgumentError("every draft buffer needs the same draft_tokens (at least 1)")
     if len({c.dtype for c in conv}) > 1:
         raise InvalidArgumentError(f"conv tensors must share one dtype, got {[c.dtype for c in conv]}")
-    overlap = _first_overlap([t for _, t, _, _ in named])
-    if overlap is not None:
-        i, j = overlap
+    clash = _first_overlap([t for _, t, _, _ in named]) if overlap else None
+    if clash is not None:
+        i, j = clash
         what = f"pool tensors {named[i][0]} and {named[j][0]}" if i != j else f"the rows of {named[i][0]}"
         raise InvalidArgumentError(f"{what} overlap in memory")
 
@@ -192,7 +201,159 @@ def _first_overlap(tensors: Sequence[torch.Tensor]) -> tuple[int, int] | None:
     return min(i, j), max(i, j)
 
 
-class StatePool:
+def _stacked(
+    spec: StateSpec,
+    conv: Sequence[torch.Tensor],
+    temporal: torch.Tensor,
+    draft_conv: Sequence[torch.Tensor] | None,
+    draft_temporal: torch.Tensor | None,
+    extra: Mapping[str, torch.Tensor] | None,
+    draft_extra: Mapping[str, torch.Tensor] | None,
+) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """Stacked ``[num_layers, ...]`` tensors as :meth:`StatePool._init`'s kinds: one layer group each. Extras
+    in the spec's (name) order, since tensors are matched by position everywhere else."""
+    kinds = [[c] for c in conv] + [[temporal]] + [[extra[n]] for n in spec.extra_shapes if extra]
+    if draft_temporal is None:
+        return kinds, []
+    drafts = [[d] for d in draft_conv or []] + [[draft_temporal]]
+    return kinds, drafts + [[draft_extra[n]] for n in spec.extra_shapes if draft_extra]
+
+
+def _adopt_layers(
+    conv: Any, temporal: Any, draft_conv: Any, draft_temporal: Any, extra: Any, draft_extra: Any
+) -> tuple[StateSpec, list[list[torch.Tensor]], list[list[torch.Tensor]], tuple[tuple[int, int], ...]]:
+    """:meth:`StatePool.from_layers`' checks and layer groups: each group is checked as ``from_tensors``
+    checks its tensors, the groups against the first (shapes, dtypes), then every layer's rows for overlap."""
+    states, draft_args = layer_args(conv, temporal, draft_conv, draft_temporal, extra, draft_extra)
+    groups = layer_groups([layers for _, layers in states + draft_args])
+    kinds = [[stack_group(layers, a, b) for a, b in groups] for _, layers in states]
+    drafts = [[stack_group(layers, a, b) for a, b in groups] for _, layers in draft_args]
+    nconv, names = len(states) - 1 - len(extra or {}), list(extra or {})
+    for j, (a, b) in enumerate(groups):
+        at = kinds[nconv][j]
+        d = [k[j] for k in drafts]
+        try:
+            extras = (
+                [(what, kinds[nconv + 1 + i][j]) for i, (what, _) in enumerate(states[nconv + 1 :])],
+                [(what, d[nconv + 1 + i]) for i, (what, _) in enumerate(draft_args[nconv + 1 :])],
+            )
+            _check_adopted([k[j] for k in kinds[:nconv]], at, d[:nconv] if d else None, d[nconv] if d else None,
+                           extras, overlap=False)  # fmt: skip
+        except InvalidArgumentError as exc:
+            where = f"layers {a}..{b - 1}" if b - a > 1 else f"layer {a}"
+            raise InvalidArgumentError(f"{where}: {exc}") from None
+        for (what, _), k in zip(states + draft_args, kinds + drafts, strict=True):
+            first, mine = k[0], k[j]
+            if mine.shape[1:] != first.shape[1:] or mine.dtype != first.dtype or mine.device != first.device:
+                raise InvalidArgumentError(
+                    f"{what}: layer {a} is {tuple(mine.shape[1:])} {mine.dtype} on {mine.device}, layer 0"
+                    f" {tuple(first.shape[1:])} {first.dtype} on {first.device}; a pool has one shape, dtype and"
+                    " device per state"
+                )
+    named = [
+        (f"layer {i}'s {what}", layer[None]) for what, layers in states + draft_args for i, layer in enumerate(layers)
+    ]
+    overlap = _first_overlap([t for _, t in named])
+    if overlap is not None:
+        i, j = overlap
+        raise InvalidArgumentError(
+            f"{named[i][0]} and {named[j][0]} overlap in memory" if i != j else f"the rows of {named[i][0]} overlap"
+        )
+    temp = kinds[nconv][0]
+    spec = StateSpec(
+        num_layers=len(states[nconv][1]),
+        conv_shapes=[tuple(k[0].shape[2:]) for k in kinds[:nconv]],
+        temporal_shape=tuple(temp.shape[2:]),
+        conv_dtype=kinds[0][0].dtype if nconv else torch.bfloat16,
+        temporal_dtype=temp.dtype,
+        draft_tokens=drafts[nconv][0].shape[2] if drafts else 0,
+        extra_shapes={n: (tuple(k[0].shape[2:]), k[0].dtype) for n, k in zip(names, kinds[nconv + 1 :], strict=True)},
+    )
+    return spec, kinds, drafts, groups
+
+
+class _Tensors:
+    """:class:`StatePool`'s tensors as the public attributes read them, from its layer groups: stacked
+    ``[num_layers, ...]`` tensors where the layers are one group, per-layer views on every pool."""
+
+    spec: StateSpec
+    layer_groups: tuple[tuple[int, int], ...]
+    # Per pool tensor (conv..., temporal, extras...), its tensor per layer group; the draft buffers alike.
+    _kinds: list[list[torch.Tensor]]
+    _drafts: list[list[torch.Tensor]]
+
+    def _stack(self, kinds: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        if len(self.layer_groups) > 1 and kinds:
+            raise InvalidArgumentError(
+                f"this pool's layers are {len(self.layer_groups)} separate tensors (StatePool.from_layers, layer"
+                f" groups {list(self.layer_groups)}), not one [num_layers, ...] tensor each: use pool.layers"
+            )
+        return [k[0] for k in kinds]
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Every pool tensor, ``[num_layers, num_slots + 1, *state]``: the conv tensors, the temporal tensor,
+        then the extra tensors in ``spec`` order. A :meth:`from_layers` pool whose layers are not one strided
+        view each raises :class:`InvalidArgumentError` (:attr:`layers` has them)."""
+        return self._stack(self._kinds)
+
+    @property
+    def draft_tensors(self) -> list[torch.Tensor]:
+        """Every draft buffer, matching :attr:`tensors`: the conv ones, the temporal one, the extras' (empty
+        without)."""
+        return self._stack(self._drafts)
+
+    @property
+    def conv(self) -> list[torch.Tensor]:
+        """The conv tensors, one per ``spec.conv_shapes`` (as :attr:`tensors`)."""
+        return self.tensors[: len(self.spec.conv_shapes)]
+
+    @property
+    def temporal(self) -> torch.Tensor:
+        """The temporal tensor (as :attr:`tensors`)."""
+        return self.tensors[len(self.spec.conv_shapes)]
+
+    @property
+    def extra(self) -> dict[str, torch.Tensor]:
+        """Each name of ``spec.extra_shapes`` -> its tensor (as :attr:`tensors`)."""
+        return dict(zip(self.spec.extra_shapes, self.tensors[len(self.spec.conv_shapes) + 1 :], strict=True))
+
+    @property
+    def draft_conv(self) -> list[torch.Tensor]:
+        """The conv tensors' draft buffers (empty without)."""
+        return self.draft_tensors[: len(self.spec.conv_shapes)]
+
+    @property
+    def draft_temporal(self) -> torch.Tensor | None:
+        """The temporal tensor's draft buffer, or None."""
+        return self.draft_tensors[len(self.spec.conv_shapes)] if self._drafts else None
+
+    @property
+    def draft_extra(self) -> dict[str, torch.Tensor]:
+        """Each extra's draft buffer, by name (empty without)."""
+        drafts = self.draft_tensors[len(self.spec.conv_shapes) + 1 :]
+        return dict(zip(self.spec.extra_shapes, drafts, strict=True)) if drafts else {}
+
+    @property
+    def layers(self) -> list[list[torch.Tensor]]:
+        """Every pool tensor (in :attr:`tensors`' order) as its layers, ``[num_slots + 1, *state]`` views, on
+        any pool (a :meth:`from_layers` pool's are the tensors it adopted)."""
+        return [[v for t in groups_of for v in t.unbind(0)] for groups_of in self._kinds]
+
+    @property
+    def draft_layers(self) -> list[list[torch.Tensor]]:
+        """Every draft buffer (in :attr:`draft_tensors`' order) as its layers (empty without)."""
+        return [[v for t in groups_of for v in t.unbind(0)] for groups_of in self._drafts]
+
+    def exec_split(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Stacked ``[num_layers, ...]`` tensors matching :attr:`tensors` (a host pool's) cut into this pool's
+        layer groups, so they match :attr:`exec_tensors` by position."""
+        if len(self.layer_groups) == 1:
+            return tensors
+        return [t[a:b] for t in tensors for a, b in self.layer_groups]
+
+
+class StatePool(_Tensors):
     """Per-layer conv and temporal state (and any extra tensors) for ``num_slots`` slots plus ``pad_slots``
     padding slots.
 
@@ -211,7 +372,11 @@ class StatePool:
     (held slots and tenants, :class:`~mambacache._ledger.SlotLedger`),
     ``backlog`` (device work a failed flush left) and ``exec_tensors`` /
     ``exec_drafts`` (what executors are handed: the same storage as ``tensors``
-    and ``draft_tensors``, as integer views where a dtype needs one).
+    and ``draft_tensors``, as integer views where a dtype needs one, one tensor
+    per state and layer group, the first ``exec_convs`` the conv states'), with
+    ``layer_groups`` (the layer ranges ``(start, stop)`` of the groups: one
+    range but for a :meth:`from_layers` pool whose layers are apart) and
+    ``exec_split`` (a host pool's tensors cut into the same groups).
 
     ``extra`` / ``draft_extra`` map each name of ``spec.extra_shapes`` to its
     tensor (and draft buffer); they are in ``tensors`` / ``draft_tensors`` after
@@ -254,39 +419,34 @@ class StatePool:
             raise PoolAllocationError(
                 f"could not allocate a pool of {num_slots} slots ({total:,} bytes) on {dev}: {failure_reason(exc)}"
             ) from None
-        self._init(spec, conv, temporal, draft_conv, draft_temporal, extra, draft_extra, pad_slots)
+        self._init(spec, *_stacked(spec, conv, temporal, draft_conv, draft_temporal, extra, draft_extra), pad_slots)
 
     def _init(
         self,
         spec: StateSpec,
-        conv: list[torch.Tensor],
-        temporal: torch.Tensor,
-        draft_conv: list[torch.Tensor] | None = None,
-        draft_temporal: torch.Tensor | None = None,
-        extra: Mapping[str, torch.Tensor] | None = None,
-        draft_extra: Mapping[str, torch.Tensor] | None = None,
+        kinds: list[list[torch.Tensor]],
+        drafts: list[list[torch.Tensor]],
         pad_slots: int = 1,
+        groups: tuple[tuple[int, int], ...] | None = None,
     ) -> None:
+        """``kinds``: per pool tensor (the conv ones, temporal, the extras in ``spec`` order), its tensor per
+        layer group (one ``[num_layers, ...]`` tensor for a stacked pool); ``drafts`` the same for the draft
+        buffers, or empty."""
         self.spec = spec
-        # Draft buffers, [layers, slots + 1, draft_tokens, *state]: the verify forward
-        # writes the state after draft token j at index j; CommitDraft copies one back.
-        self.draft_conv: list[torch.Tensor] = list(draft_conv or [])
-        self.draft_temporal: torch.Tensor | None = draft_temporal
-        # In the spec's (name) order: tensors are matched by position everywhere else.
-        self.extra: dict[str, torch.Tensor] = {n: extra[n] for n in spec.extra_shapes} if extra else {}
-        self.draft_extra: dict[str, torch.Tensor] = (
-            {n: draft_extra[n] for n in spec.extra_shapes} if draft_extra and draft_temporal is not None else {}
-        )
+        self.layer_groups: tuple[tuple[int, int], ...] = groups or ((0, spec.num_layers),)
+        self._kinds = kinds
+        self._drafts = drafts
+        temporal = kinds[len(spec.conv_shapes)][0]
         self.num_slots = temporal.shape[1] - pad_slots
         self.pad_slots = pad_slots
         # Slot 0, then the rows after the live slots: never handed out, never written by mambacache.
         self.pad_ids = (0, *range(self.num_slots + 1, self.num_slots + pad_slots))
         self.device = temporal.device
-        self.conv: list[torch.Tensor] = conv
-        self.temporal: torch.Tensor = temporal
-        # What executors are handed: the same storage, as integer views where needed.
-        self.exec_tensors = [executor_view(t) for t in self.tensors]
-        self.exec_drafts = [executor_view(t) for t in self.draft_tensors]
+        # What executors are handed: the same storage, as integer views where needed, one tensor per pool
+        # tensor and layer group (pool-tensor major), the conv states' first.
+        self.exec_tensors = [executor_view(t) for groups_of in kinds for t in groups_of]
+        self.exec_drafts = [executor_view(t) for groups_of in drafts for t in groups_of]
+        self.exec_convs = len(spec.conv_shapes) * len(self.layer_groups)
         self.ledger = SlotLedger(self.num_slots)  # held slots and tenants; driven by the manager under its lock
         self.backlog = Backlog()
 
@@ -345,7 +505,49 @@ class StatePool:
             extra_shapes={n: (tuple(t.shape[2:]), t.dtype) for n, t in adopted.items()},
         )
         pool = cls.__new__(cls)
-        pool._init(spec, list(conv), temporal, list(draft_conv or []), draft_temporal, adopted, draft_extra, pad_slots)
+        pool._init(spec, *_stacked(spec, conv, temporal, draft_conv, draft_temporal, adopted, draft_extra), pad_slots)
+        return pool
+
+    @classmethod
+    def from_layers(
+        cls,
+        conv: Sequence[Sequence[torch.Tensor]] | None = None,
+        temporal: Sequence[torch.Tensor] = (),
+        *,
+        draft_conv: Sequence[Sequence[torch.Tensor]] | None = None,
+        draft_temporal: Sequence[torch.Tensor] | None = None,
+        extra: Mapping[str, Sequence[torch.Tensor]] | None = None,
+        draft_extra: Mapping[str, Sequence[torch.Tensor]] | None = None,
+        pad_slots: int = 1,
+    ) -> StatePool:
+        """Adopt engine-owned per-layer tensors as one pool: same storage, no copy, one ledger, one plan.
+
+        ``conv[layer]`` lists layer ``layer``'s conv tensors (``None``: no conv
+        state), ``temporal[layer]`` is its temporal tensor, each
+        ``[num_slots + 1, *state]``, allocated anywhere on one device; each
+        ``(slot)`` row contiguous (paged rows as in :meth:`from_tensors`). ``extra``
+        maps a name to its per-layer tensors, ``draft_conv`` / ``draft_temporal`` /
+        ``draft_extra`` give the draft buffers per layer, ``[num_slots + 1,
+        draft_tokens, *state]``. Checked as :meth:`from_tensors` checks its
+        tensors, every layer alike (one shape and dtype per state across layers),
+        and no two rows of any layers overlap.
+
+        Consecutive layers that are one strided view of one storage are run as
+        one tensor (a *layer group*, :mod:`mambacache._layout`): a stage is one
+        op per group and pool tensor, or one foreach over all of them. Evenly
+        spaced layers (one allocation cut into layers) cost what a stacked pool
+        costs; separately allocated ones one row view per layer in each op.
+        :attr:`layers` returns the adopted tensors; :attr:`tensors` only when
+        the layers form one group.
+        """
+        spec, kinds, drafts, groups = _adopt_layers(conv, temporal, draft_conv, draft_temporal, extra, draft_extra)
+        _check_pads(pad_slots)
+        if kinds[0][0].shape[1] - pad_slots < 1:
+            raise InvalidArgumentError(
+                f"{kinds[0][0].shape[1]} slots leave no live slot beside {pad_slots} padding slot(s)"
+            )
+        pool = cls.__new__(cls)
+        pool._init(spec, kinds, drafts, pad_slots, groups)
         return pool
 
     @classmethod
@@ -375,19 +577,6 @@ class StatePool:
     def draft_tokens(self) -> int:
         """Draft states kept per slot (0: no speculative decoding buffers)."""
         return self.spec.draft_tokens
-
-    @property
-    def draft_tensors(self) -> list[torch.Tensor]:
-        """Every draft buffer, matching :attr:`tensors`: the conv ones, the temporal one, the extras' (empty
-        without)."""
-        if self.draft_temporal is None:
-            return []
-        return [*self.draft_conv, self.draft_temporal, *self.draft_extra.values()]
-
-    @property
-    def tensors(self) -> list[torch.Tensor]:
-        """Every pool tensor: the conv tensors, the temporal tensor, then the extra tensors in ``spec`` order."""
-        return [*self.conv, self.temporal, *self.extra.values()]
 
     @property
     def num_free(self) -> int:

@@ -182,7 +182,7 @@ class StepRunner:
         self.backlog: Backlog = pool.backlog  # the flush core reads its length on every step: no property
         self._tensors: list[torch.Tensor] = pool.exec_tensors
         self._drafts: list[torch.Tensor] = pool.exec_drafts
-        self._convs: int = len(pool.conv)  # exec_tensors start with the conv states
+        self._convs: int = pool.exec_convs  # exec_tensors start with the conv states' layer groups
         self._device: torch.device = pool.device
         self._max_failures = max_failures
         self._failures = 0

@@ -119,9 +119,10 @@ def _int_values(values: Any, what: str, error: type[InvalidArgumentError]) -> li
     return list(values)
 
 
-def check_shift(shift: Any, convs: Sequence[torch.Tensor]) -> int:
-    """``shift`` as an int in ``0 ..`` the smallest conv width (the last axis of ``convs``) minus 1."""
-    width = min((c.shape[-1] for c in convs), default=1)
+def check_shift(shift: Any, convs: Sequence[Sequence[int]]) -> int:
+    """``shift`` as an int in ``0 ..`` the smallest conv width (the last axis of the conv shapes ``convs``)
+    minus 1."""
+    width = min((c[-1] for c in convs), default=1)
     if type(shift) is not int or not 0 <= shift < width:
         raise InvalidArgumentError(
             f"shift must be an int in 0..{width - 1} (below the smallest conv width, {width}), got {shift!r}"
@@ -131,9 +132,9 @@ def check_shift(shift: Any, convs: Sequence[torch.Tensor]) -> int:
     return shift
 
 
-def normalised(events: Iterable[Any], n: int, convs: Sequence[torch.Tensor] = ()) -> list[Any]:
+def normalised(events: Iterable[Any], n: int, convs: Sequence[Sequence[int]] = ()) -> list[Any]:
     """Events with int slots (converted from numpy or tensor scalars), request ids and copy shifts checked
-    (``convs``: the pool's conv tensors, whose smallest width bounds a shift)."""
+    (``convs``: the pool's conv state shapes, whose smallest width bounds a shift)."""
     out: list[Any] = []
     for ev in events:
         t = type(ev)

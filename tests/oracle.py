@@ -9,6 +9,8 @@ import torch
 
 import mambacache as mc
 
+from .layered import pool_tensors
+
 
 class SequentialOracle:
     """Tracks which slots have a defined value: a free slot's content is unspecified,
@@ -16,14 +18,14 @@ class SequentialOracle:
     of a defined slot writes it."""
 
     def __init__(self, pool: mc.StatePool, host: mc.HostPool | None = None) -> None:
-        self.tensors = [t.clone() for t in pool.tensors]
+        self.tensors = [t.clone() for t in pool_tensors(pool)]
         # pool.tensors starts with the conv states: a shifted copy moves those by `shift` tokens, each
         # `token` elements of the last axis (1; the item size on byte views, tests/test_edges.py).
-        self.token = [t.shape[-1] // c.shape[-1] for t, c in zip(self.tensors, pool.conv, strict=False)]
+        self.token = [t.shape[-1] // c[-1] for t, c in zip(self.tensors, pool.spec.conv_shapes, strict=False)]
         self.host = [t.clone() for t in host.tensors] if host is not None else []
         self.host_held: set[int] = set(host.held()) if host is not None else set()
         # Draft buffers are written by the forward, never by events: a snapshot serves the whole step.
-        self.drafts = [t.clone() for t in getattr(pool, "draft_tensors", [])]
+        self.drafts = [t.clone() for t in pool_tensors(pool, drafts=True)] if hasattr(pool, "draft_tensors") else []
         self.allocated: set[int] = set(pool.allocated_slots())
         self.defined: set[int] = set(self.allocated)
         self.host_defined: set[int] = set(self.host_held)
@@ -102,7 +104,7 @@ class SequentialOracle:
 
     def assert_matches_shard(self, pool: mc.StatePool) -> None:
         """As :meth:`assert_matches`, for a tensor-parallel rank: it keeps no slot bookkeeping of its own."""
-        for i, (want, got) in enumerate(zip(self.tensors, pool.tensors, strict=True)):
+        for i, (want, got) in enumerate(zip(self.tensors, pool_tensors(pool), strict=True)):
             for s in sorted(self.allocated & self.defined):
                 assert torch.equal(want[:, s], got[:, s]), f"tensor {i} slot {s} differs"
 
@@ -113,7 +115,7 @@ class SequentialOracle:
                 for h in sorted(self.host_held & self.host_defined):
                     assert torch.equal(want[:, h], got[:, h]), f"host tensor {i} slot {h} differs"
         assert set(pool.allocated_slots()) == self.allocated
-        for i, (want, got) in enumerate(zip(self.tensors, pool.tensors, strict=True)):
+        for i, (want, got) in enumerate(zip(self.tensors, pool_tensors(pool), strict=True)):
             for s in sorted(self.allocated & self.defined):
                 assert torch.equal(want[:, s], got[:, s]), f"tensor {i} slot {s} differs"
             # The padding slot is never written.

@@ -118,3 +118,19 @@ def test_the_decode_flush_ratio_is_measured() -> None:
 
     d = decode_flush(1, steps=50)
     assert d["flush_us"] > 0 and d["op_us"] > 0 and d["ratio"] == d["flush_us"] / d["op_us"]
+
+
+@pytest.mark.slow
+def test_bench_layers_row(capsys: pytest.CaptureFixture[str]) -> None:
+    """The per-layer row: every layout timed, each against the stacked pool of the same layers."""
+    assert main(["bench", "--layers", "--repeats", "1", "--json", "-"]) == 0
+    rows = json.loads(capsys.readouterr().out)["layer_overhead"]
+    assert [(r["layout"], r["layer_groups"]) for r in rows[:4]] == [
+        ("stacked", 1), ("layers-strided", 1), ("layers-apart", 36), ("managers", 36)
+    ]  # fmt: skip
+    assert {r["state"] for r in rows} == {"tiny", "qwen3-next-80b-a3b-tp8"} and len(rows) == 8
+    for r in rows:
+        assert 0 < r["min_us"] <= r["step_us"] and r["layers"] == 36
+        assert r["ratio"] == 1.0 if r["layout"] == "stacked" else r["ratio"] > 0
+    assert main(["bench", "--layers", "--repeats", "1"]) == 0
+    assert "vs stacked" in capsys.readouterr().out

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import mambacache as mc
 
+from .layered import layered_pool, pool_tensors
 from .oracle import SequentialOracle
 from .strategies import host_events_from_ops, host_ops
 from .util import drive
@@ -30,7 +31,7 @@ def shard_spec(rank: int) -> mc.StateSpec:
 
 def fill(pool: mc.StatePool, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
-    for t in [*pool.tensors, *pool.draft_tensors]:
+    for t in [*pool_tensors(pool), *pool_tensors(pool, drafts=True)]:
         t.copy_(torch.randn(t.shape, generator=g).to(t.dtype) + 1.0)
 
 
@@ -66,7 +67,10 @@ def flush_all(mgrs: list[mc.CacheManager]) -> list[mc.StepReport]:
 @given(host_ops, st.sets(st.integers(1, N)), st.sampled_from([2, 3]))
 def test_every_rank_applies_the_source_plan_exactly(raw: list[tuple[str, int, int]], initially: set[int], world: int):
     channels = mc.LoopbackChannel.group(world, timeout=10)
-    pools = [mc.StatePool(shard_spec(r), N) for r in range(world)]
+    # Odd ranks hold their shard as per-layer tensors (StatePool.from_layers): the plan is the same.
+    pools = [
+        layered_pool(shard_spec(r), N, mc.StatePool) if r % 2 else mc.StatePool(shard_spec(r), N) for r in range(world)
+    ]
     hosts = [mc.HostPool(shard_spec(r), 2 * H) for r in range(world)]  # room for slots freed in a step
     mgrs = [mc.CacheManager(p, channel=c, host_pool=h) for p, c, h in zip(pools, channels, hosts, strict=True)]
     for m in mgrs:

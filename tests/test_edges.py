@@ -180,7 +180,7 @@ class BytesOracle(SequentialOracle):
 class _Bytes:
     def __init__(self, pool: mc.StatePool) -> None:
         self.tensors = [t.view(torch.uint8) for t in pool.tensors]
-        self.conv = pool.conv  # a shifted copy moves whole tokens: item-size runs of bytes
+        self.spec = pool.spec  # a shifted copy moves whole tokens: item-size runs of bytes (conv widths)
         self._pool = pool
 
     def allocated_slots(self) -> list[int]:

@@ -20,6 +20,7 @@ from mambacache._planner import (
     plan_step,
 )
 
+from .layered import pool_tensors
 from .oracle import SequentialOracle
 from .strategies import host_ops
 from .sweep import fault_points
@@ -115,7 +116,7 @@ def run_host_scenario(variant: str, at: int, exc: type[BaseException], kind: str
         fill_random(pool, at)
         h0 = mgr.offload(slots[5])
         mgr.flush_nowait()
-        for t in pool.tensors:
+        for t in pool_tensors(pool):
             t[:, slots[5]] = -7.0  # the pool moves on; the host keeps the old state
         oracle = SequentialOracle(pool, host)
         before = mgr.pending

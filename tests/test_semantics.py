@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import anyio
 import pytest
 import torch
@@ -12,6 +14,7 @@ import mambacache as mc
 from mambacache._executors._npu import NpuExecutor
 from mambacache._executors._torch import TorchExecutor
 
+from .layered import layered_pool, pool_tensors
 from .oracle import SequentialOracle
 from .strategies import events_from_ops, shift_ops
 from .util import drive, fill_random, paged_pool, quant_spec, small_spec, step_value
@@ -26,8 +29,17 @@ SPECS = {
 }
 # Paged pools (an engine's block pages: only each (layer, slot) row contiguous) of the same specs; the npu
 # executor refuses them (test_a_paged_pool_is_refused_by_the_npu_executor_only).
-POOLS = {name: (spec, False) for name, spec in SPECS.items()}
-POOLS |= {f"paged-{name}": (SPECS[name], True) for name in ("quantized", "wide")}
+# Per-layer pools (StatePool.from_layers, two layer groups: tests/layered.py), stacked and paged.
+POOLS = {name: (spec, "stacked") for name, spec in SPECS.items()}
+POOLS |= {f"paged-{name}": (SPECS[name], "paged") for name in ("quantized", "wide")}
+POOLS |= {f"layers-{name}": (SPECS[name], "layers") for name in ("quantized", "wide")}
+POOLS |= {f"layers-paged-{name}": (SPECS[name], "layers-paged") for name in ("quantized", "wide")}
+MAKE: dict[str, Callable[[mc.StateSpec, int], mc.StatePool]] = {
+    "stacked": mc.StatePool,
+    "paged": paged_pool,
+    "layers": lambda spec, n: layered_pool(spec, n, mc.StatePool),
+    "layers-paged": lambda spec, n: layered_pool(spec, n, paged_pool),
+}
 
 
 def executors() -> dict[str, object]:
@@ -52,9 +64,9 @@ EXECUTORS = executors()
 
 async def run_steps(
     executor: object, raw: list[tuple[str, int, int]], initially: set[int], seed: int, spec: mc.StateSpec,
-    paged: bool = False,
+    kind: str = "stacked",
 ) -> None:  # fmt: skip
-    pool = paged_pool(spec, N) if paged else mc.StatePool(spec, N)
+    pool = MAKE[kind](spec, N)
     async with mc.CacheManager(pool, executor=executor) as mgr:
         if initially:
             mgr.alloc(len(initially))
@@ -71,12 +83,13 @@ async def run_steps(
             for s in pool.allocated_slots():
                 value = step_value(step, s)
                 oracle.write(s, value)
-                for t in pool.tensors:
+                for t in pool_tensors(pool):
                     t[:, s] = value
 
 
 @pytest.mark.parametrize(
-    ("pool", "name"), [(p, n) for p in sorted(POOLS) for n in EXECUTORS if not (POOLS[p][1] and "npu" in n)]
+    ("pool", "name"),
+    [(p, n) for p in sorted(POOLS) for n in EXECUTORS if not (POOLS[p][1].endswith("paged") and "npu" in n)],
 )
 @given(raw=shift_ops, initially=st.sets(st.integers(1, N), max_size=6), seed=st.integers(0, 2**16))
 @settings(max_examples=100)

@@ -46,14 +46,25 @@ def test_block_rows_cover_both_states_of_each_block_in_place() -> None:
         plugin.block_rows(conv, torch.zeros(BLOCKS, *SSM))
 
 
-def test_evenly_spaced_layers_make_one_layer_major_pool_else_one_per_layer() -> None:
+def test_every_layer_is_in_one_pool_stacked_when_evenly_spaced_else_in_layer_groups() -> None:
     _, layers = vllm_layout(layers=3)
     rows = [plugin.block_rows(c, s) for c, s in layers]
     (pool,) = plugin._pools(rows)
-    assert pool.num_slots == BLOCKS - 1 and pool.temporal.shape[0] == 3
+    assert pool.num_slots == BLOCKS - 1 and pool.temporal.shape[0] == 3 and pool.layer_groups == ((0, 3),)
     assert pool.temporal.data_ptr() == layers[0][0].data_ptr()  # adopted, not copied
-    shuffled = [rows[2], rows[0], rows[1]]
-    assert len(plugin._pools(shuffled)) == 3
+    shuffled = [rows[2], rows[1], rows[0]]  # descending: no two layers make one strided view
+    (pool,) = plugin._pools(shuffled)  # still one pool, one manager: a layer group per layer
+    assert pool.layer_groups == ((0, 1), (1, 2), (2, 3))
+    assert [t.data_ptr() for (t,) in zip(*pool.layers, strict=True)] == [r.data_ptr() for r in shuffled]
+    s = plugin.VllmStates([pool], groups=[1])
+    assert s.layer_groups() == [3] and s.shapes() == [[3, BLOCKS, rows[0].shape[1]]]
+    try:
+        s.take(step(new=(("a", [2]),)))
+        s.flush()
+        assert all(bool((conv[2] == 0).all()) and bool((ssm[2] == 0).all()) for conv, ssm in layers)
+        assert all(bool((conv[3] != 0).any()) for conv, _ in layers)
+    finally:
+        s.close()
 
 
 def step(
@@ -261,7 +272,9 @@ def test_split_pools_copy_the_conv_window_shifted_and_the_ssm_state_from_the_acc
     raw, layers = vllm_layout()
     before = raw.clone()
     pools, roles = plugin.split_pools(layers)
-    assert roles == [("conv", CONV[1]), ("ssm", 0)] * 2 and all(not p.temporal.is_contiguous() for p in pools[1::2])
+    # One conv pool and one SSM pool over every layer: two managers, whatever the layer count.
+    assert roles == [("conv", CONV[1]), ("ssm", 0)] and len(pools) == 2 and not pools[1].temporal.is_contiguous()
+    assert pools[0].spec.num_layers == pools[1].spec.num_layers == 2
     s = plugin.VllmStates(pools, groups=[1], block_size=4, roles=roles)
     try:
         s.take(step(new=(("a", [2, 3, 4, 5]),)))
@@ -305,7 +318,7 @@ def test_split_pools_trace_each_block_event_once(tmp_path: Any) -> None:
     mc.tracing.configure(path, level="debug")
     try:
         pools, roles = plugin.split_pools(layers)
-        s = plugin.VllmStates(pools, groups=[1], block_size=4, roles=roles)  # 4 pools, 4 managers
+        s = plugin.VllmStates(pools, groups=[1], block_size=4, roles=roles)  # 2 pools, 2 managers
         s.take(step(new=(("a", [2, 3, 4]),)))
         s.copy_columns("a", ([], [2, 3, 4]), 0, 1, bias=1)
         s.flush()
@@ -337,3 +350,30 @@ def test_groups_sharing_their_tensors_make_one_pool_per_storage_so_a_shift_in_pl
         assert torch.equal(conv[2], want)  # shifted once, not once per group
     finally:
         s.close()
+
+
+def test_close_detaches_the_plugin_so_vllms_own_path_runs_the_next_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """#32.7: after ``mambacache_close`` the engine's next steps must not reach the closed managers."""
+    from mambacache.integrations import _vllm_prefix
+
+    calls: list[Any] = []
+    monkeypatch.setitem(_vllm_prefix._originals, "collect_mamba_copy_meta", lambda *a: calls.append(a[4:6]))
+    monkeypatch.setitem(_vllm_prefix._originals, "do_mamba_copy_block", lambda bufs: calls.append(bufs))
+    _, layers = vllm_layout()
+    s = plugin.VllmStates(plugin._pools([plugin.block_rows(c, ssm) for c, ssm in layers]), groups=[1], block_size=4)
+    monkeypatch.setattr(_vllm_prefix, "current", s)
+    req = SimpleNamespace(req_id="a", block_ids=([], [2, 3]))
+
+    def vllm_copies() -> None:  # what preprocess_mamba calls on its scalar path
+        _vllm_prefix._collect_mamba_copy_meta(None, None, None, [1], 0, 1, 0, req, {})
+        _vllm_prefix._do_mamba_copy_block("bufs")
+
+    s.take(step(new=(("a", [2, 3]),)))
+    vllm_copies()
+    assert s.stats.copies == 1 and s.stats.flushes == 1 and calls == []  # the plugin's
+    s.close()
+    assert s.closed and _vllm_prefix.current is None
+    vllm_copies()  # detached: vLLM's own functions, not a ManagerClosedError
+    assert calls == [(0, 1), "bufs"] and s.stats.copies == 1
+    with pytest.raises(mc.ManagerClosedError):
+        s.managers[0].alloc(1)  # the managers are closed indeed: only the detach keeps steps off them

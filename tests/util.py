@@ -19,6 +19,7 @@ from mambacache._executors._npu import NpuExecutor
 from mambacache._executors._reference import ReferenceExecutor
 from mambacache._executors._torch import TorchExecutor
 
+from .layered import layered_pool, pool_tensors
 from .oracle import SequentialOracle
 
 
@@ -70,7 +71,7 @@ def step_value(step: int, slot: int) -> float:
 
 def fill_random(pool: mc.StatePool, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
-    for t in pool.tensors:
+    for t in pool_tensors(pool):
         noise = torch.randn(t.shape, generator=g)
         # Integer states (int8) get a wide spread: rounded small noise would be mostly zeros, as if cleared.
         t.copy_((noise + 1.0 if t.dtype.is_floating_point else (noise * 40).clamp(-127, 127)).to(t.dtype))
@@ -119,17 +120,20 @@ def drive(
 SPEC = small_spec()
 SPECS = {"plain": SPEC, "quantized": quant_spec()}  # the fault sweeps run on both: extras are more tensors
 # ... and on the quantized spec's tensors paged (vLLM's block pages), where the executor takes them.
-POOL_KINDS = [*SPECS, "paged"]
+# ... and as per-layer tensors (StatePool.from_layers: two layer groups), stacked and paged.
+POOL_KINDS = [*SPECS, "paged", "layers", "layers-paged"]
 
 
 def sweep_pool(kind: str, num_slots: int) -> mc.StatePool:
     """A pool of one of :data:`POOL_KINDS`."""
+    if kind.startswith("layers"):
+        return layered_pool(SPECS["quantized"], num_slots, paged_pool if kind.endswith("paged") else mc.StatePool)
     return paged_pool(SPECS["quantized"], num_slots) if kind == "paged" else mc.StatePool(SPECS[kind], num_slots)
 
 
 def kinds_for(variant: str) -> list[str]:
     """The pool kinds an executor variant runs on: the npu executor refuses paged pools."""
-    return [k for k in POOL_KINDS if not (k == "paged" and variant.startswith("npu"))]
+    return [k for k in POOL_KINDS if not (k.endswith("paged") and variant.startswith("npu"))]
 
 
 ROW = max(SPEC.layer_bytes())  # the largest state of one slot in one layer, in bytes
@@ -228,7 +232,7 @@ class Driver:
         for s in self.mgr.pool.allocated_slots():
             value = step_value(step, s)
             self.oracle.write(s, value)
-            for t in self.mgr.pool.tensors:
+            for t in pool_tensors(self.mgr.pool):
                 t[:, s] = value
 
 

@@ -51,6 +51,9 @@ from ._base import GRAIN, Executor, IndexBuilder, Progress, pieces, row_width, s
 __all__ = ["PATHS", "TorchExecutor"]
 
 PATHS = ("auto", "runs", "index", "direct")
+# Pool tensors whose views are cached: past it the oldest is dropped, and a pool with more tensors would
+# rebuild its views every step.
+_MAX_VIEWS = 1024
 
 
 def _unbind(tensor: torch.Tensor, depth: int) -> list[torch.Tensor]:
@@ -133,7 +136,9 @@ class TorchExecutor(Executor):
     def _entry(self, tensor: torch.Tensor) -> _Views:
         entry = self._views.get(id(tensor))
         if entry is None or entry.tensor is not tensor:
-            if len(self._views) >= 16:  # a manager hands over a few pool tensors; scratch ones come and go
+            # A manager hands over its pool tensors, one per state and layer group (a from_layers pool of
+            # separate layers: states x layers), every step; scratch ones (probes) come and go.
+            if len(self._views) >= _MAX_VIEWS:
                 self._views.pop(next(iter(self._views)))
             entry = self._views[id(tensor)] = _Views(tensor)
         return entry

@@ -22,6 +22,7 @@ from .._console import (
     table,
     write_json,
 )
+from . import _layers
 from ._presets import PRESETS, lookup, shard
 from ._run import (
     BENCH_EXECUTORS,
@@ -94,6 +95,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="only clear and copy, quiet and then with a competing 2-thread torch process that the bench starts"
         " and stops: both ratios side by side (CPU; default preset qwen3-next-80b-a3b-tp8, executor torch;"
         " --quick: small)",
+    )
+    p.add_argument(
+        "--layers",
+        action="store_true",
+        help="only the per-layer row: a decode step on 36 layers held as per-layer tensors (from_layers) and as one"
+        " manager per layer, against the stacked pool (--quick: tiny states only)",
     )
     p.set_defaults(func=run)
 
@@ -307,6 +314,8 @@ def run(args: argparse.Namespace) -> int:
         return run_transfer(args, device)
     if args.contended:
         return run_contended(args, device)
+    if args.layers:
+        return _layers.run(args.repeats or (5 if args.quick else 9), args.json, args.quick)
     presets = args.preset or (["small"] if args.quick else [p for p in PRESETS if p != "small"])
     if args.tp > 1:
         try:
@@ -331,6 +340,7 @@ def run(args: argparse.Namespace) -> int:
     embed = embedding_overhead(repeats)
     decode = decode_flush(repeats)
     tier = host_tier_overhead(repeats)
+    layered = _layers.layer_overhead(repeats, quick=args.quick)
     planning, bulk = planner_scaling([10, 100, 1000, 10000], repeats), bulk_vs_loop([1, 64, 1000], repeats)
     info = machine(device)
     if args.json != "-":
@@ -360,13 +370,14 @@ def run(args: argparse.Namespace) -> int:
                        [[p["events"], p["swap_us_per_event"], p["swap+refill_us_per_event"]] for p in planning],
                        title="planner alone: commit + offload + release per request (flat = linear)"),
                  "\n" + _bulk_table(bulk),
+                 "\n" + _layers.render(layered),
                  f"({time.perf_counter() - started:.1f} s)"]  # fmt: skip
         sys.stdout.write("\n".join(lines) + "\n")
     if args.json:
         write_json(args.json, {"machine": info, "results": [r.to_json() for r in results], "host_overhead": host,
                                "tracing_overhead": trace, "embedding_overhead": embed, "bulk_vs_loop": bulk,
                                "host_tier_overhead": tier, "planner_scaling": planning,
-                               "decode_flush": decode})  # fmt: skip
+                               "decode_flush": decode, "layer_overhead": layered})  # fmt: skip
     if args.plot:
         plot(results, args.plot)
     return 0

@@ -71,19 +71,25 @@ def _collect_mamba_copy_meta(
     accept_token_bias: int,
     req_state: Any,
     forward_context: dict[str, Any],
-) -> None:
+) -> Any:
     """vLLM's "block column ``src`` into column ``dst``" (with the accepted-token bias) as copy events."""
+    if current is None:  # no plugin states (closed, or none adopted): vLLM's own copy
+        return _originals["collect_mamba_copy_meta"](
+            copy_bufs, kv_cache_config, mamba_state_copy_funcs, mamba_group_ids, src_block_idx, dest_block_idx,
+            accept_token_bias, req_state, forward_context,
+        )  # fmt: skip
     if src_block_idx == dest_block_idx and accept_token_bias == 0:
-        return
-    if current is None:
-        raise RuntimeError("mambacache: an align-mode copy before the plugin adopted the KV cache")
+        return None
     current.copy_columns(req_state.req_id, req_state.block_ids, src_block_idx, dest_block_idx, accept_token_bias)
+    return None
 
 
-def _do_mamba_copy_block(copy_bufs: Any) -> None:
+def _do_mamba_copy_block(copy_bufs: Any) -> Any:
     """The step's clears, hand-overs and copies, planned together, before the forward."""
-    if current is not None:
-        current.flush()
+    if current is None:
+        return _originals["do_mamba_copy_block"](copy_bufs)
+    current.flush()
+    return None
 
 
 def _preprocess_mamba(*args: Any, **kwargs: Any) -> Any:
@@ -126,7 +132,7 @@ def install() -> None:
         return specs
 
     GPUModelRunner.get_kv_cache_spec = get_kv_cache_spec
-    for name in ("preprocess_mamba", "postprocess_mamba_align_gpu"):
+    for name in ("preprocess_mamba", "postprocess_mamba_align_gpu", "collect_mamba_copy_meta", "do_mamba_copy_block"):
         _originals[name] = getattr(mamba_utils, name)
     mamba_utils.preprocess_mamba = _preprocess_mamba
     mamba_utils.postprocess_mamba_align_gpu = _postprocess_mamba_align_gpu

@@ -27,7 +27,10 @@ prefix-cache hits, and on CPU drops Mamba2's in-forward prefill checkpoint,
 which the CPU build cannot run (:mod:`._vllm_prefix`).
 
 Every worker also answers ``llm.collective_rpc("mambacache_stats")`` (its
-plugin's counters and pool shapes, or None) and ``"mambacache_close"``.
+plugin's counters and pool shapes, or None) and ``"mambacache_close"``, which
+detaches the plugin: later steps run on vLLM's own path, as without it (in
+align mode on the CPU build, that path is what cannot run: see
+:mod:`._vllm_prefix`).
 
 ``MAMBACACHE_TRACE=PATH`` writes the slot-lifecycle trace (debug level), which
 ``mambacache trace PATH`` analyses. ``MAMBACACHE_VLLM_FAULT=skip-clear`` makes
@@ -38,7 +41,6 @@ copies: deliberate faults for tests.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -91,7 +93,7 @@ def register() -> None:
 
     def _update_states(self: Any, scheduler_output: Any) -> Any:
         states: VllmStates | None = getattr(self, "_mambacache", None)
-        if states is not None:
+        if states is not None and not states.closed:  # once closed, vLLM runs on its own path
             states.take(scheduler_output)
             if states.block_size is None:
                 # Flushed before vLLM's own update: its block copies (a prefix-cache hit into a
@@ -104,7 +106,9 @@ def register() -> None:
     def mambacache_stats(self: Any) -> dict[str, Any] | None:
         # Every rank's own figures, read with llm.collective_rpc("mambacache_stats") (no pickled function).
         states: VllmStates | None = getattr(self.model_runner, "_mambacache", None)
-        return None if states is None else {"stats": states.stats_dict(), "pools": states.shapes()}
+        if states is None:
+            return None
+        return {"stats": states.stats_dict(), "pools": states.shapes(), "layer_groups": states.layer_groups()}
 
     def mambacache_close(self: Any) -> None:
         states: VllmStates | None = getattr(self.model_runner, "_mambacache", None)
@@ -157,20 +161,9 @@ def block_rows(conv: torch.Tensor, ssm: torch.Tensor) -> torch.Tensor:
 
 
 def _pools(rows: list[torch.Tensor]) -> list[StatePool]:
-    """One layer-major pool when the layers' rows are evenly spaced in one storage, else a pool per layer."""
-    first = rows[0]
-    same = all(r.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for r in rows)
-    span = first.numel()
-    offsets = [r.storage_offset() for r in rows]
-    if (
-        same
-        and all(r.shape == first.shape for r in rows)
-        and all(b - a == span for a, b in itertools.pairwise(offsets))
-    ):
-        stacked = torch.empty(0, dtype=torch.uint8, device=first.device)
-        stacked.set_(first.untyped_storage(), offsets[0], (len(rows), *first.shape), (span, first.shape[1], 1))
-        return [StatePool.from_tensors([], stacked)]
-    return [StatePool.from_tensors([], r[None]) for r in rows]
+    """Every layer's block rows as one pool (:meth:`StatePool.from_layers`): one tensor when they are evenly
+    spaced in one storage, else a layer group per run of such layers; one ledger and one flush either way."""
+    return [StatePool.from_layers(None, rows)]
 
 
 def distinct_layers(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -195,7 +188,8 @@ def distinct_layers(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tup
 def split_pools(
     layers: list[tuple[torch.Tensor, torch.Tensor]], dim_first: bool = False
 ) -> tuple[list[StatePool], list[tuple[str, int]]]:
-    """Each layer's conv and SSM states as two paged pools, same storage, and each pool's role.
+    """Every layer's conv states as one paged pool and their SSM states as another (:meth:`StatePool.from_layers`),
+    same storage, and each pool's role.
 
     For speculative decoding's align-mode copies, which read a block's conv
     window and its SSM state from different blocks (the conv window of column
@@ -208,20 +202,21 @@ def split_pools(
         vLLM "DS" conv block [dim, state_len]  ->  as it is               unit = 1
 
     (:class:`~mambacache.StatePool` needs a temporal state, so the conv pool's is
-    a one-byte placeholder per block that nothing reads.) Roles: ``("conv", unit)``
-    and ``("ssm", 0)``, one per pool, conv pool first for each layer.
+    a one-byte placeholder per block that nothing reads, one allocation for every
+    layer so that it never splits the layer groups.) Roles: ``("conv", unit)``
+    and ``("ssm", 0)``, the conv pool first. Two pools, so two managers, whatever
+    the layer count: a copy reads the two states from different blocks.
     """
-    pools: list[StatePool] = []
-    roles: list[tuple[str, int]] = []
-    for conv, ssm in layers:
-        if dim_first:
-            window, unit = conv[None], 1
-        else:  # a view (a reshape could copy, and the pool would then write the copy)
-            window, unit = conv.view(conv.shape[0], 1, -1)[None], conv.shape[-1]
-        placeholder = torch.zeros((1, conv.shape[0], 1), dtype=torch.uint8, device=conv.device)
-        pools += [StatePool.from_tensors([window], placeholder), StatePool.from_tensors([], ssm[None])]
-        roles += [("conv", unit), ("ssm", 0)]
-    return pools, roles
+    conv0 = layers[0][0]
+    # Views (a reshape could copy, and the pool would then write the copy).
+    windows = [c if dim_first else c.view(c.shape[0], 1, -1) for c, _ in layers]
+    unit = 1 if dim_first else conv0.shape[-1]
+    placeholder = torch.zeros((len(layers), conv0.shape[0], 1), dtype=torch.uint8, device=conv0.device)
+    pools = [
+        StatePool.from_layers([[w] for w in windows], list(placeholder.unbind(0))),
+        StatePool.from_layers(None, [s for _, s in layers]),
+    ]
+    return pools, [("conv", unit), ("ssm", 0)]
 
 
 def _mirror(i: int) -> contextlib.AbstractContextManager[None]:
@@ -251,7 +246,8 @@ class VllmStats:
 
 
 class VllmStates:
-    """vLLM's mamba blocks as mambacache slots: one CacheManager per pool (usually one in all).
+    """vLLM's mamba blocks as mambacache slots: one CacheManager per pool, every layer in each (one pool of
+    block pages, or a conv pool and an SSM pool from :func:`split_pools`).
 
     Invariants: a block is held by the request vLLM last gave it to; a block
     vLLM hands to a new request while the plugin still holds it for another
@@ -326,8 +322,13 @@ class VllmStates:
         return dict(self._counts)
 
     def shapes(self) -> list[list[int]]:
-        """Each adopted pool's ``[layers, blocks, page bytes]`` (with tensor parallelism, this rank's shard)."""
-        return [list(p.temporal.shape) for p in self.pools]
+        """Each adopted pool's ``[layers, blocks, *state]`` (page bytes for block pages; with tensor parallelism,
+        this rank's shard)."""
+        return [[p.spec.num_layers, p.num_slots + p.pad_slots, *p.spec.temporal_shape] for p in self.pools]
+
+    def layer_groups(self) -> list[int]:
+        """Each pool's layer groups (:meth:`StatePool.from_layers`): 1 when its layers run as one tensor."""
+        return [len(p.layer_groups) for p in self.pools]
 
     def _each(self, method: str, *args: Any, **kwargs: Any) -> None:
         for i, mgr in enumerate(self.managers):
@@ -478,8 +479,14 @@ class VllmStates:
         self._each("flush_nowait")
         self._counts["flushes"] += 1
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran: the plugin is detached, vLLM's steps no longer reach it."""
+        return self._closed
+
     def close(self) -> None:
-        """Release the blocks kept for vLLM's prefix cache and close every manager (each runs its last flush).
+        """Release the blocks kept for vLLM's prefix cache, close every manager (each runs its last flush) and
+        detach: the model runner's later steps, and the align-mode hooks, hand over to vLLM's own code.
 
         Blocks still held by a request stay held (that request never finished),
         so a trace of a run whose requests all finished ends idle. Idempotent.
@@ -487,6 +494,8 @@ class VllmStates:
         if self._closed:
             return
         self._closed = True
+        if _vllm_prefix.current is self:
+            _vllm_prefix.current = None
         self._release(CACHED)  # the prefix cache dies with the engine: its blocks are no one's now
         for i, mgr in enumerate(self.managers):
             with _mirror(i):

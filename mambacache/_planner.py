@@ -48,6 +48,11 @@ events of a step however many segments it has::
     log:      c(1) o(1->h1) r(1) | a(1) c(2) o(2->h2) r(2) | a(2) ...
     segment:  <------ 1 -------> | <-------- 2 ---------->  | ...
     stages:   commit, late offload | commit, zero, late offload | ...
+
+A *plain* step (the decode step: releases, allocs, clears and whole copies, no
+copy reading a slot the step wrote, the copies one wave) needs none of that
+state: :func:`_plain_plan` plans it in one pass, and everything else takes the
+general pass; both give the same plan (a property test checks it).
 """
 
 from __future__ import annotations
@@ -497,8 +502,9 @@ def plan_step(events: Iterable[Event]) -> Plan:
     """Plan one step: see the module docstring for the guarantees.
 
     Iterative and linear in the events: each segment of the log is read once.
-    A plain step (:func:`_plain_plan`: the decode step) is planned in one
-    pass with no symbolic state beyond each slot's last write.
+    A plain step (the decode step's releases, allocs, clears and whole copies,
+    no copy reading a slot the step wrote) is planned in one pass that keeps
+    only each slot's last write; it gives the plan the general pass would.
     """
     log = events if isinstance(events, list | tuple) else list(events)
     plain = _plain_plan(log)

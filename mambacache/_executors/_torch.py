@@ -31,6 +31,11 @@ or with another process computing), and a copy stage runs when each run moves
 at least ``min_run_bytes``, else index (tiny states, many runs: one op beats
 many); elsewhere, direct (no temporary, constant op count).
 
+Offload and restore stages on CPU (``execute_host``) take the runs path's views
+on both sides, pool and host tensor alike, so a run at or past ``GRAIN``
+elements is cut under it too (one ``_foreach_copy_`` per stage and tensor); on
+accelerators, ``copy_host``'s per-layer non-blocking ops.
+
 Rotate stages (cycles) take the index path on every setting: one gather of all
 members, then one scatter, so every member is read before any is written; the
 gather is kept until its scatter is done (see ``Progress``). Shift stages do the

@@ -24,7 +24,7 @@ from mambacache._executors._torch import GRAIN, TorchExecutor
 from mambacache._planner import plan_step
 from mambacache._runner import run_stage
 
-from .strategies import events_from_ops, ops
+from .strategies import events_from_ops, host_events_from_ops, host_ops, ops
 from .util import drive, paged_pool
 
 # (name, spec): each slot's view over both layers is past the grain; the rows are cut into complex128
@@ -164,4 +164,28 @@ def test_no_op_of_a_host_stage_reaches_the_grain_and_the_bytes_are_the_reference
                 assert all(n < GRAIN for _, n in writes), (type(stage).__name__, writes)
         moved.append([t.view(torch.uint8).clone() for t in (*pool.tensors, *host.tensors)])
     for a, b in zip(*moved, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("name", list(SPECS))
+@given(raw=host_ops, seed=st.integers(0, 99))
+@settings(max_examples=25)
+def test_host_stages_in_pieces_move_the_bytes_the_reference_moves(
+    name: str, paged: bool, raw: list[Any], seed: int
+) -> None:
+    moved = []
+    for executor in (TorchExecutor(), "reference"):
+        pool = make_pool(name, paged)
+        host = mc.HostPool(pool.spec, 6)
+        random_bytes([*pool.tensors, *host.tensors], seed)
+        with mc.CacheManager(pool, executor=executor, host_pool=host) as mgr:
+            mgr.alloc(8, clear=False)  # every slot held: the draws offload and restore from the start
+            hosts: dict[int, int] = {}
+            for events, _, _ in host_events_from_ops(raw, 8, set(range(1, 9)), 6, set()):
+                drive(mgr, events, hosts=hosts)
+                mgr.flush_nowait()
+        moved.append((pool.allocated_slots(), [t.view(torch.uint8).clone() for t in (*pool.tensors, *host.tensors)]))
+    assert moved[0][0] == moved[1][0]
+    for a, b in zip(moved[0][1], moved[1][1], strict=True):
         assert torch.equal(a, b)

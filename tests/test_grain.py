@@ -182,7 +182,8 @@ def test_host_stages_in_pieces_move_the_bytes_the_reference_moves(
         with mc.CacheManager(pool, executor=executor, host_pool=host) as mgr:
             mgr.alloc(8, clear=False)  # every slot held: the draws offload and restore from the start
             hosts: dict[int, int] = {}
-            for events, _, _ in host_events_from_ops(raw, 8, set(range(1, 9)), 6, set()):
+            raw0 = [(k, 0 if k == "alloc" else a, b) for k, a, b in raw]  # alloc draws the lowest free slot
+            for events, _, _ in host_events_from_ops(raw0, 8, set(range(1, 9)), 6, set()):
                 drive(mgr, events, hosts=hosts)
                 mgr.flush_nowait()
         moved.append((pool.allocated_slots(), [t.view(torch.uint8).clone() for t in (*pool.tensors, *host.tensors)]))

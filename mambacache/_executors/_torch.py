@@ -45,6 +45,7 @@ it to ``t[..., :w - k]`` of the destinations and fill ``t[..., w - k:]`` with 0.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 
 import torch
@@ -131,6 +132,29 @@ class _Views:
         return [p for block in blocks for p in pieces(block, self.width)]
 
 
+def _run_views(stage: ZeroStage | CopyStage, entries: list[_Views]) -> None:
+    """The runs path of a whole stage: one ``_foreach_zero_`` / ``_foreach_copy_`` over every tensor's views of
+    the runs. A cached single slot is read inline: a method call per run is a measurable part of a decode step,
+    whose stages are a few single-slot runs of a few tensors."""
+    views: list[torch.Tensor] = []
+    if type(stage) is ZeroStage:
+        for entry in entries:
+            cache = entry.slots
+            for start, length in stage.runs:
+                got = cache[start] if length == 1 else None
+                views += got if got is not None else entry.run(start, length)
+        torch._foreach_zero_(views)
+        return
+    sources: list[torch.Tensor] = []
+    for entry in entries:
+        cache = entry.slots
+        for src, dst, length in stage.runs:  # type: ignore[misc]
+            a, b = (cache[src], cache[dst]) if length == 1 else (None, None)
+            sources += a if a is not None else entry.run(src, length)
+            views += b if b is not None else entry.run(dst, length)
+    torch._foreach_copy_(views, sources)
+
+
 class TorchExecutor(Executor):
     name = "torch"
 
@@ -152,6 +176,8 @@ class TorchExecutor(Executor):
         self._progress = Progress()
         # id(tensor) -> its views; the entry holds the tensor, so the id stays its own.
         self._views: dict[int, _Views] = {}
+        # The last all-CPU group of tensors a whole stage ran on, and their views (:meth:`_cpu_group`).
+        self._group: tuple[list[torch.Tensor], list[_Views]] = ([], [])
 
     # -- views ---------------------------------------------------------------
     def _entry(self, tensor: torch.Tensor) -> _Views:
@@ -248,6 +274,12 @@ class TorchExecutor(Executor):
         (runs, direct zero, direct copy), each branch one foreach op over the
         views it gathers; split, each piece would re-derive the same path set.
         """
+        kind = type(stage)
+        if (kind is ZeroStage or kind is CopyStage) and self.path == "auto" and len(stage.runs) <= self.max_runs:  # type: ignore[union-attr]
+            entries = self._cpu_group(tensors)
+            if entries is not None:  # few runs on CPU tensors (a decode step): the runs path, decided at once
+                _run_views(stage, entries)  # type: ignore[arg-type]
+                return True
         if isinstance(stage, ZeroStage):
             slots, runs = len(stage.slots), len(stage.runs)
         elif isinstance(stage, CopyStage):
@@ -279,28 +311,20 @@ class TorchExecutor(Executor):
                 sources += self._rows(t, srcs)
             torch._foreach_copy_(views, sources)
             return True
-        # Runs: one pass per tensor over the runs, single-slot views from the cache
-        # (a decode step's stages are a few single-slot runs of a few tensors).
-        # A cached single slot is read inline: a method call per run is a measurable part of a decode step.
-        if isinstance(stage, ZeroStage):
-            for t in tensors:
-                entry = self._entry(t)
-                cache = entry.slots
-                for start, length in stage.runs:
-                    got = cache[start] if length == 1 else None
-                    views += got if got is not None else entry.run(start, length)
-            torch._foreach_zero_(views)
-            return True
-        sources = []
-        for t in tensors:
-            entry = self._entry(t)
-            cache = entry.slots
-            for src, dst, length in stage.runs:
-                a, b = (cache[src], cache[dst]) if length == 1 else (None, None)
-                sources += a if a is not None else entry.run(src, length)
-                views += b if b is not None else entry.run(dst, length)
-        torch._foreach_copy_(views, sources)
+        _run_views(stage, [self._entry(t) for t in tensors])
         return True
+
+    def _cpu_group(self, tensors: list[torch.Tensor]) -> list[_Views] | None:
+        """The view caches of ``tensors`` when all are on the CPU, else None. The last group is kept: a
+        manager's flushes hand over the same pool tensors every step, found again with one identity check."""
+        key, entries = self._group
+        if key and len(key) == len(tensors) and all(map(operator.is_, key, tensors)):
+            return entries
+        if not all(t.is_cpu for t in tensors):
+            return None
+        entries = [self._entry(t) for t in tensors]
+        self._group = (list(tensors), entries)
+        return entries
 
     def execute_host(self, stage: HostStage, tensor: torch.Tensor, host: torch.Tensor) -> None:
         """An offload or restore on CPU tensors: one ``_foreach_copy_`` over both sides' run views, each cut

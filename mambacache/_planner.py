@@ -478,7 +478,7 @@ def _plain_plan(log: Sequence[Event]) -> Plan | None:
     zero: list[int] = []
     copies: list[tuple[int, int]] = []  # (dst, src): sorted, they are ordered by destination
     for d, v in value.items():
-        if v == d:
+        if v == d or d in dead:
             continue  # unchanged, or nobody may read it
         if v == _ZERO:
             zero.append(d)

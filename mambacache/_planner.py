@@ -48,6 +48,11 @@ events of a step however many segments it has::
     log:      c(1) o(1->h1) r(1) | a(1) c(2) o(2->h2) r(2) | a(2) ...
     segment:  <------ 1 -------> | <-------- 2 ---------->  | ...
     stages:   commit, late offload | commit, zero, late offload | ...
+
+A *plain* step (the decode step: releases, allocs, clears and whole copies, no
+copy reading a slot the step wrote, the copies one wave) needs none of that
+state: :func:`_plain_plan` plans it in one pass, and everything else takes the
+general pass; both give the same plan (a property test checks it).
 """
 
 from __future__ import annotations
@@ -196,31 +201,39 @@ class Plan:
     restored: int = 0
 
 
+# ``tuple.__new__(Run, (a, b))`` is what a named tuple's own ``__new__`` calls, without that Python-level frame.
+_tuple = tuple.__new__
+
+
 def zero_runs(slots: Sequence[int]) -> tuple[Run, ...]:
     """Coalesce sorted unique slots into runs of consecutive slots."""
     runs: list[Run] = []
-    start = prev = -2
+    start = n = 0
     for s in slots:
-        if s != prev + 1:
-            if prev >= 0:
-                runs.append(Run(start, prev - start + 1))
-            start = s
-        prev = s
-    if prev >= 0:
-        runs.append(Run(start, prev - start + 1))
+        if n and s == start + n:
+            n += 1
+            continue
+        if n:
+            runs.append(_tuple(Run, (start, n)))
+        start, n = s, 1
+    if n:
+        runs.append(_tuple(Run, (start, n)))
     return tuple(runs)
 
 
 def copy_runs(pairs: Sequence[tuple[int, int]]) -> tuple[CopyRun, ...]:
     """Coalesce pairs sorted by destination into runs where both sides advance by one."""
     runs: list[CopyRun] = []
+    src0 = dst0 = n = 0
     for src, dst in pairs:
-        if runs:
-            last = runs[-1]
-            if src == last.src + last.length and dst == last.dst + last.length:
-                runs[-1] = CopyRun(last.src, last.dst, last.length + 1)
-                continue
-        runs.append(CopyRun(src, dst, 1))
+        if n and src == src0 + n and dst == dst0 + n:
+            n += 1
+            continue
+        if n:
+            runs.append(_tuple(CopyRun, (src0, dst0, n)))
+        src0, dst0, n = src, dst, 1
+    if n:
+        runs.append(_tuple(CopyRun, (src0, dst0, n)))
     return tuple(runs)
 
 
@@ -423,12 +436,83 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
     return Writes(zero, src_of, commits, i - start, writes, offloads, restores, late, i)
 
 
+def _plain_plan(log: Sequence[Event]) -> Plan | None:
+    """The plan of a *plain* step, or None: the decode step's fast path.
+
+    Plain: only releases, allocs, clears and whole copies; no copy reads a slot
+    written before it in the step (no chain: every copy reads a start-of-step
+    value, so a slot's symbolic value is just its last write); no slot that a
+    copy reads ends the step with a copy of another slot (the copies are one
+    wave). Such a log has one segment, no pinned slot, no host stage and no
+    rotate, so the general pass (:func:`final_writes`, :func:`_order_copies`)
+    reduces to this one: the same values, dead slots, write count and stages,
+    without the state those conditions leave unused. Any other log returns None
+    and takes the general path. ``tests/test_planner.py`` checks that both give
+    the same plan on random logs, plain and just not.
+    """
+    value: dict[int, int] = {}
+    dead: set[int] = set()
+    read: set[int] = set()
+    writes = 0
+    for ev in log:
+        t = type(ev)
+        if t is CopyOnWrite:
+            src = ev.src  # type: ignore[union-attr]
+            if ev.shift or src in value or src < 0:  # type: ignore[union-attr]  # shifted, a chain, a host value
+                return None
+            value[ev.dst] = src  # type: ignore[union-attr]
+            read.add(src)
+        elif t is Release:
+            dead.add(ev.slot)  # type: ignore[union-attr]
+            continue
+        elif t is Alloc:
+            dead.discard(ev.slot)  # type: ignore[union-attr]
+            if not ev.clear:  # type: ignore[union-attr]
+                continue
+            value[ev.slot] = _ZERO  # type: ignore[union-attr]
+        elif t is Clear:
+            value[ev.slot] = _ZERO  # type: ignore[union-attr]
+        else:
+            return None
+        writes += 1
+    zero: list[int] = []
+    copies: list[tuple[int, int]] = []  # (dst, src): sorted, they are ordered by destination
+    for d, v in value.items():
+        if v == d or d in dead:
+            continue  # unchanged, or nobody may read it
+        if v == _ZERO:
+            zero.append(d)
+        elif d in read:
+            return None  # a source that is overwritten by a copy: more than one wave, or a cycle
+        else:
+            copies.append((d, v))
+    stages: list[Stage] = []
+    if copies:
+        copies.sort()
+        pairs = tuple([(s, d) for d, s in copies])
+        stages.append(CopyStage(pairs, copy_runs(pairs)))
+    if zero:
+        zero.sort()
+        slots = tuple(zero)
+        stages.append(ZeroStage(slots, zero_runs(slots)))
+    return Plan(tuple(stages), len(log), len(zero), len(copies), writes - len(zero) - len(copies))
+
+
 def plan_step(events: Iterable[Event]) -> Plan:
     """Plan one step: see the module docstring for the guarantees.
 
     Iterative and linear in the events: each segment of the log is read once.
+    A plain step (the decode step's releases, allocs, clears and whole copies,
+    no copy reading a slot the step wrote) is planned in one pass that keeps
+    only each slot's last write; it gives the plan the general pass would.
     """
     log = events if isinstance(events, list | tuple) else list(events)
+    plain = _plain_plan(log)
+    return plain if plain is not None else _general_plan(log)
+
+
+def _general_plan(log: Sequence[Event]) -> Plan:
+    """:func:`plan_step` of any log: segment by segment, each one pass of :func:`final_writes`."""
     stages: list[Stage] = []
     n = zeroed = copied = elided = committed = offloaded = restored = 0
     start = 0

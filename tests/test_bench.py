@@ -98,7 +98,9 @@ def test_bench_contended_prints_quiet_and_contended_side_by_side(capsys: pytest.
     data = json.loads(capsys.readouterr().out)
     rows = data["contended"]
     assert {(r["op"], r["path"]) for r in rows} == {
-        (op, p) for op, bound in (("clear", "memset"), ("copy", "memcpy")) for p in (bound, "seed", "torch")
+        (op, p)
+        for op, bound in (("clear", "memset"), ("copy", "memcpy"), ("offload", "memcpy"), ("restore", "memcpy"))
+        for p in (bound, "seed", "torch")
     }
     for r in rows:
         assert r["quiet_ms"] > 0 and r["contended_ms"] > 0 and r["quiet_x_bound"] > 0 and r["contended_x_seed"] > 0

@@ -19,11 +19,12 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mambacache as mc
+from mambacache._executors._reference import ReferenceExecutor
 from mambacache._executors._torch import GRAIN, TorchExecutor
 from mambacache._planner import plan_step
 from mambacache._runner import run_stage
 
-from .strategies import events_from_ops, ops
+from .strategies import events_from_ops, host_events_from_ops, host_ops, ops
 from .util import drive, paged_pool
 
 # (name, spec): each slot's view over both layers is past the grain; the rows are cut into complex128
@@ -132,3 +133,60 @@ def test_small_states_keep_one_view_per_slot() -> None:
     with MaxElements() as seen:
         run_stage(ex, stage, pool.exec_tensors)
     assert [f for f, _ in seen.seen] == ["aten._foreach_zero_.default"]
+
+
+def _host_stages() -> list[Any]:
+    """Offloads and restores of single slots and of runs (slots 2-4 -> host 1-3 is one run of three)."""
+    return [
+        *plan_step([mc.Offload(2, 1), mc.Offload(3, 2), mc.Offload(4, 3), mc.Offload(7, 5)]).stages,
+        *plan_step([mc.Restore(1, 5, keep=True), mc.Restore(2, 6, keep=True), mc.Restore(5, 1, keep=True)]).stages,
+        *plan_step([mc.Restore(3, 8, keep=True)]).stages,
+    ]
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_no_op_of_a_host_stage_reaches_the_grain_and_the_bytes_are_the_references(name: str, paged: bool) -> None:
+    stages = _host_stages()
+    assert {type(s).__name__ for s in stages} == {"OffloadStage", "RestoreStage"}
+    assert any(r.length > 1 for s in stages for r in s.runs)  # a run, not only single slots
+    moved = []
+    for ex in (TorchExecutor(), ReferenceExecutor()):
+        pool = make_pool(name, paged)
+        host = mc.HostPool(pool.spec, 6)
+        random_bytes([*pool.tensors, *host.tensors], 7)
+        for stage in stages:
+            with MaxElements() as seen:
+                run_stage(ex, stage, pool.exec_tensors, None, host.exec_tensors)
+            if isinstance(ex, TorchExecutor):
+                writes = [(f, n) for f, n in seen.seen if "_foreach" in f or "copy" in f]
+                assert writes, seen.seen
+                assert all(n < GRAIN for _, n in writes), (type(stage).__name__, writes)
+        moved.append([t.view(torch.uint8).clone() for t in (*pool.tensors, *host.tensors)])
+    for a, b in zip(*moved, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("name", list(SPECS))
+@given(raw=host_ops, seed=st.integers(0, 99))
+@settings(max_examples=25)
+def test_host_stages_in_pieces_move_the_bytes_the_reference_moves(
+    name: str, paged: bool, raw: list[Any], seed: int
+) -> None:
+    moved = []
+    for executor in (TorchExecutor(), "reference"):
+        pool = make_pool(name, paged)
+        host = mc.HostPool(pool.spec, 6)
+        random_bytes([*pool.tensors, *host.tensors], seed)
+        with mc.CacheManager(pool, executor=executor, host_pool=host) as mgr:
+            mgr.alloc(8, clear=False)  # every slot held: the draws offload and restore from the start
+            hosts: dict[int, int] = {}
+            raw0 = [(k, 0 if k == "alloc" else a, b) for k, a, b in raw]  # alloc draws the lowest free slot
+            for events, _, _ in host_events_from_ops(raw0, 8, set(range(1, 9)), 6, set()):
+                drive(mgr, events, hosts=hosts)
+                mgr.flush_nowait()
+        moved.append((pool.allocated_slots(), [t.view(torch.uint8).clone() for t in (*pool.tensors, *host.tensors)]))
+    assert moved[0][0] == moved[1][0]
+    for a, b in zip(moved[0][1], moved[1][1], strict=True):
+        assert torch.equal(a, b)

@@ -14,6 +14,8 @@ from mambacache._planner import (
     RotateStage,
     ShiftStage,
     ZeroStage,
+    _general_plan,
+    _plain_plan,
     copy_runs,
     decode_plan,
     encode_plan,
@@ -376,3 +378,75 @@ def test_shifted_copies_are_never_batched_with_plain_ones_or_each_other_when_the
     assert plan.copied == 4 and plan.events == 4
     # shift=0 is a plain copy: the log plans exactly as before.
     assert plan_step([cow(1, 2, shift=0), cow(2, 1)]) == plan_step([cow(1, 2), cow(2, 1)])
+
+
+# Plain-step draws: releases, allocs (cleared or not), clears and copies on a few slots, so that
+# a log often just misses the fast path's conditions (a chain, a source overwritten by a copy, a
+# shifted copy, one event of another kind) as well as meeting them.
+_PLAIN_KINDS = ("release", "alloc", "alloc_keep", "clear", "cow", "cow", "cow", "shift", "offload", "commit")
+_plain_ops = st.lists(
+    st.tuples(st.sampled_from(_PLAIN_KINDS), st.integers(0, 7), st.integers(0, 7), st.integers(0, 30)),
+    max_size=14,
+)
+
+
+def _plain_log(raw: list[tuple[str, int, int, int]]) -> list[object]:
+    """Any log (not only a valid one: the planner is a pure function of it), mostly plain, rarely otherwise."""
+    events: list[object] = []
+    for kind, a, b, rare in raw:
+        if kind == "release":
+            events.append(mc.Release(a))
+        elif kind in ("alloc", "alloc_keep"):
+            events.append(mc.Alloc(a, None, kind == "alloc"))
+        elif kind == "clear":
+            events.append(mc.Clear(a))
+        elif kind == "cow" or rare > 3:  # the rare kinds below stay rare
+            events.append(mc.CopyOnWrite(a, b))
+        elif kind == "shift":
+            events.append(mc.CopyOnWrite(a, b, shift=1))
+        elif kind == "offload":
+            events.append(mc.Offload(a, b + 1))
+        else:
+            events.append(mc.CommitDraft(a, 1))
+    return events
+
+
+@given(_plain_ops)
+def test_plain_fast_path_plans_what_the_general_planner_plans(raw: list[tuple[str, int, int, int]]) -> None:
+    log = _plain_log(raw)
+    fast = _plain_plan(log)  # type: ignore[arg-type]
+    general = _general_plan(log)  # type: ignore[arg-type]
+    assert plan_step(log) == general  # type: ignore[arg-type]
+    if fast is not None:
+        assert fast == general, log
+        # and it is sequential execution on every slot the step leaves live (slot 0, the padding, reads as
+        # zeros to the planner: those logs are checked against the general planner only)
+        last: dict[int, object] = {}
+        for e in log:
+            if isinstance(e, mc.Release | mc.Alloc):
+                last[e.slot] = e
+        live = [s for s in range(1, 8) if not isinstance(last.get(s), mc.Release)]
+        if not any(0 in (getattr(e, "slot", 1), getattr(e, "src", 1), getattr(e, "dst", 1)) for e in log):
+            start: dict[int, object] = {s: s for s in range(1, 8)}
+            want, got = sequential(log, start), run_plan(fast, start)
+            assert all(got[s] == want[s] for s in live), log
+
+
+def test_plain_fast_path_takes_the_decode_step_and_declines_the_rest() -> None:
+    cow, rel, alloc = mc.CopyOnWrite, mc.Release, mc.Alloc
+    decode = [rel(3), rel(4), alloc(3), alloc(4), cow(1, 3), cow(1, 4), mc.Clear(5), mc.Clear(6)]
+    fast = _plain_plan(decode)  # type: ignore[arg-type]
+    assert fast is not None and fast == _general_plan(decode)  # type: ignore[arg-type]
+    assert fast.stages == (CopyStage(((1, 3), (1, 4)), copy_runs(((1, 3), (1, 4)))), ZeroStage((5, 6), ((5, 2),)))
+    assert (fast.events, fast.zeroed, fast.copied, fast.elided) == (8, 2, 2, 2)
+    declined = [
+        [cow(1, 2), cow(2, 3)],  # a chain: 3 reads what the step wrote into 2
+        [cow(1, 2), cow(3, 1)],  # a source overwritten by a copy: two waves
+        [cow(1, 2), cow(2, 1)],  # a swap: a rotate
+        [cow(1, 2, shift=1)],
+        [mc.Offload(1, 1)],
+        [mc.CommitDraft(1, 1)],
+        [mc.Restore(1, 2)],
+    ]
+    for log in declined:
+        assert _plain_plan(log) is None, log  # type: ignore[arg-type]

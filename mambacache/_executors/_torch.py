@@ -31,6 +31,11 @@ or with another process computing), and a copy stage runs when each run moves
 at least ``min_run_bytes``, else index (tiny states, many runs: one op beats
 many); elsewhere, direct (no temporary, constant op count).
 
+Offload and restore stages on CPU (``execute_host``) take the runs path's views
+on both sides, pool and host tensor alike, so a run at or past ``GRAIN``
+elements is cut under it too (one ``_foreach_copy_`` per stage and tensor); on
+accelerators, ``copy_host``'s per-layer non-blocking ops.
+
 Rotate stages (cycles) take the index path on every setting: one gather of all
 members, then one scatter, so every member is read before any is written; the
 gather is kept until its scatter is done (see ``Progress``). Shift stages do the
@@ -40,13 +45,14 @@ it to ``t[..., :w - k]`` of the destinations and fill ``t[..., w - k:]`` with 0.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 
 import torch
 
 from .._errors import InvalidArgumentError
-from .._planner import CommitStage, CopyStage, RotateStage, ShiftStage, Stage, ZeroStage
-from ._base import GRAIN, Executor, IndexBuilder, Progress, pieces, row_width, stage_pairs
+from .._planner import CommitStage, CopyStage, HostStage, OffloadStage, RotateStage, ShiftStage, Stage, ZeroStage
+from ._base import GRAIN, Executor, IndexBuilder, Progress, copy_host, pieces, row_width, stage_pairs
 
 __all__ = ["PATHS", "TorchExecutor"]
 
@@ -69,14 +75,23 @@ def _slot_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() // tensor.shape[1] * tensor.element_size()
 
 
+def _alike(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """Two cuts of the same logical bytes, both in (layer, slot, element) order, pair one to one when their
+    pieces have the same shapes: a copy piece by piece is then exact (the dtypes match: each side's width is
+    one of the distinct sizes of ``_base._WIDE``, or the tensors' own, checked equal)."""
+    return len(a) == len(b) and all(x.shape == y.shape for x, y in zip(a, b, strict=True))
+
+
 class _Views:
     """Cached views of one pool tensor: each single slot's run-path views (lazily) and the ``(layer, slot)`` rows.
 
     A slot's views are ``[t[:, s]]`` (one op), or its pieces under the grain on CPU when that view has
-    ``GRAIN`` elements or more (``split``).
+    ``GRAIN`` elements or more (``split``). The piece table: for a tensor whose layers are each contiguous,
+    every layer as one flat ``width`` view (``flats``), so that a run's pieces are slices of it, one view
+    each, where cutting the block afresh makes five.
     """
 
-    __slots__ = ("drafts", "rows", "slots", "split", "tensor", "width")
+    __slots__ = ("drafts", "flats", "row", "rows", "slots", "split", "tensor", "width")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
@@ -89,6 +104,11 @@ class _Views:
             and tensor[0, 0].is_contiguous()
         )
         self.width = row_width(tensor) if self.split else tensor.dtype
+        self.flats: list[torch.Tensor] | None = None
+        self.row = 0  # one (layer, slot) row, in width elements
+        if self.split and all(tensor[layer].is_contiguous() for layer in range(tensor.shape[0])):
+            self.flats = [tensor[layer].view(-1).view(torch.uint8).view(self.width) for layer in range(tensor.shape[0])]
+            self.row = self.flats[0].numel() // tensor.shape[1]
 
     def run(self, start: int, length: int) -> list[torch.Tensor]:
         """The views of slots ``start .. start + length - 1``, every layer: one strided view, or pieces."""
@@ -104,10 +124,38 @@ class _Views:
         view = t[:, start] if length == 1 else t[:, start : start + length]
         if not self.split or view.numel() < GRAIN:
             return [view]
+        if self.flats is not None:  # the table: pieces(t[layer, start:start + length]), sliced from the flat
+            n = self.row * length
+            step = -(-n // -(-n // (GRAIN - 1)))  # as pieces() cuts n elements
+            a0 = self.row * start
+            return [flat[a0 + a : a0 + min(a + step, n)] for flat in self.flats for a in range(0, n, step)]
         blocks = [t[layer, start : start + length] for layer in range(t.shape[0])]
         if not blocks[0].is_contiguous():  # paged: only each (layer, slot) row is contiguous
             blocks = [row for block in blocks for row in block.unbind(0)]
         return [p for block in blocks for p in pieces(block, self.width)]
+
+
+def _run_views(stage: ZeroStage | CopyStage, entries: list[_Views]) -> None:
+    """The runs path of a whole stage: one ``_foreach_zero_`` / ``_foreach_copy_`` over every tensor's views of
+    the runs. A cached single slot is read inline: a method call per run is a measurable part of a decode step,
+    whose stages are a few single-slot runs of a few tensors."""
+    views: list[torch.Tensor] = []
+    if type(stage) is ZeroStage:
+        for entry in entries:
+            cache = entry.slots
+            for start, length in stage.runs:
+                got = cache[start] if length == 1 else None
+                views += got if got is not None else entry.run(start, length)
+        torch._foreach_zero_(views)
+        return
+    sources: list[torch.Tensor] = []
+    for entry in entries:
+        cache = entry.slots
+        for src, dst, length in stage.runs:  # type: ignore[misc]
+            a, b = (cache[src], cache[dst]) if length == 1 else (None, None)
+            sources += a if a is not None else entry.run(src, length)
+            views += b if b is not None else entry.run(dst, length)
+    torch._foreach_copy_(views, sources)
 
 
 class TorchExecutor(Executor):
@@ -131,6 +179,8 @@ class TorchExecutor(Executor):
         self._progress = Progress()
         # id(tensor) -> its views; the entry holds the tensor, so the id stays its own.
         self._views: dict[int, _Views] = {}
+        # The last all-CPU group of tensors a whole stage ran on, and their views (:meth:`_cpu_group`).
+        self._group: tuple[list[torch.Tensor], list[_Views]] = ([], [])
 
     # -- views ---------------------------------------------------------------
     def _entry(self, tensor: torch.Tensor) -> _Views:
@@ -229,6 +279,12 @@ class TorchExecutor(Executor):
         (runs, direct zero, direct copy), each branch one foreach op over the
         views it gathers; split, each piece would re-derive the same path set.
         """
+        kind = type(stage)
+        if (kind is ZeroStage or kind is CopyStage) and self.path == "auto" and len(stage.runs) <= self.max_runs:  # type: ignore[union-attr]
+            entries = self._cpu_group(tensors)
+            if entries is not None:  # few runs on CPU tensors (a decode step): the runs path, decided at once
+                _run_views(stage, entries)  # type: ignore[arg-type]
+                return True
         if isinstance(stage, ZeroStage):
             slots, runs = len(stage.slots), len(stage.runs)
         elif isinstance(stage, CopyStage):
@@ -260,28 +316,54 @@ class TorchExecutor(Executor):
                 sources += self._rows(t, srcs)
             torch._foreach_copy_(views, sources)
             return True
-        # Runs: one pass per tensor over the runs, single-slot views from the cache
-        # (a decode step's stages are a few single-slot runs of a few tensors).
-        # A cached single slot is read inline: a method call per run is a measurable part of a decode step.
-        if isinstance(stage, ZeroStage):
-            for t in tensors:
-                entry = self._entry(t)
-                cache = entry.slots
-                for start, length in stage.runs:
-                    got = cache[start] if length == 1 else None
-                    views += got if got is not None else entry.run(start, length)
-            torch._foreach_zero_(views)
-            return True
-        sources = []
-        for t in tensors:
-            entry = self._entry(t)
-            cache = entry.slots
-            for src, dst, length in stage.runs:
-                a, b = (cache[src], cache[dst]) if length == 1 else (None, None)
-                sources += a if a is not None else entry.run(src, length)
-                views += b if b is not None else entry.run(dst, length)
-        torch._foreach_copy_(views, sources)
+        _run_views(stage, [self._entry(t) for t in tensors])
         return True
+
+    def _cpu_group(self, tensors: list[torch.Tensor]) -> list[_Views] | None:
+        """The view caches of ``tensors`` when all are on the CPU, else None. The last group is kept: a
+        manager's flushes hand over the same pool tensors every step, found again with one identity check."""
+        key, entries = self._group
+        if key and len(key) == len(tensors) and all(map(operator.is_, key, tensors)):
+            return entries
+        if not all(t.is_cpu for t in tensors):
+            return None
+        entries = [self._entry(t) for t in tensors]
+        self._group = (list(tensors), entries)
+        return entries
+
+    def execute_host(self, stage: HostStage, tensor: torch.Tensor, host: torch.Tensor) -> None:
+        """An offload or restore on CPU tensors: one ``_foreach_copy_`` over both sides' run views, each cut
+        under the grain as the runs path cuts them (:meth:`_Views.run`), so that no op is an OpenMP parallel
+        region waiting on a competing process; single slots from the cache. A run whose two sides are not cut
+        alike (a paged side, another row width) is one strided op, as :func:`copy_host` makes it; so is
+        every run on an accelerator (``copy_host``'s per-layer non-blocking ops). Reads one side and writes
+        the other: a repeat after a fault is harmless."""
+        if not (tensor.is_cpu and host.is_cpu and tensor.dtype == host.dtype):
+            copy_host(stage, tensor, host)
+            return
+        src, dst = (tensor, host) if type(stage) is OffloadStage else (host, tensor)
+        read, write = self._entry(src), self._entry(dst)
+        sources: list[torch.Tensor] = []
+        dests: list[torch.Tensor] = []
+        for a, b, n in stage.runs:
+            got, put = read.run(a, n), write.run(b, n)
+            if n > 1 and not _alike(got, put):  # a paged side cuts a run row by row: go slot by slot
+                got = [v for i in range(n) for v in read.run(a + i, 1)]
+                put = [v for i in range(n) for v in write.run(b + i, 1)]
+            if not _alike(got, put) and read.split and write.split:
+                # Another row width on each side (a paged pool's rows start at narrower offsets): both cut in
+                # the narrower one, which divides the wider, slot by slot and row by row, as a commit's are.
+                width = min(read.width, write.width, key=lambda dt: dt.itemsize)
+                layers = range(src.shape[0])
+                got = [p for i in range(n) for layer in layers for p in pieces(src[layer, a + i], width)]
+                put = [p for i in range(n) for layer in layers for p in pieces(dst[layer, b + i], width)]
+            if _alike(got, put):
+                sources += got
+                dests += put
+            else:
+                dst[:, b : b + n].copy_(src[:, a : a + n])
+        if dests:
+            torch._foreach_copy_(dests, sources)
 
     def execute(self, stage: Stage, tensor: torch.Tensor, draft: torch.Tensor | None = None) -> None:
         if isinstance(stage, CommitStage):

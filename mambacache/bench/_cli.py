@@ -92,8 +92,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--contended",
         action="store_true",
-        help="only clear and copy, quiet and then with a competing 2-thread torch process that the bench starts"
-        " and stops: both ratios side by side (CPU; default preset qwen3-next-80b-a3b-tp8, executor torch;"
+        help="only clear, copy, offload and restore, quiet and then with a competing 2-thread torch process that the"
+        " bench starts and stops: both ratios side by side (CPU; default preset qwen3-next-80b-a3b-tp8, executor torch;"
         " --quick: small)",
     )
     p.add_argument(
@@ -292,7 +292,8 @@ def _contended_table(rows: list[dict[str, Any]]) -> str:
 
 
 def run_contended(args: argparse.Namespace, device: torch.device) -> int:
-    """``bench --contended``: clear and copy, quiet and under a competing process (it starts and stops it)."""
+    """``bench --contended``: clear, copy, offload and restore, quiet and under a competing process (it starts
+    and stops it)."""
     from ._contend import contended
 
     presets = args.preset or (["small"] if args.quick else ["qwen3-next-80b-a3b-tp8"])

@@ -1,4 +1,5 @@
-"""``mambacache bench --contended``: the clear and copy rows, quiet and with another process computing.
+"""``mambacache bench --contended``: the clear, copy, offload and restore rows, quiet and with another process
+computing.
 
 Engines share hosts and run under CPU quotas, so a pool's stages often run while
 another process holds CPU time. The competing process here is a plain torch
@@ -35,7 +36,7 @@ while time.monotonic() < end and os.getppid() == parent:
     a @ a
 """
 
-OPS = ("clear", "copy")
+OPS = ("clear", "copy", "offload", "restore")
 
 
 @contextlib.contextmanager
@@ -74,8 +75,9 @@ def contended(
     workspace_bytes: int,
     threads: int = 2,
 ) -> list[dict[str, Any]]:
-    """Clear and copy of each preset and size, quiet then with :func:`competing_process` running: one row per
-    (preset, slots, op, path) with both medians and both ratios (to the bound and to the seed path)."""
+    """Clear, copy, offload and restore of each preset and size, quiet then with :func:`competing_process`
+    running: one row per (preset, slots, op, path) with both medians and both ratios (to the bound and to the
+    seed path)."""
 
     def rows() -> list[Any]:
         args = (sizes, executors, device, repeats, budget_bytes, workspace_bytes)

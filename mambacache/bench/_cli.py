@@ -83,6 +83,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--json", metavar="PATH", type=output_path(stdout=True), help="write every figure as JSON ('-' for stdout)"
     )
+    _add_single_rows(p)
+    p.set_defaults(func=run)
+
+
+def _add_single_rows(p: argparse.ArgumentParser) -> None:
+    """The options that run one row of the bench alone (each starts its own processes or layouts)."""
     p.add_argument(
         "--transfer",
         action="store_true",
@@ -102,7 +108,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="only the per-layer row: a decode step on 36 layers held as per-layer tensors (from_layers) and as one"
         " manager per layer, against the stacked pool (--quick: tiny states only)",
     )
-    p.set_defaults(func=run)
 
 
 # Besides the pool, a run holds the bandwidth-bound buffers (two of n slots), the seed

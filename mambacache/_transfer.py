@@ -101,8 +101,8 @@ class Batches:
     Invariant: a batch that failed after the peer may have landed it (no
     acknowledgement seen) is the next one sent, with the same number and no
     other export in it, so the peer re-acknowledges it instead of landing it
-    twice; exports withdrawn meanwhile leave it, and once none is left the
-    doubt is gone.
+    twice; exports withdrawn meanwhile leave it (matched by identity, never
+    by equality), and once none is left the doubt is gone.
     """
 
     __slots__ = ("doubt", "limit", "seq")
@@ -116,7 +116,11 @@ class Batches:
         """The batch to send out of ``ready`` (the first ``limit`` of them after a refusal for room), with its
         number."""
         if self.doubt:
-            batch = [ev for ev in ready if ev in self.doubt]
+            # By identity: a release withdraws an export, and the same request exported again from the same
+            # slot into the same staging slot is an *equal* Export, but a new state that must not go as the
+            # retry of the old one (the peer would acknowledge it as a duplicate and land nothing).
+            doubt = {id(ev) for ev in self.doubt}
+            batch = [ev for ev in ready if id(ev) in doubt]
             if batch:
                 return batch, self.seq
             self.doubt = []

@@ -1,0 +1,106 @@
+"""Adversarial checks of the merged state transfer (issue #32): found by attacking it, each fails on the old code.
+
+The wire is replaced by :class:`Wire`, which keeps the receiver's promise of
+``_link.Inbox``: a batch is a ``seq`` of the sending transfer, and a batch
+that landed already is acknowledged again (``dup``) and not landed twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import mambacache as mc
+from mambacache._transfer import Batches, send_exports
+
+from .util import small_spec
+
+SPEC = small_spec(2)
+
+
+def _mgr(slots: int = 4, host: int = 2) -> mc.CacheManager:
+    return mc.CacheManager(mc.StatePool(SPEC, slots), host_pool=mc.HostPool(SPEC, host))
+
+
+class Wire:
+    """A receiver behind a fake wire: lands each batch's rows by ``seq`` (a repeated ``seq`` lands nothing);
+    ``lose_ack``: the next batch lands but its acknowledgement is lost (the sender sees a TransferError)."""
+
+    def __init__(self, sender: mc.CacheManager) -> None:
+        self.sender = sender
+        self.landed: dict[str, list[torch.Tensor]] = {}
+        self.seqs: list[int] = []
+        self.last: int | None = None
+        self.lose_ack = False
+
+    def ship(self, batch: list[mc.Export], ids: list[str], seq: int) -> None:
+        host = self.sender.host_pool
+        assert host is not None
+        self.seqs.append(seq)
+        if seq != self.last:  # "go": the bytes land
+            for ev, rid in zip(batch, ids, strict=True):
+                self.landed[rid] = [t[:, ev.host].clone() for t in host.tensors]
+            self.last = seq
+        if self.lose_ack:
+            self.lose_ack = False
+            raise mc.TransferError("the acknowledgement timed out", ids)
+
+    def send(self, batches: Batches) -> list[str]:
+        return send_exports(self.sender, self.ship, [1], batches)
+
+
+def _export(mgr: mc.CacheManager, rid: str, value: float) -> int:
+    (slot,) = mgr.alloc(1, rid, clear=False)
+    mgr.flush_nowait()
+    for t in mgr.pool.tensors:
+        t[:, slot] = value
+    mgr.export(slot, rid, to=1)
+    mgr.flush_nowait()
+    return slot
+
+
+def test_a_re_export_after_withdrawing_a_batch_in_doubt_is_a_new_batch_not_its_retry() -> None:
+    """A batch in doubt (landed, ack lost) whose export is released (withdrawn), then the same request exported
+    again from the same slot: the new export lands the same staging host slot, so it is *equal* to the withdrawn
+    one (a frozen dataclass). Taken for the batch in doubt, it went again under the old number, the receiver
+    acknowledged it as a duplicate and landed nothing, and the sender released the new state: lost (the receiver
+    holds the first export's bytes under that id)."""
+    with _mgr() as mgr:
+        wire, batches = Wire(mgr), Batches()
+        slot = _export(mgr, "r", 1.0)
+        wire.lose_ack = True
+        with pytest.raises(mc.TransferError):
+            wire.send(batches)
+        assert wire.landed["r"][0].eq(1.0).all()
+        mgr.release(slot, "r")  # withdraws the export in doubt
+        mgr.flush_nowait()
+        del wire.landed["r"]  # the receiver's engine discards the state it got for the withdrawn request
+        assert _export(mgr, "r", 2.0) == slot
+        assert wire.send(batches) == ["r"]
+        assert wire.seqs[-1] != wire.seqs[0], "the new export went as the retry of the withdrawn batch"
+        assert "r" in wire.landed and wire.landed["r"][0].eq(2.0).all(), "the new state never landed"
+        mgr.flush_nowait()
+        mgr.check_idle(host=True)
+
+
+def test_a_batch_in_doubt_is_retried_alone_under_its_number_and_lands_once() -> None:
+    """What held: the batch in doubt goes again alone under its number (acknowledged as a duplicate), the
+    export made meanwhile in a batch of its own."""
+    with _mgr() as mgr:
+        wire, batches = Wire(mgr), Batches()
+        _export(mgr, "a", 1.0)
+        wire.lose_ack = True
+        with pytest.raises(mc.TransferError):
+            wire.send(batches)
+        _export(mgr, "b", 2.0)
+        assert wire.send(batches) == ["a", "b"]
+        assert wire.seqs == [1, 1, 2]
+        assert wire.landed["a"][0].eq(1.0).all() and wire.landed["b"][0].eq(2.0).all()
+        mgr.flush_nowait()
+        mgr.check_idle(host=True)
+
+
+def _unused(*_: Any) -> None:
+    return None

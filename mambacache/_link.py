@@ -72,7 +72,11 @@ class _Direction:
 
         self._dist = dist
         # A clone per direction: a store client is one socket, and a thread waiting on it would block the other.
-        self.store = dist.distributed_c10d.PrefixStore(f"mambacache/xfer/{src}>{dst}/", root_store(store).clone())
+        try:
+            clone = root_store(store).clone()  # a new connection: fails when the store's host is gone
+        except Exception as exc:
+            raise TransferError(f"the key-value store failed (connecting): {exc}") from exc
+        self.store = dist.distributed_c10d.PrefixStore(f"mambacache/xfer/{src}>{dst}/", clone)
         self.src, self.dst, self.me = src, dst, me
         self.timeout = timeout
         self._pair: tuple[str, Any] | None = None

@@ -232,6 +232,8 @@ class StateTransfer:
             rank, store = dist.get_rank(), dist.distributed_c10d._get_default_store()
         elif group is not None or type(rank) is not int or type(peer) is not int or peer == rank or min(rank, peer) < 0:
             raise InvalidArgumentError("with a store: group=None, and rank and peer two distinct ranks (ints >= 0)")
+        elif not isinstance(store, dist.distributed_c10d.Store):
+            raise InvalidArgumentError(f"store must be a torch.distributed.Store (a TCPStore client), got {store!r}")
         self._mgr, self.peer, self.rank = manager, peer, rank
         self._out, self._in = Outbox(store, rank, peer, seconds), Inbox(store, peer, rank, seconds)
         self._batches = Batches()

@@ -56,20 +56,23 @@ class HandOffBook:
 
     Invariants: a pool slot has at most one export in ``exports`` (in export
     order, with the backlog ticket of the flush that stages it), and while it
-    is there its tenant does not change; ``sending`` is a subset of
-    ``exports``' slots; a request id has at most one state in ``arrived``;
+    is there its tenant does not change; ``sending`` and ``pinned`` are subsets of
+    ``exports``' slots, and an export in ``pinned`` is taken for that peer
+    only (its batch to that peer is in doubt: it may have landed there); a
+    request id has at most one state in ``arrived``;
     ``hosts`` holds exactly the staging host slots of ``exports`` and
     ``arrived``, which no call but the hand-off's own changes (drop, restore
     of one are refused). Methods named ``*_locked`` run under the lock the
     caller holds; the others take it.
     """
 
-    __slots__ = ("_backlog", "_host", "_ledger", "_queue", "arrived", "exports", "hosts", "sending")
+    __slots__ = ("_backlog", "_host", "_ledger", "_queue", "arrived", "exports", "hosts", "pinned", "sending")
 
     def __init__(self, queue: QueueSide, ledger: SlotLedger, host: SlotLedger | None, backlog: Backlog) -> None:
         self._queue, self._ledger, self._host, self._backlog = queue, ledger, host, backlog
         self.exports: dict[int, tuple[int, Export]] = {}  # pool slot -> (ticket, export)
         self.sending: set[int] = set()  # pool slots whose export a send has taken and not settled
+        self.pinned: dict[int, int] = {}  # pool slot -> the peer that may hold its unaddressed export (in doubt)
         self.arrived: dict[str, int] = {}  # request id -> staging host slot
         self.hosts: dict[int, str] = {}  # staging host slot -> "exporting" | "arrived"
 
@@ -130,10 +133,13 @@ class HandOffBook:
                 q.check()
             done = self._backlog.done
             sending = self.sending
+            pinned = self.pinned
             ready = [
                 ev
                 for ticket, ev in self.exports.values()
-                if ticket < done and ev.slot not in sending and (to is None or ev.to is None or ev.to == to)
+                if ticket < done
+                and ev.slot not in sending
+                and (to is None or (ev.to is None and pinned.get(ev.slot, to) == to) or ev.to == to)
             ]
             if take:
                 sending.update(ev.slot for ev in ready)
@@ -143,8 +149,12 @@ class HandOffBook:
         """Those of ``exports`` still in the book (a repeated ack, or an export withdrawn since, is not)."""
         return [ev for ev in exports if self.exports.get(ev.slot, (0, None))[1] is ev]
 
-    def returned(self, exports: Sequence[Export]) -> None:
+    def returned(self, exports: Sequence[Export], peer: int | None = None) -> None:
         """A send of ``exports`` failed: they wait for the next send, and a release may withdraw them again.
+
+        ``peer``: the send to ``peer`` failed after it may have landed them (in
+        doubt): those addressed to no one are taken for ``peer`` only from now
+        on, so a transfer to another peer never delivers a state ``peer`` may hold.
 
         On a closed manager no send can follow: their slots and staging slots
         are freed at once (:meth:`_settle_closed`), nothing is kept for the next
@@ -158,6 +168,8 @@ class HandOffBook:
                 return
             for ev in mine:
                 self.sending.discard(ev.slot)
+                if peer is not None and ev.to is None:
+                    self.pinned[ev.slot] = peer
 
     def delivered(self, exports: Sequence[Export]) -> None:
         """The peer acknowledged ``exports``: queue the release of each pool slot and the drop of each staging slot.
@@ -191,6 +203,7 @@ class HandOffBook:
             if entry is not None and entry[1] is ev:
                 del self.exports[ev.slot]
                 self.sending.discard(ev.slot)
+                self.pinned.pop(ev.slot, None)
                 del self.hosts[ev.host]
                 gone.append(ev)
         drops = [DropHost(ev.host) for ev in gone]
@@ -218,6 +231,7 @@ class HandOffBook:
         for ev in exports:
             del self.exports[ev.slot]
             self.sending.discard(ev.slot)
+            self.pinned.pop(ev.slot, None)
             del self.hosts[ev.host]
         self._ledger.give_back([ev.slot for ev in exports])
         host.give_back([ev.host for ev in exports])

@@ -101,9 +101,13 @@ class HandOff:
         dest = _check_to(to)
         return self._book("take_exports").ready(dest, take=True)
 
-    def exports_returned(self, exports: list[Export]) -> None:
-        """The send of ``exports`` failed: they wait for the next send, and releasing a slot withdraws its export."""
-        self._book("exports_returned").returned(check_exports("exports_returned", exports))
+    def exports_returned(self, exports: list[Export], *, peer: int | None = None) -> None:
+        """The send of ``exports`` failed: they wait for the next send, and releasing a slot withdraws its export.
+
+        ``peer``: the send to that rank failed after it may have landed them (in doubt): those exported to no
+        one in particular are from now on taken only for ``peer``, never delivered to a second peer."""
+        dest = _check_to(peer)
+        self._book("exports_returned").returned(check_exports("exports_returned", exports), dest)
 
     def exports_delivered(self, exports: list[Export]) -> None:
         """The peer acknowledged ``exports``: release their pool slots and drop their staging slots (all or none).

@@ -178,8 +178,11 @@ class Outbox(_Direction):
         self.call("set", f"hdr/{m}", json.dumps(header))
         try:
             self._settle(m, ids, raw, pair)
-        except TransferRefusedError:
+        except TransferRefusedError as exc:
             self._cleanup(m)
+            if exc.reason == "failed":  # after the bytes: the receiver may have dropped its end of the pair
+                self._epoch += 1
+                self.drop_pair()
             raise
         except TransferError:
             self._epoch += 1  # the pair may be closed, or the peer gone: a fresh one next time
@@ -211,6 +214,8 @@ class Outbox(_Direction):
             return
         if kind == "refuse":
             raise self._refused(why, ids)
+        if kind == "fail":  # the receiver says it landed none of it (else it would have answered "dup")
+            raise TransferRefusedError(f"rank {self.dst} did not land the batch: {why}", ids, "failed")
         raise TransferError(f"rank {self.dst} did not land the batch: {ack}", ids)
 
     def _refused(self, why: str, ids: list[str]) -> TransferRefusedError:

@@ -168,7 +168,7 @@ def send_exports(
             raise
         except BaseException:
             batches.doubt = batch
-            manager.exports_returned(batch)
+            manager.exports_returned(batch, peer=peers[0])  # it may have landed there: nowhere else
             if delivered:
                 return delivered
             raise

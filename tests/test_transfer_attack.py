@@ -31,8 +31,8 @@ class Wire:
     """A receiver behind a fake wire: lands each batch's rows by ``seq`` (a repeated ``seq`` lands nothing);
     ``lose_ack``: the next batch lands but its acknowledgement is lost (the sender sees a TransferError)."""
 
-    def __init__(self, sender: mc.CacheManager) -> None:
-        self.sender = sender
+    def __init__(self, sender: mc.CacheManager, peer: int = 1) -> None:
+        self.sender, self.peer = sender, peer
         self.landed: dict[str, list[torch.Tensor]] = {}
         self.seqs: list[int] = []
         self.last: int | None = None
@@ -51,7 +51,7 @@ class Wire:
             raise mc.TransferError("the acknowledgement timed out", ids)
 
     def send(self, batches: Batches) -> list[str]:
-        return send_exports(self.sender, self.ship, [1], batches)
+        return send_exports(self.sender, self.ship, [self.peer], batches)
 
 
 def _export(mgr: mc.CacheManager, rid: str, value: float) -> int:
@@ -149,3 +149,25 @@ def test_a_transfer_built_on_a_store_whose_host_is_gone_is_a_transfer_error() ->
     gc.collect()
     with _mgr() as mgr, pytest.raises(mc.TransferError, match="key-value store failed"):
         mc.StateTransfer(mgr, None, peer=0, store=client, rank=1, timeout=1.0)
+
+
+def test_an_unaddressed_export_in_doubt_with_one_peer_is_never_sent_to_another() -> None:
+    """``export(to=None)``: whichever transfer sends first. Its batch to peer 1 landed there and the ack was lost
+    (in doubt); the transfer to peer 2 then took it, being unaddressed, and delivered it there too: one state at
+    two peers. It must stay with peer 1 (whose retry is acknowledged as a duplicate)."""
+    with _mgr() as mgr:
+        one, two = Wire(mgr, 1), Wire(mgr, 2)
+        b1, b2 = Batches(), Batches()
+        (slot,) = mgr.alloc(1, "r", clear=False)
+        mgr.export(slot, "r")  # to no one in particular
+        mgr.flush_nowait()
+        one.lose_ack = True
+        with pytest.raises(mc.TransferError):
+            one.send(b1)
+        assert "r" in one.landed
+        assert mgr.exports_ready(to=2) == [], "an export in doubt with peer 1 is offered to peer 2"
+        assert two.send(b2) == [], "an export in doubt with peer 1 was delivered to peer 2 as well"
+        assert one.send(b1) == ["r"] and one.seqs == [1, 1]
+        assert "r" not in two.landed
+        mgr.flush_nowait()
+        mgr.check_idle(host=True)

@@ -22,7 +22,7 @@ then hold the state or not; before and after a send it withdraws the export.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from . import _tracing
@@ -66,7 +66,9 @@ class HandOffBook:
     caller holds; the others take it.
     """
 
-    __slots__ = ("_backlog", "_host", "_ledger", "_queue", "arrived", "exports", "hosts", "pinned", "sending")
+    __slots__ = (
+        "_backlog", "_host", "_ledger", "_queue", "arrived", "exports", "hosts", "landing", "pinned", "sending",
+    )  # fmt: skip
 
     def __init__(self, queue: QueueSide, ledger: SlotLedger, host: SlotLedger | None, backlog: Backlog) -> None:
         self._queue, self._ledger, self._host, self._backlog = queue, ledger, host, backlog
@@ -74,6 +76,7 @@ class HandOffBook:
         self.sending: set[int] = set()  # pool slots whose export a send has taken and not settled
         self.pinned: dict[int, int] = {}  # pool slot -> the peer that may hold its unaddressed export (in doubt)
         self.arrived: dict[str, int] = {}  # request id -> staging host slot
+        self.landing: dict[str, int] = {}  # request id -> staging host slot being written (not arrived yet)
         self.hosts: dict[int, str] = {}  # staging host slot -> "exporting" | "arrived"
 
     # -- checks other calls make (under the lock) --------------------------------
@@ -91,7 +94,9 @@ class HandOffBook:
         state arrived for an import): only the hand-off's own calls change it."""
         role = self.hosts.get(host)
         if role is not None:
-            how = "import_into() or discard_arrived()" if role == "arrived" else "the transfer's send() or release()"
+            how = {"arrived": "import_into() or discard_arrived()", "landing": "its receive()"}.get(
+                role, "the transfer's send() or release()"
+            )
             raise SlotStateError(f"{what}: host slot {host} is a transfer's staging slot ({role}); {how} ends it")
 
     def withdraw_locked(self, events: Sequence[Event]) -> list[Export]:
@@ -244,28 +249,51 @@ class HandOffBook:
         q.settled()
 
     # -- the receiver --------------------------------------------------------------
-    def land(self, request_ids: list[str]) -> list[int]:
+    def land(self, request_ids: list[str], write: Callable[[list[int]], None] | None = None) -> list[int]:
         """Staging host slots for states arriving for ``request_ids``, each held by its id; all or none.
 
         The rows are written at once, outside the step order, so only host
         slots that neither a queued event nor unfinished work (a flush in
         progress, a failed flush's backlog) still reads or writes will do
-        (:meth:`SlotLedger.take_settled`).
+        (:meth:`SlotLedger.take_settled`). ``write(slots)``: writes the rows,
+        outside the lock; until it returns the states are *landing*, not
+        arrived (an import or a discard of them is refused: the slot does not
+        hold them yet), and if it raises the slots are freed and nothing arrived.
         """
         host, q = self._host, self._queue
         assert host is not None
         with q.lock:
             q.check()
-            arrived = self.arrived
-            clash = [r for r in request_ids if r in arrived]
+            clash = [r for r in request_ids if r in self.arrived or r in self.landing]
             if clash or len(set(request_ids)) != len(request_ids):
                 raise SlotStateError(f"states for {clash or request_ids} arrived twice without an import between")
             slots = host.take_settled(len(request_ids), None, self._backlog.done)
             for r, h in zip(request_ids, slots, strict=True):
                 host.tenants[h] = r
-                arrived[r] = h
-                self.hosts[h] = "arrived"
+                self.hosts[h] = "landing"
+            if write is None:
+                self._arrive_locked(request_ids, slots)
+                return slots
+            self.landing.update(zip(request_ids, slots, strict=True))
+        try:
+            write(slots)
+        except BaseException:
+            with q.lock:  # nothing queued reads them and only the write wrote them: free at once
+                for r, h in zip(request_ids, slots, strict=True):
+                    del self.landing[r], self.hosts[h]
+                    host.tenants[h] = None  # taken for no tenant (take_settled): given back as such
+                host.give_back(slots)
+            raise
+        with q.lock:
+            for r in request_ids:
+                del self.landing[r]
+            self._arrive_locked(request_ids, slots)
         return slots
+
+    def _arrive_locked(self, request_ids: list[str], slots: list[int]) -> None:
+        for r, h in zip(request_ids, slots, strict=True):
+            self.arrived[r] = h
+            self.hosts[h] = "arrived"
 
     def import_into(self, slot: int, tenant: str) -> None:
         """Hold free ``slot`` for ``tenant`` without a clear, reading the state that arrived for ``tenant``.

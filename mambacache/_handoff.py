@@ -10,6 +10,7 @@ engines.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ._errors import InvalidArgumentError
@@ -116,9 +117,13 @@ class HandOff:
         :class:`ManagerClosedError` on a closed one, nothing changed."""
         self._book("exports_delivered").delivered(check_exports("exports_delivered", exports))
 
-    def land(self, request_ids: list[str]) -> list[int]:
+    def land(self, request_ids: list[str], write: Callable[[list[int]], None] | None = None) -> list[int]:
         """Staging host slots for states arriving for ``request_ids`` (each held by its id until imported).
 
+        ``write(slots)`` (a transfer's receive): writes the arrived rows into the
+        slots, called outside the manager's lock; the states count as arrived
+        (importable, discardable) only once it returned, and if it raises the
+        slots are freed and nothing arrived (its error is raised).
         All or none: :class:`InvalidArgumentError` unless a list of str,
         :class:`SlotStateError` when a state for one of them arrived already and
         is not imported yet, :class:`PoolExhaustedError` when too few host slots
@@ -127,4 +132,6 @@ class HandOff:
         """
         if type(request_ids) is not list or not all(type(r) is str for r in request_ids):
             raise InvalidArgumentError(f"land takes a list of request ids (str), got {request_ids!r}")
-        return self._book("land").land(request_ids)
+        if write is not None and not callable(write):
+            raise InvalidArgumentError(f"land's write must be a callable or None, got {write!r}")
+        return self._book("land").land(request_ids, write)

@@ -28,7 +28,6 @@ from . import _tracing
 from ._errors import (
     DistributedError,
     InvalidArgumentError,
-    MambaCacheError,
     PoolExhaustedError,
     TransferError,
     TransferRefusedError,
@@ -323,21 +322,15 @@ class StateTransfer:
                 self._bufs = _Buffers()
                 raise
             try:
-                slots = self._mgr.land(ids)
+                # Arrived (importable) only once written: a step loop importing a request it expects, or
+                # discarding an aborted one, never sees a slot the rows have not reached yet.
+                slots = self._mgr.land(ids, lambda hosts: write_staging(self._mgr, hosts, rows))
             except PoolExhaustedError as exc:  # room went elsewhere since the header was judged
                 host = self._mgr.host_pool
                 self.acknowledge(ids, landed=False, why=f"room:{host.num_free if host else 0}:{exc}")
                 raise TransferRefusedError(f"refused a batch from rank {self.peer}: {exc}", ids, "room") from exc
-            except BaseException as exc:
+            except BaseException as exc:  # not landed, or not written (its slots freed): the sender keeps them
                 self.acknowledge(ids, landed=False, why=str(exc))
-                raise
-            try:
-                write_staging(self._mgr, slots, rows)
-            except BaseException as exc:  # landed but not written: given up here, and the sender keeps them
-                for r in ids:
-                    with contextlib.suppress(MambaCacheError):
-                        self._mgr.discard_arrived(r)
-                self.acknowledge(ids, landed=False, why=f"writing the states failed: {exc}")
                 raise
             _tracing.tracer.transfer(
                 "transfer.receive",

@@ -171,3 +171,51 @@ def test_an_unaddressed_export_in_doubt_with_one_peer_is_never_sent_to_another()
         assert "r" not in two.landed
         mgr.flush_nowait()
         mgr.check_idle(host=True)
+
+
+def test_a_state_landed_but_not_yet_written_is_neither_imported_nor_discarded() -> None:
+    """``receive()`` lands a batch (host slots held by the ids) and writes the rows after, outside the lock. In
+    between, the ids counted as arrived: a step loop importing a request it expects read the host slot before
+    the write (another request's old bytes), and a discard freed a slot the write then wrote into. Now they are
+    arrived only once written: import_into and discard_arrived refuse them until then."""
+    import mambacache._transfer as xfer_mod
+
+    with _mgr(host=2) as mgr:
+        host = mgr.host_pool
+        assert host is not None
+        rows = [torch.full((t.shape[0], 1, *t.shape[2:]), 7.0).to(t.dtype) for t in host.tensors]
+        xfer = object.__new__(mc.StateTransfer)  # a stand-in with the wire replaced
+        xfer._mgr, xfer.peer = mgr, 1  # type: ignore[attr-defined]
+        xfer._receive = lambda shapes, bufs: (["r"], rows)  # type: ignore[method-assign]
+        xfer._shapes = lambda: []  # type: ignore[method-assign]
+        xfer._acknowledge = lambda ids: None  # type: ignore[method-assign]
+        xfer._bufs = None  # type: ignore[attr-defined]
+        writing, written = threading.Event(), threading.Event()
+        real = xfer_mod.write_staging
+        seen: list[str] = []
+
+        def slow_write(m: mc.CacheManager, slots: list[int], r: list[torch.Tensor]) -> None:
+            writing.set()
+            assert written.wait(10)
+            real(m, slots, r)
+
+        xfer_mod.write_staging = slow_write  # type: ignore[assignment]
+        try:
+            t = threading.Thread(target=lambda: seen.extend(xfer.receive()))
+            t.start()
+            assert writing.wait(10)
+            with pytest.raises(mc.SlotStateError):
+                mgr.import_into(1, "r")  # the state is not there yet
+            with pytest.raises(mc.SlotStateError):
+                mgr.discard_arrived("r")
+            written.set()
+            t.join(10)
+        finally:
+            xfer_mod.write_staging = real  # type: ignore[assignment]
+        assert seen == ["r"]
+        mgr.import_into(1, "r")
+        mgr.flush_nowait()
+        assert all(bool(t[:, 1].eq(7.0).all()) for t in mgr.pool.tensors)
+        mgr.release(1, "r")
+        mgr.flush_nowait()
+        mgr.check_idle(host=True)

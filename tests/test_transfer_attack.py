@@ -219,3 +219,35 @@ def test_a_state_landed_but_not_yet_written_is_neither_imported_nor_discarded() 
         mgr.release(1, "r")
         mgr.flush_nowait()
         mgr.check_idle(host=True)
+
+
+def test_a_reslicing_receiver_whose_write_fails_answers_every_rank_and_keeps_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """2 -> 1: the shards gathered and landed, then the write into the host slots fails. It used to run after
+    the landing's try: no rank was answered (each sender waited out its timeout, then retried into a receiver
+    whose ids had arrived already: "arrived twice", forever), and the slots stayed held with unwritten bytes."""
+    import mambacache._reslice as reslice_mod
+    from mambacache._reslice import ReslicingReceiver, StateLayout
+
+    from .test_pd import FakeTransfer, mamba2, random_state
+
+    layout = StateLayout.from_config(mamba2(4, 4, 1, 4))
+    full = random_state(layout.spec, 2, 7)
+    fakes = [FakeTransfer(["a", "b"], layout.slice(full, 2, k)) for k in range(2)]
+
+    def broken(*_: Any) -> None:
+        raise MemoryError("the host write failed")
+
+    monkeypatch.setattr(reslice_mod, "write_staging", broken)
+    with mc.CacheManager(mc.StatePool(layout.spec, 4), host_pool=mc.HostPool(layout.spec, 4)) as mgr:
+        receiver = ReslicingReceiver(mgr, fakes, layout)  # type: ignore[arg-type]
+        with pytest.raises(MemoryError):
+            receiver.receive()
+        assert [f.refused for f in fakes] == [[["a", "b"]], [["a", "b"]]], "a rank was left waiting"
+        assert all(f.acked == [] for f in fakes)
+        assert mgr.host_pool is not None and mgr.host_pool.num_held == 0, "unwritten states left held"
+        with pytest.raises(mc.SlotStateError):
+            mgr.import_into(1, "a")
+        monkeypatch.undo()
+        assert receiver.receive() == ["a", "b"]  # the retry lands them

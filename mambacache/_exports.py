@@ -59,10 +59,11 @@ class HandOffBook:
     is there its tenant does not change; ``sending`` and ``pinned`` are subsets of
     ``exports``' slots, and an export in ``pinned`` is taken for that peer
     only (its batch to that peer is in doubt: it may have landed there); a
-    request id has at most one state in ``arrived``;
-    ``hosts`` holds exactly the staging host slots of ``exports`` and
-    ``arrived``, which no call but the hand-off's own changes (drop, restore
-    of one are refused). Methods named ``*_locked`` run under the lock the
+    request id has at most one state in ``arrived`` and ``landing`` together
+    (``landing``: its rows not written yet, so neither importable nor
+    discardable); ``hosts`` holds exactly the staging host slots of
+    ``exports``, ``landing`` and ``arrived``, which no call but the hand-off's
+    own changes (drop, restore of one are refused). Methods named ``*_locked`` run under the lock the
     caller holds; the others take it.
     """
 

@@ -251,3 +251,18 @@ def test_a_reslicing_receiver_whose_write_fails_answers_every_rank_and_keeps_not
             mgr.import_into(1, "a")
         monkeypatch.undo()
         assert receiver.receive() == ["a", "b"]  # the retry lands them
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "1"])
+def test_the_new_arguments_refuse_bad_input_typed_and_change_nothing(bad: Any) -> None:
+    with _mgr() as mgr:
+        _export(mgr, "r", 1.0)
+        taken = mgr.take_exports(to=1)
+        with pytest.raises(mc.InvalidArgumentError, match="peer's rank"):
+            mgr.exports_returned(taken, peer=bad)
+        with pytest.raises(mc.InvalidArgumentError, match="callable"):
+            mgr.land(["x"], bad)
+        host = mgr.host_pool
+        assert host is not None and host.num_held == 1 and mgr.exports_ready() == []  # still sending
+        mgr.exports_returned(taken, peer=1)
+        assert mgr.exports_ready(to=1) == taken

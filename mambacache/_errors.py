@@ -81,8 +81,11 @@ class TransferRefusedError(TransferError):
 
     ``reason``: ``"room"`` (not enough free host slots there now: retry once it
     imported or discarded some), ``"spec"`` (the two sides' states differ in
-    layers, shapes or dtypes: never retried to success) or ``"header"`` (an
-    impossible or malformed batch). ``room``: with ``"room"``, how many states
+    layers, shapes or dtypes: never retried to success), ``"header"`` (an
+    impossible or malformed batch) or ``"failed"`` (it took the bytes and then
+    landed none: its landing failed, or a re-slicing receiver's ranks sent
+    different batches; not in doubt, so the next send ships it with whatever
+    became ready since). ``room``: with ``"room"``, how many states
     the receiver could take when it refused (a sender splits the batch to that).
     """
 

@@ -22,7 +22,7 @@ then hold the state or not; before and after a send it withdraws the export.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from . import _tracing
@@ -56,21 +56,28 @@ class HandOffBook:
 
     Invariants: a pool slot has at most one export in ``exports`` (in export
     order, with the backlog ticket of the flush that stages it), and while it
-    is there its tenant does not change; ``sending`` is a subset of
-    ``exports``' slots; a request id has at most one state in ``arrived``;
-    ``hosts`` holds exactly the staging host slots of ``exports`` and
-    ``arrived``, which no call but the hand-off's own changes (drop, restore
-    of one are refused). Methods named ``*_locked`` run under the lock the
+    is there its tenant does not change; ``sending`` and ``pinned`` are subsets of
+    ``exports``' slots, and an export in ``pinned`` is taken for that peer
+    only (its batch to that peer is in doubt: it may have landed there); a
+    request id has at most one state in ``arrived`` and ``landing`` together
+    (``landing``: its rows not written yet, so neither importable nor
+    discardable); ``hosts`` holds exactly the staging host slots of
+    ``exports``, ``landing`` and ``arrived``, which no call but the hand-off's
+    own changes (drop, restore of one are refused). Methods named ``*_locked`` run under the lock the
     caller holds; the others take it.
     """
 
-    __slots__ = ("_backlog", "_host", "_ledger", "_queue", "arrived", "exports", "hosts", "sending")
+    __slots__ = (
+        "_backlog", "_host", "_ledger", "_queue", "arrived", "exports", "hosts", "landing", "pinned", "sending",
+    )  # fmt: skip
 
     def __init__(self, queue: QueueSide, ledger: SlotLedger, host: SlotLedger | None, backlog: Backlog) -> None:
         self._queue, self._ledger, self._host, self._backlog = queue, ledger, host, backlog
         self.exports: dict[int, tuple[int, Export]] = {}  # pool slot -> (ticket, export)
         self.sending: set[int] = set()  # pool slots whose export a send has taken and not settled
+        self.pinned: dict[int, int] = {}  # pool slot -> the peer that may hold its unaddressed export (in doubt)
         self.arrived: dict[str, int] = {}  # request id -> staging host slot
+        self.landing: dict[str, int] = {}  # request id -> staging host slot being written (not arrived yet)
         self.hosts: dict[int, str] = {}  # staging host slot -> "exporting" | "arrived"
 
     # -- checks other calls make (under the lock) --------------------------------
@@ -88,7 +95,9 @@ class HandOffBook:
         state arrived for an import): only the hand-off's own calls change it."""
         role = self.hosts.get(host)
         if role is not None:
-            how = "import_into() or discard_arrived()" if role == "arrived" else "the transfer's send() or release()"
+            how = {"arrived": "import_into() or discard_arrived()", "landing": "its receive()"}.get(
+                role, "the transfer's send() or release()"
+            )
             raise SlotStateError(f"{what}: host slot {host} is a transfer's staging slot ({role}); {how} ends it")
 
     def withdraw_locked(self, events: Sequence[Event]) -> list[Export]:
@@ -130,10 +139,13 @@ class HandOffBook:
                 q.check()
             done = self._backlog.done
             sending = self.sending
+            pinned = self.pinned
             ready = [
                 ev
                 for ticket, ev in self.exports.values()
-                if ticket < done and ev.slot not in sending and (to is None or ev.to is None or ev.to == to)
+                if ticket < done
+                and ev.slot not in sending
+                and (to is None or (ev.to is None and pinned.get(ev.slot, to) == to) or ev.to == to)
             ]
             if take:
                 sending.update(ev.slot for ev in ready)
@@ -143,8 +155,12 @@ class HandOffBook:
         """Those of ``exports`` still in the book (a repeated ack, or an export withdrawn since, is not)."""
         return [ev for ev in exports if self.exports.get(ev.slot, (0, None))[1] is ev]
 
-    def returned(self, exports: Sequence[Export]) -> None:
+    def returned(self, exports: Sequence[Export], peer: int | None = None) -> None:
         """A send of ``exports`` failed: they wait for the next send, and a release may withdraw them again.
+
+        ``peer``: the send to ``peer`` failed after it may have landed them (in
+        doubt): those addressed to no one are taken for ``peer`` only from now
+        on, so a transfer to another peer never delivers a state ``peer`` may hold.
 
         On a closed manager no send can follow: their slots and staging slots
         are freed at once (:meth:`_settle_closed`), nothing is kept for the next
@@ -158,6 +174,8 @@ class HandOffBook:
                 return
             for ev in mine:
                 self.sending.discard(ev.slot)
+                if peer is not None and ev.to is None:
+                    self.pinned[ev.slot] = peer
 
     def delivered(self, exports: Sequence[Export]) -> None:
         """The peer acknowledged ``exports``: queue the release of each pool slot and the drop of each staging slot.
@@ -191,6 +209,7 @@ class HandOffBook:
             if entry is not None and entry[1] is ev:
                 del self.exports[ev.slot]
                 self.sending.discard(ev.slot)
+                self.pinned.pop(ev.slot, None)
                 del self.hosts[ev.host]
                 gone.append(ev)
         drops = [DropHost(ev.host) for ev in gone]
@@ -218,6 +237,7 @@ class HandOffBook:
         for ev in exports:
             del self.exports[ev.slot]
             self.sending.discard(ev.slot)
+            self.pinned.pop(ev.slot, None)
             del self.hosts[ev.host]
         self._ledger.give_back([ev.slot for ev in exports])
         host.give_back([ev.host for ev in exports])
@@ -230,28 +250,51 @@ class HandOffBook:
         q.settled()
 
     # -- the receiver --------------------------------------------------------------
-    def land(self, request_ids: list[str]) -> list[int]:
+    def land(self, request_ids: list[str], write: Callable[[list[int]], None] | None = None) -> list[int]:
         """Staging host slots for states arriving for ``request_ids``, each held by its id; all or none.
 
         The rows are written at once, outside the step order, so only host
         slots that neither a queued event nor unfinished work (a flush in
         progress, a failed flush's backlog) still reads or writes will do
-        (:meth:`SlotLedger.take_settled`).
+        (:meth:`SlotLedger.take_settled`). ``write(slots)``: writes the rows,
+        outside the lock; until it returns the states are *landing*, not
+        arrived (an import or a discard of them is refused: the slot does not
+        hold them yet), and if it raises the slots are freed and nothing arrived.
         """
         host, q = self._host, self._queue
         assert host is not None
         with q.lock:
             q.check()
-            arrived = self.arrived
-            clash = [r for r in request_ids if r in arrived]
+            clash = [r for r in request_ids if r in self.arrived or r in self.landing]
             if clash or len(set(request_ids)) != len(request_ids):
                 raise SlotStateError(f"states for {clash or request_ids} arrived twice without an import between")
             slots = host.take_settled(len(request_ids), None, self._backlog.done)
             for r, h in zip(request_ids, slots, strict=True):
                 host.tenants[h] = r
-                arrived[r] = h
-                self.hosts[h] = "arrived"
+                self.hosts[h] = "landing"
+            if write is None:
+                self._arrive_locked(request_ids, slots)
+                return slots
+            self.landing.update(zip(request_ids, slots, strict=True))
+        try:
+            write(slots)
+        except BaseException:
+            with q.lock:  # nothing queued reads them and only the write wrote them: free at once
+                for r, h in zip(request_ids, slots, strict=True):
+                    del self.landing[r], self.hosts[h]
+                    host.tenants[h] = None  # taken for no tenant (take_settled): given back as such
+                host.give_back(slots)
+            raise
+        with q.lock:
+            for r in request_ids:
+                del self.landing[r]
+            self._arrive_locked(request_ids, slots)
         return slots
+
+    def _arrive_locked(self, request_ids: list[str], slots: list[int]) -> None:
+        for r, h in zip(request_ids, slots, strict=True):
+            self.arrived[r] = h
+            self.hosts[h] = "arrived"
 
     def import_into(self, slot: int, tenant: str) -> None:
         """Hold free ``slot`` for ``tenant`` without a clear, reading the state that arrived for ``tenant``.

@@ -10,6 +10,7 @@ engines.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ._errors import InvalidArgumentError
@@ -101,9 +102,13 @@ class HandOff:
         dest = _check_to(to)
         return self._book("take_exports").ready(dest, take=True)
 
-    def exports_returned(self, exports: list[Export]) -> None:
-        """The send of ``exports`` failed: they wait for the next send, and releasing a slot withdraws its export."""
-        self._book("exports_returned").returned(check_exports("exports_returned", exports))
+    def exports_returned(self, exports: list[Export], *, peer: int | None = None) -> None:
+        """The send of ``exports`` failed: they wait for the next send, and releasing a slot withdraws its export.
+
+        ``peer``: the send to that rank failed after it may have landed them (in doubt): those exported to no
+        one in particular are from now on taken only for ``peer``, never delivered to a second peer."""
+        dest = _check_to(peer)
+        self._book("exports_returned").returned(check_exports("exports_returned", exports), dest)
 
     def exports_delivered(self, exports: list[Export]) -> None:
         """The peer acknowledged ``exports``: release their pool slots and drop their staging slots (all or none).
@@ -112,9 +117,13 @@ class HandOff:
         :class:`ManagerClosedError` on a closed one, nothing changed."""
         self._book("exports_delivered").delivered(check_exports("exports_delivered", exports))
 
-    def land(self, request_ids: list[str]) -> list[int]:
+    def land(self, request_ids: list[str], write: Callable[[list[int]], None] | None = None) -> list[int]:
         """Staging host slots for states arriving for ``request_ids`` (each held by its id until imported).
 
+        ``write(slots)`` (a transfer's receive): writes the arrived rows into the
+        slots, called outside the manager's lock; the states count as arrived
+        (importable, discardable) only once it returned, and if it raises the
+        slots are freed and nothing arrived (its error is raised).
         All or none: :class:`InvalidArgumentError` unless a list of str,
         :class:`SlotStateError` when a state for one of them arrived already and
         is not imported yet, :class:`PoolExhaustedError` when too few host slots
@@ -123,4 +132,6 @@ class HandOff:
         """
         if type(request_ids) is not list or not all(type(r) is str for r in request_ids):
             raise InvalidArgumentError(f"land takes a list of request ids (str), got {request_ids!r}")
-        return self._book("land").land(request_ids)
+        if write is not None and not callable(write):
+            raise InvalidArgumentError(f"land's write must be a callable or None, got {write!r}")
+        return self._book("land").land(request_ids, write)

@@ -72,7 +72,11 @@ class _Direction:
 
         self._dist = dist
         # A clone per direction: a store client is one socket, and a thread waiting on it would block the other.
-        self.store = dist.distributed_c10d.PrefixStore(f"mambacache/xfer/{src}>{dst}/", root_store(store).clone())
+        try:
+            clone = root_store(store).clone()  # a new connection: fails when the store's host is gone
+        except Exception as exc:
+            raise TransferError(f"the key-value store failed (connecting): {exc}") from exc
+        self.store = dist.distributed_c10d.PrefixStore(f"mambacache/xfer/{src}>{dst}/", clone)
         self.src, self.dst, self.me = src, dst, me
         self.timeout = timeout
         self._pair: tuple[str, Any] | None = None
@@ -174,8 +178,11 @@ class Outbox(_Direction):
         self.call("set", f"hdr/{m}", json.dumps(header))
         try:
             self._settle(m, ids, raw, pair)
-        except TransferRefusedError:
+        except TransferRefusedError as exc:
             self._cleanup(m)
+            if exc.reason == "failed":  # after the bytes: the receiver may have dropped its end of the pair
+                self._epoch += 1
+                self.drop_pair()
             raise
         except TransferError:
             self._epoch += 1  # the pair may be closed, or the peer gone: a fresh one next time
@@ -207,6 +214,8 @@ class Outbox(_Direction):
             return
         if kind == "refuse":
             raise self._refused(why, ids)
+        if kind == "fail":  # the receiver says it landed none of it (else it would have answered "dup")
+            raise TransferRefusedError(f"rank {self.dst} did not land the batch: {why}", ids, "failed")
         raise TransferError(f"rank {self.dst} did not land the batch: {ack}", ids)
 
     def _refused(self, why: str, ids: list[str]) -> TransferRefusedError:

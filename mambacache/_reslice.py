@@ -246,7 +246,8 @@ class ReslicingReceiver:
                 if other != ids:
                     raise TransferError(f"peer rank 0 sent {ids}, rank {k} sent {other}: not one batch", ids)
             full = self._layout.gather([rows for _, rows in got], dim=2)
-            slots = self._mgr.land(ids)
+            # Arrived only once written (a failed write frees the slots, and every rank hears it landed nothing).
+            slots = self._mgr.land(ids, lambda hosts: write_staging(self._mgr, hosts, full))
         except BaseException as exc:
             # Every rank that sent its shard hears that nothing landed: it keeps its slots and sends again.
             host = self._mgr.host_pool
@@ -256,7 +257,6 @@ class ReslicingReceiver:
                 with contextlib.suppress(TransferError):
                     x.acknowledge(shard_ids, landed=False, why=why)
             raise
-        write_staging(self._mgr, slots, full)
         peers = [x.peer for x in self._transfers]  # the line names the first; `peers` lists every shard's rank
         _tracing.tracer.transfer("transfer.receive", peers[0], ids, step=self._mgr.step, n=len(ids), hosts=slots,
                                  peers=peers)  # fmt: skip

@@ -28,7 +28,6 @@ from . import _tracing
 from ._errors import (
     DistributedError,
     InvalidArgumentError,
-    MambaCacheError,
     PoolExhaustedError,
     TransferError,
     TransferRefusedError,
@@ -101,8 +100,8 @@ class Batches:
     Invariant: a batch that failed after the peer may have landed it (no
     acknowledgement seen) is the next one sent, with the same number and no
     other export in it, so the peer re-acknowledges it instead of landing it
-    twice; exports withdrawn meanwhile leave it, and once none is left the
-    doubt is gone.
+    twice; exports withdrawn meanwhile leave it (matched by identity, never
+    by equality), and once none is left the doubt is gone.
     """
 
     __slots__ = ("doubt", "limit", "seq")
@@ -116,7 +115,11 @@ class Batches:
         """The batch to send out of ``ready`` (the first ``limit`` of them after a refusal for room), with its
         number."""
         if self.doubt:
-            batch = [ev for ev in ready if ev in self.doubt]
+            # By identity: a release withdraws an export, and the same request exported again from the same
+            # slot into the same staging slot is an *equal* Export, but a new state that must not go as the
+            # retry of the old one (the peer would acknowledge it as a duplicate and land nothing).
+            doubt = {id(ev) for ev in self.doubt}
+            batch = [ev for ev in ready if id(ev) in doubt]
             if batch:
                 return batch, self.seq
             self.doubt = []
@@ -164,7 +167,7 @@ def send_exports(
             raise
         except BaseException:
             batches.doubt = batch
-            manager.exports_returned(batch)
+            manager.exports_returned(batch, peer=peers[0])  # it may have landed there: nowhere else
             if delivered:
                 return delivered
             raise
@@ -228,6 +231,8 @@ class StateTransfer:
             rank, store = dist.get_rank(), dist.distributed_c10d._get_default_store()
         elif group is not None or type(rank) is not int or type(peer) is not int or peer == rank or min(rank, peer) < 0:
             raise InvalidArgumentError("with a store: group=None, and rank and peer two distinct ranks (ints >= 0)")
+        elif not isinstance(store, dist.distributed_c10d.Store):
+            raise InvalidArgumentError(f"store must be a torch.distributed.Store (a TCPStore client), got {store!r}")
         self._mgr, self.peer, self.rank = manager, peer, rank
         self._out, self._in = Outbox(store, rank, peer, seconds), Inbox(store, peer, rank, seconds)
         self._batches = Batches()
@@ -317,21 +322,15 @@ class StateTransfer:
                 self._bufs = _Buffers()
                 raise
             try:
-                slots = self._mgr.land(ids)
+                # Arrived (importable) only once written: a step loop importing a request it expects, or
+                # discarding an aborted one, never sees a slot the rows have not reached yet.
+                slots = self._mgr.land(ids, lambda hosts: write_staging(self._mgr, hosts, rows))
             except PoolExhaustedError as exc:  # room went elsewhere since the header was judged
                 host = self._mgr.host_pool
                 self.acknowledge(ids, landed=False, why=f"room:{host.num_free if host else 0}:{exc}")
                 raise TransferRefusedError(f"refused a batch from rank {self.peer}: {exc}", ids, "room") from exc
-            except BaseException as exc:
+            except BaseException as exc:  # not landed, or not written (its slots freed): the sender keeps them
                 self.acknowledge(ids, landed=False, why=str(exc))
-                raise
-            try:
-                write_staging(self._mgr, slots, rows)
-            except BaseException as exc:  # landed but not written: given up here, and the sender keeps them
-                for r in ids:
-                    with contextlib.suppress(MambaCacheError):
-                        self._mgr.discard_arrived(r)
-                self.acknowledge(ids, landed=False, why=f"writing the states failed: {exc}")
                 raise
             _tracing.tracer.transfer(
                 "transfer.receive",

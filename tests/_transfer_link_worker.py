@@ -33,9 +33,9 @@ class SlowLand(mc.CacheManager):
 
     delay = 0.0
 
-    def land(self, request_ids: list[str]) -> list[int]:
+    def land(self, request_ids: list[str], write: Callable[[list[int]], None] | None = None) -> list[int]:
         time.sleep(self.delay)
-        return super().land(request_ids)
+        return super().land(request_ids, write)
 
 
 class Side:
@@ -299,6 +299,31 @@ def silent_receiver(me: Side) -> None:
     me.idle()
 
 
+def failed_sender(me: Side) -> None:
+    """The receiver took the bytes and landed none (it says so: ``fail``): the batch is not in doubt, so the next
+    send ships it together with what became ready since. Before: in doubt, it went again alone and unchanged,
+    which never converges against a re-slicing receiver whose ranks' batches differ (each rank's retry the same
+    mismatched batch again)."""
+    ids = me.stage(["f1"], [1], 20)
+    exc = _fails(me.xfer.send, "a receiver that landed nothing", "failed")
+    assert exc.request_ids == ids, repr(exc)
+    me.holds(ids, "a batch the receiver did not land was delivered")
+    more = me.stage(["f2"], [2], 20)
+    dist.barrier()
+    assert me.xfer.send() == ids + more, "the batch that failed went alone, as if in doubt"
+    me.idle()
+
+
+def failing_receiver(me: Side) -> None:
+    ids, _ = me.xfer.receive_rows()
+    assert ids == ["f1"]
+    me.xfer.acknowledge(ids, landed=False, why="its ranks disagreed")
+    dist.barrier()
+    assert me.xfer.receive() == ["f1", "f2"]
+    me.imports(["f1", "f2"], [3, 4], [1, 2], 20, "a batch after one that landed nothing")
+    me.idle()
+
+
 CASES = {
     "late receiver": (late_sender, late_receiver),
     "idle receiver": (idle_sender, idle_receiver),
@@ -308,6 +333,7 @@ CASES = {
     "impossible headers": (lying_sender, lying_receiver),
     "sender silent after go": (silent_sender, receiver_of_silent),
     "receiver silent after go": (sender_to_silent, silent_receiver),
+    "landed nothing": (failed_sender, failing_receiver),
 }
 
 

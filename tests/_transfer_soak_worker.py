@@ -53,8 +53,9 @@ def oracle(rid: str, pool: mc.StatePool) -> list[torch.Tensor]:
 
 
 def _faulted_flush(mgr: mc.CacheManager, rng: random.Random) -> None:
-    """A flush with a fault before a drawn op half the time (repaired at once), else a plain one."""
-    flush_with_fault(mgr, rng.randint(1, 40) if rng.random() < 0.5 else 0, MemoryError)
+    """A flush with a fault before a drawn op half the time (repaired at once), else a plain one; a sender
+    thread's delivery may queue its releases meanwhile (``alone=False``)."""
+    flush_with_fault(mgr, rng.randint(1, 40) if rng.random() < 0.5 else 0, MemoryError, alone=False)
 
 
 def _store(port: int | None) -> Any:

@@ -172,10 +172,12 @@ class FaultAt(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def flush_with_fault(mgr: mc.CacheManager, at: int, exc: type[BaseException]) -> int:
+def flush_with_fault(mgr: mc.CacheManager, at: int, exc: type[BaseException], *, alone: bool = True) -> int:
     """Flush with ``exc`` raised before aten op ``at`` (0: none); a failed flush is repaired by one more.
 
-    Returns the ops the faulted flush ran. The sweeps (tests/sweep.py) call it at every op.
+    Returns the ops the faulted flush ran. The sweeps (tests/sweep.py) call it at every op. ``alone=False``:
+    other threads submit meanwhile (a transfer's delivery queues releases and drops at any time), so the failed
+    flush having taken every queued event is not checked.
     """
     mode = FaultAt(at, exc)
     try:
@@ -183,7 +185,8 @@ def flush_with_fault(mgr: mc.CacheManager, at: int, exc: type[BaseException]) ->
             mgr.flush_nowait()
     except (mc.ExecutorError, KeyboardInterrupt) as err:
         assert at, f"no fault was injected, yet: {err!r}"
-        assert mgr.pending == 0 and mgr.pool.unfinished >= 1
+        assert mgr.pool.unfinished >= 1, "a failed flush left no unfinished work"
+        assert not alone or mgr.pending == 0, f"a failed flush left {mgr.pending} events queued"
         assert mgr.flush_nowait().resumed_stages >= 1  # the repair
     else:
         assert at == 0 or at > mode.ops

@@ -44,6 +44,7 @@ def _prefill(seed: int, mode: str) -> None:
     with mc.CacheManager(pool, host_pool=mc.HostPool(spec(), HOST)) as mgr:
         mgr.alloc_slots([2, 5, 6], "old", clear=False)
         xfer = mc.StateTransfer(mgr, dist.group.WORLD, peer=1, timeout=5.0)
+        dist.barrier()  # both transfers made (each opens its store connections): a peer dies after start-up
         mgr.hand_over(2, "a")
         mgr.hand_over(5, "b")
         mgr.export(2, "a")
@@ -67,6 +68,7 @@ def _decode(seed: int, mode: str) -> None:
     fill_random(pool, seed + 1)  # dirty: an old tenant's bytes
     with mc.CacheManager(pool, host_pool=mc.HostPool(spec(), HOST)) as mgr:
         xfer = mc.StateTransfer(mgr, dist.group.WORLD, peer=0, timeout=5.0)
+        dist.barrier()
         (old,) = mgr.alloc_slots([3], "old", clear=False)
         if mode == "kill-prefill":
             start = time.monotonic()

@@ -68,7 +68,7 @@ class Backlog:
     ) -> None:
         """Queue ``stages`` (maybe none) of ``ticket`` (default: the newest taken) behind the backlog."""
         t = self.taken - 1 if ticket < 0 else ticket
-        if stages:  # the decode step's usual flush has none: the ticket is done at once
+        if stages:  # a step with nothing to zero or copy has none: its ticket is done at once
             self.stages.extend((stage, executor, host, t) for stage in stages)
         if t > self.last:
             self.last = t

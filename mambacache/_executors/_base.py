@@ -21,6 +21,7 @@ __all__ = [
     "as_executor",
     "copy_host",
     "on_stream",
+    "piece_size",
     "pieces",
     "row_width",
     "stage_pairs",
@@ -56,9 +57,14 @@ def pieces(block: torch.Tensor, width: torch.dtype) -> list[torch.Tensor]:
     """
     flat = block.view(-1).view(torch.uint8).view(width)
     n = flat.numel()
-    parts = -(-n // (GRAIN - 1))
-    step = -(-n // parts)
+    step = piece_size(n)
     return [flat[a : a + step] for a in range(0, n, step)]
+
+
+def piece_size(n: int) -> int:
+    """The length of each of the equal parts, fewer than ``GRAIN`` elements, that :func:`pieces` cuts ``n``
+    elements into (the last part may be shorter)."""
+    return -(-n // -(-n // (GRAIN - 1)))
 
 
 class Executor(abc.ABC):

@@ -52,7 +52,7 @@ import torch
 
 from .._errors import InvalidArgumentError
 from .._planner import CommitStage, CopyStage, HostStage, OffloadStage, RotateStage, ShiftStage, Stage, ZeroStage
-from ._base import GRAIN, Executor, IndexBuilder, Progress, copy_host, pieces, row_width, stage_pairs
+from ._base import GRAIN, Executor, IndexBuilder, Progress, copy_host, piece_size, pieces, row_width, stage_pairs
 
 __all__ = ["PATHS", "TorchExecutor"]
 
@@ -126,7 +126,7 @@ class _Views:
             return [view]
         if self.flats is not None:  # the table: pieces(t[layer, start:start + length]), sliced from the flat
             n = self.row * length
-            step = -(-n // -(-n // (GRAIN - 1)))  # as pieces() cuts n elements
+            step = piece_size(n)
             a0 = self.row * start
             return [flat[a0 + a : a0 + min(a + step, n)] for flat in self.flats for a in range(0, n, step)]
         blocks = [t[layer, start : start + length] for layer in range(t.shape[0])]

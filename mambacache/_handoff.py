@@ -113,8 +113,9 @@ class HandOff:
     def exports_delivered(self, exports: list[Export]) -> None:
         """The peer acknowledged ``exports``: release their pool slots and drop their staging slots (all or none).
 
-        Taken on a closing manager too (its close waits for sends in flight);
-        :class:`ManagerClosedError` on a closed one, nothing changed."""
+        Taken on a closing manager too (its last flush runs the releases); on a
+        closed one the slots and staging slots are freed at once, and the closed
+        manager's ledgers stay claimed until its last send in flight settles."""
         self._book("exports_delivered").delivered(check_exports("exports_delivered", exports))
 
     def land(self, request_ids: list[str], write: Callable[[list[int]], None] | None = None) -> list[int]:

@@ -92,10 +92,7 @@ class _Direction:
         return self.value(key)
 
     def value(self, key: str) -> str:
-        try:
-            return bytes(self.store.get(key)).decode()
-        except Exception as exc:
-            raise TransferError(f"the key-value store failed: {exc}") from exc
+        return bytes(self.call("get", key)).decode()
 
     def call(self, what: str, *args: Any) -> Any:
         """A store call, its failures a TransferError."""

@@ -132,7 +132,7 @@ class FlushCore:
         # In tensor-parallel mode every rank flushes on exit, so the ranks stay in step.
         return queued or self.channel is not None or bool(self._runner.pending)
 
-    def _finish_close(self, owner: object) -> None:
+    def _finish_close(self) -> None:
         # What no flush took (the manager was broken, or the backlog failed) is planned
         # into the pool's backlog, so the next manager on this pool runs it first.
         # The pool stays claimed until then: a manager opened on it meanwhile would run newer work first.
@@ -140,9 +140,9 @@ class FlushCore:
         try:
             self._runner.push(plan_step(events).stages if events else (), self._executor, self._host, ticket)
         finally:
-            self._queue.release(owner)
+            self._queue.release()
 
-    def close_sync(self, owner: object, exc: BaseException | None) -> None:
+    def close_sync(self, exc: BaseException | None) -> None:
         """Leave the manager's ``with`` block: a last flush, then closed for good (``exc``: the block's error)."""
         try:
             if self._begin_close():
@@ -150,9 +150,9 @@ class FlushCore:
         except MambaCacheError as flush_error:
             _raise_unless_masking(exc, flush_error)
         finally:
-            self._finish_close(owner)
+            self._finish_close()
 
-    async def close_async(self, owner: object, exc: BaseException | None) -> None:
+    async def close_async(self, exc: BaseException | None) -> None:
         """:meth:`close_sync` for ``async with``; the last flush is shielded from cancellation."""
         try:
             if self._begin_close():
@@ -161,7 +161,7 @@ class FlushCore:
         except MambaCacheError as flush_error:
             _raise_unless_masking(exc, flush_error)
         finally:
-            self._finish_close(owner)
+            self._finish_close()
 
     # -- the two drivers -------------------------------------------------
     async def flush_async(self, stream: Any | None) -> StepReport:

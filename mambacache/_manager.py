@@ -118,22 +118,22 @@ class CacheManager(Reservations, HostTier, HandOff):
 
     # -- lifecycle -------------------------------------------------------
     async def __aenter__(self) -> CacheManager:
-        self._queue.open(self)
+        self._queue.open()
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        await self._core.close_async(self, exc)
+        await self._core.close_async(exc)
 
     def __enter__(self) -> CacheManager:
-        self._queue.open(self)
+        self._queue.open()
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._core.close_sync(self, exc)
+        self._core.close_sync(exc)
 
     def check_open(self) -> None:
         """Raise :class:`ManagerClosedError` or :class:`ManagerBrokenError` unless the manager takes work."""

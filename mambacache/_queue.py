@@ -8,6 +8,7 @@ in the same hold as the queue, so the two never disagree. No torch.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -50,8 +51,8 @@ class StepQueue:
     """
 
     __slots__ = (
-        "_backlog", "_channel", "_draft_tokens", "_host", "_owner", "_runner", "_ticket", "_waiters", "events",
-        "handoff", "ledger", "lock", "state", "step",
+        "__weakref__", "_backlog", "_channel", "_claim", "_draft_tokens", "_host", "_releasing", "_runner",
+        "_ticket", "_waiters", "events", "handoff", "ledger", "lock", "state", "step",
     )  # fmt: skip
 
     def __init__(
@@ -71,12 +72,17 @@ class StepQueue:
         self._channel = channel
         self.events: list[Event] = []
         self._backlog = runner.backlog  # hands out the tickets a take runs under (work done: Backlog.done)
-        self.handoff = HandOffBook(self, ledger, host, runner.backlog)  # exports awaiting an ack, states arrived
+        # A proxy, not the queue: a cycle would keep the manager's graph (its process group
+        # with it) alive until the cyclic GC ran, at exit after destroy_process_group at worst,
+        # where gloo's destructor aborts the process. The book lives only inside the queue.
+        self.handoff = HandOffBook(weakref.proxy(self), ledger, host, runner.backlog)  # exports awaiting an ack
         self.step = 0
         self.state = NEW
         self._waiters: list[int] = []  # alloc_wait tickets, first come first served
         self._ticket = 0
-        self._owner: object | None = None  # set once closed: the ledgers wait for sends in flight to settle
+        # The ledgers' claim is this token, not the manager: the pool must not keep its manager alive.
+        self._claim = object()
+        self._releasing = False  # set once closed: the ledgers wait for sends in flight to settle
 
     # -- lifecycle -------------------------------------------------------
     def closed_error(self) -> ManagerClosedError:
@@ -95,17 +101,17 @@ class StepQueue:
         if self._channel is not None:
             self._channel.check_source("submit")
 
-    def open(self, owner: object) -> None:
-        """Claim the ledgers for ``owner`` and take events from now on."""
+    def open(self) -> None:
+        """Claim the ledgers for this queue's manager and take events from now on."""
         if self.state != NEW:
             raise ManagerClosedError("a CacheManager can be entered once")
         with self.lock:
-            self.ledger.claim(owner)
+            self.ledger.claim(self._claim)
             if self._host is not None:
                 try:
-                    self._host.claim(owner)
+                    self._host.claim(self._claim)
                 except Exception:
-                    self.ledger.unclaim(owner)
+                    self.ledger.unclaim(self._claim)
                     raise
             self.state = OPEN
 
@@ -128,21 +134,20 @@ class StepQueue:
                 self._host.reuse_freed(ticket)
         return events, ticket
 
-    def release(self, owner: object) -> None:
+    def release(self) -> None:
         """Free the ledgers for the next manager, once this one's leftover work is in the pool's backlog and
         no send of its exports awaits an ack (else the last one to settle frees them: :meth:`settled`)."""
         with self.lock:
-            self._owner = owner
+            self._releasing = True
             self.settled()
 
     def settled(self) -> None:
         """Under the lock, once closed: free the ledgers unless a send is still in flight."""
-        owner = self._owner
-        if owner is not None and not self.handoff.sending:
-            self._owner = None
+        if self._releasing and not self.handoff.sending:
+            self._releasing = False
             if self._host is not None:
-                self._host.unclaim(owner)
-            self.ledger.unclaim(owner)
+                self._host.unclaim(self._claim)
+            self.ledger.unclaim(self._claim)
 
     # -- queueing --------------------------------------------------------
     def submit(self, events: Sequence[Event]) -> None:

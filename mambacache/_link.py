@@ -9,7 +9,7 @@ batch. Per direction ``src > dst``, under ``mambacache/xfer/{src}>{dst}/`` of
 the store (``docs/transfer.md`` has the whole protocol)::
 
     posted          sender: store.add -> m, the batch's header number
-    hdr/{m}         sender: JSON header (token, seq, ids, fingerprint, pair, byte sizes)
+    hdr/{m}         sender: JSON header (token, seq, ids, fingerprint, pair, split, byte sizes of its messages)
     state/{m}       compare_set, first writer wins: receiver "go:<tok>" | "dup:<tok>" | "refuse:<kind>:<room>:<why>",
                     or the sender's "withdrawn" (its wait for a decision timed out: nothing was sent)
     pair/{name}/..  the gloo pair's rendezvous (name changes after every failure)
@@ -19,15 +19,28 @@ the store (``docs/transfer.md`` has the whole protocol)::
 A batch is ``(token, seq)``: a retry of a batch in doubt carries the same pair,
 and a receiver that landed it already answers ``dup`` (an acknowledgement) and
 lands nothing. No torch in the control path; the pair carries raw bytes.
+
+The bytes of a batch of n states, per pool tensor ``[layers, slots + 1, *state]``::
+
+    split=False   one message  [layers, n, *state]          (a gather on the sender, a scatter on the receiver)
+    split=True    one message per layer  [n, *state]         (a slot run's rows of one layer are contiguous:
+                                                              sent from and received into the host rows as they are)
+
+The sender splits a batch whose messages are large enough that a message costs
+less than a copy (:data:`SPLIT_BYTES`); the receiver follows the header. A
+receiver takes its staging slots before it answers ``go``, so the bytes can
+arrive straight into them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -35,12 +48,31 @@ import torch
 
 from ._errors import InvalidArgumentError, TransferError, TransferRefusedError
 
-__all__ = ["Batch", "Inbox", "Outbox", "check_timeout", "fingerprint", "root_store"]
+__all__ = [
+    "SPLIT_BYTES", "Batch", "Inbox", "Outbox", "Shapes", "Withdrawn", "check_timeout", "fingerprint", "message_sizes",
+    "messages", "root_store",
+]  # fmt: skip
 
 MAGIC = 0x6D63_7846
 # Far beyond any wait a deployment wants, and well inside what timedelta and c10d's millisecond counts take.
 MAX_TIMEOUT = 1e9
 _RETIRED: list[Any] = []  # gloo pairs replaced after a failure (see _Direction.drop_pair)
+# A message per layer costs about 40 us of gloo overhead here; a copy pass of 256 KiB about 70 us, and a split
+# saves up to two (the gather and the landing copy): below this many bytes per layer message, one message.
+SPLIT_BYTES = 256 * 1024
+
+
+class Withdrawn(Exception):  # a signal between the link and its caller, never raised to a user
+    """The batch was withdrawn by its sender before this side took it: move on to the next header."""
+
+
+def messages(rows: list[torch.Tensor], split: bool) -> list[torch.Tensor]:
+    """A batch's wire messages (raw bytes, views of ``rows``): per ``[layers, n, *state]`` tensor, the whole of
+    it, or one per layer (``split``). Every part must be contiguous: a receive writes into these very views."""
+    parts = [layer for r in rows for layer in r.unbind(0)] if split else rows
+    if not all(p.is_contiguous() for p in parts):
+        raise InvalidArgumentError("a transfer's rows must be contiguous (per layer when split)")
+    return [p.reshape(-1).view(torch.uint8) for p in parts]
 
 
 def check_timeout(timeout: object) -> float:
@@ -160,16 +192,17 @@ class Outbox(_Direction):
             with contextlib.suppress(Exception):  # best effort: a leftover key is only a few bytes in the store
                 self.store.delete_key(key)
 
-    def send(self, ids: list[str], seq: int, fp: list[Any], rows: list[torch.Tensor]) -> None:
-        """One batch: header, the receiver's decision, the bytes, its acknowledgement.
+    def send(self, ids: list[str], seq: int, fp: list[Any], rows: list[torch.Tensor], split: bool) -> None:
+        """One batch of ``rows`` (``[layers, n, *state]`` per pool tensor, contiguous per layer when ``split``):
+        header, the receiver's decision, the bytes, its acknowledgement.
 
         Raises :class:`TransferRefusedError` when the receiver refused it (nothing
         landed), :class:`TransferError` on any other failure (the batch may have
         landed: retry it with the same ``seq``).
         """
         pair = f"{self.token}.{self._epoch}"
-        raw = [r.reshape(-1).view(torch.uint8) for r in rows]
-        header = {"magic": MAGIC, "tok": self.token, "seq": seq, "ids": ids, "fp": fp, "pair": pair}
+        raw = messages(rows, split)
+        header = {"magic": MAGIC, "tok": self.token, "seq": seq, "ids": ids, "fp": fp, "pair": pair, "split": split}
         header["bytes"] = [t.numel() for t in raw]
         m = int(self.call("add", "posted", 1))
         self.call("set", f"hdr/{m}", json.dumps(header))
@@ -226,81 +259,109 @@ class Outbox(_Direction):
 
 @dataclass(slots=True)
 class Batch:
-    """A batch whose bytes arrived and which awaits its answer (:meth:`Inbox.answer`)."""
+    """A batch whose header this side accepted: :meth:`Inbox.take` answers ``go`` and receives its bytes, then
+    :meth:`Inbox.answer` settles it (or refuses it, if it was never taken)."""
 
     number: int
     ids: list[str]
-    rows: list[torch.Tensor]
     key: tuple[str, int]
+    pair: str
+    split: bool
+    sizes: list[int]  # of its messages, checked against this side's layout before it was accepted
+    rows: list[torch.Tensor] = field(default_factory=list)
+    taken: bool = False  # "go" written: the sender sends the bytes
+
+
+Shapes = list[tuple[tuple[int, ...], torch.dtype]]
+
+
+def message_sizes(layers: int, shapes: Shapes, n: int, split: bool) -> list[int]:
+    """The byte size of each message of a batch of ``n`` states (see :func:`messages`)."""
+    per_layer = [n * math.prod(shape) * dtype.itemsize for shape, dtype in shapes]
+    return [b for b in per_layer for _ in range(layers)] if split else [layers * b for b in per_layer]
 
 
 class Inbox(_Direction):
     """The receiving side of ``src > dst``.
 
     Invariants: every header is settled once (``taken`` counts them), a header
-    is refused before any tensor is allocated when its fingerprint is not this
-    side's or its size is impossible, and the last batch landed is remembered so
-    that a retry of it is acknowledged again, never landed twice.
+    is refused before anything is allocated when its fingerprint is not this
+    side's or its size is impossible, ``go`` is answered only for a batch this
+    side has room for already (the caller lands first: the bytes may arrive
+    straight into its staging slots), and the last batch landed is remembered
+    so that a retry of it is acknowledged again, never landed twice.
     """
 
     def __init__(self, store: Any, src: int, dst: int, timeout: float) -> None:
         super().__init__(store, src, dst, 1, timeout)
         self.token = uuid.uuid4().hex[:16]
         self._last: tuple[str, int] | None = None
-        self.waiting: Batch | None = None  # received, not answered yet
+        self.waiting: Batch | None = None  # accepted, not answered yet
 
     def _advance(self, m: int) -> None:
         self.call("add", "taken", 1)
         with contextlib.suppress(Exception):  # the sender deletes the rest once it read the answer
             self.store.delete_key(f"hdr/{m}")
 
-    def receive(self, fp: list[Any], room: int, rows_for: Any) -> Batch:
-        """The next batch's bytes, into ``rows_for(n)`` (one ``[layers, n, *state]`` tensor per pool tensor).
+    def _decide(self, m: int, decision: str) -> bool:
+        """Write header ``m``'s decision (first writer wins) and move past it unless it is ``go``; False when the
+        sender had withdrawn it (or another receiver settled it) first."""
+        got = bytes(self.call("compare_set", f"state/{m}", "", decision)).decode()
+        if got == decision and decision.startswith("go:"):
+            return True
+        self._advance(m)
+        if got == "withdrawn":  # its sender has moved on: nobody reads these any more
+            with contextlib.suppress(Exception):
+                self.store.delete_key(f"state/{m}")
+        return got == decision
 
-        ``fp``: this side's :func:`fingerprint`; ``room``: how many states could
-        land now (a larger batch is refused, typed, and retried by the sender).
-        Waits up to ``timeout`` for a header, then up to ``timeout`` for its bytes.
+    def offer(self, layers: int, shapes: Shapes, room: int, deadline: float) -> Batch:
+        """The next batch this side may take, judged against its layout (``layers``, ``shapes``) and ``room`` (how
+        many states could land now: a larger batch is refused, typed, and retried by the sender).
+
+        Waits until ``deadline`` (``time.monotonic()``) for a header. A retry of
+        the batch landed last is acknowledged and skipped; a refusal is written
+        and raised (:class:`TransferRefusedError`). The batch returned has no
+        decision yet: :meth:`take` it or :meth:`answer` it not landed.
         """
-        deadline = time.monotonic() + self.timeout
+        fp = fingerprint(layers, shapes)
         while True:
             m = int(self.call("add", "taken", 0)) + 1
             text = self.wait_key(f"hdr/{m}", deadline - time.monotonic())
             if text is None:
                 raise TransferError(f"no batch from rank {self.src}: timed out after {self.timeout:g}s")
-            refusal, header = _judge(text, fp, room, self.src)
-            key = (str(header.get("tok")), int(header.get("seq", -1))) if refusal is None else ("", -1)
-            decision = refusal or (f"dup:{self.token}" if key == self._last else f"go:{self.token}")
-            got = bytes(self.call("compare_set", f"state/{m}", "", decision)).decode()
-            if got != decision:  # withdrawn by its sender, or settled by a receiver before this one
-                self._advance(m)
-                if got == "withdrawn":  # its sender has moved on: nobody reads these any more
-                    with contextlib.suppress(Exception):
-                        self.store.delete_key(f"state/{m}")
-                continue
-            if refusal is not None:
-                self._advance(m)
-                reason, _, rest = refusal.removeprefix("refuse:").partition(":")
-                why = rest.partition(":")[2]
-                raise TransferRefusedError(f"refused a batch from rank {self.src}: {why}", [], reason, room)
-            if decision.startswith("dup"):
-                self._advance(m)
-                continue
-            return self._bytes(m, header, key, rows_for)
+            refusal, header = _judge(text, fp, room, self.src, lambda n, split: message_sizes(layers, shapes, n, split))
+            if refusal is None:
+                key = (str(header["tok"]), int(header["seq"]))
+                if key != self._last:
+                    self.waiting = Batch(m, list(header["ids"]), key, header["pair"], header["split"], header["bytes"])
+                    return self.waiting
+            if not self._decide(m, refusal or f"dup:{self.token}") or refusal is None:
+                continue  # withdrawn or settled elsewhere, or a duplicate acknowledged again
+            reason, _, rest = refusal.removeprefix("refuse:").partition(":")
+            raise TransferRefusedError(
+                f"refused a batch from rank {self.src}: {rest.partition(':')[2]}", [], reason, room
+            )
 
-    def _bytes(self, m: int, header: dict[str, Any], key: tuple[str, int], rows_for: Any) -> Batch:
-        ids = list(header["ids"])
-        rows: list[torch.Tensor] = rows_for(len(ids))
-        raw = [r.reshape(-1).view(torch.uint8) for r in rows]
-        if [t.numel() for t in raw] != header["bytes"]:  # the fingerprint matched: a header that lies
-            self.answer_raw(m, "fail:byte sizes do not match the fingerprint")
-            raise TransferError(f"rank {self.src} announced byte sizes its fingerprint does not give", ids)
+    def take(self, batch: Batch, rows: list[torch.Tensor]) -> None:
+        """Answer ``go`` for ``batch`` and receive its bytes into ``rows`` (:func:`messages` of them, in place).
+
+        :class:`Withdrawn` when its sender withdrew it first (nothing arrives: move on);
+        :class:`TransferError` when the bytes failed (the batch is answered failed).
+        """
+        if not self._decide(batch.number, f"go:{self.token}"):
+            self.waiting = None
+            raise Withdrawn(batch.ids)
+        batch.taken = True
+        raw = messages(rows, batch.split)
+        if [t.numel() for t in raw] != batch.sizes:  # the caller's rows are this side's layout, which was checked
+            raise AssertionError(f"rows of {[t.numel() for t in raw]} bytes for a batch of {batch.sizes}")
         try:
-            self.move(raw, False, str(header["pair"]), ids)
+            self.move(raw, False, batch.pair, batch.ids)
         except TransferError:
-            self.answer_raw(m, "fail:the bytes did not arrive")
+            self.answer_raw(batch.number, "fail:the bytes did not arrive")
             raise
-        self.waiting = Batch(m, ids, rows, key)
-        return self.waiting
+        batch.rows = rows
 
     def answer_raw(self, m: int, value: str) -> None:
         """Write the answer of header ``m`` and move past it."""
@@ -312,30 +373,41 @@ class Inbox(_Direction):
 
     def answer(self, batch: Batch, landed: bool, why: str = "") -> None:
         """Acknowledge ``batch`` (``landed``) or tell its sender it did not land (``why``: ``room:<room>:<text>``
-        refuses it for room, ``<room>`` the states that could land)."""
-        if landed:
+        refuses it for room, ``<room>`` the states that could land); a batch never taken is refused, as a
+        decision, and its sender sends nothing."""
+        refusal = why if why.startswith("room:") else f"failed::{why}"
+        if not batch.taken:
+            self.waiting = None
+            self._decide(batch.number, f"refuse:{refusal}")
+        elif landed:
             self._last = batch.key
             self.answer_raw(batch.number, f"ok:{len(batch.ids)}")
         else:
             self.answer_raw(batch.number, f"refuse:{why}" if why.startswith("room:") else f"fail:{why}")
 
 
-def _judge(text: str, fp: list[Any], room: int, src: int) -> tuple[str | None, dict[str, Any]]:
-    """A header's refusal (``refuse:<kind>:<why>``), or None to take it; before anything is allocated."""
+def _judge(
+    text: str, fp: list[Any], room: int, src: int, sizes: Callable[[int, bool], list[int]]
+) -> tuple[str | None, dict[str, Any]]:
+    """A header's refusal (``refuse:<kind>:<room>:<why>``), or None to take it; before anything is allocated.
+
+    ``sizes(n, split)``: the message sizes this side's layout gives a batch of ``n``."""
     try:
         header = json.loads(text)
-        ids, sizes = header["ids"], header["bytes"]
+        ids, sizes_given = header["ids"], header["bytes"]
+        header.setdefault("split", False)  # a sender from before split messages
         ok = (
             header["magic"] == MAGIC
             and isinstance(ids, list)
             and all(type(r) is str for r in ids)
-            and isinstance(sizes, list)
-            and all(type(b) is int and b >= 0 for b in sizes)
+            and isinstance(sizes_given, list)
+            and all(type(b) is int and b >= 0 for b in sizes_given)
             and type(header["seq"]) is int
             and isinstance(header["tok"], str)
             and isinstance(header["pair"], str)
+            and type(header["split"]) is bool
         )
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         ok, header = False, {}
     if not ok:
         return f"refuse:header::rank {src} sent something that is not a transfer header", header
@@ -346,4 +418,6 @@ def _judge(text: str, fp: list[Any], room: int, src: int) -> tuple[str | None, d
         return f"refuse:header::a batch of {n} states with {len(set(ids))} distinct ids", header
     if n > room:
         return f"refuse:room:{room}:{n} states arrived, room for {room} here (free host slots, then retry)", header
+    if sizes_given != sizes(n, header["split"]):
+        return f"refuse:header::rank {src} announced byte sizes its fingerprint does not give", header
     return None, header

@@ -5,8 +5,10 @@ agreed on through the process group's key-value store (a header naming the
 ids, a fingerprint of the states' layout and the byte sizes; the receiver's
 decision: take it, re-acknowledge a batch it landed already, or refuse it for
 room, spec or an impossible size; after the bytes, its acknowledgement), and
-the bytes go over a two-rank gloo group of the two peers alone, one message per
-pool tensor holding every state's rows, replaced after any failure. Why: gloo
+the bytes go over a two-rank gloo group of the two peers alone, replaced after
+any failure: one message per pool tensor holding every state's rows, or, for a
+large batch, one per pool tensor and layer, sent straight from the staging
+host rows and received straight into them when the batch's slots are one run. Why: gloo
 closes a pair on any timeout, so on the group itself one late peer would break
 every later batch; here a failed batch is retried to success on the same
 transfer. Every wait is bounded by ``timeout``; every failure is a
@@ -18,7 +20,9 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import anyio
@@ -33,12 +37,10 @@ from ._errors import (
     TransferRefusedError,
 )
 from ._events import Export
-from ._link import Inbox, Outbox, check_timeout, fingerprint
+from ._link import SPLIT_BYTES, Batch, Inbox, Outbox, Shapes, Withdrawn, check_timeout, fingerprint
 from ._manager import CacheManager
 
 __all__ = ["StateTransfer"]
-
-Shapes = list[tuple[tuple[int, ...], torch.dtype]]
 
 
 class _Buffers:
@@ -81,9 +83,7 @@ def write_staging(manager: CacheManager, slots: list[int], rows: list[torch.Tens
     waits for that stream first (an event, not a device synchronize). Float8
     states go by indexed assignment: CPU torch has no ``index_copy_`` for them.
     """
-    staged = staged_event(manager)
-    if staged is not None:
-        staged.synchronize()
+    wait_for_restores(manager)
     index = torch.tensor(slots, dtype=torch.long)
     host = manager.host_pool
     assert host is not None
@@ -92,6 +92,19 @@ def write_staging(manager: CacheManager, slots: list[int], rows: list[torch.Tens
             t[:, index] = buf  # float8: CPU torch has no index_copy_ for it
         else:
             t.index_copy_(1, index, buf)
+
+
+def wait_for_restores(manager: CacheManager) -> None:
+    """Before a write into free staging slots: an earlier flush's restore from them may still read on the stream."""
+    staged = staged_event(manager)
+    if staged is not None:
+        staged.synchronize()
+
+
+def run_of(slots: list[int]) -> int | None:
+    """The first slot when ``slots`` are consecutive and ascending (their rows of a layer are one contiguous run)."""
+    first = slots[0] if slots else None
+    return first if first is not None and slots == list(range(first, first + len(slots))) else None
 
 
 class Batches:
@@ -269,21 +282,34 @@ class StateTransfer:
             )
 
     def _ship(self, ready: list[Export], ids: list[str], seq: int) -> None:
-        """One batch, gathered from the staging rows into the kept buffers, until acknowledged."""
+        """One batch until acknowledged: sent straight from the staging rows when they are one run and the batch
+        is split (see ``_link``), else gathered into the kept buffers."""
         staged = staged_event(self._mgr)
         try:
             if staged is not None:
-                staged.synchronize()  # the rows are gathered from the staging slots: their bytes must be final
-            hosts = torch.tensor([ev.host for ev in ready], dtype=torch.long)
+                staged.synchronize()  # the rows are read from the staging slots: their bytes must be final
             host = self._mgr.host_pool
             assert host is not None
-            rows = self._send_bufs.rows(self._layers(), len(ids), self._shapes())
-            for t, out in zip(host.tensors, rows, strict=True):
-                torch.index_select(t, 1, hosts, out=out)
-            self.send_rows(ids, rows, seq)
+            hosts = [ev.host for ev in ready]
+            split = self._split(len(ids))
+            first = run_of(hosts)
+            if split and first is not None:
+                rows = [t[:, first : first + len(ids)] for t in host.tensors]
+            else:
+                rows = self._send_bufs.rows(self._layers(), len(ids), self._shapes())
+                index = torch.tensor(hosts, dtype=torch.long)
+                for t, out in zip(host.tensors, rows, strict=True):
+                    torch.index_select(t, 1, index, out=out)
+            self._out.send(ids, seq, fingerprint(self._layers(), self._shapes()), rows, split)
         except BaseException:
             self._send_bufs = _Buffers()
             raise
+
+    def _split(self, n: int) -> bool:
+        """Whether a batch of ``n`` states goes as one message per layer (large enough that a message costs less
+        than the copy it saves)."""
+        layers = self._layers()
+        return layers > 1 and n * self._mgr.pool.spec.slot_bytes >= layers * SPLIT_BYTES
 
     def send_rows(self, request_ids: list[str], rows: list[torch.Tensor], seq: int) -> None:
         """Send one batch of the given ``[layers, n, *state]`` rows (one per pool tensor, the wire's order) for
@@ -300,7 +326,7 @@ class StateTransfer:
         """
         layers = rows[0].shape[0] if rows else 0
         fp = fingerprint(layers, [(tuple(r.shape[2:]), r.dtype) for r in rows])
-        self._out.send(list(request_ids), seq, fp, rows)
+        self._out.send(list(request_ids), seq, fp, [r.contiguous() for r in rows], False)
 
     # -- receiving -----------------------------------------------------------
     @_tracing.traces_failures
@@ -315,34 +341,53 @@ class StateTransfer:
         sender keeps it); a batch landed already (its acknowledgement was lost) is
         acknowledged again and not landed twice.
         """
+        mgr, host = self._mgr, self._mgr.host_pool
+        assert host is not None
         with self._receive_lock:
-            try:
-                ids, rows = self._receive(self._shapes(), self._bufs)
-            except BaseException:
-                self._bufs = _Buffers()
-                raise
-            try:
-                # Arrived (importable) only once written: a step loop importing a request it expects, or
-                # discarding an aborted one, never sees a slot the rows have not reached yet.
-                slots = self._mgr.land(ids, lambda hosts: write_staging(self._mgr, hosts, rows))
-            except PoolExhaustedError as exc:  # room went elsewhere since the header was judged
-                host = self._mgr.host_pool
-                self.acknowledge(ids, landed=False, why=f"room:{host.num_free if host else 0}:{exc}")
-                raise TransferRefusedError(f"refused a batch from rank {self.peer}: {exc}", ids, "room") from exc
-            except BaseException as exc:  # not landed, or not written (its slots freed): the sender keeps them
-                self.acknowledge(ids, landed=False, why=str(exc))
-                raise
-            _tracing.tracer.transfer(
-                "transfer.receive",
-                self.peer,
-                ids,
-                step=self._mgr.step,
-                n=len(ids),
-                hosts=slots,
-                bytes=sum(b.nbytes for b in rows),
-            )
-            self._acknowledge(ids)
-            return ids
+            deadline = time.monotonic() + self._in.timeout
+            while True:
+                batch = self._in.offer(self._layers(), self._shapes(), host.num_free, deadline)
+                try:
+                    # The staging slots are taken before the answer, so the bytes may arrive straight into
+                    # them; they count as arrived (importable) only once written.
+                    slots = mgr.land(batch.ids, partial(self._take, batch))
+                except Withdrawn:
+                    continue  # its sender gave up on it first: nothing arrived, the next header may
+                except PoolExhaustedError as exc:  # room went elsewhere since the header was judged
+                    self._in.answer(batch, False, f"room:{host.num_free}:{exc}")
+                    raise TransferRefusedError(
+                        f"refused a batch from rank {self.peer}: {exc}", batch.ids, "room"
+                    ) from exc
+                except BaseException as exc:  # not landed, or not written (its slots freed): the sender keeps them
+                    self._bufs = _Buffers()
+                    if self._in.waiting is batch:
+                        self._in.answer(batch, False, str(exc))
+                    raise
+                _tracing.tracer.transfer(
+                    "transfer.receive",
+                    self.peer,
+                    batch.ids,
+                    step=mgr.step,
+                    n=len(batch.ids),
+                    hosts=slots,
+                    bytes=sum(batch.sizes),
+                )
+                self._in.answer(batch, True)
+                return batch.ids
+
+    def _take(self, batch: Batch, hosts: list[int]) -> None:
+        """Receive ``batch`` into staging ``hosts``: straight into their rows when they are one run and the batch
+        is split, else into the kept buffers and copied over."""
+        host = self._mgr.host_pool
+        assert host is not None
+        wait_for_restores(self._mgr)
+        first = run_of(hosts)
+        if batch.split and first is not None:
+            self._in.take(batch, [t[:, first : first + len(hosts)] for t in host.tensors])
+            return
+        rows = self._bufs.rows(self._layers(), len(hosts), self._shapes())
+        self._in.take(batch, rows)
+        write_staging(self._mgr, hosts, rows)
 
     @_tracing.traces_failures
     def receive_rows(self, shapes: Shapes | None = None) -> tuple[list[str], list[torch.Tensor]]:
@@ -356,15 +401,17 @@ class StateTransfer:
         tensors are the caller's (fresh each call, unlike :meth:`receive`'s kept
         buffers).
         """
-        return self._receive(self._shapes() if shapes is None else shapes, _Buffers())
-
-    def _receive(self, shapes: Shapes, bufs: _Buffers) -> tuple[list[str], list[torch.Tensor]]:
-        """The next batch's ids and rows (in ``bufs``), judged against ``shapes`` and the host pool's free room."""
+        shapes = self._shapes() if shapes is None else shapes
         host = self._mgr.host_pool
         assert host is not None
-        layers = self._layers()
-        batch = self._in.receive(fingerprint(layers, shapes), host.num_free, lambda n: bufs.rows(layers, n, shapes))
-        return batch.ids, batch.rows
+        deadline = time.monotonic() + self._in.timeout
+        while True:
+            batch = self._in.offer(self._layers(), shapes, host.num_free, deadline)
+            try:
+                self._in.take(batch, _Buffers().rows(self._layers(), len(batch.ids), shapes))
+            except Withdrawn:
+                continue
+            return batch.ids, batch.rows
 
     @_tracing.traces_failures
     def acknowledge(self, request_ids: list[str], *, landed: bool = True, why: str = "") -> None:
@@ -373,20 +420,13 @@ class StateTransfer:
 
         :class:`TransferError` when ``request_ids`` are not that batch's (nothing answered).
         """
-        if landed:
-            self._acknowledge(request_ids)
-            return
-        batch = self._waiting(request_ids)
-        self._in.answer(batch, False, why or "the receiver did not land it")
+        self._in.answer(self._waiting(request_ids), landed, why or "the receiver did not land it")
 
-    def _waiting(self, request_ids: list[str]) -> Any:
+    def _waiting(self, request_ids: list[str]) -> Batch:
         batch = self._in.waiting
-        if batch is None or list(request_ids) != batch.ids:
+        if batch is None or not batch.taken or list(request_ids) != batch.ids:
             raise TransferError(f"no batch of {list(request_ids)} awaits an answer", list(request_ids))
         return batch
-
-    def _acknowledge(self, request_ids: list[str]) -> None:  # untraced: receive() traces its own failures once
-        self._in.answer(self._waiting(request_ids), True)
 
     # -- async forms ---------------------------------------------------------
     async def send_async(self) -> list[str]:

@@ -15,11 +15,13 @@ process; tests/test_transfer.py runs the real thing over gloo.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 import mambacache as mc
 
-__all__ = ["loopback"]
+__all__ = ["OneBatch", "loopback"]
 
 
 def loopback(
@@ -47,3 +49,27 @@ def loopback(
         t[:, index] = buf
     sender.exports_delivered(ready)
     return ids
+
+
+class OneBatch:
+    """A stand-in for a transfer's inbox (``StateTransfer._in``) that offers one batch of ``rows`` for request
+    ``"r"`` (one message per pool tensor), so ``receive()`` runs its landing with the wire stood in."""
+
+    timeout = 5.0
+
+    def __init__(self, rows: list[torch.Tensor]) -> None:
+        self.rows, self.waiting = rows, None
+
+    def offer(self, layers: int, shapes: Any, room: int, deadline: float) -> Any:
+        from mambacache._link import Batch, message_sizes
+
+        self.waiting = Batch(1, ["r"], ("t", 1), "p", False, message_sizes(layers, shapes, 1, False))
+        return self.waiting
+
+    def take(self, batch: Any, rows: list[torch.Tensor]) -> None:
+        for into, row in zip(rows, self.rows, strict=True):
+            into.copy_(row)
+        batch.taken = True
+
+    def answer(self, batch: Any, landed: bool, why: str = "") -> None:
+        self.waiting = None

@@ -29,13 +29,18 @@ TIMEOUT = 2.0
 
 
 class SlowLand(mc.CacheManager):
-    """A receiver's manager that takes ``delay`` seconds to land a batch, so its acknowledgement comes late."""
+    """A receiver's manager that takes ``delay`` seconds to land a batch once its bytes arrived (the receive
+    writes them inside ``land``), so its acknowledgement comes late."""
 
     delay = 0.0
 
     def land(self, request_ids: list[str], write: Callable[[list[int]], None] | None = None) -> list[int]:
-        time.sleep(self.delay)
-        return super().land(request_ids, write)
+        def slow(hosts: list[int]) -> None:
+            if write is not None:
+                write(hosts)
+            time.sleep(self.delay)
+
+        return super().land(request_ids, slow)
 
 
 class Side:
@@ -324,6 +329,74 @@ def failing_receiver(me: Side) -> None:
     me.idle()
 
 
+# Every layout of the wire (issue #32's cost): one message per pool tensor or one per layer (split), the
+# sender's staging slots one run or not, the receiver's landing slots one run or not.
+WIRE = [(split, srun, rrun) for split in (True, False) for srun in (True, False) for rrun in (True, False)]
+
+
+def _direct(xfer: mc.StateTransfer, sending: bool) -> bool:
+    """Whether the last batch went straight from (or into) the host rows: the kept buffers were never grown."""
+    bufs = xfer._send_bufs if sending else xfer._bufs  # type: ignore[attr-defined]
+    return not bufs._flat  # type: ignore[no-any-return]
+
+
+def wire_sender(me: Side) -> None:
+    import mambacache._transfer as xfer_mod
+    from mambacache._transfer import _Buffers
+
+    real = xfer_mod.SPLIT_BYTES
+    try:
+        for k, (split, srun, _) in enumerate(WIRE):
+            xfer_mod.SPLIT_BYTES = 0 if split else 2**62  # the sender alone decides; the receiver follows the header
+            ids = [f"w{k}a", f"w{k}b"]
+            ref = prefill_pool(30 + k)
+            for t, r in zip(me.pool.tensors, ref.tensors, strict=True):
+                t[:, [1, 2, 3]] = r[:, [1, 2, 3]]
+            me.mgr.alloc_slots([1], ids[0], clear=False)
+            me.mgr.export(1, ids[0])
+            if not srun:  # an export for another peer between them: staging host slots 1 and 3
+                me.mgr.alloc_slots([2], "pad", clear=False)
+                me.mgr.export(2, "pad", to=7)
+            me.mgr.alloc_slots([3], ids[1], clear=False)
+            me.mgr.export(3, ids[1])
+            me.mgr.flush_nowait()
+            me.xfer._send_bufs = _Buffers()  # type: ignore[attr-defined]
+            dist.barrier()
+            assert me.xfer.send() == ids, (split, srun)
+            assert _direct(me.xfer, True) == (split and srun), f"split {split}, one run {srun}: copied or not"
+            if not srun:
+                me.mgr.release(2, "pad")  # withdraws its export
+            me.mgr.flush_nowait()
+            me.idle()
+    finally:
+        xfer_mod.SPLIT_BYTES = real
+
+
+def wire_receiver(me: Side) -> None:
+    from mambacache._transfer import _Buffers
+
+    for k, (split, _, rrun) in enumerate(WIRE):
+        held = []
+        if not rrun:  # host slot 2 held: the batch lands in 1 and 3
+            me.mgr.alloc_slots([6, 7], "hold", clear=False)
+            held = me.mgr.offload_many([6, 7], "hold")
+            me.mgr.flush_nowait()
+            me.mgr.drop(held.pop(0))
+            me.mgr.flush_nowait()
+        me.xfer._bufs = _Buffers()  # type: ignore[attr-defined]
+        dist.barrier()
+        ids = me.xfer.receive()
+        assert ids == [f"w{k}a", f"w{k}b"], ids
+        assert _direct(me.xfer, False) == (split and rrun), f"split {split}, one run {rrun}: copied or not"
+        me.imports(ids, [4, 5], [1, 3], 30 + k, f"the wire with split {split}, landing in one run {rrun}")
+        for h in held:
+            me.mgr.drop(h)
+        if held:
+            me.mgr.release_many([6, 7], "hold")
+        me.mgr.flush_nowait()
+        me.idle()
+
+
 CASES = {
     "late receiver": (late_sender, late_receiver),
     "idle receiver": (idle_sender, idle_receiver),
@@ -334,6 +407,7 @@ CASES = {
     "sender silent after go": (silent_sender, receiver_of_silent),
     "receiver silent after go": (sender_to_silent, silent_receiver),
     "landed nothing": (failed_sender, failing_receiver),
+    "every wire layout": (wire_sender, wire_receiver),
 }
 
 

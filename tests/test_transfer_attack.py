@@ -18,6 +18,7 @@ import torch
 import mambacache as mc
 from mambacache._transfer import Batches, send_exports
 
+from ._loopback import OneBatch
 from .util import flush_with_fault, small_spec
 
 SPEC = small_spec(2)
@@ -185,11 +186,8 @@ def test_a_state_landed_but_not_yet_written_is_neither_imported_nor_discarded() 
         assert host is not None
         rows = [torch.full((t.shape[0], 1, *t.shape[2:]), 7.0).to(t.dtype) for t in host.tensors]
         xfer = object.__new__(mc.StateTransfer)  # a stand-in with the wire replaced
-        xfer._mgr, xfer.peer = mgr, 1  # type: ignore[attr-defined]
-        xfer._receive = lambda shapes, bufs: (["r"], rows)  # type: ignore[method-assign]
-        xfer._shapes = lambda: []  # type: ignore[method-assign]
-        xfer._acknowledge = lambda ids: None  # type: ignore[method-assign]
-        xfer._bufs = None  # type: ignore[attr-defined]
+        xfer._mgr, xfer.peer, xfer._in = mgr, 1, OneBatch(rows)  # type: ignore[attr-defined]
+        xfer._bufs = xfer_mod._Buffers()  # type: ignore[attr-defined]
         writing, written = threading.Event(), threading.Event()
         real = xfer_mod.write_staging
         seen: list[str] = []

@@ -31,9 +31,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mambacache as mc
+from mambacache._transfer import _Buffers
 
 from ._gate import flush_paused, resume
-from ._loopback import loopback
+from ._loopback import OneBatch, loopback
 from .oracle import SequentialOracle
 from .sweep import fault_points
 from .util import VARIANTS, FaultAt, fill_random, quant_spec, step_value
@@ -623,7 +624,6 @@ def test_state_transfer_receive_lands_a_float8_state() -> None:
         assert src is not None
         rows = [t.index_select(1, torch.tensor([ev.host])) for t in src.tensors]
         xfer = object.__new__(mc.StateTransfer)  # receive() with the wire stood in: the rows, no ack
-        xfer._mgr, xfer.peer, xfer._bufs = recv, 1, None  # type: ignore[attr-defined]
-        xfer._receive = lambda shapes, bufs: (["r"], rows)  # type: ignore[method-assign]
-        xfer._acknowledge = lambda ids: None  # type: ignore[method-assign]
+        xfer._mgr, xfer.peer, xfer._in = recv, 1, OneBatch(rows)  # type: ignore[attr-defined]
+        xfer._bufs = _Buffers()  # type: ignore[attr-defined]
         assert xfer.receive() == ["r"]

@@ -306,10 +306,10 @@ class StateTransfer:
             raise
 
     def _split(self, n: int) -> bool:
-        """Whether a batch of ``n`` states goes as one message per layer (large enough that a message costs less
-        than the copy it saves)."""
+        """Whether a batch of ``n`` states goes as one message per layer: large enough that a message costs less
+        than the copy it saves, or one layer (the same messages either way, and a split one lands in place)."""
         layers = self._layers()
-        return layers > 1 and n * self._mgr.pool.spec.slot_bytes >= layers * SPLIT_BYTES
+        return layers == 1 or n * self._mgr.pool.spec.slot_bytes >= layers * SPLIT_BYTES
 
     def send_rows(self, request_ids: list[str], rows: list[torch.Tensor], seq: int) -> None:
         """Send one batch of the given ``[layers, n, *state]`` rows (one per pool tensor, the wire's order) for

@@ -262,10 +262,11 @@ class StepReport:
         resumed_stages: int = 0,
     ) -> StepReport:  # fmt: skip
         """The report of step ``step`` that ran ``plan``; each byte count is its slot count x ``slot_bytes``."""
+        # Positional, in field order: every flush builds one, and keywords cost a lookup each.
+        zeroed, copied, committed = plan.zeroed, plan.copied, plan.committed
+        offloaded, restored = plan.offloaded, plan.restored
         return cls(
-            step=step, events=plan.events, zeroed=plan.zeroed, copied=plan.copied, elided=plan.elided,
-            bytes_zeroed=plan.zeroed * slot_bytes, bytes_copied=plan.copied * slot_bytes, stages=len(plan.stages),
-            plan_s=plan_s, execute_s=execute_s, resumed_stages=resumed_stages, committed=plan.committed,
-            bytes_committed=plan.committed * slot_bytes, offloaded=plan.offloaded, restored=plan.restored,
-            bytes_offloaded=plan.offloaded * slot_bytes, bytes_restored=plan.restored * slot_bytes,
+            step, plan.events, zeroed, copied, plan.elided, zeroed * slot_bytes, copied * slot_bytes,
+            len(plan.stages), plan_s, execute_s, resumed_stages, committed, committed * slot_bytes, offloaded,
+            restored, offloaded * slot_bytes, restored * slot_bytes,
         )  # fmt: skip

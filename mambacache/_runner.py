@@ -177,7 +177,7 @@ class StepRunner:
     """
 
     __slots__ = (
-        "_broken", "_convs", "_cpu", "_device", "_drafts", "_failures", "_max_failures", "_tensors", "backlog",
+        "_convs", "_cpu", "_device", "_drafts", "_failures", "_max_failures", "_tensors", "backlog", "broken",
     )  # fmt: skip
 
     def __init__(self, pool: Any, max_failures: int) -> None:
@@ -189,17 +189,14 @@ class StepRunner:
         self._cpu = self._device.type == "cpu"  # on_stream would be a no-op
         self._max_failures = max_failures
         self._failures = 0
-        self._broken: str | None = None
-
-    @property
-    def broken(self) -> str | None:
-        """Why the runner refuses work, or None."""
-        return self._broken
+        # Why the runner refuses work, or None: a plain attribute, not a property, as every submit reads it
+        # (under the queue's lock); only the runner writes it.
+        self.broken: str | None = None
 
     def raise_if_broken(self) -> None:
         """Raise :class:`ManagerBrokenError` once the failure budget is spent."""
-        if self._broken is not None:
-            raise ManagerBrokenError(self._broken)
+        if self.broken is not None:
+            raise ManagerBrokenError(self.broken)
 
     @property
     def pending(self) -> int:
@@ -247,9 +244,9 @@ class StepRunner:
         where = f"executor {executor.name!r} failed on {type(stage).__name__} (tensor {self.backlog.next_tensor})"
         _tracing.tracer.failed(step, type(stage).__name__, repr(exc), self._failures)
         if self._failures >= self._max_failures:
-            self._broken = (
+            self.broken = (
                 f"CacheManager is broken: {self._failures} flushes in a row failed (last: {where}: {exc!r});"
                 f" the pool keeps {left} unfinished stage(s) for the next manager opened on it"
             )
-            return ManagerBrokenError(self._broken)
+            return ManagerBrokenError(self.broken)
         return ExecutorError(f"{where}; {left} stage(s) are kept and run first by the next flush")

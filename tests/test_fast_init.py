@@ -96,3 +96,30 @@ def test_refuses_what_it_cannot_build() -> None:
     for cls in (NoSlots, PostInit, Factory):
         with pytest.raises(TypeError, match="fast_init"):
             fast_init(cls)
+
+
+@given(
+    counts=st.lists(st.integers(0, 1000), min_size=7, max_size=7),
+    stages=st.integers(0, 5),
+    step=st.integers(0, 10**6),
+    slot_bytes=st.integers(1, 1 << 20),
+    times=st.tuples(st.floats(0, 1), st.floats(0, 1)),
+    resumed=st.integers(0, 9),
+)
+def test_report_from_plan_fills_each_field_by_name(
+    counts: list[int], stages: int, step: int, slot_bytes: int, times: tuple[float, float], resumed: int
+) -> None:
+    """``from_plan`` builds positionally (the flush's hot path): each field still gets its own figure."""
+    events, zeroed, copied, elided, committed, offloaded, restored = counts
+    plan = _planner.Plan(tuple([_planner.RotateStage(())] * stages), *counts)
+    report = _events.StepReport.from_plan(
+        plan, step, slot_bytes, plan_s=times[0], execute_s=times[1], resumed_stages=resumed
+    )
+    by_name = {
+        "step": step, "events": events, "zeroed": zeroed, "copied": copied, "elided": elided,
+        "bytes_zeroed": zeroed * slot_bytes, "bytes_copied": copied * slot_bytes, "stages": stages,
+        "plan_s": times[0], "execute_s": times[1], "resumed_stages": resumed, "committed": committed,
+        "bytes_committed": committed * slot_bytes, "offloaded": offloaded, "restored": restored,
+        "bytes_offloaded": offloaded * slot_bytes, "bytes_restored": restored * slot_bytes,
+    }  # fmt: skip
+    assert report == _events.StepReport(**by_name)

@@ -69,7 +69,8 @@ class FlushCore:
     def local(self, stream: Any | None) -> StepReport:
         """The whole flush, when no channel makes it wait."""
         runner = self._runner
-        runner.raise_if_broken()
+        if runner.broken is not None:
+            runner.raise_if_broken()
         resumed = 0
         if runner.backlog.stages:  # the deque, not the backlog's __len__: this runs on every flush
             # Earlier work first; if it fails again the new events stay queued, unplanned.

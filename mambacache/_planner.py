@@ -528,7 +528,7 @@ def plan_step(events: Iterable[Event]) -> Plan:
     no copy reading a slot the step wrote) is planned in one pass that keeps
     only each slot's last write; it gives the plan the general pass would.
     """
-    log = events if isinstance(events, list | tuple) else list(events)
+    log = events if type(events) is list or type(events) is tuple else list(events)
     plain = _plain_plan(log)
     return plain if plain is not None else _general_plan(log)
 

@@ -69,7 +69,9 @@ class Backlog:
         """Queue ``stages`` (maybe none) of ``ticket`` (default: the newest taken) behind the backlog."""
         t = self.taken - 1 if ticket < 0 else ticket
         if stages:  # a step with nothing to zero or copy has none: its ticket is done at once
-            self.stages.extend((stage, executor, host, t) for stage in stages)
+            queue = self.stages
+            for stage in stages:  # a loop, not a generator: a decode step pushes one stage
+                queue.append((stage, executor, host, t))
         if t > self.last:
             self.last = t
         self._settle()

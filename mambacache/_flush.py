@@ -68,11 +68,13 @@ class FlushCore:
     # -- the core --------------------------------------------------------
     def local(self, stream: Any | None) -> StepReport:
         """The whole flush, when no channel makes it wait."""
-        self._runner.raise_if_broken()
+        runner = self._runner
+        if runner.broken is not None:
+            runner.raise_if_broken()
         resumed = 0
-        if self._runner.backlog:
+        if runner.backlog.stages:  # the deque, not the backlog's __len__: this runs on every flush
             # Earlier work first; if it fails again the new events stay queued, unplanned.
-            resumed = self._runner.run(stream, self._queue.step)
+            resumed = runner.run(stream, self._queue.step)
         plan, step, ticket, plan_s = self.take_plan()
         return self._apply(plan, step, ticket, stream, plan_s, resumed)
 
@@ -115,9 +117,9 @@ class FlushCore:
         t1 = time.perf_counter()
         runner = self._runner
         backlog = runner.backlog
-        resumed += len(backlog)
+        resumed += len(backlog.stages)
         backlog.push(plan.stages, self._executor, self._host, ticket)
-        if backlog:
+        if backlog.stages:
             runner.run(stream, step)
         report = StepReport.from_plan(
             plan, step, self._slot_bytes, plan_s=plan_s, execute_s=time.perf_counter() - t1, resumed_stages=resumed

@@ -150,7 +150,7 @@ class SlotLedger:
     def take(self, n: int, tenant: str | None) -> list[int]:
         """The ``n`` lowest free slots, now held by ``tenant``; :class:`PoolExhaustedError` (nothing taken) if
         fewer are :meth:`available` to ``tenant``."""
-        if n > self.num_free or (self.quota.kept and n > self.available(tenant)):
+        if n > self._num_free + len(self._later) or (self.quota.kept and n > self.available(tenant)):  # num_free
             raise self._exhausted(n, tenant)
         if tenant in self.quota.by_tenant:
             self.quota.count(tenant, n)

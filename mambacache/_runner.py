@@ -176,7 +176,9 @@ class StepRunner:
     the next manager opened on it.
     """
 
-    __slots__ = ("_broken", "_convs", "_device", "_drafts", "_failures", "_max_failures", "_tensors", "backlog")
+    __slots__ = (
+        "_convs", "_cpu", "_device", "_drafts", "_failures", "_max_failures", "_tensors", "backlog", "broken",
+    )  # fmt: skip
 
     def __init__(self, pool: Any, max_failures: int) -> None:
         self.backlog: Backlog = pool.backlog  # the flush core reads its length on every step: no property
@@ -184,19 +186,17 @@ class StepRunner:
         self._drafts: list[torch.Tensor] = pool.exec_drafts
         self._convs: int = pool.exec_convs  # exec_tensors start with the conv states' layer groups
         self._device: torch.device = pool.device
+        self._cpu = self._device.type == "cpu"  # on_stream would be a no-op
         self._max_failures = max_failures
         self._failures = 0
-        self._broken: str | None = None
-
-    @property
-    def broken(self) -> str | None:
-        """Why the runner refuses work, or None."""
-        return self._broken
+        # Why the runner refuses work, or None: a plain attribute, not a property, as every submit reads it
+        # (under the queue's lock); only the runner writes it.
+        self.broken: str | None = None
 
     def raise_if_broken(self) -> None:
         """Raise :class:`ManagerBrokenError` once the failure budget is spent."""
-        if self._broken is not None:
-            raise ManagerBrokenError(self._broken)
+        if self.broken is not None:
+            raise ManagerBrokenError(self.broken)
 
     @property
     def pending(self) -> int:
@@ -218,18 +218,23 @@ class StepRunner:
         raises :class:`ExecutorError` (or :class:`ManagerBrokenError` once the
         budget is spent).
         """
+        if self._cpu:  # no stream to make current: the decode step's path skips the context manager
+            return self._run(step)
+        with on_stream(self._device, stream):
+            return self._run(step)
+
+    def _run(self, step: int) -> int:
         backlog = self.backlog
         stages = backlog.stages
         done = 0
-        with on_stream(self._device, stream):
-            while stages:
-                stage, executor, host, _ = stages[0]
-                try:
-                    run_stage(executor, stage, self._tensors, self._drafts, host, backlog, self._convs)
-                except Exception as exc:
-                    raise self._failed(exc, executor, stage, step) from exc
-                backlog.pop_done()  # its ticket's work may now count as done (Backlog.done)
-                done += 1
+        while stages:
+            stage, executor, host, _ = stages[0]
+            try:
+                run_stage(executor, stage, self._tensors, self._drafts, host, backlog, self._convs)
+            except Exception as exc:
+                raise self._failed(exc, executor, stage, step) from exc
+            backlog.pop_done()  # its ticket's work may now count as done (Backlog.done)
+            done += 1
         self._failures = 0
         return done
 
@@ -239,9 +244,9 @@ class StepRunner:
         where = f"executor {executor.name!r} failed on {type(stage).__name__} (tensor {self.backlog.next_tensor})"
         _tracing.tracer.failed(step, type(stage).__name__, repr(exc), self._failures)
         if self._failures >= self._max_failures:
-            self._broken = (
+            self.broken = (
                 f"CacheManager is broken: {self._failures} flushes in a row failed (last: {where}: {exc!r});"
                 f" the pool keeps {left} unfinished stage(s) for the next manager opened on it"
             )
-            return ManagerBrokenError(self._broken)
+            return ManagerBrokenError(self.broken)
         return ExecutorError(f"{where}; {left} stage(s) are kept and run first by the next flush")

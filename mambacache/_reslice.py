@@ -36,8 +36,8 @@ import torch
 from . import _tracing
 from ._errors import DistributedError, InvalidArgumentError, PoolExhaustedError, TransferError
 from ._events import Export
+from ._handoff._surface import CacheManager
 from ._link import check_timeout
-from ._manager import CacheManager
 from ._spec import StateSpec
 from ._transfer import Batches, StateTransfer, send_exports, staged_event, write_staging
 

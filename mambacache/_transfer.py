@@ -33,8 +33,8 @@ from ._errors import (
     TransferRefusedError,
 )
 from ._events import Export
+from ._handoff._surface import CacheManager
 from ._link import Inbox, Outbox, check_timeout, fingerprint
-from ._manager import CacheManager
 
 __all__ = ["StateTransfer"]
 

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
+from .._handoff._surface import CacheManager
 from .._host import HostPool
-from .._manager import CacheManager
 from .._pool import StatePool
 from .._spec import StateSpec
 from .._transfer import StateTransfer

@@ -45,8 +45,8 @@ from typing import Any
 import torch
 
 from .._errors import TransferError
+from .._handoff._surface import CacheManager
 from .._host import HostPool
-from .._manager import CacheManager
 from .._pool import StatePool
 from .._reslice import ReslicingReceiver, ReslicingSender, StateLayout
 from .._transfer import StateTransfer

@@ -39,6 +39,7 @@ from ._executors import Executor as Executor
 from ._executors import known_executors as known_executors
 from ._executors import register_executor as register_executor
 from ._handoff._surface import CacheManager as CacheManager
+from ._handoff._transfer import StateTransfer as StateTransfer
 from ._host import HostPool as HostPool
 from ._indices import StateIndices as StateIndices
 from ._planner import Plan as Plan
@@ -48,7 +49,6 @@ from ._spec import StateSpec as StateSpec
 from ._tiers._prefix import PrefixCache as PrefixCache
 from ._tiers._prefix import PrefixHit as PrefixHit
 from ._tiers._prefix import PrefixStats as PrefixStats
-from ._transfer import StateTransfer as StateTransfer
 
 __version__ = "0.1.0"
 

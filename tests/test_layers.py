@@ -100,7 +100,7 @@ CORE = {
     "mambacache._tracing", "mambacache._validate",
 }  # fmt: skip
 # Above the core: the layers (a folder each), the tools, and the package's own __init__ that re-exports them.
-LAYERS = ("mambacache._handoff", "mambacache._tiers", "mambacache._transfer", "mambacache._link", "mambacache._reslice")
+LAYERS = ("mambacache._handoff", "mambacache._tiers")
 TOOLS = (
     "mambacache.tracing", "mambacache.sim", "mambacache.bench", "mambacache.integrations", "mambacache.audit",
     "mambacache.hf", "mambacache._cli", "mambacache._console", "mambacache.__main__",

@@ -7,7 +7,7 @@ it puts the book on the core's queue as its
 class: the core's :class:`~mambacache._manager.ManagerCore` with this surface,
 assembled here, above the core, so the core imports no layer. The events are
 planned as the host tier's offload and freeing restore (``docs/transfer.md``);
-a :class:`~mambacache._transfer.StateTransfer` moves the staged bytes between
+a :class:`~mambacache._handoff._transfer.StateTransfer` moves the staged bytes between
 engines.
 """
 

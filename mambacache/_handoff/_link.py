@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ._errors import InvalidArgumentError, TransferError, TransferRefusedError
+from .._errors import InvalidArgumentError, TransferError, TransferRefusedError
 
 __all__ = ["Batch", "Inbox", "Outbox", "check_timeout", "fingerprint", "root_store"]
 

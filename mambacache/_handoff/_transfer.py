@@ -24,17 +24,17 @@ from typing import Any
 import anyio
 import torch
 
-from . import _tracing
-from ._errors import (
+from .. import _tracing
+from .._errors import (
     DistributedError,
     InvalidArgumentError,
     PoolExhaustedError,
     TransferError,
     TransferRefusedError,
 )
-from ._events import Export
-from ._handoff._surface import CacheManager
+from .._events import Export
 from ._link import Inbox, Outbox, check_timeout, fingerprint
+from ._surface import CacheManager
 
 __all__ = ["StateTransfer"]
 

@@ -38,9 +38,10 @@ from ._events import StepReport as StepReport
 from ._executors import Executor as Executor
 from ._executors import known_executors as known_executors
 from ._executors import register_executor as register_executor
+from ._handoff._surface import CacheManager as CacheManager
+from ._handoff._transfer import StateTransfer as StateTransfer
 from ._host import HostPool as HostPool
 from ._indices import StateIndices as StateIndices
-from ._manager import CacheManager as CacheManager
 from ._planner import Plan as Plan
 from ._planner import plan_step as plan_step
 from ._pool import StatePool as StatePool
@@ -48,7 +49,6 @@ from ._spec import StateSpec as StateSpec
 from ._tiers._prefix import PrefixCache as PrefixCache
 from ._tiers._prefix import PrefixHit as PrefixHit
 from ._tiers._prefix import PrefixStats as PrefixStats
-from ._transfer import StateTransfer as StateTransfer
 
 __version__ = "0.1.0"
 

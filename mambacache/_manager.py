@@ -1,8 +1,8 @@
-"""CacheManager: the facade a scheduler calls; it checks arguments and delegates.
+"""ManagerCore: the facade a scheduler calls, less the hand-off; it checks arguments and delegates.
 
 ::
 
-    CacheManager ── arguments, lifecycle, the public surface
+    ManagerCore ── arguments, lifecycle, the public surface (CacheManager adds the hand-off above it)
       ├─ StepQueue   (_queue)  events of the next step, checked against the ledgers, under the lock
       ├─ FlushCore   (_flush)  one flush at a time: take, plan, send/receive over the Channel, run
       └─ StepRunner  (_runner) the pool's backlog through the executor, with the failure budget
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from ._args import many, paired, slot_of
 from ._channel import Channel
@@ -20,7 +20,6 @@ from ._errors import InvalidArgumentError, InvalidSlotError
 from ._events import Clear, CommitDraft, CopyOnWrite, Event, Release, StepReport
 from ._executors import Executor, resolve_executor
 from ._flush import FlushCore
-from ._handoff import HandOff
 from ._host import HostPool
 from ._hosttier import HostTier
 from ._pool import StatePool
@@ -29,8 +28,9 @@ from ._reserve import Reservations
 from ._runner import StepRunner
 from ._validate import check_request_id, check_shift, count_list, normalised, slot_list
 
-__all__ = ["CacheManager"]
+__all__ = ["ManagerCore"]
 
+_M = TypeVar("_M", bound="ManagerCore")
 _IDS = (str, type(None))  # request id types the hot path takes without normalising
 
 
@@ -67,28 +67,15 @@ def _positive_int(name: str, value: Any) -> None:
         raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
 
 
-class CacheManager(Reservations, HostTier, HandOff):
-    """Batches a step's slot events and applies them with exactly sequential semantics.
+class ManagerCore(Reservations, HostTier):
+    """:class:`~mambacache.CacheManager` less the hand-off: the core's whole surface (arguments, lifecycle,
+    submitting, flushing, the host tier, reservations), whose invariants that class's docstring states.
 
-    Invariants:
-
-    * the pool's held slots (and each slot's tenant) are the state at the *end*
-      of the event queue: ``alloc`` and ``release`` update them at once, and
-      every event is validated against the state at its own point of the order;
-    * a flush leaves every held slot as running all queued events one at a
-      time, in submission order, would (see ``docs/semantics.md``);
-    * nothing is lost: a submit that fails changes nothing; a flush whose
-      executor fails keeps the unfinished work in the pool's backlog, and the
-      next flush (of this manager, or of the next one opened on the pool) runs
-      it before anything newer; a submit either is taken by a flush or raises
-      ``ManagerClosedError``, never both nor neither;
-    * kept work is bounded: while the backlog fails, new events stay queued and
-      are not planned, and after ``max_failed_flushes`` failures in a row the
-      manager is broken and refuses work (``ManagerBrokenError``).
-
-    Submitting (``alloc``, ``clear``, ``copy_on_write``, ``release``, ``submit``
-    and the bulk forms) is synchronous and thread-safe; flushes (``await
-    flush()`` or ``flush_nowait()``) run one at a time.
+    The hand-off layer (``mambacache/_handoff/``) makes the public class out of
+    this one and its ``HandOff`` mixin, so the core never imports a layer above
+    it; a mixin that needs state of its own sets it up in its ``__init__``,
+    which this class's calls last (cooperatively, through ``super()``), once
+    the pools, the queue and the flush core exist and before the manager opens.
     """
 
     def __init__(
@@ -115,9 +102,10 @@ class CacheManager(Reservations, HostTier, HandOff):
         self._queue = StepQueue(threading.Lock(), pool.ledger, host_ledger, pool.spec.draft_tokens, runner, channel)
         host_tensors = pool.exec_split(host_pool.exec_tensors) if host_pool is not None else None
         self._core = FlushCore(self._queue, runner, self._executor, host_tensors, pool.spec.slot_bytes, channel)
+        super().__init__()  # the layers' mixins (the hand-off book), over the finished core
 
     # -- lifecycle -------------------------------------------------------
-    async def __aenter__(self) -> CacheManager:
+    async def __aenter__(self: _M) -> _M:
         self._queue.open()
         return self
 
@@ -126,7 +114,7 @@ class CacheManager(Reservations, HostTier, HandOff):
     ) -> None:
         await self._core.close_async(exc)
 
-    def __enter__(self) -> CacheManager:
+    def __enter__(self: _M) -> _M:
         self._queue.open()
         return self
 
@@ -333,21 +321,21 @@ class CacheManager(Reservations, HostTier, HandOff):
 
 
 # -- the bulk forms' arguments: every check is made before anything is queued --------
-def _copies(mgr: CacheManager, srcs: Any, dsts: Any, request_id: Any, shift: Any) -> list[CopyOnWrite]:
+def _copies(mgr: ManagerCore, srcs: Any, dsts: Any, request_id: Any, shift: Any) -> list[CopyOnWrite]:
     a = many(mgr, srcs, request_id)
     b = paired("copy_many", a, slot_list(dsts, mgr.pool.num_slots))
     k = check_shift(shift, mgr.pool.spec.conv_shapes)
     return [CopyOnWrite(s, d, request_id, k) for s, d in zip(a, b, strict=True)]
 
 
-def _commits(mgr: CacheManager, slots: Any, accepted: Any, request_id: Any) -> list[CommitDraft]:
+def _commits(mgr: ManagerCore, slots: Any, accepted: Any, request_id: Any) -> list[CommitDraft]:
     """``commit_many``'s events: ``accepted`` ints (their range is the ledger's check, at each one's turn)."""
     ss = many(mgr, slots, request_id)
     counts = count_list(accepted, len(ss), "accepted")
     return [CommitDraft(s, a, request_id) for s, a in zip(ss, counts, strict=True)]
 
 
-def _alloc_args(mgr: CacheManager, n: Any, request_id: Any, clear: Any) -> bool:
+def _alloc_args(mgr: ManagerCore, n: Any, request_id: Any, clear: Any) -> bool:
     """The checks every alloc form makes first; returns whether to zero the new slots."""
     mgr.check_open()
     if type(n) is not int or n < 0:

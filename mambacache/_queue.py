@@ -4,20 +4,25 @@ The coordinator under :class:`~mambacache.CacheManager` (which only checks
 arguments and delegates): it owns the manager's lock, the lifecycle state, the
 event queue and the step number, and changes the ledgers only under the lock,
 in the same hold as the queue, so the two never disagree. No torch.
+
+A layer above that holds slots of its own beyond the ledgers (the hand-off:
+exports awaiting a peer's ack, states arrived for an import) puts a
+:class:`SubmitGuard` on the queue, which asks it, in the same hold of the lock,
+before it queues a release, hands a slot over, reads or drops a host slot, or
+frees the ledgers at the close. The queue never imports that layer: without
+one it asks :data:`NO_GUARD`, which refuses nothing.
 """
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence, Sized
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
 from . import _tracing
 from ._errors import InvalidArgumentError, ManagerClosedError, SlotLeakError, SlotStateError
-from ._events import Alloc, DropHost, Event, Offload, Restore
-from ._exports import HandOffBook
+from ._events import Alloc, DropHost, Event, Export, Offload, Restore
 from ._ledger import SlotLedger
 
 if TYPE_CHECKING:
@@ -26,9 +31,71 @@ if TYPE_CHECKING:
     from ._channel import Channel
     from ._runner import StepRunner
 
-__all__ = ["CLOSED", "CLOSING", "NEW", "OPEN", "StepQueue", "drop_host", "offload_batch", "restore_batch"]
+__all__ = [
+    "CLOSED", "CLOSING", "NEW", "NO_GUARD", "OPEN", "StepQueue", "SubmitGuard", "drop_host", "offload_batch",
+    "restore_batch",
+]  # fmt: skip
 
 NEW, OPEN, CLOSING, CLOSED = range(4)
+
+
+class SubmitGuard(Protocol):
+    """What the queue asks, under its lock, of the layer that holds slots beyond the ledgers (the hand-off book).
+
+    Each check raises, changing nothing, to refuse the call it guards; the
+    queue makes it before it changes anything, in the hold of the lock that
+    queues the call's events.
+    """
+
+    @property
+    def exports(self) -> Sized:
+        """The pool slots a release withdraws from the guard (empty: :meth:`withdraw_locked` need not be asked,
+        the decode step's one test)."""
+        ...
+
+    @property
+    def sending(self) -> Sized:
+        """The pool slots a send in flight holds: a closed queue keeps the ledgers claimed while any is left."""
+        ...
+
+    def withdraw_locked(self, events: Sequence[Event]) -> list[Export]:
+        """What the releases among ``events`` withdraw; raises, changing nothing, if one may not be released."""
+        ...
+
+    def drop_locked(self, exports: Sequence[Export]) -> None:
+        """After the events are queued: ``exports`` (from :meth:`withdraw_locked`) leave the guard."""
+        ...
+
+    def check_not_exporting(self, what: str, slot: int) -> None:
+        """Raise when pool slot ``slot``'s tenant may not change (a hand-over)."""
+        ...
+
+    def check_host(self, what: str, host: int) -> None:
+        """Raise when host slot ``host`` may not be restored from or dropped."""
+        ...
+
+
+class _NoGuard:
+    """The guard of a queue without a layer above: holds nothing, refuses nothing."""
+
+    __slots__ = ()
+    exports: tuple[()] = ()
+    sending: tuple[()] = ()
+
+    def withdraw_locked(self, events: Sequence[Event]) -> list[Export]:
+        return []
+
+    def drop_locked(self, exports: Sequence[Export]) -> None:
+        pass
+
+    def check_not_exporting(self, what: str, slot: int) -> None:
+        pass
+
+    def check_host(self, what: str, host: int) -> None:
+        pass
+
+
+NO_GUARD: SubmitGuard = _NoGuard()
 
 
 class StepQueue:
@@ -52,7 +119,7 @@ class StepQueue:
 
     __slots__ = (
         "__weakref__", "_backlog", "_channel", "_claim", "_draft_tokens", "_host", "_releasing", "_runner",
-        "_ticket", "_waiters", "events", "handoff", "ledger", "lock", "state", "step",
+        "_ticket", "_waiters", "events", "guard", "ledger", "lock", "state", "step",
     )  # fmt: skip
 
     def __init__(
@@ -72,10 +139,11 @@ class StepQueue:
         self._channel = channel
         self.events: list[Event] = []
         self._backlog = runner.backlog  # hands out the tickets a take runs under (work done: Backlog.done)
-        # A proxy, not the queue: a cycle would keep the manager's graph (its process group
-        # with it) alive until the cyclic GC ran, at exit after destroy_process_group at worst,
-        # where gloo's destructor aborts the process. The book lives only inside the queue.
-        self.handoff = HandOffBook(weakref.proxy(self), ledger, host, runner.backlog)  # exports awaiting an ack
+        # What a layer above holds beyond the ledgers (guard_with); it must see this queue through a
+        # weak proxy, not the queue: a cycle would keep the manager's graph (its process group with
+        # it) alive until the cyclic GC ran, at exit after destroy_process_group at worst, where
+        # gloo's destructor aborts the process.
+        self.guard: SubmitGuard = NO_GUARD
         self.step = 0
         self.state = NEW
         self._waiters: list[int] = []  # alloc_wait tickets, first come first served
@@ -83,6 +151,12 @@ class StepQueue:
         # The ledgers' claim is this token, not the manager: the pool must not keep its manager alive.
         self._claim = object()
         self._releasing = False  # set once closed: the ledgers wait for sends in flight to settle
+
+    def guard_with(self, guard: SubmitGuard) -> None:
+        """Put ``guard`` on the queue's submits (the layer above's book); once, before :meth:`open`."""
+        if self.state != NEW or self.guard is not NO_GUARD:
+            raise InvalidArgumentError("a StepQueue takes one guard, before it opens")
+        self.guard = guard
 
     # -- lifecycle -------------------------------------------------------
     def closed_error(self) -> ManagerClosedError:
@@ -143,7 +217,7 @@ class StepQueue:
 
     def settled(self) -> None:
         """Under the lock, once closed: free the ledgers unless a send is still in flight."""
-        if self._releasing and not self.handoff.sending:
+        if self._releasing and not self.guard.sending:
             self._releasing = False
             if self._host is not None:
                 self._host.unclaim(self._claim)
@@ -155,13 +229,13 @@ class StepQueue:
         with self.lock:
             if self.state != OPEN or self._runner.broken is not None or self._channel is not None:
                 self.check()  # the common case is one test; this raises or checks the source rank
-            book = self.handoff
-            withdrawn = book.withdraw_locked(events) if book.exports else None
+            guard = self.guard
+            withdrawn = guard.withdraw_locked(events) if guard.exports else None
             self.ledger.apply_batch(events, self._draft_tokens)
             self.events.extend(events)
             _tracing.tracer.events(events, self.step)
             if withdrawn:
-                book.drop_locked(withdrawn)
+                guard.drop_locked(withdrawn)
 
     def closed(self) -> bool:
         """Closed for good (not merely closing): no flush runs again."""
@@ -244,7 +318,7 @@ class StepQueue:
         with self.lock:
             self.check()
             self.ledger.check_held("HandOver", slot, tenant)
-            self.handoff.check_not_exporting("hand_over", slot)
+            self.guard.check_not_exporting("hand_over", slot)
             old = self.ledger.hand_over(slot, to)
             _tracing.tracer.note("slot.handover", slot=slot, request_id=old, to=to, step=self.step)
 
@@ -355,7 +429,7 @@ def restore_batch(queue: StepQueue, hosts: list[int], slots: list[int], tenant: 
         for h, s in zip(hosts, slots, strict=True):
             if not host_held[h] or h in read:
                 raise _host_gone("Restore", h)
-            queue.handoff.check_host("Restore", h)
+            queue.guard.check_host("Restore", h)
             if not held[s] or (tenant is not None and tenants[s] != tenant):
                 queue.ledger.check_held("Restore", s, tenant)
             if not keep:
@@ -375,7 +449,7 @@ def drop_host(queue: StepQueue, host: int) -> None:
         queue.check()
         if not ledger.held[host]:
             raise _host_gone("DropHost", host)
-        queue.handoff.check_host("DropHost", host)
+        queue.guard.check_host("DropHost", host)
         ev = DropHost(host)
         queue.events.append(ev)
         ledger.free_later(host)

@@ -61,7 +61,7 @@ class OneBatch:
         self.rows, self.waiting = rows, None
 
     def offer(self, layers: int, shapes: Any, room: int, deadline: float) -> Any:
-        from mambacache._link import Batch, message_sizes
+        from mambacache._handoff._link import Batch, message_sizes
 
         self.waiting = Batch(1, ["r"], ("t", 1), "p", False, message_sizes(layers, shapes, 1, False))
         return self.waiting

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import mambacache as mc
-from mambacache._reslice import ReslicingSender, StateLayout
+from mambacache._handoff._reslice import ReslicingSender, StateLayout
 
 from .util import fill_random
 

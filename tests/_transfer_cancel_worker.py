@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import mambacache as mc
-from mambacache._link import root_store
+from mambacache._handoff._link import root_store
 
 from ._transfer_worker import HOST, prefill_pool, spec
 

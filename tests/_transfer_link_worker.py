@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import mambacache as mc
-from mambacache._link import MAGIC, fingerprint, root_store
+from mambacache._handoff._link import MAGIC, fingerprint, root_store
 
 from ._transfer_worker import HOST, prefill_pool, spec
 
@@ -341,8 +341,8 @@ def _direct(xfer: mc.StateTransfer, sending: bool) -> bool:
 
 
 def wire_sender(me: Side) -> None:
-    import mambacache._transfer as xfer_mod
-    from mambacache._transfer import _Buffers
+    import mambacache._handoff._transfer as xfer_mod
+    from mambacache._handoff._transfer import _Buffers
 
     real = xfer_mod.SPLIT_BYTES
     try:
@@ -373,7 +373,7 @@ def wire_sender(me: Side) -> None:
 
 
 def wire_receiver(me: Side) -> None:
-    from mambacache._transfer import _Buffers
+    from mambacache._handoff._transfer import _Buffers
 
     for k, (split, _, rrun) in enumerate(WIRE):
         held = []

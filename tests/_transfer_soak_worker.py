@@ -59,7 +59,7 @@ def _faulted_flush(mgr: mc.CacheManager, rng: random.Random) -> None:
 
 
 def _store(port: int | None) -> Any:
-    from mambacache._link import root_store
+    from mambacache._handoff._link import root_store
 
     if port is None:
         return root_store(dist.distributed_c10d._get_default_store())

@@ -1,4 +1,4 @@
-"""An export's life on the sender (``mambacache/_exports.py``): queued, ready, sending, then delivered or withdrawn.
+"""An export's life on the sender (``_handoff/_book.py``): queued, ready, sending, then delivered or withdrawn.
 
 The rules a scheduler relies on: the exported slot stays held by its request
 until the peer acknowledges; a release before or after a send withdraws the

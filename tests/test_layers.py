@@ -39,9 +39,12 @@ def _tree(path: pathlib.Path) -> ast.Module:
     return ast.parse(path.read_text(encoding="utf-8"))
 
 
-def _imports(name: str, path: pathlib.Path) -> set[str]:
+def _imports(name: str, path: pathlib.Path, exact: bool = False) -> set[str]:
     """The package modules ``name`` imports: at module level, inside functions, and under ``if TYPE_CHECKING:``
-    too (a circle of types is a circle of the design, even though Python never runs it)."""
+    too (a circle of types is a circle of the design, even though Python never runs it).
+
+    ``exact``: ``from pkg import x`` counts as an import of ``pkg.x`` when that is a module, else of ``pkg``
+    (its ``__init__``), not of both."""
     tree = _tree(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
@@ -54,7 +57,8 @@ def _imports(name: str, path: pathlib.Path) -> set[str]:
             if node.level:
                 parts = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*parts, *([node.module] if node.module else [])])
-            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+            subs = [f"{base}.{a.name}" for a in node.names]
+            targets = [s if s in MODULES else base for s in subs] if exact else [base, *subs]
         found.update(t for t in targets if t in MODULES and t != name)
     return found
 
@@ -83,6 +87,39 @@ def test_no_import_circle() -> None:
     for name in sorted(graph):
         if name not in state:
             visit(name)
+
+
+# The core (docs/architecture.md's first layer), named one by one: a new module must be placed.
+CORE = {
+    "mambacache._args", "mambacache._backlog", "mambacache._channel", "mambacache._distributed",
+    "mambacache._errors", "mambacache._events", "mambacache._executors", "mambacache._executors._base",
+    "mambacache._executors._npu", "mambacache._executors._reference", "mambacache._executors._torch",
+    "mambacache._flush", "mambacache._hf", "mambacache._host", "mambacache._hosttier", "mambacache._indices",
+    "mambacache._layout", "mambacache._ledger", "mambacache._manager", "mambacache._planner", "mambacache._pool",
+    "mambacache._queue", "mambacache._reserve", "mambacache._runner", "mambacache._spec", "mambacache._torchutil",
+    "mambacache._tracing", "mambacache._validate",
+}  # fmt: skip
+# Above the core: the layers (a folder each), the tools, and the package's own __init__ that re-exports them.
+LAYERS = ("mambacache._handoff", "mambacache._tiers")
+TOOLS = (
+    "mambacache.tracing", "mambacache.sim", "mambacache.bench", "mambacache.integrations", "mambacache.audit",
+    "mambacache.hf", "mambacache._cli", "mambacache._console", "mambacache.__main__",
+)  # fmt: skip
+
+
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def test_the_core_imports_no_layer_above_it() -> None:
+    """Nothing imports upward: a core module imports only core modules (under TYPE_CHECKING too), so neither
+    the hand-off folder nor a tier nor a tool; and every module of the package is placed in one tier."""
+    unplaced = [n for n in MODULES if n != "mambacache" and n not in CORE and not _under(n, LAYERS + TOOLS)]
+    assert not unplaced, f"modules in no tier (add each to CORE, LAYERS or TOOLS): {unplaced}"
+    missing = sorted(CORE - MODULES.keys())
+    assert not missing, f"CORE names modules that do not exist: {missing}"
+    upward = [f"{n} -> {t}" for n in sorted(CORE) for t in sorted(_imports(n, MODULES[n], exact=True)) if t not in CORE]
+    assert not upward, "core modules importing upward:\n" + "\n".join(upward)
 
 
 def test_no_module_reaches_into_another_modules_privates() -> None:

@@ -106,8 +106,10 @@ async def test_an_async_managers_objects_are_freed_by_reference_counting(
 
 def test_the_check_sees_a_cycle(cyclic_garbage: Callable[[], list[str]]) -> None:
     """The check can fail: the cycle that was once there (the book holding its queue) is found."""
-    with mc.CacheManager(mc.StatePool(SPEC, 8)) as mgr:
+    with mc.CacheManager(mc.StatePool(SPEC, 8), host_pool=mc.HostPool(SPEC, 2)) as mgr:
         mgr.flush_nowait()
-        mgr._queue.handoff._queue = mgr._queue  # type: ignore[assignment]
-    del mgr
+        book = mgr._handoff
+        assert book is not None and mgr._queue.guard is book
+        book._queue = mgr._queue  # type: ignore[assignment]
+    del mgr, book
     assert {"StepQueue", "HandOffBook"} <= set(cyclic_garbage())

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import mambacache as mc
 from mambacache._cli import main
-from mambacache._reslice import StateLayout
+from mambacache._handoff._reslice import StateLayout
 from mambacache.bench._presets import _shard_config
 from mambacache.sim._models import build_model
 from mambacache.sim._pd import PdConfig, simulate_pd
@@ -254,7 +254,7 @@ class FakeTransfer:
 
 @pytest.mark.parametrize("fault", ["none", "replicated-differs", "ids-differ"])
 def test_reslicing_receiver_lands_whole_states_or_nothing(fault: str) -> None:
-    from mambacache._reslice import ReslicingReceiver
+    from mambacache._handoff._reslice import ReslicingReceiver
 
     layout = StateLayout.from_config(mamba2(4, 4, 1, 4))
     full = random_state(layout.spec, 2, 7)
@@ -288,7 +288,7 @@ def test_reslicing_receiver_lands_whole_states_or_nothing(fault: str) -> None:
 
 
 def test_a_reslicing_sender_refuses_bad_input() -> None:
-    from mambacache._reslice import ReslicingSender
+    from mambacache._handoff._reslice import ReslicingSender
 
     layout = StateLayout.from_config(mamba2(4, 4, 1, 4))
     with mc.CacheManager(mc.StatePool(layout.spec, 2), host_pool=mc.HostPool(layout.spec, 2)) as mgr:

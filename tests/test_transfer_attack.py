@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import mambacache as mc
-from mambacache._transfer import Batches, send_exports
+from mambacache._handoff._transfer import Batches, send_exports
 
 from ._loopback import OneBatch
 from .util import flush_with_fault, small_spec
@@ -179,7 +179,7 @@ def test_a_state_landed_but_not_yet_written_is_neither_imported_nor_discarded() 
     between, the ids counted as arrived: a step loop importing a request it expects read the host slot before
     the write (another request's old bytes), and a discard freed a slot the write then wrote into. Now they are
     arrived only once written: import_into and discard_arrived refuse them until then."""
-    import mambacache._transfer as xfer_mod
+    import mambacache._handoff._transfer as xfer_mod
 
     with _mgr(host=2) as mgr:
         host = mgr.host_pool
@@ -225,8 +225,8 @@ def test_a_reslicing_receiver_whose_write_fails_answers_every_rank_and_keeps_not
     """2 -> 1: the shards gathered and landed, then the write into the host slots fails. It used to run after
     the landing's try: no rank was answered (each sender waited out its timeout, then retried into a receiver
     whose ids had arrived already: "arrived twice", forever), and the slots stayed held with unwritten bytes."""
-    import mambacache._reslice as reslice_mod
-    from mambacache._reslice import ReslicingReceiver, StateLayout
+    import mambacache._handoff._reslice as reslice_mod
+    from mambacache._handoff._reslice import ReslicingReceiver, StateLayout
 
     from .test_pd import FakeTransfer, mamba2, random_state
 

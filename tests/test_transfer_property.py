@@ -31,7 +31,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mambacache as mc
-from mambacache._transfer import _Buffers
+from mambacache._handoff._transfer import _Buffers
 
 from ._gate import flush_paused, resume
 from ._loopback import OneBatch, loopback

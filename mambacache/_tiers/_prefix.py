@@ -18,7 +18,7 @@ from typing import Any
 
 from .. import _tracing
 from .._errors import InvalidArgumentError, PoolExhaustedError, SlotStateError, StaleHitError
-from .._manager import CacheManager
+from .._handoff._surface import CacheManager
 from .._validate import as_slot, check_request_id
 from ._trie import Trie, _Node
 

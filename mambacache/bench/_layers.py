@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._manager import CacheManager
+from .._handoff._surface import CacheManager
 from .._pool import StatePool
 from .._spec import StateSpec
 from ._presets import lookup

@@ -30,8 +30,8 @@ from .._events import Alloc, Clear, CommitDraft, CopyOnWrite, Event, Offload, Re
 from .._executors import resolve_executor
 from .._executors._base import as_executor
 from .._executors._torch import TorchExecutor
+from .._handoff._surface import CacheManager
 from .._host import HostPool
-from .._manager import CacheManager
 from .._planner import Stage, plan_step
 from .._pool import StatePool
 from .._runner import run_stage

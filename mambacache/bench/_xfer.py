@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
+from .._handoff._surface import CacheManager
+from .._handoff._transfer import StateTransfer
 from .._host import HostPool
-from .._manager import CacheManager
 from .._pool import StatePool
 from .._spec import StateSpec
-from .._transfer import StateTransfer
 from ._presets import fit_layers, lookup
 
 __all__ = ["transfer_vs_send"]

@@ -68,8 +68,8 @@ from typing import Any
 import torch
 
 from .._errors import MambaCacheError
+from .._handoff._surface import CacheManager
 from .._host import HostPool
-from .._manager import CacheManager
 from .._pool import StatePool
 
 __all__ = ["PLUGIN_NAME", "TREE_TENANT", "HostCopy", "active", "adopt", "counts", "managers", "register", "settle"]

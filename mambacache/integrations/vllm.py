@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from .._errors import InvalidArgumentError
-from .._manager import CacheManager
+from .._handoff._surface import CacheManager
 from .._pool import StatePool
 from .._tracing import muted
 from . import _vllm_prefix

@@ -45,11 +45,11 @@ from typing import Any
 import torch
 
 from .._errors import TransferError
+from .._handoff._reslice import ReslicingReceiver, ReslicingSender, StateLayout
+from .._handoff._surface import CacheManager
+from .._handoff._transfer import StateTransfer
 from .._host import HostPool
-from .._manager import CacheManager
 from .._pool import StatePool
-from .._reslice import ReslicingReceiver, ReslicingSender, StateLayout
-from .._transfer import StateTransfer
 from ._models import HFModel, SimModel, build_model
 
 __all__ = ["PD_FAULTS", "PdConfig", "PdReport", "layout_of", "run_cli", "simulate_pd"]

@@ -30,8 +30,8 @@ import torch
 
 from .. import tracing
 from .._errors import PoolExhaustedError
+from .._handoff._surface import CacheManager
 from .._host import HostPool
-from .._manager import CacheManager
 from .._pool import StatePool
 from .._tiers._prefix import PrefixCache
 from ._models import SimModel, build_model

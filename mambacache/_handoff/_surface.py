@@ -1,30 +1,34 @@
 """CacheManager's hand-off surface: a slot's state leaving for another engine, or arriving from one (issue #20).
 
-A piece of its own so the manager's class stays small. It checks arguments and
-delegates to the queue's :class:`~mambacache._exports.HandOffBook`, which owns
-every transition. The events are planned as the host tier's offload and
-freeing restore (``docs/transfer.md``); a
-:class:`~mambacache._transfer.StateTransfer` moves the staged bytes between
+:class:`HandOff` checks arguments and delegates to the manager's
+:class:`~mambacache._handoff._book.HandOffBook`, which owns every transition;
+it puts the book on the core's queue as its
+:class:`~mambacache._queue.SubmitGuard`. :class:`CacheManager` is the public
+class: the core's :class:`~mambacache._manager.ManagerCore` with this surface,
+assembled here, above the core, so the core imports no layer. The events are
+planned as the host tier's offload and freeing restore (``docs/transfer.md``);
+a :class:`~mambacache._handoff._transfer.StateTransfer` moves the staged bytes between
 engines.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ._errors import InvalidArgumentError
-from ._events import Export
-from ._exports import check_exports
-from ._validate import as_slot, check_request_id
+from .._errors import InvalidArgumentError
+from .._events import Export
+from .._manager import ManagerCore
+from .._validate import as_slot, check_request_id
+from ._book import HandOffBook, check_exports
 
 if TYPE_CHECKING:
-    from ._exports import HandOffBook
-    from ._host import HostPool
-    from ._pool import StatePool
-    from ._queue import StepQueue
+    from .._host import HostPool
+    from .._pool import StatePool
+    from .._queue import StepQueue
 
-__all__ = ["HandOff"]
+__all__ = ["CacheManager", "HandOff"]
 
 
 def _check_to(to: Any) -> int | None:
@@ -47,10 +51,25 @@ class HandOff:
     _host: HostPool | None
     _queue: StepQueue
 
+    def __init__(self) -> None:
+        """Called by :class:`~mambacache._manager.ManagerCore`'s ``__init__`` last, over the finished core: with a
+        host pool, the book, put on the queue as its guard (without one there is nothing to stage in, and the
+        queue keeps its no-op guard: the decode step asks nothing more)."""
+        super().__init__()
+        host, queue = self._host, self._queue
+        self._handoff: HandOffBook | None = None
+        if host is not None:
+            # A proxy, not the queue: the queue holds the book, and a cycle would keep the manager's
+            # graph (its process group with it) alive until the cyclic GC ran, at exit after
+            # destroy_process_group at worst, where gloo's destructor aborts the process.
+            self._handoff = HandOffBook(weakref.proxy(queue), queue.ledger, host.ledger, self._pool.backlog)
+            queue.guard_with(self._handoff)
+
     def _book(self, what: str) -> HandOffBook:
-        if self._host is None:
+        book = self._handoff
+        if book is None:
             raise InvalidArgumentError(f"{what} needs a host pool to stage in: CacheManager(pool, host_pool=...)")
-        return self._queue.handoff
+        return book
 
     def export(self, slot: int, request_id: str, *, to: int | None = None) -> int:
         """``slot``'s state as of this point of the event order goes to the peer (on the transfer's next send).
@@ -136,3 +155,28 @@ class HandOff:
         if write is not None and not callable(write):
             raise InvalidArgumentError(f"land's write must be a callable or None, got {write!r}")
         return self._book("land").land(request_ids, write)
+
+
+class CacheManager(ManagerCore, HandOff):
+    """Batches a step's slot events and applies them with exactly sequential semantics.
+
+    Invariants:
+
+    * the pool's held slots (and each slot's tenant) are the state at the *end*
+      of the event queue: ``alloc`` and ``release`` update them at once, and
+      every event is validated against the state at its own point of the order;
+    * a flush leaves every held slot as running all queued events one at a
+      time, in submission order, would (see ``docs/semantics.md``);
+    * nothing is lost: a submit that fails changes nothing; a flush whose
+      executor fails keeps the unfinished work in the pool's backlog, and the
+      next flush (of this manager, or of the next one opened on the pool) runs
+      it before anything newer; a submit either is taken by a flush or raises
+      ``ManagerClosedError``, never both nor neither;
+    * kept work is bounded: while the backlog fails, new events stay queued and
+      are not planned, and after ``max_failed_flushes`` failures in a row the
+      manager is broken and refuses work (``ManagerBrokenError``).
+
+    Submitting (``alloc``, ``clear``, ``copy_on_write``, ``release``, ``submit``
+    and the bulk forms) is synchronous and thread-safe; flushes (``await
+    flush()`` or ``flush_nowait()``) run one at a time.
+    """

@@ -1,10 +1,12 @@
-"""The hand-off's bookkeeping under the step queue: exports awaiting a peer's ack, states awaiting an import.
+"""The hand-off's bookkeeping over the step queue: exports awaiting a peer's ack, states awaiting an import.
 
 :class:`HandOffBook` holds that state and makes every transition of it itself,
 together with the ledgers and the event queue, in one hold of the queue's lock
-each, so the three never disagree (the queue's own invariant). It sees the
-queue only through :class:`QueueSide` (no import of ``_queue``: the queue is
-above the book). No torch.
+each, so the three never disagree (the queue's own invariant). The queue never
+imports it: the book is the queue's :class:`~mambacache._queue.SubmitGuard`,
+put on it by :class:`~mambacache._handoff._surface.HandOff` when a manager
+with a host pool is made, and it sees the queue only through
+:class:`QueueSide` (a weak proxy: no reference cycle). No torch.
 
 An export's life on the sender::
 
@@ -25,13 +27,13 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from . import _tracing
-from ._errors import InvalidArgumentError, SlotStateError
-from ._events import Alloc, DropHost, Event, Export, Import, Release
+from .. import _tracing
+from .._errors import InvalidArgumentError, SlotStateError
+from .._events import Alloc, DropHost, Event, Export, Import, Release
 
 if TYPE_CHECKING:
-    from ._backlog import Backlog
-    from ._ledger import SlotLedger
+    from .._backlog import Backlog
+    from .._ledger import SlotLedger
 
 __all__ = ["HandOffBook", "QueueSide", "check_exports"]
 
@@ -71,7 +73,7 @@ class HandOffBook:
         "_backlog", "_host", "_ledger", "_queue", "arrived", "exports", "hosts", "landing", "pinned", "sending",
     )  # fmt: skip
 
-    def __init__(self, queue: QueueSide, ledger: SlotLedger, host: SlotLedger | None, backlog: Backlog) -> None:
+    def __init__(self, queue: QueueSide, ledger: SlotLedger, host: SlotLedger, backlog: Backlog) -> None:
         self._queue, self._ledger, self._host, self._backlog = queue, ledger, host, backlog
         self.exports: dict[int, tuple[int, Export]] = {}  # pool slot -> (ticket, export)
         self.sending: set[int] = set()  # pool slots whose export a send has taken and not settled
@@ -117,7 +119,6 @@ class HandOffBook:
     def export(self, slot: int, tenant: str, to: int | None) -> int:
         """Queue an export of ``slot`` (held by ``tenant``) into a fresh staging host slot held by ``tenant``."""
         host, q = self._host, self._queue
-        assert host is not None
         with q.lock:
             q.check()
             self._ledger.check_held("Export", slot, tenant)
@@ -202,7 +203,6 @@ class HandOffBook:
         """``exports`` leave the book and their staging host slots are dropped from here on (``withdrawn``: by a
         release, so traced as ``transfer.withdraw``; else delivered)."""
         host = self._host
-        assert host is not None
         gone = []
         for ev in exports:
             entry = self.exports.get(ev.slot)
@@ -233,7 +233,6 @@ class HandOffBook:
         frees them with the last one), so no other manager changes them meanwhile.
         """
         host = self._host
-        assert host is not None
         for ev in exports:
             del self.exports[ev.slot]
             self.sending.discard(ev.slot)
@@ -262,7 +261,6 @@ class HandOffBook:
         hold them yet), and if it raises the slots are freed and nothing arrived.
         """
         host, q = self._host, self._queue
-        assert host is not None
         with q.lock:
             q.check()
             clash = [r for r in request_ids if r in self.arrived or r in self.landing]
@@ -302,7 +300,6 @@ class HandOffBook:
         :class:`SlotStateError` (nothing changed) when no state arrived for it, or ``slot`` is held.
         """
         host, q, ledger = self._host, self._queue, self._ledger
-        assert host is not None
         with q.lock:
             q.check()
             h = self.arrived.get(tenant)
@@ -321,7 +318,6 @@ class HandOffBook:
         """Drop the staging host slot of the state that arrived for ``tenant``; returns it. :class:`SlotStateError`
         (nothing changed) when none is waiting for an import."""
         host, q = self._host, self._queue
-        assert host is not None
         with q.lock:
             q.check()
             h = self.arrived.pop(tenant, None)

@@ -33,12 +33,12 @@ from typing import Any
 
 import torch
 
-from . import _tracing
-from ._errors import DistributedError, InvalidArgumentError, PoolExhaustedError, TransferError
-from ._events import Export
+from .. import _tracing
+from .._errors import DistributedError, InvalidArgumentError, PoolExhaustedError, TransferError
+from .._events import Export
+from .._spec import StateSpec
 from ._link import check_timeout
-from ._manager import CacheManager
-from ._spec import StateSpec
+from ._surface import CacheManager
 from ._transfer import Batches, StateTransfer, send_exports, staged_event, write_staging
 
 __all__ = ["ReslicingReceiver", "ReslicingSender", "Segment", "StateLayout", "TensorLayout"]

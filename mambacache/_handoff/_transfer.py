@@ -28,17 +28,17 @@ from typing import Any
 import anyio
 import torch
 
-from . import _tracing
-from ._errors import (
+from .. import _tracing
+from .._errors import (
     DistributedError,
     InvalidArgumentError,
     PoolExhaustedError,
     TransferError,
     TransferRefusedError,
 )
-from ._events import Export
+from .._events import Export
 from ._link import SPLIT_BYTES, Batch, Inbox, Outbox, Shapes, Withdrawn, check_timeout, fingerprint
-from ._manager import CacheManager
+from ._surface import CacheManager
 
 __all__ = ["StateTransfer"]
 
@@ -154,8 +154,8 @@ def send_exports(
     again at once cut to the room the peer has (none: the refusal is raised). Returns the ids delivered; raises
     only when none was (a failure after a part of the call's exports went out returns that part).
 
-    One protocol for :class:`StateTransfer` and :class:`~mambacache._reslice.ReslicingSender`; ``sizes(n)``: the
-    extra fields of each peer's ``transfer.send`` line.
+    One protocol for :class:`StateTransfer` and :class:`~mambacache._handoff._reslice.ReslicingSender`;
+    ``sizes(n)``: the extra fields of each peer's ``transfer.send`` line.
     """
     delivered: list[str] = []
     while True:

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from ._errors import InvalidArgumentError, TransferError, TransferRefusedError
+from .._errors import InvalidArgumentError, TransferError, TransferRefusedError
 
 __all__ = [
     "SPLIT_BYTES", "Batch", "Inbox", "Outbox", "Shapes", "Withdrawn", "check_timeout", "fingerprint", "message_sizes",

@@ -1,0 +1,15 @@
+"""The hand-off layer, above the core: a slot's state leaving for another engine or arriving from one.
+
+::
+
+    _surface   CacheManager = ManagerCore + HandOff   the public manager: the core with the hand-off calls
+    _book      HandOffBook    every hand-off transition, under the queue's lock, as its SubmitGuard
+    _transfer  StateTransfer  exported states to a peer, imported ones from it, over torch.distributed
+    _link      Outbox, Inbox  one direction of a transfer: control through the group's store, bytes over gloo
+    _reslice   StateLayout    re-slicing states between tensor-parallel sizes (ReslicingSender, -Receiver)
+
+The core never imports this folder (``tests/test_layers.py``): the queue asks
+the book through the ``SubmitGuard`` protocol it defines itself, and the public
+class is assembled here, over the core's ``ManagerCore``. Nothing is imported
+on import of the folder itself: each module imports what it uses.
+"""

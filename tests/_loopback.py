@@ -59,10 +59,12 @@ class OneBatch:
 
     def __init__(self, rows: list[torch.Tensor]) -> None:
         self.rows, self.waiting = rows, None
+        self.offers = 0
 
     def offer(self, layers: int, shapes: Any, room: int, deadline: float) -> Any:
         from mambacache._handoff._link import Batch, message_sizes
 
+        self.offers += 1
         self.waiting = Batch(1, ["r"], ("t", 1), "p", False, message_sizes(layers, shapes, 1, False))
         return self.waiting
 

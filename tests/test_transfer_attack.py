@@ -264,3 +264,33 @@ def test_the_new_arguments_refuse_bad_input_typed_and_change_nothing(bad: Any) -
         assert host is not None and host.num_held == 1 and mgr.exports_ready() == []  # still sending
         mgr.exports_returned(taken, peer=1)
         assert mgr.exports_ready(to=1) == taken
+
+
+def test_a_receive_while_a_batch_of_receive_rows_awaits_its_answer_is_refused() -> None:
+    """``receive_rows`` leaves its batch awaiting ``acknowledge``; a receive (either form) before that answer
+    used to take the next header, leaving that batch's sender waiting and the answer meant for it to go to the
+    next batch. Now it is a TransferError that touches nothing, and after the answer receiving works again."""
+    import mambacache._handoff._transfer as xfer_mod
+
+    with _mgr(host=2) as mgr:
+        host = mgr.host_pool
+        assert host is not None
+        rows = [torch.full((t.shape[0], 1, *t.shape[2:]), 5.0).to(t.dtype) for t in host.tensors]
+        inbox = OneBatch(rows)
+        xfer = object.__new__(mc.StateTransfer)  # a stand-in with the wire replaced
+        xfer._mgr, xfer.peer, xfer._in = mgr, 1, inbox  # type: ignore[attr-defined]
+        xfer._bufs = xfer_mod._Buffers()  # type: ignore[attr-defined]
+        ids, got = xfer.receive_rows()
+        assert ids == ["r"] and all(bool(g.eq(5.0).all()) for g in got)
+        for call in (xfer.receive, xfer.receive_rows):
+            with pytest.raises(mc.TransferError, match="awaits its answer"):
+                call()
+        assert inbox.offers == 1 and host.num_held == 0  # nothing taken, nothing landed
+        xfer.acknowledge(ids)
+        assert xfer.receive() == ["r"] and inbox.offers == 2
+        mgr.import_into(1, "r")
+        mgr.flush_nowait()
+        assert all(bool(t[:, 1].eq(5.0).all()) for t in mgr.pool.tensors)
+        mgr.release(1, "r")
+        mgr.flush_nowait()
+        mgr.check_idle(host=True)

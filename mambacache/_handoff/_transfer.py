@@ -326,7 +326,8 @@ class StateTransfer:
         """
         layers = rows[0].shape[0] if rows else 0
         fp = fingerprint(layers, [(tuple(r.shape[2:]), r.dtype) for r in rows])
-        self._out.send(list(request_ids), seq, fp, [r.contiguous() for r in rows], False)
+        with self._send_lock:  # one batch at a time per direction, as send() takes turns
+            self._out.send(list(request_ids), seq, fp, [r.contiguous() for r in rows], False)
 
     # -- receiving -----------------------------------------------------------
     @_tracing.traces_failures
@@ -344,6 +345,7 @@ class StateTransfer:
         mgr, host = self._mgr, self._mgr.host_pool
         assert host is not None
         with self._receive_lock:
+            self._check_answered()
             deadline = time.monotonic() + self._in.timeout
             while True:
                 batch = self._in.offer(self._layers(), self._shapes(), host.num_free, deadline)
@@ -397,21 +399,34 @@ class StateTransfer:
         peer at another tensor-parallel size: ``docs/transfer-tp.md``).
         ``shapes``: the peer's per-slot ``(shape, dtype)`` of each pool tensor
         (its ``StateSpec.shapes()``), default this manager's. Answer it with
-        :meth:`acknowledge` once the states are safe (or ``landed=False``). The
+        :meth:`acknowledge` once the states are safe (or ``landed=False``); until
+        then another receive is refused (:class:`TransferError`). The
         tensors are the caller's (fresh each call, unlike :meth:`receive`'s kept
         buffers).
         """
         shapes = self._shapes() if shapes is None else shapes
         host = self._mgr.host_pool
         assert host is not None
-        deadline = time.monotonic() + self._in.timeout
-        while True:
-            batch = self._in.offer(self._layers(), shapes, host.num_free, deadline)
-            try:
-                self._in.take(batch, _Buffers().rows(self._layers(), len(batch.ids), shapes))
-            except Withdrawn:
-                continue
-            return batch.ids, batch.rows
+        with self._receive_lock:
+            self._check_answered()
+            deadline = time.monotonic() + self._in.timeout
+            while True:
+                batch = self._in.offer(self._layers(), shapes, host.num_free, deadline)
+                try:
+                    self._in.take(batch, _Buffers().rows(self._layers(), len(batch.ids), shapes))
+                except Withdrawn:
+                    continue
+                return batch.ids, batch.rows
+
+    def _check_answered(self) -> None:
+        """Refuse a receive while a batch of :meth:`receive_rows` awaits its answer: the next header would leave
+        that batch's sender waiting (and the answer would go to the wrong batch)."""
+        waiting = self._in.waiting
+        if waiting is not None and waiting.taken:
+            raise TransferError(
+                f"a batch of {waiting.ids} from rank {self.peer} awaits its answer: acknowledge() it first",
+                list(waiting.ids),
+            )
 
     @_tracing.traces_failures
     def acknowledge(self, request_ids: list[str], *, landed: bool = True, why: str = "") -> None:

@@ -52,20 +52,26 @@ def loopback(
 
 
 class OneBatch:
-    """A stand-in for a transfer's inbox (``StateTransfer._in``) that offers one batch of ``rows`` for request
-    ``"r"`` (one message per pool tensor), so ``receive()`` runs its landing with the wire stood in."""
+    """A stand-in for a transfer's inbox (``StateTransfer._in``) that offers one batch of ``rows`` (one message
+    per pool tensor) for request ``"r"``, or ``"r0"``, ``"r1"``, ... when the rows hold several states, so
+    ``receive()`` runs its landing with the wire stood in."""
 
     timeout = 5.0
 
     def __init__(self, rows: list[torch.Tensor]) -> None:
         self.rows, self.waiting = rows, None
         self.offers = 0
+        self.rooms: list[int] = []  # the room each offer was judged against
+        self.answers: list[tuple[bool, str]] = []
 
     def offer(self, layers: int, shapes: Any, room: int, deadline: float) -> Any:
         from mambacache._handoff._link import Batch, message_sizes
 
         self.offers += 1
-        self.waiting = Batch(1, ["r"], ("t", 1), "p", False, message_sizes(layers, shapes, 1, False))
+        self.rooms.append(room)
+        n = len(self.rows[0][0]) if self.rows else 1
+        ids = ["r"] if n == 1 else [f"r{i}" for i in range(n)]
+        self.waiting = Batch(1, ids, ("t", 1), "p", False, message_sizes(layers, shapes, n, False))
         return self.waiting
 
     def take(self, batch: Any, rows: list[torch.Tensor]) -> None:
@@ -74,4 +80,5 @@ class OneBatch:
         batch.taken = True
 
     def answer(self, batch: Any, landed: bool, why: str = "") -> None:
+        self.answers.append((landed, why))
         self.waiting = None

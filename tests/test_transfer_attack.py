@@ -294,3 +294,35 @@ def test_a_receive_while_a_batch_of_receive_rows_awaits_its_answer_is_refused() 
         mgr.release(1, "r")
         mgr.flush_nowait()
         mgr.check_idle(host=True)
+
+
+def test_the_room_a_receiver_reports_is_what_a_landing_can_take_now() -> None:
+    """A host slot freed in the step not yet flushed counts in ``host_pool.num_free`` but a landing cannot take
+    it (its old bytes may still be read). The receiver judged headers and reported its room after a refusal by
+    ``num_free``: the sender cut its batch to a room that was not there and was refused again. Now both are
+    ``landing_room()``: the settled free slots."""
+    import mambacache._handoff._transfer as xfer_mod
+
+    with _mgr(host=2) as mgr:
+        host = mgr.host_pool
+        assert host is not None
+        (a,) = mgr.alloc(1, "old", clear=False)
+        (h,) = mgr.offload_many([a], "old")
+        mgr.flush_nowait()
+        mgr.drop(h)  # freed by a queued event: num_free 2, but one slot only is settled
+        assert host.num_free == 2 and mgr.landing_room() == 1
+        rows = [torch.full((t.shape[0], 2, *t.shape[2:]), 3.0).to(t.dtype) for t in host.tensors]
+        inbox = OneBatch(rows)  # a batch of two states
+        xfer = object.__new__(mc.StateTransfer)  # a stand-in with the wire replaced
+        xfer._mgr, xfer.peer, xfer._in = mgr, 1, inbox  # type: ignore[attr-defined]
+        xfer._bufs = xfer_mod._Buffers()  # type: ignore[attr-defined]
+        with pytest.raises(mc.TransferRefusedError) as info:
+            xfer.receive()
+        assert info.value.reason == "room"
+        assert inbox.rooms == [1] and inbox.answers[0][1].startswith("room:1:"), (inbox.rooms, inbox.answers)
+        assert host.num_held == 0 and mgr.landing_room() == 1  # nothing taken
+        mgr.flush_nowait()
+        assert mgr.landing_room() == 2
+        mgr.release(a, "old")
+        mgr.flush_nowait()
+        mgr.check_idle(host=True)

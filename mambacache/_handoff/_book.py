@@ -249,6 +249,12 @@ class HandOffBook:
         q.settled()
 
     # -- the receiver --------------------------------------------------------------
+    def room(self) -> int:
+        """How many states :meth:`land` could take now: free host slots no queued event nor unfinished work
+        reads (O(host slots))."""
+        with self._queue.lock:
+            return self._host.num_settled(self._backlog.done)
+
     def land(self, request_ids: list[str], write: Callable[[list[int]], None] | None = None) -> list[int]:
         """Staging host slots for states arriving for ``request_ids``, each held by its id; all or none.
 

@@ -250,9 +250,7 @@ class ReslicingReceiver:
             slots = self._mgr.land(ids, lambda hosts: write_staging(self._mgr, hosts, full))
         except BaseException as exc:
             # Every rank that sent its shard hears that nothing landed: it keeps its slots and sends again.
-            host = self._mgr.host_pool
-            room = host.num_free if host is not None else 0
-            why = f"room:{room}:{exc}" if isinstance(exc, PoolExhaustedError) else str(exc)
+            why = f"room:{self._mgr.landing_room()}:{exc}" if isinstance(exc, PoolExhaustedError) else str(exc)
             for x, (shard_ids, _) in zip(self._transfers, got, strict=False):
                 with contextlib.suppress(TransferError):
                     x.acknowledge(shard_ids, landed=False, why=why)

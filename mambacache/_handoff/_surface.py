@@ -137,6 +137,12 @@ class HandOff:
         manager's ledgers stay claimed until its last send in flight settles."""
         self._book("exports_delivered").delivered(check_exports("exports_delivered", exports))
 
+    def landing_room(self) -> int:
+        """How many states :meth:`land` could take at once now: the free host slots that no queued event and no
+        unfinished work reads (``host_pool.num_free`` also counts those freed in this step, which a landing
+        cannot take until the step's flush has run). Needs a host pool."""
+        return self._book("landing_room").room()
+
     def land(self, request_ids: list[str], write: Callable[[list[int]], None] | None = None) -> list[int]:
         """Staging host slots for states arriving for ``request_ids`` (each held by its id until imported).
 

@@ -342,13 +342,12 @@ class StateTransfer:
         sender keeps it); a batch landed already (its acknowledgement was lost) is
         acknowledged again and not landed twice.
         """
-        mgr, host = self._mgr, self._mgr.host_pool
-        assert host is not None
+        mgr = self._mgr
         with self._receive_lock:
             self._check_answered()
             deadline = time.monotonic() + self._in.timeout
             while True:
-                batch = self._in.offer(self._layers(), self._shapes(), host.num_free, deadline)
+                batch = self._in.offer(self._layers(), self._shapes(), mgr.landing_room(), deadline)
                 try:
                     # The staging slots are taken before the answer, so the bytes may arrive straight into
                     # them; they count as arrived (importable) only once written.
@@ -356,7 +355,7 @@ class StateTransfer:
                 except Withdrawn:
                     continue  # its sender gave up on it first: nothing arrived, the next header may
                 except PoolExhaustedError as exc:  # room went elsewhere since the header was judged
-                    self._in.answer(batch, False, f"room:{host.num_free}:{exc}")
+                    self._in.answer(batch, False, f"room:{mgr.landing_room()}:{exc}")
                     raise TransferRefusedError(
                         f"refused a batch from rank {self.peer}: {exc}", batch.ids, "room"
                     ) from exc
@@ -405,13 +404,11 @@ class StateTransfer:
         buffers).
         """
         shapes = self._shapes() if shapes is None else shapes
-        host = self._mgr.host_pool
-        assert host is not None
         with self._receive_lock:
             self._check_answered()
             deadline = time.monotonic() + self._in.timeout
             while True:
-                batch = self._in.offer(self._layers(), shapes, host.num_free, deadline)
+                batch = self._in.offer(self._layers(), shapes, self._mgr.landing_room(), deadline)
                 try:
                     self._in.take(batch, _Buffers().rows(self._layers(), len(batch.ids), shapes))
                 except Withdrawn:

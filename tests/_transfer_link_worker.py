@@ -192,6 +192,40 @@ def doubt_receiver(me: Side) -> None:
     me.idle()
 
 
+def full_doubt_sender(me: Side) -> None:
+    ids = me.stage(["f1", "f2"], [1, 2], 20)
+    _fails(me.xfer.send, "an acknowledgement later than the timeout")
+    dist.barrier()  # the receiver has landed f1, f2 and filled its host pool since
+    assert me.xfer.send() == ids, "the retry of a landed batch to a receiver with no room left: acknowledged"
+    me.idle()
+
+
+def full_doubt_receiver(me: Side) -> None:
+    """The retry of a batch this side landed, arriving when its host pool is full: ``dup``, not a refusal for
+    room (a refusal told the sender nothing landed, and it sent the states again as a new batch)."""
+    me.mgr.delay = 2.5 * TIMEOUT
+    try:
+        assert me.xfer.receive() == ["f1", "f2"]
+    finally:
+        me.mgr.delay = 0.0
+    host = me.mgr.host_pool
+    assert host is not None
+    fill = list(range(3, 3 + host.num_free))
+    me.mgr.alloc_slots(fill, "fill", clear=False)
+    held = me.mgr.offload_many(fill, "fill")
+    me.mgr.flush_nowait()
+    assert me.mgr.landing_room() == 0
+    dist.barrier()
+    _fails(me.xfer.receive, "nothing after the retry, which was acknowledged and not landed again")
+    assert host.num_held == 2 + len(held), "the retry landed something"
+    for h in held:
+        me.mgr.drop(h)
+    me.mgr.release_many(fill, "fill")
+    me.mgr.flush_nowait()
+    me.imports(["f1", "f2"], [3, 4], [1, 2], 20, "a batch acknowledged again to a full receiver")
+    me.idle()
+
+
 def spec_sender(me: Side) -> None:
     ids = me.stage(["s1"], [1], 16)
     _fails(me.xfer.send, "a receiver of another spec", "spec")
@@ -402,6 +436,7 @@ CASES = {
     "idle receiver": (idle_sender, idle_receiver),
     "refused for room": (room_sender, room_receiver),
     "acknowledgement too late": (doubt_sender, doubt_receiver),
+    "acknowledgement too late, then no room": (full_doubt_sender, full_doubt_receiver),
     "another spec": (spec_sender, spec_receiver),
     "impossible headers": (lying_sender, lying_receiver),
     "sender silent after go": (silent_sender, receiver_of_silent),

@@ -331,7 +331,9 @@ class Inbox(_Direction):
             text = self.wait_key(f"hdr/{m}", deadline - time.monotonic())
             if text is None:
                 raise TransferError(f"no batch from rank {self.src}: timed out after {self.timeout:g}s")
-            refusal, header = _judge(text, fp, room, self.src, lambda n, split: message_sizes(layers, shapes, n, split))
+            refusal, header = _judge(
+                text, fp, room, self.src, lambda n, split: message_sizes(layers, shapes, n, split), self._last
+            )
             if refusal is None:
                 key = (str(header["tok"]), int(header["seq"]))
                 if key != self._last:
@@ -388,11 +390,18 @@ class Inbox(_Direction):
 
 
 def _judge(
-    text: str, fp: list[Any], room: int, src: int, sizes: Callable[[int, bool], list[int]]
+    text: str,
+    fp: list[Any],
+    room: int,
+    src: int,
+    sizes: Callable[[int, bool], list[int]],
+    last: tuple[str, int] | None,
 ) -> tuple[str | None, dict[str, Any]]:
     """A header's refusal (``refuse:<kind>:<room>:<why>``), or None to take it; before anything is allocated.
 
-    ``sizes(n, split)``: the message sizes this side's layout gives a batch of ``n``."""
+    ``sizes(n, split)``: the message sizes this side's layout gives a batch of ``n``. The retry of ``last``
+    (the batch landed last) is never refused for room: it lands nothing, and refused it would leave its sender
+    sure that it never landed, and send it again as a new batch."""
     try:
         header = json.loads(text)
         ids, sizes_given = header["ids"], header["bytes"]
@@ -417,6 +426,8 @@ def _judge(
     n = len(ids)
     if n < 1 or len(set(ids)) != n:
         return f"refuse:header::a batch of {n} states with {len(set(ids))} distinct ids", header
+    if (header["tok"], header["seq"]) == last:
+        return None, header  # acknowledged again (dup), whatever the room
     if n > room:
         return f"refuse:room:{room}:{n} states arrived, room for {room} here (free host slots, then retry)", header
     if sizes_given != sizes(n, header["split"]):

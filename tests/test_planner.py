@@ -20,6 +20,7 @@ from mambacache._planner import (
     decode_plan,
     encode_plan,
     plan_step,
+    temporal_sources,
     zero_runs,
 )
 
@@ -34,15 +35,30 @@ def sequential(events: list[object], start: dict[int, object]) -> dict[int, obje
         if isinstance(ev, mc.Clear) or (isinstance(ev, mc.Alloc) and ev.clear):
             state[ev.slot] = "Z"
         elif isinstance(ev, mc.CopyOnWrite):
-            state[ev.dst] = shifted(ev.shift, state[ev.src])
+            ts = ev.src if ev.temporal_src is None else ev.temporal_src
+            state[ev.dst] = split(shifted(ev.shift, conv(state[ev.src])), temporal(state[ts]))
         elif isinstance(ev, mc.CommitDraft) and ev.accepted:
             state[ev.slot] = ("draft", ev.slot, ev.accepted - 1)  # draft buffers: constant during the step
     return state
 
 
 def shifted(k: int, value: object) -> object:
-    """A slot's symbolic value after a copy shifted by ``k`` (0: the value itself); nothing defined stays so."""
+    """A conv state's symbolic value after a copy shifted by ``k`` (0: the value itself); nothing defined stays so."""
     return value if k == 0 or value == "undefined" else ("S", k, value)
+
+
+# A slot's value whose conv states and temporal state have different histories (a copy with a temporal source of
+# its own, or a shifted one) is ("C", conv, temporal); any other value stands for all of its tensors.
+def split(conv_value: object, temporal_value: object) -> object:
+    return conv_value if conv_value == temporal_value else ("C", conv_value, temporal_value)
+
+
+def conv(value: object) -> object:
+    return value[1] if type(value) is tuple and value[0] == "C" else value
+
+
+def temporal(value: object) -> object:
+    return value[2] if type(value) is tuple and value[0] == "C" else value
 
 
 def run_plan(plan: mc.Plan, start: dict[int, object]) -> dict[int, object]:
@@ -74,12 +90,15 @@ def run_plan(plan: mc.Plan, start: dict[int, object]) -> dict[int, object]:
             for src, pos, dst in reversed(stage.entries):
                 state[dst] = ("draft", src, pos)
         elif isinstance(stage, ShiftStage):
-            slots = [x for pair in stage.pairs for x in {*pair}]
+            sources = temporal_sources(stage)
+            slots = [x for (s, d), t in zip(stage.pairs, sources, strict=True) for x in {s, d, t}]
             assert len(slots) == len(set(slots)), "no slot may be in two pairs of a shift stage"
-            assert [d for _, d in stage.pairs] == sorted(d for _, d in stage.pairs) and stage.shift > 0
-            assert stage.copy.pairs == tuple(p for p in stage.pairs if p[0] != p[1])
-            for s, d in reversed(stage.pairs):  # pairs never see each other: any order
-                state[d] = shifted(stage.shift, state[s])
+            assert [d for _, d in stage.pairs] == sorted(d for _, d in stage.pairs)
+            # shift 0 only for a segment that a copy with a temporal source of its own started
+            assert stage.shift > 0 or any(t != s for (s, _), t in zip(stage.pairs, sources, strict=True))
+            assert stage.copy.pairs == tuple((t, d) for (_, d), t in zip(stage.pairs, sources, strict=True) if t != d)
+            for (s, d), t in reversed(list(zip(stage.pairs, sources, strict=True))):  # pairs never see each other
+                state[d] = split(shifted(stage.shift, conv(state[s])), temporal(state[t]))
     return state
 
 

@@ -76,6 +76,8 @@ def _fields(ev: Event) -> tuple[str, dict[str, Any]]:
         fields = {"src": ev.src, "dst": ev.dst, "request_id": ev.request_id}  # type: ignore[union-attr]
         if ev.shift:  # type: ignore[union-attr]  # only a shifted copy carries it: plain forks' lines stay as they were
             fields["shift"] = ev.shift  # type: ignore[union-attr]
+        if ev.temporal_src is not None:  # type: ignore[union-attr]  # only a split copy (two sources) carries it
+            fields["temporal_src"] = ev.temporal_src  # type: ignore[union-attr]
         return "slot.cow", fields
     if t is Alloc:
         return "slot.alloc", {"slot": ev.slot, "request_id": ev.request_id, "cleared": ev.clear}  # type: ignore[union-attr]

@@ -44,6 +44,13 @@ host_ops = st.lists(
 )
 
 
+# The host kinds with shifted and split copies (give host_events_from_ops a max_shift).
+host_shift_ops = st.lists(
+    st.tuples(st.sampled_from((*HOST_KINDS, "shift", "shift")), st.integers(0, 10**6), st.integers(0, 10**6)),
+    max_size=80,
+)
+
+
 def host_events_from_ops(
     raw: list[tuple[str, int, int]],
     num_slots: int,

@@ -404,10 +404,35 @@ def test_shifted_copies_are_never_batched_with_plain_ones_or_each_other_when_the
     assert plan_step([cow(1, 2, shift=0), cow(2, 1)]) == plan_step([cow(1, 2), cow(2, 1)])
 
 
+def test_a_split_copy_reads_its_temporal_state_from_its_own_source_and_crosses_the_wire() -> None:
+    cow = mc.CopyOnWrite
+    # Speculative decoding's align copies: conv window of s shifted, temporal state of s + k; in place too.
+    plan = plan_step([cow(1, 4, shift=1, temporal_src=2), cow(5, 5, shift=1, temporal_src=6), cow(7, 8, shift=1)])
+    (stage,) = plan.stages
+    whole = ((2, 4), (6, 5), (7, 8))  # each destination's temporal source, the in-place pair's too
+    assert stage == ShiftStage(1, ((1, 4), (5, 5), (7, 8)), CopyStage(whole, copy_runs(whole)))
+    assert temporal_sources(stage) == [2, 6, 7]  # type: ignore[arg-type]
+    assert decode_plan(encode_plan(plan, 3)) == (3, plan)
+    # Shift 0 with a temporal source of its own is a segment of its own; one reading a slot the segment wrote
+    # (here its temporal source) starts the next; the temporal source equal to the source is a plain copy.
+    plan = plan_step([cow(1, 2), cow(3, 4, temporal_src=5), cow(6, 7, temporal_src=4), cow(8, 9, temporal_src=8)])
+    assert [(type(s).__name__, getattr(s, "pairs", None)) for s in plan.stages] == [
+        ("CopyStage", ((1, 2),)),
+        ("ShiftStage", ((3, 4),)),
+        ("ShiftStage", ((6, 7), (8, 9))),
+    ]
+    assert [s.copy.pairs for s in plan.stages[1:]] == [((5, 4),), ((4, 7), (8, 9))]  # type: ignore[union-attr]
+    assert plan.copied == 4 and plan.events == 4
+    # The wire carries each pair's temporal source: one that differs from the source's changes the message.
+    split, plain = plan_step([cow(1, 2, shift=1, temporal_src=3)]), plan_step([cow(1, 2, shift=1)])
+    assert encode_plan(split, 0) != encode_plan(plain, 0)
+    assert decode_plan(encode_plan(split, 0))[1].stages[0].copy.pairs == ((3, 2),)  # type: ignore[union-attr]
+
+
 # Plain-step draws: releases, allocs (cleared or not), clears and copies on a few slots, so that
 # a log often just misses the fast path's conditions (a chain, a source overwritten by a copy, a
 # shifted copy, one event of another kind) as well as meeting them.
-_PLAIN_KINDS = ("release", "alloc", "alloc_keep", "clear", "cow", "cow", "cow", "shift", "offload", "commit")
+_PLAIN_KINDS = ("release", "alloc", "alloc_keep", "clear", "cow", "cow", "cow", "shift", "split", "offload", "commit")
 _plain_ops = st.lists(
     st.tuples(st.sampled_from(_PLAIN_KINDS), st.integers(0, 7), st.integers(0, 7), st.integers(0, 30)),
     max_size=14,
@@ -428,6 +453,8 @@ def _plain_log(raw: list[tuple[str, int, int, int]]) -> list[object]:
             events.append(mc.CopyOnWrite(a, b))
         elif kind == "shift":
             events.append(mc.CopyOnWrite(a, b, shift=1))
+        elif kind == "split":
+            events.append(mc.CopyOnWrite(a, b, temporal_src=rare % 8))  # shift 0: the source's own slot too
         elif kind == "offload":
             events.append(mc.Offload(a, b + 1))
         else:

@@ -482,7 +482,7 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
 def _plain_plan(log: Sequence[Event]) -> Plan | None:
     """The plan of a *plain* step, or None: the decode step's fast path.
 
-    Plain: only releases, allocs, clears and whole copies; no copy reads a slot
+    Plain: only releases, allocs, clears and whole copies of one source; no copy reads a slot
     written before it in the step (no chain: every copy reads a start-of-step
     value, so a slot's symbolic value is just its last write); no slot that a
     copy reads ends the step with a copy of another slot (the copies are one
@@ -490,8 +490,7 @@ def _plain_plan(log: Sequence[Event]) -> Plan | None:
     rotate, so the general pass (:func:`final_writes`, :func:`_order_copies`)
     reduces to this one: the same values, dead slots, write count and stages,
     without the state those conditions leave unused. Any other log returns None
-    and takes the general path. ``tests/test_planner.py`` checks that both give
-    the same plan on random logs, plain and just not.
+    and takes the general path. ``tests/test_planner.py`` checks both give one plan on random logs, plain and just not.
     """
     value: dict[int, int] = {}
     dead: set[int] = set()
@@ -501,9 +500,8 @@ def _plain_plan(log: Sequence[Event]) -> Plan | None:
         t = type(ev)
         if t is CopyOnWrite:
             src = ev.src  # type: ignore[union-attr]
-            ts = ev.temporal_src  # type: ignore[union-attr]
-            # shifted, two sources, a chain, a host value
-            if ev.shift or (ts is not None and ts != src) or src in value or src < 0:  # type: ignore[union-attr]
+            # shifted, a temporal source of its own (even one equal to src: not a plain copy's form), a chain, a host
+            if ev.shift or ev.temporal_src is not None or src in value or src < 0:  # type: ignore[union-attr]
                 return None
             value[ev.dst] = src  # type: ignore[union-attr]
             read.add(src)

@@ -104,12 +104,17 @@ class CopyOnWrite:
     src[..., t + shift]`` for ``t < width - shift``, zeros after; the temporal
     state and extra tensors are copied whole. ``0 <= shift <`` the smallest conv
     width (speculative decoding's accepted-token bias, docs/semantics.md).
+    ``temporal_src`` (default None: ``src``): the slot the temporal state and
+    extra tensors are read from, as of the same point; the conv states still come
+    from ``src`` (speculative decoding's align mode reads the two from different
+    blocks). Both sources are read before ``dst`` is written, so either may be ``dst``.
     """
 
     src: int
     dst: int
     request_id: str | None = None
     shift: int = 0
+    temporal_src: int | None = None
 
 
 @fast_init

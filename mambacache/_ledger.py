@@ -286,6 +286,9 @@ class SlotLedger:
                 a, b = ev.src, ev.dst  # type: ignore[union-attr]
                 if not held[a] or (released is not None and a in released):
                     raise not_held("CopyOnWrite", "source", a)
+                ts = ev.temporal_src  # type: ignore[union-attr]
+                if ts is not None and (not held[ts] or (released is not None and ts in released)):
+                    raise not_held("CopyOnWrite", "temporal source", ts)
                 if not held[b] or (released is not None and b in released):
                     raise not_held("CopyOnWrite", "destination", b)
                 if rid is not None and tenants[b] != rid:

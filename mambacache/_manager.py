@@ -249,15 +249,18 @@ class ManagerCore(Reservations, HostTier):
         else:
             self._submit((Release(slot, request_id),))
 
-    def copy_on_write(self, src: int, dst: int, request_id: str | None = None, *, shift: int = 0) -> None:
+    def copy_on_write(
+        self, src: int, dst: int, request_id: str | None = None, *, shift: int = 0, temporal_src: int | None = None
+    ) -> None:
         """``dst`` gets ``src``'s state as of this point of the event order (a fork); ``shift=k``: its conv
-        states moved ``k`` tokens to the front of their time axis, zeros after (``0 <= k <`` conv width)."""
+        states moved ``k`` tokens to the front of their time axis, zeros after (``0 <= k <`` conv width);
+        ``temporal_src``: its temporal state and extra tensors from that slot instead (as of the same point)."""
         n = self._pool.num_slots
         plain = type(src) is int and type(dst) is int and 0 < src <= n and 0 < dst <= n and type(request_id) in _IDS
-        if plain and shift == 0 and type(shift) is int:
+        if plain and shift == 0 and type(shift) is int and temporal_src is None:
             self._queue.submit((CopyOnWrite(src, dst, request_id),))
             return
-        self._submit((CopyOnWrite(src, dst, request_id, shift),))
+        self._submit((CopyOnWrite(src, dst, request_id, shift, temporal_src),))
 
     def commit_draft(self, slot: int, accepted: int, request_id: str | None = None) -> None:
         """``slot`` becomes the state after ``accepted`` draft tokens (0: unchanged), read from its draft buffer

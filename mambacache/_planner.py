@@ -181,15 +181,18 @@ class RestoreStage(_TierStage):
 @fast_init
 @dataclass(frozen=True, slots=True)
 class ShiftStage:
-    """Slot ``dst`` gets slot ``src`` for each pair, every conv state shifted ``shift`` (> 0) tokens to the front.
+    """Slot ``dst`` gets slot ``src`` for each pair, every conv state shifted ``shift`` (>= 0) tokens to the front.
 
     On a conv tensor (time is its last axis, of width ``w``): ``dst[..., :w - shift]
     = src[..., shift:]`` and ``dst[..., w - shift:] = 0``; every other tensor runs
-    ``copy``, the pairs with ``src != dst`` copied whole. No slot is in two pairs,
-    but a pair may be ``(a, a)`` (a shift in place): each pair reads its source
-    before writing, and pairs never see each other, so they run in any order, or
-    all at once. ``pairs`` is sorted by destination. Not idempotent (a shift in
-    place repeated shifts twice): executors keep a :class:`~mambacache._executors._base.Progress`.
+    ``copy``: each pair's destination gets its *temporal source* whole (the pair's
+    ``src`` unless a copy named another, :attr:`CopyOnWrite.temporal_src`), the
+    pairs whose temporal source is their destination left out. No slot is in two
+    pairs (a pair's temporal source included), but a pair may be ``(a, a)`` (a shift
+    in place): each pair reads its sources before writing, and pairs never see each
+    other, so they run in any order, or all at once. ``pairs`` is sorted by
+    destination. Not idempotent (a shift in place repeated shifts twice): executors
+    keep a :class:`~mambacache._executors._base.Progress`.
     """
 
     shift: int
@@ -197,11 +200,19 @@ class ShiftStage:
     copy: CopyStage
 
 
-def shift_stage(shift: int, pairs: Sequence[tuple[int, int]]) -> ShiftStage:
-    """The :class:`ShiftStage` of ``pairs``, sorted by destination, with its whole-copy part derived."""
-    ordered = tuple(sorted(pairs, key=lambda p: p[1]))
-    whole = tuple(p for p in ordered if p[0] != p[1])
-    return ShiftStage(shift, ordered, CopyStage(whole, copy_runs(whole)))
+def shift_stage(shift: int, pairs: Sequence[tuple[int, int]], temporal: Sequence[int] | None = None) -> ShiftStage:
+    """The :class:`ShiftStage` of ``pairs``, sorted by destination, with its whole-copy part derived:
+    ``temporal[i]`` is pair ``i``'s temporal source (None: each pair's own source)."""
+    sources = [s for s, _ in pairs] if temporal is None else temporal
+    ordered = sorted(zip(pairs, sources, strict=True), key=lambda e: e[0][1])
+    whole = tuple((t, d) for (_, d), t in ordered if t != d)
+    return ShiftStage(shift, tuple(p for p, _ in ordered), CopyStage(whole, copy_runs(whole)))
+
+
+def temporal_sources(stage: ShiftStage) -> list[int]:
+    """Each pair's temporal source, in ``stage.pairs`` order: the inverse of :func:`shift_stage`'s derivation."""
+    src_of = {d: s for s, d in stage.copy.pairs}
+    return [src_of.get(d, d) for _, d in stage.pairs]
 
 
 Stage = ZeroStage | CopyStage | RotateStage | CommitStage | OffloadStage | RestoreStage | ShiftStage
@@ -314,31 +325,40 @@ class Writes(NamedTuple):
 
 
 def _shift_writes(events: Sequence[Event], start: int) -> Writes:
-    """The segment of shifted copies that starts at ``events[start]``: one :class:`ShiftStage`.
+    """The segment of shifted copies (or copies with a temporal source of their own, shift 0 or not) that starts
+    at ``events[start]``: one :class:`ShiftStage`.
 
     It takes the copies with the same shift that follow, up to the first other
-    event or the first copy touching a slot the segment already reads or writes:
-    inside the segment no copy sees another's write, so its one stage is exactly
-    the copies one at a time. A shifted copy is never merged with the symbolic
-    values of the events around it (each conv tensor would need its own source
-    position); the segments before and after are planned against the state it
-    leaves, exact by composition, as a pinned slot's segments are.
+    event or the first copy touching a slot the segment already reads or writes
+    (its source, temporal source or destination): inside the segment no copy sees
+    another's write, so its one stage is exactly the copies one at a time. Such a
+    copy is never merged with the symbolic values of the events around it (each
+    conv tensor would need its own source position, its temporal state another);
+    the segments before and after are planned against the state it leaves, exact
+    by composition, as a pinned slot's segments are.
     """
     first = events[start]
     k = first.shift  # type: ignore[union-attr]
     pairs: list[tuple[int, int]] = []
+    temporal: list[int] = []
     used: set[int] = set()
     i = start
     while i < len(events):
         ev = events[i]
-        if type(ev) is not CopyOnWrite or ev.shift != k or ev.src in used or ev.dst in used:
+        if type(ev) is not CopyOnWrite or ev.shift != k:
             break
-        pairs.append((ev.src, ev.dst))
-        used.add(ev.src)
-        used.add(ev.dst)
+        a, b = ev.src, ev.dst
+        ts = a if ev.temporal_src is None else ev.temporal_src
+        if a in used or b in used or ts in used:
+            break
+        pairs.append((a, b))
+        temporal.append(ts)
+        used.add(a)
+        used.add(b)
+        used.add(ts)
         i += 1
     n = i - start
-    return Writes([], {}, [], n, n, [], [], [], i, shift_stage(k, pairs))
+    return Writes([], {}, [], n, n, [], [], [], i, shift_stage(k, pairs, temporal))
 
 
 def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
@@ -370,7 +390,8 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
         ev = events[i]
         t = type(ev)
         if t is CopyOnWrite:
-            if ev.shift:  # type: ignore[union-attr]
+            ts = ev.temporal_src  # type: ignore[union-attr]
+            if ev.shift or (ts is not None and ts != ev.src):  # type: ignore[union-attr]  # shifted, or two sources
                 if i == start:
                     return _shift_writes(events, start)
                 break  # planned as a segment of its own, after this one
@@ -461,7 +482,7 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
 def _plain_plan(log: Sequence[Event]) -> Plan | None:
     """The plan of a *plain* step, or None: the decode step's fast path.
 
-    Plain: only releases, allocs, clears and whole copies; no copy reads a slot
+    Plain: only releases, allocs, clears and whole copies of one source; no copy reads a slot
     written before it in the step (no chain: every copy reads a start-of-step
     value, so a slot's symbolic value is just its last write); no slot that a
     copy reads ends the step with a copy of another slot (the copies are one
@@ -469,8 +490,7 @@ def _plain_plan(log: Sequence[Event]) -> Plan | None:
     rotate, so the general pass (:func:`final_writes`, :func:`_order_copies`)
     reduces to this one: the same values, dead slots, write count and stages,
     without the state those conditions leave unused. Any other log returns None
-    and takes the general path. ``tests/test_planner.py`` checks that both give
-    the same plan on random logs, plain and just not.
+    and takes the general path. ``tests/test_planner.py`` checks both give one plan on random logs, plain and just not.
     """
     value: dict[int, int] = {}
     dead: set[int] = set()
@@ -480,7 +500,8 @@ def _plain_plan(log: Sequence[Event]) -> Plan | None:
         t = type(ev)
         if t is CopyOnWrite:
             src = ev.src  # type: ignore[union-attr]
-            if ev.shift or src in value or src < 0:  # type: ignore[union-attr]  # shifted, a chain, a host value
+            # shifted, a temporal source of its own (even one equal to src: not a plain copy's form), a chain, a host
+            if ev.shift or ev.temporal_src is not None or src in value or src < 0:  # type: ignore[union-attr]
                 return None
             value[ev.dst] = src  # type: ignore[union-attr]
             read.add(src)
@@ -581,8 +602,8 @@ def _general_plan(log: Sequence[Event]) -> Plan:
 #   commit stage:  [4, n, (src, pos, dst) * n]
 #   offload stage: [5, n, (slot, host) * n]
 #   restore stage: [6, n, (host, slot) * n]
-#   shift stage:   [7, n, shift, (src, dst) * n]
-MAGIC = 0x6D63_0004  # 4: shift stages
+#   shift stage:   [7, n, shift, (src, dst, temporal source) * n]
+MAGIC = 0x6D63_0005  # 4: shift stages; 5: their pairs' temporal sources
 _HEADER = 10
 _ZERO_KIND, _COPY_KIND, _ROTATE_KIND, _COMMIT_KIND, _OFFLOAD_KIND, _RESTORE_KIND, _SHIFT_KIND = 1, 2, 3, 4, 5, 6, 7
 _PAIR_KINDS: dict[type, int] = {CopyStage: _COPY_KIND, OffloadStage: _OFFLOAD_KIND, RestoreStage: _RESTORE_KIND}
@@ -607,8 +628,8 @@ def encode_plan(plan: Plan, step: int) -> list[int]:
                 out += entry
         elif isinstance(stage, ShiftStage):
             out += [_SHIFT_KIND, len(stage.pairs), stage.shift]
-            for a, b in stage.pairs:
-                out += [a, b]
+            for (a, b), ts in zip(stage.pairs, temporal_sources(stage), strict=True):
+                out += [a, b, ts]
         else:
             out += [_ROTATE_KIND, len(stage.cycles)]
             for cycle in stage.cycles:
@@ -655,9 +676,9 @@ def _decode(data: Sequence[int]) -> tuple[int, Plan]:
             stages.append(CommitStage(tuple(zip(flat[0::3], flat[1::3], flat[2::3], strict=True))))
         elif kind == _SHIFT_KIND:
             shift = data[pos]
-            flat = data[pos + 1 : pos + 1 + 2 * n]
-            pos += 1 + 2 * n
-            stages.append(shift_stage(shift, list(zip(flat[0::2], flat[1::2], strict=True))))
+            flat = data[pos + 1 : pos + 1 + 3 * n]
+            pos += 1 + 3 * n
+            stages.append(shift_stage(shift, list(zip(flat[0::3], flat[1::3], strict=True)), flat[2::3]))
         else:
             raise ValueError(f"unknown stage kind {kind} in plan message")
     if pos != len(data):

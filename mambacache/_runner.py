@@ -90,7 +90,8 @@ def run_stage(
 
 
 def _run_shift(executor: Executor, stage: ShiftStage, tensors: list[torch.Tensor], cur: Any, convs: int) -> None:
-    """A shift stage, tensor by tensor: shifted on the conv tensors, whole pairs copied on the rest."""
+    """A shift stage, tensor by tensor: shifted on the conv tensors, its whole-copy part (each pair's temporal
+    source to its destination, :class:`ShiftStage`) on the rest."""
     whole = stage.copy
     for i in range(cur.next_tensor, len(tensors)):
         if i < convs:
@@ -154,6 +155,7 @@ def check_executor(
         if i < convs and t.shape[-1] > 1:
             windows = torch.zeros((2, 12, *t.shape[2:]), dtype=t.dtype, device=t.device)
             probes.append((shift_stage(1, [(1, 2), (3, 3), (5, 4)]), windows, None))
+            probes.append((shift_stage(0, [(1, 2), (3, 3)], [6, 7]), windows, None))  # a split copy's shift 0
         for stage, target, draft_scratch in probes:
             try:
                 # convs=1: a shift stage treats its one tensor as a conv state; other stages ignore it

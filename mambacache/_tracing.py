@@ -13,11 +13,9 @@ module imports no structlog, so ``import mambacache`` does not either.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Sequence
-from contextvars import ContextVar
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from ._errors import TransferError
@@ -38,7 +36,7 @@ from ._events import (
 if TYPE_CHECKING:
     from ._events import Event
 
-__all__ = ["LogTracer", "Tracer", "install", "muted", "tracer", "traces_failures"]
+__all__ = ["LogTracer", "Tracer", "install", "tracer", "traces_failures"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -76,6 +74,8 @@ def _fields(ev: Event) -> tuple[str, dict[str, Any]]:
         fields = {"src": ev.src, "dst": ev.dst, "request_id": ev.request_id}  # type: ignore[union-attr]
         if ev.shift:  # type: ignore[union-attr]  # only a shifted copy carries it: plain forks' lines stay as they were
             fields["shift"] = ev.shift  # type: ignore[union-attr]
+        if ev.temporal_src is not None:  # type: ignore[union-attr]  # only a split copy (two sources) carries it
+            fields["temporal_src"] = ev.temporal_src  # type: ignore[union-attr]
         return "slot.cow", fields
     if t is Alloc:
         return "slot.alloc", {"slot": ev.slot, "request_id": ev.request_id, "cleared": ev.clear}  # type: ignore[union-attr]
@@ -118,7 +118,7 @@ class LogTracer(Tracer):
 
     def events(self, events: Sequence[Event], step: int) -> None:
         log = self._slots
-        if log is not None and not _muted.get():
+        if log is not None:
             for ev in events:
                 name, fields = _fields(ev)
                 if type(ev) is Import:
@@ -128,8 +128,6 @@ class LogTracer(Tracer):
                 log.debug(name, **fields, step=step)
 
     def flushed(self, report: StepReport) -> None:
-        if _muted.get():
-            return
         figures = {name: getattr(report, name) for name in _REPORT_FIELDS}
         self._steps.info(
             "step.flush", **figures, plan_us=round(report.plan_s * 1e6, 1), execute_us=round(report.execute_s * 1e6, 1)
@@ -139,7 +137,7 @@ class LogTracer(Tracer):
         self._steps.error("step.error", step=step, stage=stage, error=error, failures=failures)
 
     def note(self, event: str, **fields: Any) -> None:
-        if self._slots is not None and not _muted.get():
+        if self._slots is not None:
             self._slots.debug(event, **fields)
 
     def transfer(self, event: str, peer: int | None, request_ids: Sequence[str], **fields: Any) -> None:
@@ -157,23 +155,6 @@ class LogTracer(Tracer):
 
 OFF = Tracer()
 tracer: Tracer = OFF
-_muted: ContextVar[bool] = ContextVar("mambacache_trace_muted", default=False)
-
-
-@contextlib.contextmanager
-def muted() -> Iterator[None]:
-    """Inside, the lifecycle events, notes and flushes of this thread or task are not traced (failures are).
-
-    For a manager that mirrors another's slots event for event, as the vLLM
-    plugin's per-layer and per-state pools do: a block's lifecycle is traced
-    once, by the first, instead of once per pool (the analyzer keys on slot ids,
-    which every mirror shares, and would see each event twice).
-    """
-    token = _muted.set(True)
-    try:
-        yield
-    finally:
-        _muted.reset(token)
 
 
 def traces_failures(method: Callable[Concatenate[Any, P], R]) -> Callable[Concatenate[Any, P], R]:

@@ -139,9 +139,15 @@ def normalised(events: Iterable[Any], n: int, convs: Sequence[Sequence[int]] = (
     for ev in events:
         t = type(ev)
         if t is CopyOnWrite:
-            a, b, k = ev.src, ev.dst, ev.shift
-            if type(a) is not int or type(b) is not int or not 0 < a <= n or not 0 < b <= n or k or type(k) is not int:
-                ev = CopyOnWrite(as_slot(a, n), as_slot(b, n), ev.request_id, check_shift(k, convs))
+            a, b, k, ts = ev.src, ev.dst, ev.shift, ev.temporal_src
+            if (
+                type(a) is not int or type(b) is not int or not 0 < a <= n or not 0 < b <= n or k
+                or type(k) is not int or ts is not None
+            ):  # fmt: skip
+                a, b, k = as_slot(a, n), as_slot(b, n), check_shift(k, convs)
+                ts = None if ts is None else as_slot(ts, n)
+                # A temporal source equal to the source is a plain copy: one form, so it plans as one
+                ev = CopyOnWrite(a, b, ev.request_id, k, None if ts == a else ts)
         elif t is Clear or t is Release:
             s = ev.slot
             if type(s) is not int or not 0 < s <= n:

@@ -71,14 +71,16 @@ class SequentialOracle:
             if isinstance(ev, mc.Alloc):
                 self.allocated.add(ev.slot)
             elif isinstance(ev, mc.CopyOnWrite):
+                # The conv states (the first tensors) come from `src`, the rest from `temporal_src` (default `src`)
+                ts = ev.src if ev.temporal_src is None else ev.temporal_src
                 for i, t in enumerate(self.tensors):
-                    row = t[:, ev.src].clone()
+                    row = t[:, ev.src if i < len(self.token) else ts].clone()
                     if ev.shift and i < len(self.token):  # time is the last axis: roll to the front, zero the end
                         n = ev.shift * self.token[i]
                         row = torch.roll(row, -n, dims=-1)
                         row[..., -n:] = 0
                     t[:, ev.dst] = row
-                if ev.src in self.defined:
+                if ev.src in self.defined and ts in self.defined:
                     self.defined.add(ev.dst)
                 else:
                     self.defined.discard(ev.dst)

@@ -29,7 +29,8 @@ def events_from_ops(
     """Turn raw draws into valid event logs split at "flush", each with the slots live after it.
 
     "commit" draws become CommitDraft events only for pools with ``draft_tokens``; else nothing.
-    "shift" draws become copies shifted by ``1..max_shift`` tokens (in place too); with ``max_shift=0`` nothing.
+    "shift" draws become copies shifted by ``1..max_shift`` tokens (in place too), some with a ``temporal_src`` of
+    their own (then some with shift 0); with ``max_shift=0`` nothing.
     """
     steps = _steps(raw, num_slots, allocated, draft_tokens, 0, set(), max_shift)
     return [(events, live) for events, live, _ in steps]
@@ -39,6 +40,13 @@ HOST_KINDS = (*KINDS, "offload", "offload", "restore", "restore", "drop")
 
 host_ops = st.lists(
     st.tuples(st.sampled_from(HOST_KINDS), st.integers(0, 10**6), st.integers(0, 10**6)),
+    max_size=80,
+)
+
+
+# The host kinds with shifted and split copies (give host_events_from_ops a max_shift).
+host_shift_ops = st.lists(
+    st.tuples(st.sampled_from((*HOST_KINDS, "shift", "shift")), st.integers(0, 10**6), st.integers(0, 10**6)),
     max_size=80,
 )
 
@@ -89,8 +97,12 @@ def _steps(
         elif kind == "shift" and live and max_shift:
             # Runs of shifted copies with one shift batch into one stage: draw the shift from `b // 7`
             # so that neighbouring draws often agree.
+            # One draw in three also reads the temporal state from a slot of its own (a split copy, speculative
+            # decoding's align mode), one in nine of those with shift 0.
             src, dst = live[a % len(live)], live[b % len(live)]
-            steps[-1].append(mc.CopyOnWrite(src, dst, shift=1 + (b // 7) % max_shift))
+            k = 1 + (b // 7) % max_shift
+            ts = live[(a // 11) % len(live)] if a % 3 == 0 else None
+            steps[-1].append(mc.CopyOnWrite(src, dst, shift=0 if ts is not None and a % 9 == 0 else k, temporal_src=ts))
         elif kind == "commit" and live and draft_tokens:
             steps[-1].append(mc.CommitDraft(live[a % len(live)], b % (draft_tokens + 1)))
         elif kind == "release" and live:

@@ -309,6 +309,17 @@ def test_bulk_forms_are_all_or_nothing_with_typed_errors() -> None:
             (lambda: mgr.submit(mc.Clear(a), mc.CopyOnWrite(a, b, shift=2)), mc.InvalidArgumentError, "got 2"),
             (lambda: mgr.copy_on_write(a, 7, shift=1), mc.SlotStateError, "not allocated"),
             (lambda: mgr.copy_many([a, a], [b, 7], shift=1), mc.SlotStateError, "not allocated"),
+            # A temporal source is a slot as the others are, held at its point of the order (not tenant-checked,
+            # as a source is not): a bad one refuses the whole call.
+            (lambda: mgr.copy_on_write(a, b, shift=1, temporal_src=7), mc.SlotStateError, "temporal source slot 7"),
+            (lambda: mgr.copy_on_write(a, b, temporal_src=9), mc.InvalidSlotError, "slot 9 is out of range"),
+            (lambda: mgr.copy_on_write(a, b, temporal_src=1.0), mc.InvalidSlotError, "float"),  # type: ignore[arg-type]
+            (lambda: mgr.copy_on_write(a, b, temporal_src=True), mc.InvalidSlotError, "bool"),  # type: ignore[arg-type]
+            (
+                lambda: mgr.submit(mc.Release(c), mc.CopyOnWrite(a, b, temporal_src=c)),
+                mc.SlotStateError,
+                "temporal source slot",
+            ),
         ]
         for call, error, match in bad_calls:
             with pytest.raises(error, match=match):

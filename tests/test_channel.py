@@ -18,7 +18,7 @@ import mambacache as mc
 
 from .layered import layered_pool, pool_tensors
 from .oracle import SequentialOracle
-from .strategies import host_events_from_ops, host_ops
+from .strategies import host_events_from_ops, host_shift_ops
 from .util import drive
 
 N, H = 8, 4
@@ -64,7 +64,7 @@ def flush_all(mgrs: list[mc.CacheManager]) -> list[mc.StepReport]:
 
 
 @settings(max_examples=25)
-@given(host_ops, st.sets(st.integers(1, N)), st.sampled_from([2, 3]))
+@given(host_shift_ops, st.sets(st.integers(1, N)), st.sampled_from([2, 3]))
 def test_every_rank_applies_the_source_plan_exactly(raw: list[tuple[str, int, int]], initially: set[int], world: int):
     channels = mc.LoopbackChannel.group(world, timeout=10)
     # Odd ranks hold their shard as per-layer tensors (StatePool.from_layers): the plan is the same.
@@ -82,7 +82,9 @@ def test_every_rank_applies_the_source_plan_exactly(raw: list[tuple[str, int, in
             fill(p, r)
         oracles = [SequentialOracle(p, h) for p, h in zip(pools, hosts, strict=True)]
         host_of: dict[int, int] = {}
-        for events, _, _ in host_events_from_ops(raw, N, set(initially), H, set()):
+        # Shifted and split copies too: a shift stage's pairs and their temporal sources travel in the plan message
+        max_shift = min(c[-1] for c in shard_spec(0).conv_shapes) - 1
+        for events, _, _ in host_events_from_ops(raw, N, set(initially), H, set(), max_shift=max_shift):
             before = mgrs[0].pending
             submit(mgrs[0], events, host_of)
             queued = mgrs[0].queued()[before:]

@@ -87,7 +87,25 @@ def shifted_step(mgr: mc.CacheManager, slots: list[int]) -> None:
     mgr.copy_many([g, h], [h, g], shift=1)
 
 
-SCENARIOS = {"swap": swap_via_temp, "mixed": mixed_step, "three-cycle": three_cycle, "shifted": shifted_step}
+def split_step(mgr: mc.CacheManager, slots: list[int]) -> None:
+    """Copies whose temporal state comes from a slot of its own (speculative decoding's align mode): a shifted
+    one, one in place (its conv states shifted there, its temporal state from another slot), a chain of a shift-0
+    one reading a slot the first wrote, one keeping its own temporal state, and a split swap.
+
+    Stages: shift (a->b, d d), shift 0 (b->f), shift (g->h), shift 0 (h->g).
+    """
+    a, b, c, d, e, f, g, h = slots[:8]
+    mgr.copy_on_write(a, b, shift=1, temporal_src=c)
+    mgr.copy_on_write(d, d, shift=1, temporal_src=e)
+    mgr.copy_on_write(b, f, temporal_src=a)
+    mgr.copy_on_write(g, h, shift=1, temporal_src=h)
+    mgr.copy_on_write(h, g, temporal_src=e)
+
+
+SCENARIOS = {
+    "swap": swap_via_temp, "mixed": mixed_step, "three-cycle": three_cycle, "shifted": shifted_step,
+    "split": split_step,
+}  # fmt: skip
 
 
 def run_scenario(

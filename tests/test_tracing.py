@@ -127,6 +127,38 @@ def test_analyzer_clean_hand_trace() -> None:
     assert analysis.anomalies == [] and [e.action for e in analysis.timelines[2]] == ["alloc", "fork-in"]
 
 
+def test_analyzer_reads_a_split_forks_temporal_source_as_a_source() -> None:
+    """A fork whose temporal state comes from a second slot reads that slot too: free, it is flagged; never
+    cleared, the target holds stale state; clean, the fork is clean and both sources' timelines show it."""
+    base = [*CLEAN, line("slot.alloc", 2, slot=2, cleared=False), line("slot.alloc", 2, slot=3, cleared=True)]
+    clean = [*base, line("slot.cow", 2, src=1, dst=2, shift=1, temporal_src=3), line("step.flush", 2)]
+    analysis = analyze_lines(clean)
+    assert analysis.anomalies == []
+    assert [e.action for e in analysis.timelines[3]] == ["alloc", "fork-out"]
+    stale = [*base, line("slot.alloc", 2, slot=4, cleared=False), line("slot.cow", 2, src=1, dst=2, temporal_src=4),
+             line("step.flush", 2, events=1)]  # fmt: skip
+    assert {a.kind for a in analyze_lines(stale).anomalies} == {"uncleared-reuse"}
+    freed = [*base, line("slot.release", 2, slot=3), line("slot.cow", 2, src=1, dst=2, temporal_src=3)]
+    assert [(a.kind, a.slot) for a in analyze_lines(freed).anomalies] == [("copy-from-released", 3)]
+
+
+async def test_a_split_copy_traces_its_temporal_source() -> None:
+    tracing.configure(level="debug", use_structlog_config=True)
+    pool = mc.StatePool(small_spec(), 4)
+    with capture_logs() as logs:
+        async with mc.CacheManager(pool) as mgr:
+            a, b, c = mgr.alloc(3, "r")
+            mgr.copy_on_write(a, b, "r", shift=1, temporal_src=c)
+            mgr.copy_on_write(a, b, "r", temporal_src=a)  # the same slot: a plain copy
+            await mgr.flush()
+    forks = [{k: e.get(k) for k in ("src", "dst", "shift", "temporal_src")} for e in logs if e["event"] == "slot.cow"]
+    assert forks == [
+        {"src": a, "dst": b, "shift": 1, "temporal_src": c},
+        {"src": a, "dst": b, "shift": None, "temporal_src": None},
+    ]
+    tracing.disable()
+
+
 async def test_a_shifted_copy_traces_its_shift_and_a_plain_one_does_not() -> None:
     tracing.configure(level="debug", use_structlog_config=True)
     pool = mc.StatePool(small_spec(), 4)

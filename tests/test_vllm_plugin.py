@@ -110,7 +110,7 @@ def test_new_blocks_are_cleared_before_the_forward_and_released_when_finished(st
     s.take(step(finished=("a",), copies=((4, 2), (4, 5))))  # copies touch managed blocks only
     s.flush()
     assert s.tenant_of == {4: "b"} and s.stats.releases == 1 and s.stats.copies == 0
-    assert s.managers[0].held() == {4: "b"}
+    assert s.manager.held() == {4: "b"}
 
 
 def test_a_block_given_to_another_request_is_taken_back_from_the_preempted_one(states: Any) -> None:
@@ -272,9 +272,9 @@ def test_split_pools_copy_the_conv_window_shifted_and_the_ssm_state_from_the_acc
     raw, layers = vllm_layout()
     before = raw.clone()
     pools, roles = plugin.split_pools(layers)
-    # One conv pool and one SSM pool over every layer: two managers, whatever the layer count.
-    assert roles == [("conv", CONV[1]), ("ssm", 0)] and len(pools) == 2 and not pools[1].temporal.is_contiguous()
-    assert pools[0].spec.num_layers == pools[1].spec.num_layers == 2
+    # One pool over every layer, conv windows and SSM states apart: one manager, whatever the layer count.
+    assert roles == [("split", CONV[1])] and len(pools) == 1 and not pools[0].temporal.is_contiguous()
+    assert pools[0].spec.num_layers == 2 and len(pools[0].spec.conv_shapes) == 1
     s = plugin.VllmStates(pools, groups=[1], block_size=4, roles=roles)
     try:
         s.take(step(new=(("a", [2, 3, 4, 5]),)))
@@ -286,6 +286,8 @@ def test_split_pools_copy_the_conv_window_shifted_and_the_ssm_state_from_the_acc
         # Column 0 -> 1 with one accepted draft token: the conv window from block 2 one token in, the SSM
         # state from the block of column 0 + 1 (block 3): vLLM's get_conv_copy_spec / get_temporal_copy_spec.
         s.copy_columns("a", ([], [2, 3, 4, 5]), 0, 2, bias=1)
+        # One event: the conv window of column 0 shifted, the SSM state of column 0 + 1.
+        assert s.manager.queued() == [mc.CopyOnWrite(2, 4, "a", CONV[1], 3)]
         s.flush()
         for (conv, ssm), (window, state, untouched) in zip(layers, want, strict=True):
             assert torch.equal(conv[4, :2], window) and bool((conv[4, 2] == 0).all())  # the shift zero-fills
@@ -300,12 +302,38 @@ def test_split_pools_copy_the_conv_window_shifted_and_the_ssm_state_from_the_acc
         s.close()
 
 
+def test_a_split_copy_keeps_the_destinations_ssm_state_when_the_accepted_column_is_its_own() -> None:
+    """``temporal_src == dst``: the SSM state stays, the conv window still moves (one event, nothing else)."""
+    _, layers = vllm_layout()
+    pools, roles = plugin.split_pools(layers, dim_first=True)
+    assert roles == [("split", 1)]
+    s = plugin.VllmStates(pools, groups=[1], block_size=4, roles=roles)
+    try:
+        s.take(step(new=(("a", [2, 3]),)))
+        s.flush()
+        for conv, ssm in layers:
+            conv[2:4], ssm[2:4] = torch.randn(2, *CONV), torch.randn(2, *SSM)
+        want = [(conv[2].clone(), ssm[3].clone()) for conv, ssm in layers]
+        s.copy_block("a", 2, 3, bias=1, temporal_src=3)
+        s.copy_block("a", 3, 3)  # a copy of a block onto itself: no event at all
+        assert s.manager.queued() == [mc.CopyOnWrite(2, 3, "a", 1, 3)]
+        s.flush()
+        for (conv, ssm), (window, state) in zip(layers, want, strict=True):
+            # "DS" layout read as it is: each row's time axis is last, unit 1
+            assert torch.equal(conv[3][..., :-1], window[..., 1:]) and bool((conv[3][..., -1] == 0).all())
+            assert torch.equal(ssm[3], state)
+    finally:
+        s.close()
+    with pytest.raises(mc.InvalidArgumentError, match="one pool"):
+        plugin.VllmStates(pools * 2, groups=[1])
+
+
 def test_a_shifted_copy_is_refused_on_page_pools() -> None:
     _, layers = vllm_layout()
     s = plugin.VllmStates(plugin._pools([plugin.block_rows(c, ssm) for c, ssm in layers]), groups=[1], block_size=4)
     try:
         s.take(step(new=(("a", [2, 3, 4]),)))
-        with pytest.raises(mc.InvalidArgumentError, match="pools of their own"):
+        with pytest.raises(mc.InvalidArgumentError, match="apart in the pool"):
             s.copy_block("a", 2, 3, bias=1, temporal_src=4)
         assert s.stats.copies == 0
     finally:
@@ -318,7 +346,7 @@ def test_split_pools_trace_each_block_event_once(tmp_path: Any) -> None:
     mc.tracing.configure(path, level="debug")
     try:
         pools, roles = plugin.split_pools(layers)
-        s = plugin.VllmStates(pools, groups=[1], block_size=4, roles=roles)  # 2 pools, 2 managers
+        s = plugin.VllmStates(pools, groups=[1], block_size=4, roles=roles)  # 1 pool, 1 manager
         s.take(step(new=(("a", [2, 3, 4]),)))
         s.copy_columns("a", ([], [2, 3, 4]), 0, 1, bias=1)
         s.flush()
@@ -376,4 +404,4 @@ def test_close_detaches_the_plugin_so_vllms_own_path_runs_the_next_steps(monkeyp
     vllm_copies()  # detached: vLLM's own functions, not a ManagerClosedError
     assert calls == [(0, 1), "bufs"] and s.stats.copies == 1
     with pytest.raises(mc.ManagerClosedError):
-        s.managers[0].alloc(1)  # the managers are closed indeed: only the detach keeps steps off them
+        s.manager.alloc(1)  # the managers are closed indeed: only the detach keeps steps off them

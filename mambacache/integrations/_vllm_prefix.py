@@ -23,11 +23,11 @@ CPU build: what is missing"):
 With speculative decoding on a hybrid model, vLLM runs these copies as fused
 Triton kernels instead (``MambaSpecDecodeGPUContext.run_fused_precopy`` and
 ``run_fused_postprocess``), which the CPU build cannot run either. The plugin
-adopts each layer's conv and SSM states as pools of their own
-(:func:`~mambacache.integrations.vllm.split_pools`), since such a copy reads
-the conv window of block column ``s`` shifted by the accepted-token bias ``k``
-(``copy_on_write(..., shift=k * unit)``) and the SSM state of column ``s + k``,
-and wraps:
+adopts each layer's conv and SSM states apart, as the conv and temporal states
+of its one pool (:func:`~mambacache.integrations.vllm.split_pools`), since such
+a copy reads the conv window of block column ``s`` shifted by the accepted-token
+bias ``k`` and the SSM state of column ``s + k``: one event,
+``copy_on_write(blk[s], dst, shift=k * unit, temporal_src=blk[s + k])``, and wraps:
 
 * ``preprocess_mamba``: called without its fused context, so it takes the
   scalar path above, whose ``collect_mamba_copy_meta`` passes the bias on;

@@ -8,9 +8,10 @@ subclasses):
 
 * ``initialize_kv_cache``: after vLLM has bound each mamba layer's ``(conv,
   ssm)`` tensors, adopt them into :class:`~mambacache.StatePool` s, same
-  storage, no copy: each block's page as one byte row (:func:`block_rows`),
-  or, with speculative decoding in align mode, the two states as paged pools
-  of their own (:func:`split_pools`);
+  storage, no copy: one pool and one manager over every mamba layer, each
+  block's page as one byte row (:func:`block_rows`), or, with speculative
+  decoding in align mode, the conv windows as conv states and the SSM states
+  as temporal states (:func:`split_pools`);
 * ``_update_states``: before vLLM's own update, turn the scheduler output into
   events (finished requests' blocks into releases, new and resumed requests'
   mamba blocks into ``alloc_slots`` with a clear, block copies between mamba
@@ -40,7 +41,6 @@ copies: deliberate faults for tests.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +50,6 @@ import torch
 from .._errors import InvalidArgumentError
 from .._handoff._surface import CacheManager
 from .._pool import StatePool
-from .._tracing import muted
 from . import _vllm_prefix
 
 __all__ = ["CACHED", "PLUGIN_NAME", "VllmStates", "active", "block_rows", "distinct_layers", "register", "split_pools"]
@@ -188,40 +187,28 @@ def distinct_layers(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tup
 def split_pools(
     layers: list[tuple[torch.Tensor, torch.Tensor]], dim_first: bool = False
 ) -> tuple[list[StatePool], list[tuple[str, int]]]:
-    """Every layer's conv states as one paged pool and their SSM states as another (:meth:`StatePool.from_layers`),
-    same storage, and each pool's role.
+    """Every layer's conv windows as conv states and SSM states as temporal states of one paged pool
+    (:meth:`StatePool.from_layers`), same storage, and its role ``("split", unit)``: ``([pool], [role])``.
 
     For speculative decoding's align-mode copies, which read a block's conv
     window and its SSM state from different blocks (the conv window of column
     ``s`` shifted by the accepted-token bias ``k``, the SSM state of column
-    ``s + k``): a page pool moves both from one block, so the states get a pool
-    each, and a copy is one event in each with its own source. The conv pool's
-    time axis is last, so a shift of ``k`` tokens is ``shift=k * unit``::
+    ``s + k``): a page row moves both from one block, while this pool keeps them
+    apart, so such a copy is one event,
+    ``copy_on_write(blk[s], dst, shift=k * unit, temporal_src=blk[s + k])``. The
+    conv windows' time axis is last, so a shift of ``k`` tokens is ``shift=k * unit``::
 
         vLLM "SD" conv block [state_len, dim]  ->  [1, state_len * dim]   unit = dim
         vLLM "DS" conv block [dim, state_len]  ->  as it is               unit = 1
 
-    (:class:`~mambacache.StatePool` needs a temporal state, so the conv pool's is
-    a one-byte placeholder per block that nothing reads, one allocation for every
-    layer so that it never splits the layer groups.) Roles: ``("conv", unit)``
-    and ``("ssm", 0)``, the conv pool first. Two pools, so two managers, whatever
-    the layer count: a copy reads the two states from different blocks.
+    One pool, so one manager, whatever the layer count. (The name and the
+    ``(pools, roles)`` shape are kept from when the two states took a pool each.)
     """
     conv0 = layers[0][0]
     # Views (a reshape could copy, and the pool would then write the copy).
     windows = [c if dim_first else c.view(c.shape[0], 1, -1) for c, _ in layers]
     unit = 1 if dim_first else conv0.shape[-1]
-    placeholder = torch.zeros((len(layers), conv0.shape[0], 1), dtype=torch.uint8, device=conv0.device)
-    pools = [
-        StatePool.from_layers([[w] for w in windows], list(placeholder.unbind(0))),
-        StatePool.from_layers(None, [s for _, s in layers]),
-    ]
-    return pools, [("conv", unit), ("ssm", 0)]
-
-
-def _mirror(i: int) -> contextlib.AbstractContextManager[None]:
-    """Every pool after the first gets the same block events: only the first one's are traced."""
-    return muted() if i else contextlib.nullcontext()
+    return [StatePool.from_layers([[w] for w in windows], [s for _, s in layers])], [("split", unit)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,8 +233,8 @@ class VllmStats:
 
 
 class VllmStates:
-    """vLLM's mamba blocks as mambacache slots: one CacheManager per pool, every layer in each (one pool of
-    block pages, or a conv pool and an SSM pool from :func:`split_pools`).
+    """vLLM's mamba blocks as mambacache slots: one pool over every mamba layer (block pages, or from
+    :func:`split_pools` conv windows and SSM states apart) and one CacheManager on it.
 
     Invariants: a block is held by the request vLLM last gave it to; a block
     vLLM hands to a new request while the plugin still holds it for another
@@ -270,13 +257,17 @@ class VllmStates:
         block_size: int | None = None,
         roles: list[tuple[str, int]] | None = None,
     ) -> None:
+        if len(pools) != 1 or (roles is not None and len(roles) != 1):
+            raise InvalidArgumentError(
+                f"VllmStates takes one pool (every mamba layer) and at most one role, got {len(pools)} pool(s)"
+            )
         self.pools = pools
-        # Per pool: ("page", 0), a block's whole page (block_rows); or, from split_pools, ("conv", unit) and
-        # ("ssm", 0), which a copy with an accepted-token bias reads from different blocks.
-        self.roles = roles if roles is not None else [("page", 0)] * len(pools)
+        # ("page", 0): a block's whole page (block_rows); or, from split_pools, ("split", unit): conv windows
+        # and SSM states apart, which a copy with an accepted-token bias reads from different blocks.
+        self.role = roles[0] if roles is not None else ("page", 0)
         self.groups = groups  # indices of the mamba KV cache groups
         self.block_size = block_size  # the mamba block size in align mode with prefix caching, else None
-        self.managers = [CacheManager(p).__enter__() for p in pools]
+        self.manager = CacheManager(pools[0]).__enter__()
         self.tenant_of: dict[int, str] = {}
         self.blocks: dict[str, list[int]] = {}
         fault = os.environ.get("MAMBACACHE_VLLM_FAULT")
@@ -330,11 +321,6 @@ class VllmStates:
         """Each pool's layer groups (:meth:`StatePool.from_layers`): 1 when its layers run as one tensor."""
         return [len(p.layer_groups) for p in self.pools]
 
-    def _each(self, method: str, *args: Any, **kwargs: Any) -> None:
-        for i, mgr in enumerate(self.managers):
-            with _mirror(i):
-                getattr(mgr, method)(*args, **kwargs)
-
     def _mamba_ids(self, block_ids: tuple[list[int], ...] | None, computed: int = 0) -> list[int]:
         if not block_ids:
             return []
@@ -350,10 +336,10 @@ class VllmStates:
         kept = keep and self.block_size is not None and req_id != CACHED
         for b in gone:
             if kept:
-                self._each("hand_over", b, CACHED, request_id=req_id)
+                self.manager.hand_over(b, CACHED, request_id=req_id)
                 self.tenant_of[b] = CACHED
             else:
-                self._each("release", b, request_id=req_id)
+                self.manager.release(b, request_id=req_id)
                 del self.tenant_of[b]
         if kept:
             self.blocks.setdefault(CACHED, []).extend(gone)
@@ -373,7 +359,7 @@ class VllmStates:
                 self._counts["reclaimed"] += 1
         if not new:
             return
-        self._each("alloc_slots", new, request_id=req_id, clear=self.clear)
+        self.manager.alloc_slots(new, request_id=req_id, clear=self.clear)
         for b in new:
             self.tenant_of[b] = req_id
         self.blocks.setdefault(req_id, []).extend(new)
@@ -411,7 +397,8 @@ class VllmStates:
         another request or by :data:`CACHED`); ``dst`` is held by ``req_id``.
         With speculative decoding, ``bias`` accepted draft tokens shift the conv
         window by ``bias`` tokens and the SSM state comes from block
-        ``temporal_src`` (vLLM's ``get_conv_copy_spec`` / ``get_temporal_copy_spec``);
+        ``temporal_src`` (vLLM's ``get_conv_copy_spec`` / ``get_temporal_copy_spec``):
+        one event, ``copy_on_write(src, dst, shift=bias * unit, temporal_src=...)``;
         that needs :func:`split_pools`. ``MAMBACACHE_VLLM_FAULT=skip-copy`` drops
         it (a deliberate fault).
         """
@@ -421,17 +408,16 @@ class VllmStates:
         self._copy(req_id, src, dst, bias, src if temporal_src is None else temporal_src)
 
     def _copy(self, req_id: str, src: int, dst: int, bias: int = 0, temporal_src: int | None = None) -> None:
-        if (bias or temporal_src not in (None, src)) and ("page", 0) in self.roles:
-            raise InvalidArgumentError(
-                "a copy with an accepted-token bias needs the conv and SSM states in pools of their own (split_pools)"
-            )
-        for i, (mgr, (role, unit)) in enumerate(zip(self.managers, self.roles, strict=True)):
-            with _mirror(i):
-                if role == "ssm" and temporal_src is not None:
-                    if temporal_src != dst:
-                        mgr.copy_on_write(temporal_src, dst, request_id=req_id)
-                elif role != "conv" or bias or src != dst:
-                    mgr.copy_on_write(src, dst, request_id=req_id, shift=bias * unit)
+        role, unit = self.role
+        second = None if temporal_src is None or temporal_src == src else temporal_src
+        if role == "page":
+            if bias or second is not None:
+                raise InvalidArgumentError(
+                    "a copy with an accepted-token bias needs the conv and SSM states apart in the pool (split_pools)"
+                )
+            self.manager.copy_on_write(src, dst, request_id=req_id)
+        elif bias or src != dst or (second is not None and second != dst):  # else it would leave dst as it is
+            self.manager.copy_on_write(src, dst, request_id=req_id, shift=bias * unit, temporal_src=second)
         self._counts["copies"] += 1
         self._counts["shifted"] += bias > 0
 
@@ -476,7 +462,7 @@ class VllmStates:
 
     def flush(self) -> None:
         """Run the step's events on the forward's stream, before the forward."""
-        self._each("flush_nowait")
+        self.manager.flush_nowait()
         self._counts["flushes"] += 1
 
     @property
@@ -485,7 +471,7 @@ class VllmStates:
         return self._closed
 
     def close(self) -> None:
-        """Release the blocks kept for vLLM's prefix cache, close every manager (each runs its last flush) and
+        """Release the blocks kept for vLLM's prefix cache, close the manager (it runs its last flush) and
         detach: the model runner's later steps, and the align-mode hooks, hand over to vLLM's own code.
 
         Blocks still held by a request stay held (that request never finished),
@@ -497,6 +483,4 @@ class VllmStates:
         if _vllm_prefix.current is self:
             _vllm_prefix.current = None
         self._release(CACHED)  # the prefix cache dies with the engine: its blocks are no one's now
-        for i, mgr in enumerate(self.managers):
-            with _mirror(i):
-                mgr.__exit__(None, None, None)
+        self.manager.__exit__(None, None, None)

@@ -7,7 +7,8 @@ none on ``transfer.failed``) and, from :func:`configure`'s own pipeline,
 ====================  =====  ==========================================================================
 ``slot.alloc``        debug  ``slot``, ``request_id``, ``cleared``
 ``slot.clear``        debug  ``slot``, ``request_id``
-``slot.cow``          debug  ``src``, ``dst``, ``request_id``; ``shift`` when a shifted copy
+``slot.cow``          debug  ``src``, ``dst``, ``request_id``; ``shift`` when a shifted copy; ``temporal_src``
+                             when the temporal state comes from another slot than ``src``
 ``slot.commit``       debug  ``slot``, ``accepted``, ``request_id``
 ``slot.release``      debug  ``slot``, ``request_id``
 ``slot.handover``     debug  ``slot``, ``request_id`` (the old tenant), ``to``

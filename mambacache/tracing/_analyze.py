@@ -208,6 +208,7 @@ def _checked(record: dict[str, Any]) -> dict[str, Any]:
     if event == "slot.cow":
         out["src"], out["dst"] = _int(record, "src", required=True), _int(record, "dst", required=True)
         out["shift"] = _int(record, "shift", required=False) or 0  # a shifted copy forks as a copy does
+        out["temporal_src"] = _int(record, "temporal_src", required=False)  # a second source, read as src is
     elif event in _HOST_EVENTS:
         out["slot"], out["host"] = _int(record, "slot", required=True), _int(record, "host", required=True)
         out["peer"] = _int(record, "peer", required=False)
@@ -454,23 +455,30 @@ class _Pass:
                 self.flag("read-before-import", s, line, step, st.tenant, message)
 
     def cow(self, r: dict[str, Any], line: int, step: int | None, rid: str | None) -> None:
-        """``slot.cow``: the fork's target inherits its source's initialisation (or lack of it)."""
-        src, dst = r["src"], r["dst"]
-        s_src, s_dst = self.slots.setdefault(src, _Slot()), self.slots.setdefault(dst, _Slot())
+        """``slot.cow``: the fork's target inherits its sources' initialisation (or lack of it): ``src``, and
+        ``temporal_src`` when the copy reads its temporal state from a second slot, each checked as a read."""
+        src, dst, second = r["src"], r["dst"], r["temporal_src"]
+        sources = [src] if second is None or second == src else [src, second]
+        s_dst = self.slots.setdefault(dst, _Slot())
         self.counts["forks"] += 1
-        if not s_src.allocated:
-            message = f"fork {src} -> {dst} reads slot {src}, which is free"
-            self.flag("copy-from-released", src, line, step, rid, message)
+        initialized, taint = True, ""
+        for s in sources:
+            s_src = self.slots.setdefault(s, _Slot())
+            if not s_src.allocated:
+                message = f"fork {src} -> {dst} reads slot {s}, which is free"
+                self.flag("copy-from-released", s, line, step, rid, message)
+            if s in self.evicted:
+                message = f"fork {src} -> {dst} reads checkpoint slot {s}, evicted on line {self.evicted[s]}"
+                self.flag("fork-from-evicted", s, line, step, rid, message)
+            self.handoffs.read(s, line, step, rid, f"fork {src} -> {dst} reads")
+            if initialized and not s_src.initialized:
+                initialized, taint = False, f"forked from slot {s}, itself never cleared"
         if not s_dst.allocated:
             message = f"fork {src} -> {dst} writes slot {dst}, which is free"
             self.flag("use-after-release", dst, line, step, rid, message)
-        if src in self.evicted:
-            message = f"fork {src} -> {dst} reads checkpoint slot {src}, evicted on line {self.evicted[src]}"
-            self.flag("fork-from-evicted", src, line, step, rid, message)
-        self.handoffs.read(src, line, step, rid, f"fork {src} -> {dst} reads")
-        s_dst.initialized = s_src.initialized
-        s_dst.taint = "" if s_src.initialized else f"forked from slot {src}, itself never cleared"
-        self.entry(src, Entry(line, step, "fork-out", rid, other=dst))
+        s_dst.initialized, s_dst.taint = initialized, taint
+        for s in sources:
+            self.entry(s, Entry(line, step, "fork-out", rid, other=dst))
         self.entry(dst, Entry(line, step, "fork-in", rid, other=src))
 
     def alloc(self, slot: int, st: _Slot, r: dict[str, Any], line: int, step: int | None, rid: str | None) -> None:

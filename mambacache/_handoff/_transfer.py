@@ -337,10 +337,10 @@ class StateTransfer:
         Each is then read by ``manager.import_into(slot, request_id=...)``. Waits
         up to ``timeout`` for a batch (none: :class:`TransferError`, and the next
         call waits again), then up to ``timeout`` for its bytes. A batch larger
-        than the free host slots, of another spec or of an impossible size is
-        refused before anything is allocated (:class:`TransferRefusedError`, the
-        sender keeps it); a batch landed already (its acknowledgement was lost) is
-        acknowledged again and not landed twice.
+        than ``manager.landing_room()``, of another spec or of an impossible size
+        is refused before anything is allocated (:class:`TransferRefusedError`,
+        the sender keeps it); a batch landed already (its acknowledgement was
+        lost) is acknowledged again and not landed twice, whatever the room.
         """
         mgr = self._mgr
         with self._receive_lock:

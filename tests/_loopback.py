@@ -82,3 +82,11 @@ class OneBatch:
     def answer(self, batch: Any, landed: bool, why: str = "") -> None:
         self.answers.append((landed, why))
         self.waiting = None
+
+    def transfer(self, mgr: mc.CacheManager) -> mc.StateTransfer:
+        """A ``StateTransfer`` of ``mgr`` (from peer 1) whose inbox is this stand-in: no store, no pair."""
+        from mambacache._handoff._transfer import _Buffers
+
+        xfer = object.__new__(mc.StateTransfer)
+        xfer._mgr, xfer.peer, xfer._in, xfer._bufs = mgr, 1, self, _Buffers()  # type: ignore[attr-defined]
+        return xfer

@@ -185,9 +185,7 @@ def test_a_state_landed_but_not_yet_written_is_neither_imported_nor_discarded() 
         host = mgr.host_pool
         assert host is not None
         rows = [torch.full((t.shape[0], 1, *t.shape[2:]), 7.0).to(t.dtype) for t in host.tensors]
-        xfer = object.__new__(mc.StateTransfer)  # a stand-in with the wire replaced
-        xfer._mgr, xfer.peer, xfer._in = mgr, 1, OneBatch(rows)  # type: ignore[attr-defined]
-        xfer._bufs = xfer_mod._Buffers()  # type: ignore[attr-defined]
+        xfer = OneBatch(rows).transfer(mgr)  # the wire stood in
         writing, written = threading.Event(), threading.Event()
         real = xfer_mod.write_staging
         seen: list[str] = []
@@ -270,16 +268,13 @@ def test_a_receive_while_a_batch_of_receive_rows_awaits_its_answer_is_refused() 
     """``receive_rows`` leaves its batch awaiting ``acknowledge``; a receive (either form) before that answer
     used to take the next header, leaving that batch's sender waiting and the answer meant for it to go to the
     next batch. Now it is a TransferError that touches nothing, and after the answer receiving works again."""
-    import mambacache._handoff._transfer as xfer_mod
 
     with _mgr(host=2) as mgr:
         host = mgr.host_pool
         assert host is not None
         rows = [torch.full((t.shape[0], 1, *t.shape[2:]), 5.0).to(t.dtype) for t in host.tensors]
         inbox = OneBatch(rows)
-        xfer = object.__new__(mc.StateTransfer)  # a stand-in with the wire replaced
-        xfer._mgr, xfer.peer, xfer._in = mgr, 1, inbox  # type: ignore[attr-defined]
-        xfer._bufs = xfer_mod._Buffers()  # type: ignore[attr-defined]
+        xfer = inbox.transfer(mgr)  # the wire stood in
         ids, got = xfer.receive_rows()
         assert ids == ["r"] and all(bool(g.eq(5.0).all()) for g in got)
         for call in (xfer.receive, xfer.receive_rows):
@@ -301,7 +296,6 @@ def test_the_room_a_receiver_reports_is_what_a_landing_can_take_now() -> None:
     it (its old bytes may still be read). The receiver judged headers and reported its room after a refusal by
     ``num_free``: the sender cut its batch to a room that was not there and was refused again. Now both are
     ``landing_room()``: the settled free slots."""
-    import mambacache._handoff._transfer as xfer_mod
 
     with _mgr(host=2) as mgr:
         host = mgr.host_pool
@@ -313,9 +307,7 @@ def test_the_room_a_receiver_reports_is_what_a_landing_can_take_now() -> None:
         assert host.num_free == 2 and mgr.landing_room() == 1
         rows = [torch.full((t.shape[0], 2, *t.shape[2:]), 3.0).to(t.dtype) for t in host.tensors]
         inbox = OneBatch(rows)  # a batch of two states
-        xfer = object.__new__(mc.StateTransfer)  # a stand-in with the wire replaced
-        xfer._mgr, xfer.peer, xfer._in = mgr, 1, inbox  # type: ignore[attr-defined]
-        xfer._bufs = xfer_mod._Buffers()  # type: ignore[attr-defined]
+        xfer = inbox.transfer(mgr)  # the wire stood in
         with pytest.raises(mc.TransferRefusedError) as info:
             xfer.receive()
         assert info.value.reason == "room"

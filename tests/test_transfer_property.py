@@ -31,7 +31,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mambacache as mc
-from mambacache._handoff._transfer import _Buffers
 
 from ._gate import flush_paused, resume
 from ._loopback import OneBatch, loopback
@@ -623,7 +622,5 @@ def test_state_transfer_receive_lands_a_float8_state() -> None:
         src = send.host_pool
         assert src is not None
         rows = [t.index_select(1, torch.tensor([ev.host])) for t in src.tensors]
-        xfer = object.__new__(mc.StateTransfer)  # receive() with the wire stood in: the rows, no ack
-        xfer._mgr, xfer.peer, xfer._in = recv, 1, OneBatch(rows)  # type: ignore[attr-defined]
-        xfer._bufs = _Buffers()  # type: ignore[attr-defined]
+        xfer = OneBatch(rows).transfer(recv)  # receive() with the wire stood in: the rows, no ack
         assert xfer.receive() == ["r"]

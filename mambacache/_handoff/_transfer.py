@@ -381,9 +381,9 @@ class StateTransfer:
         is split, else into the kept buffers and copied over."""
         host = self._mgr.host_pool
         assert host is not None
-        wait_for_restores(self._mgr)
         first = run_of(hosts)
         if batch.split and first is not None:
+            wait_for_restores(self._mgr)  # the bytes land in the slots themselves (write_staging waits otherwise)
             self._in.take(batch, [t[:, first : first + len(hosts)] for t in host.tensors])
             return
         rows = self._bufs.rows(self._layers(), len(hosts), self._shapes())

@@ -181,11 +181,15 @@ class Export:
 
     Planned as an :class:`Offload`: later events on ``slot`` do not reach what is
     sent. ``to``: the peer's rank it is for (None: any). Produced by
-    ``CacheManager.export``; not submittable by hand.
+    ``CacheManager.export``; not submittable by hand. ``host`` None: an export
+    *in place* (``export(..., in_place=True)``): ``slot`` itself is sent, with no
+    staging copy, and the event is never queued or planned (it orders nothing
+    the flush does; the hand-off book refuses every write of ``slot`` until the
+    peer acknowledges).
     """
 
     slot: int
-    host: int
+    host: int | None
     request_id: str | None = None
     to: int | None = None
 

@@ -384,6 +384,7 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
     host_from: dict[int, tuple[bool, int]] = {}  # host slot -> (late, slot) of the offload that wrote it last
     host_dead: set[int] = set()
     host_read: set[int] = set()  # host slots whose start-of-step content some event read
+    h = 0  # the host slot of the event at hand (a restore's or an import's, an offload's)
     writes = 0
     i, n_events = start, len(events)
     while i < n_events:
@@ -413,7 +414,7 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
                 continue
             new = (slot, ev.accepted - 1)  # type: ignore[union-attr]
         elif t is Restore or t is Import:
-            h = ev.host  # type: ignore[union-attr]
+            h = ev.host  # type: ignore[union-attr,assignment]
             got = host_value.get(h)
             new, slot = -h if got is None else got, ev.slot  # type: ignore[union-attr]
         elif t is Release:
@@ -421,7 +422,10 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
             i += 1
             continue
         elif t is Offload or t is Export:
-            slot, h = ev.slot, ev.host  # type: ignore[union-attr]
+            slot, staged = ev.slot, ev.host  # type: ignore[union-attr]
+            if staged is None:  # the hand-off book never queues one: the send reads the slot itself
+                raise TypeError(f"an export in place is never planned: {ev!r}")
+            h = staged
             v = value.get(slot, slot)
             if type(v) is int and v > 0 and h not in host_read:
                 host_from[h] = (False, v)
@@ -434,7 +438,7 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
             i += 1
             continue
         elif t is DropHost:
-            host_dead.add(ev.host)  # type: ignore[union-attr]
+            host_dead.add(ev.host)  # type: ignore[union-attr,arg-type]
             i += 1
             continue
         else:

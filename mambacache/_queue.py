@@ -59,7 +59,8 @@ class SubmitGuard(Protocol):
         ...
 
     def withdraw_locked(self, events: Sequence[Event]) -> list[Export]:
-        """What the releases among ``events`` withdraw; raises, changing nothing, if one may not be released."""
+        """What the releases among ``events`` withdraw; raises, changing nothing, if one may not be released, or
+        if one of ``events`` writes a slot whose state goes to a peer as it is (an export in place)."""
         ...
 
     def drop_locked(self, exports: Sequence[Export]) -> None:
@@ -72,6 +73,10 @@ class SubmitGuard(Protocol):
 
     def check_host(self, what: str, host: int) -> None:
         """Raise when host slot ``host`` may not be restored from or dropped."""
+        ...
+
+    def check_write(self, what: str, slot: int) -> None:
+        """Raise when pool slot ``slot`` may not be written (its state goes to a peer as it is)."""
         ...
 
 
@@ -92,6 +97,9 @@ class _NoGuard:
         pass
 
     def check_host(self, what: str, host: int) -> None:
+        pass
+
+    def check_write(self, what: str, slot: int) -> None:
         pass
 
 
@@ -432,6 +440,7 @@ def restore_batch(queue: StepQueue, hosts: list[int], slots: list[int], tenant: 
             queue.guard.check_host("Restore", h)
             if not held[s] or (tenant is not None and tenants[s] != tenant):
                 queue.ledger.check_held("Restore", s, tenant)
+            queue.guard.check_write("Restore", s)
             if not keep:
                 read[h] = None
         events = [Restore(h, s, tenant, keep) for h, s in zip(hosts, slots, strict=True)]

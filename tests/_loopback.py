@@ -1,8 +1,9 @@
 """A state transfer between two managers of one process: what :class:`mambacache.StateTransfer` does, minus the wire.
 
 ``loopback(sender, receiver)`` takes the sender's exports whose flush has run
-(``exports_ready``), gathers their staging host rows, lands them on the receiver
-(``land``: staging host slots held by each request id), copies the rows in and
+(``exports_ready``), gathers their staging host rows (or, exported in place,
+their pool slots' rows), lands them on the receiver (``land``: staging host
+slots held by each request id), copies the rows in and
 only then tells the sender they were delivered (``exports_delivered``: it drops
 the staging slots and releases the exported slots). It refuses, as ``send`` does,
 exports whose flush left work unfinished. A failing ``land`` raises before the
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 import mambacache as mc
+from mambacache._handoff._transfer import export_rows
 
 __all__ = ["OneBatch", "loopback"]
 
@@ -40,8 +42,12 @@ def loopback(
     src, dst = sender.host_pool, receiver.host_pool
     assert src is not None and dst is not None
     ids = [ev.request_id or "" for ev in ready]
-    hosts = torch.tensor([ev.host if row is None else row for ev in ready], dtype=torch.long)
-    rows = [t.index_select(1, hosts).contiguous() for t in src.tensors]  # the bytes that would go on the wire
+    # The bytes that would go on the wire: each export's staging row, or its pool slot when exported in place.
+    if row is None:
+        parts = [export_rows(sender, [ev]) for ev in ready]
+    else:
+        parts = [[t[:, [row]] for t in src.tensors] for _ in ready]
+    rows = [torch.cat(column, dim=1) for column in zip(*parts, strict=True)]
     slots = receiver.land(ids)
     index = torch.tensor(slots, dtype=torch.long)
     for t, buf in zip(dst.tensors, rows, strict=True):

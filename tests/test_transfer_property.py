@@ -80,6 +80,20 @@ class Engine:
     def free(self) -> list[int]:
         return sorted(set(range(1, N + 1)) - set(self.tenants))
 
+    def in_place(self) -> set[int]:
+        """Slots exported in place: every call that would write one is refused until delivery."""
+        return {ev.slot for ev, _ in self.exports if ev.host is None}
+
+    def refused(self, slot: int, call: Any) -> bool:
+        """Whether ``slot`` is exported in place; then ``call`` (a write of it) must be refused, changing nothing."""
+        if slot not in self.in_place():
+            return False
+        before = snapshot(self)
+        with pytest.raises(mc.SlotStateError, match="in place"):
+            call()
+        assert snapshot(self) == before
+        return True
+
     def releasable(self) -> list[int]:
         """Live slots that are not exporting: an exporting slot is the transfer's to release."""
         exporting = {ev.slot for ev, _ in self.exports}
@@ -100,14 +114,20 @@ class Engine:
         return got[0]
 
     def clear(self, slot: int) -> None:
+        if self.refused(slot, lambda: self.mgr.clear(slot)):
+            return
         self.mgr.clear(slot)
         self.apply(mc.Clear(slot))
 
     def cow(self, src: int, dst: int) -> None:
+        if self.refused(dst, lambda: self.mgr.copy_on_write(src, dst)):
+            return
         self.mgr.copy_on_write(src, dst)
         self.apply(mc.CopyOnWrite(src, dst))
 
     def commit(self, slot: int, accepted: int) -> None:
+        if self.refused(slot, lambda: self.mgr.commit_draft(slot, accepted)):
+            return
         self.mgr.commit_draft(slot, accepted)
         self.apply(mc.CommitDraft(slot, accepted))
 
@@ -128,6 +148,8 @@ class Engine:
         return h
 
     def restore(self, h: int, slot: int, keep: bool) -> None:
+        if self.refused(slot, lambda: self.mgr.restore(h, slot, keep=keep)):
+            return
         self.mgr.restore(h, slot, keep=keep)
         if not keep:
             self.free_host(h)
@@ -143,8 +165,15 @@ class Engine:
         self.user_hosts.discard(h)
         self.freed.add(h)
 
-    def export(self, slot: int) -> int | None:
+    def export(self, slot: int, in_place: bool = False) -> int | None:
         rid = self.tenants[slot]
+        if in_place:  # no staging slot, no event: the send reads the slot, which nothing writes until delivery
+            queued = self.mgr.queued()
+            assert self.mgr.export(slot, rid, in_place=True) is None
+            assert self.mgr.queued() == queued
+            self.exports.append((mc.Export(slot, None, rid), False))
+            self.captured[rid] = ([t[:, slot].clone() for t in self.oracle.tensors], slot in self.oracle.defined)
+            return None
         if len(self.hosts) == H:
             with pytest.raises(mc.PoolExhaustedError):
                 self.mgr.export(slot, rid)
@@ -230,9 +259,13 @@ class Engine:
         assert self.mgr.exports_ready() == [ev for ev, ran in self.exports if ran]
 
     def forward(self) -> None:
-        """A forward step writes every live slot (exporting ones too: their staged state is already taken)."""
+        """A forward step writes every live slot (exporting ones too: their staged state is already taken), but
+        those exported in place (the engine runs no forward of a request it hands off in place)."""
         self.steps += 1
+        in_place = self.in_place()
         for s in self.tenants:
+            if s in in_place:
+                continue
             value = step_value(self.steps + (50 if self.name == "b" else 0), s)
             self.oracle.write(s, value)
             for t in self.pool.tensors:
@@ -291,14 +324,19 @@ def transfer(s: Engine, r: Engine) -> list[str]:
         if defined:  # the bytes the exported slot held at the export's point of the order, exactly
             for i, (want, t) in enumerate(zip(rows, r.host.tensors, strict=True)):
                 assert torch.equal(want, t[:, h]), f"{rid}: tensor {i} landed other bytes than were exported"
-        r.oracle.land(h, [t[:, ev.host].clone() for t in s.oracle.host], ev.host in s.oracle.host_defined)
+        if ev.host is None:  # in place: the slot as it is now, which nothing wrote since the export
+            r.oracle.land(h, [t[:, ev.slot].clone() for t in s.oracle.tensors], ev.slot in s.oracle.defined)
+        else:
+            r.oracle.land(h, [t[:, ev.host].clone() for t in s.oracle.host], ev.host in s.oracle.host_defined)
         r.hosts[h] = rid
         r.arrived[rid] = h
     # Delivered: the sender releases the exported slots, then drops their staging slots, at this point of its order.
-    delivered = [mc.Release(ev.slot, ev.request_id) for ev in ready] + [mc.DropHost(ev.host) for ev in ready]
+    delivered = [mc.Release(ev.slot, ev.request_id) for ev in ready]
+    delivered += [mc.DropHost(ev.host) for ev in ready if ev.host is not None]
     s.apply(*delivered)
     for ev in ready:
-        s.free_host(ev.host)
+        if ev.host is not None:
+            s.free_host(ev.host)
         del s.tenants[ev.slot]
     assert s.mgr.queued()[queued:] == delivered
     s.exports = [(ev, ran) for ev, ran in s.exports if not ran]
@@ -341,7 +379,7 @@ def play(e: Engine, other: Engine, kind: str, a: int, b: int, faults: Any) -> No
     elif kind == "export" and e.releasable() and len(e.exports) + len(other.exports) < H - 1:
         # Fewer states in flight than a host pool holds, or each side could fill its staging area with its own
         # exports and have no room to land the other's: no batch could move (the drain below must end).
-        e.export(e.releasable()[a % len(e.releasable())])
+        e.export(e.releasable()[a % len(e.releasable())], in_place=b % 2 == 1)
     elif kind == "import" and e.arrived and free:
         e.import_into(free[b % len(free)], sorted(e.arrived)[a % len(e.arrived)])
     elif kind == "recycle" and e.arrived and e.releasable():

@@ -19,6 +19,12 @@ export is ready once the flush that took it ran its staging copy, not when
 that flush took it (a failed flush keeps it unready until the repair runs it).
 A release is refused only while the export is *sending*, since the peer may
 then hold the state or not; before and after a send it withdraws the export.
+
+An export *in place* (``Export.host`` None) has no staging slot: the send reads
+the pool slot itself, so from the export to its end every call that would
+write that slot (a clear, a copy or commit into it, a restore into it) is
+refused, and its ticket is the next take's, which runs every event queued
+before it.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import _tracing
 from .._errors import InvalidArgumentError, SlotStateError
-from .._events import Alloc, DropHost, Event, Export, Import, Release
+from .._events import Alloc, Clear, CommitDraft, CopyOnWrite, DropHost, Event, Export, Import, Release
 
 if TYPE_CHECKING:
     from .._backlog import Backlog
@@ -64,8 +70,9 @@ class HandOffBook:
     request id has at most one state in ``arrived`` and ``landing`` together
     (``landing``: its rows not written yet, so neither importable nor
     discardable); ``hosts`` holds exactly the staging host slots of
-    ``exports``, ``landing`` and ``arrived``, which no call but the hand-off's
-    own changes (drop, restore of one are refused). Methods named ``*_locked`` run under the lock the
+    ``exports`` (those not in place), ``landing`` and ``arrived``, which no call but the hand-off's
+    own changes (drop, restore of one are refused); a slot exported in place is written by no event
+    while it is in ``exports``. Methods named ``*_locked`` run under the lock the
     caller holds; the others take it.
     """
 
@@ -102,33 +109,55 @@ class HandOffBook:
             )
             raise SlotStateError(f"{what}: host slot {host} is a transfer's staging slot ({role}); {how} ends it")
 
+    def check_write(self, what: str, slot: int) -> None:
+        """:class:`SlotStateError` when ``slot`` is exported in place: the peer gets it as it is at the send."""
+        entry = self.exports.get(slot)
+        if entry is not None and entry[1].host is None:
+            raise SlotStateError(
+                f"{what}: slot {slot} is exported in place for {entry[1].request_id!r}: the send reads it as it"
+                " is, so nothing may write it until the peer acknowledges (release() withdraws the export)"
+            )
+
     def withdraw_locked(self, events: Sequence[Event]) -> list[Export]:
-        """The exports that the releases among ``events`` withdraw; raises, changing nothing, if one is sending."""
+        """The exports that the releases among ``events`` withdraw; raises, changing nothing, if one is sending
+        or if an event writes a slot exported in place."""
         out = []
+        exports = self.exports
         for ev in events:
-            if type(ev) is Release and ev.slot in self.exports:
+            if type(ev) is Release:
+                if ev.slot not in exports:
+                    continue
                 if ev.slot in self.sending:
                     raise SlotStateError(
                         f"Release: slot {ev.slot} is being sent to the peer; release it after send() returns"
                         " (it releases the slot itself once the peer acknowledges)"
                     )
-                out.append(self.exports[ev.slot][1])
+                out.append(exports[ev.slot][1])
+            elif type(ev) is Clear or type(ev) is CommitDraft:
+                self.check_write(type(ev).__name__, ev.slot)
+            elif type(ev) is CopyOnWrite:
+                self.check_write("CopyOnWrite", ev.dst)
         return out
 
     # -- the sender ----------------------------------------------------------------
-    def export(self, slot: int, tenant: str, to: int | None) -> int:
-        """Queue an export of ``slot`` (held by ``tenant``) into a fresh staging host slot held by ``tenant``."""
+    def export(self, slot: int, tenant: str, to: int | None, in_place: bool = False) -> int | None:
+        """Queue an export of ``slot`` (held by ``tenant``) into a fresh staging host slot held by ``tenant``;
+        ``in_place``: no staging slot (returns None), ``slot`` itself is sent and written by nothing until then."""
         host, q = self._host, self._queue
         with q.lock:
             q.check()
             self._ledger.check_held("Export", slot, tenant)
             self.check_not_exporting("export", slot)
-            h = host.take(1, tenant)[0]
+            h = None if in_place else host.take(1, tenant)[0]
             ev = Export(slot, h, tenant, to)
-            # The events queued now are taken by the next take, which gets the backlog's next ticket.
+            # The events queued now are taken by the next take, which gets the backlog's next ticket: in place,
+            # the export is ready once every event queued before it ran, though it queues none itself.
             self.exports[slot] = (self._backlog.taken, ev)
-            self.hosts[h] = "exporting"
-            q.enqueue((ev,))
+            if h is None:
+                _tracing.tracer.events((ev,), q.step)
+            else:
+                self.hosts[h] = "exporting"
+                q.enqueue((ev,))
         return h
 
     def ready(self, to: int | None, take: bool) -> list[Export]:
@@ -210,9 +239,10 @@ class HandOffBook:
                 del self.exports[ev.slot]
                 self.sending.discard(ev.slot)
                 self.pinned.pop(ev.slot, None)
-                del self.hosts[ev.host]
+                if ev.host is not None:
+                    del self.hosts[ev.host]
                 gone.append(ev)
-        drops = [DropHost(ev.host) for ev in gone]
+        drops = [DropHost(ev.host) for ev in gone if ev.host is not None]
         for d in drops:
             host.free_later(d.host)
         self._queue.enqueue(drops)
@@ -233,16 +263,18 @@ class HandOffBook:
         frees them with the last one), so no other manager changes them meanwhile.
         """
         host = self._host
+        staged = [ev.host for ev in exports if ev.host is not None]
         for ev in exports:
             del self.exports[ev.slot]
             self.sending.discard(ev.slot)
             self.pinned.pop(ev.slot, None)
-            del self.hosts[ev.host]
+        for h in staged:
+            del self.hosts[h]
         self._ledger.give_back([ev.slot for ev in exports])
-        host.give_back([ev.host for ev in exports])
+        host.give_back(staged)
         done: list[Event] = [Release(ev.slot, ev.request_id) for ev in exports]
         q = self._queue
-        _tracing.tracer.events([*done, *(DropHost(ev.host) for ev in exports)], q.step)
+        _tracing.tracer.events([*done, *(DropHost(h) for h in staged)], q.step)
         if withdrawn and exports:
             ids = [ev.request_id or "" for ev in exports]
             _tracing.tracer.transfer("transfer.withdraw", None, ids, slots=[ev.slot for ev in exports], step=q.step)

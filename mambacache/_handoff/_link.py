@@ -193,16 +193,15 @@ class Outbox(_Direction):
             with contextlib.suppress(Exception):  # best effort: a leftover key is only a few bytes in the store
                 self.store.delete_key(key)
 
-    def send(self, ids: list[str], seq: int, fp: list[Any], rows: list[torch.Tensor], split: bool) -> None:
-        """One batch of ``rows`` (``[layers, n, *state]`` per pool tensor, contiguous per layer when ``split``):
-        header, the receiver's decision, the bytes, its acknowledgement.
+    def send(self, ids: list[str], seq: int, fp: list[Any], raw: list[torch.Tensor], split: bool) -> None:
+        """One batch of messages ``raw`` (:func:`messages` of its rows, ``split`` or not, or views of the same
+        bytes): header, the receiver's decision, the bytes, its acknowledgement.
 
         Raises :class:`TransferRefusedError` when the receiver refused it (nothing
         landed), :class:`TransferError` on any other failure (the batch may have
         landed: retry it with the same ``seq``).
         """
         pair = f"{self.token}.{self._epoch}"
-        raw = messages(rows, split)
         header = {"magic": MAGIC, "tok": self.token, "seq": seq, "ids": ids, "fp": fp, "pair": pair, "split": split}
         header["bytes"] = [t.numel() for t in raw]
         m = int(self.call("add", "posted", 1))

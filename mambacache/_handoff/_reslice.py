@@ -39,7 +39,7 @@ from .._events import Export
 from .._spec import StateSpec
 from ._link import check_timeout
 from ._surface import CacheManager
-from ._transfer import Batches, StateTransfer, send_exports, staged_event, write_staging
+from ._transfer import Batches, StateTransfer, export_rows, send_exports, staged_event, write_staging
 
 __all__ = ["ReslicingReceiver", "ReslicingSender", "Segment", "StateLayout", "TensorLayout"]
 
@@ -318,10 +318,7 @@ class ReslicingSender:
         staged = staged_event(mgr)
         if staged is not None:
             staged.synchronize()  # the shards are cut from the staging slots: their bytes must be final
-        hosts = torch.tensor([ev.host for ev in ready], dtype=torch.long)
-        host = mgr.host_pool
-        assert host is not None  # checked at construction
-        full = [t.index_select(1, hosts) for t in host.tensors]
+        full = export_rows(mgr, ready)
         shards = [[s.contiguous() for s in self._layout.slice(full, tp, k)] for k in range(tp)]
         # One thread per rank: each waits for its rank's decision and acknowledgement on its own store client,
         # so a dead rank costs one timeout, not one per rank after it.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from .._errors import InvalidArgumentError
 from .._events import Export
@@ -71,7 +71,16 @@ class HandOff:
             raise InvalidArgumentError(f"{what} needs a host pool to stage in: CacheManager(pool, host_pool=...)")
         return book
 
-    def export(self, slot: int, request_id: str, *, to: int | None = None) -> int:
+    @overload
+    def export(self, slot: int, request_id: str, *, to: int | None = None, in_place: Literal[False] = False) -> int: ...
+
+    @overload
+    def export(self, slot: int, request_id: str, *, to: int | None = None, in_place: Literal[True]) -> None: ...
+
+    @overload
+    def export(self, slot: int, request_id: str, *, to: int | None = None, in_place: bool) -> int | None: ...
+
+    def export(self, slot: int, request_id: str, *, to: int | None = None, in_place: bool = False) -> int | None:
         """``slot``'s state as of this point of the event order goes to the peer (on the transfer's next send).
 
         Later events on ``slot`` do not reach what is sent. ``slot`` stays held by
@@ -81,12 +90,23 @@ class HandOff:
         peer's rank it is for (a transfer to another peer leaves it alone), or
         None for whichever transfer sends first. Returns the staging host slot.
         Needs a host pool (the staging area).
+
+        ``in_place=True``: no staging copy and no host slot (returns None): the
+        send reads ``slot`` itself once every event queued before the export ran.
+        Until the peer acknowledges, every call that would write ``slot`` (a
+        clear, a copy or commit into it, a restore into it) is refused
+        (:class:`SlotStateError`, nothing changed), and the engine must not write
+        it either (no forward pass of the request): for a request whose prefill is
+        done and that waits only to be sent, as a disaggregated prefill engine's
+        are. It saves one pass over the state's bytes.
         """
         check_request_id(request_id)
         if type(request_id) is not str:
             raise InvalidArgumentError("export needs the request's id: the peer imports by it")
+        if type(in_place) is not bool:
+            raise InvalidArgumentError(f"in_place must be a bool, got {in_place!r}")
         dest = _check_to(to)
-        return self._book("export").export(as_slot(slot, self._pool.num_slots), request_id, dest)
+        return self._book("export").export(as_slot(slot, self._pool.num_slots), request_id, dest, in_place)
 
     def import_into(self, slot: int, request_id: str) -> None:
         """Allocate free ``slot`` to ``request_id`` without a clear; it reads the state received for it.

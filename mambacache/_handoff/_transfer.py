@@ -37,7 +37,7 @@ from .._errors import (
     TransferRefusedError,
 )
 from .._events import Export
-from ._link import SPLIT_BYTES, Batch, Inbox, Outbox, Shapes, Withdrawn, check_timeout, fingerprint
+from ._link import SPLIT_BYTES, Batch, Inbox, Outbox, Shapes, Withdrawn, check_timeout, fingerprint, messages
 from ._surface import CacheManager
 
 __all__ = ["StateTransfer"]
@@ -99,6 +99,39 @@ def wait_for_restores(manager: CacheManager) -> None:
     staged = staged_event(manager)
     if staged is not None:
         staged.synchronize()
+
+
+def export_rows(
+    manager: CacheManager, exports: list[Export], out: list[torch.Tensor] | None = None
+) -> list[torch.Tensor]:
+    """The states of ``exports`` (all staged, or all in place), ``[layers, n, *state]`` per pool tensor, in export
+    order: copied into ``out`` (host tensors of that shape), else into fresh host tensors.
+
+    Staged, they are read from their staging host rows; in place, from their
+    pool slots, layer by layer (any pool layout; on an accelerator a copy to
+    the host, after :func:`staged_event`'s wait, as the staging copy would be).
+    """
+    in_place = exports[0].host is None
+    host = manager.host_pool
+    assert host is not None
+    if not in_place:
+        index = torch.tensor([ev.host for ev in exports], dtype=torch.long)
+        if out is None:
+            return [t.index_select(1, index) for t in host.tensors]
+        for t, o in zip(host.tensors, out, strict=True):
+            torch.index_select(t, 1, index, out=o)
+        return out
+    pool = manager.pool
+    index = torch.tensor([ev.slot for ev in exports], dtype=torch.long, device=pool.device)
+    if out is None:
+        out = [torch.empty(t.shape[0], len(exports), *t.shape[2:], dtype=t.dtype) for t in host.tensors]
+    for layers, o in zip(pool.layers, out, strict=True):
+        for view, row in zip(layers, o.unbind(0), strict=True):
+            if view.device.type == "cpu":
+                torch.index_select(view, 0, index, out=row)
+            else:
+                row.copy_(view.index_select(0, index))
+    return out
 
 
 def run_of(slots: list[int]) -> int | None:
@@ -163,6 +196,8 @@ def send_exports(
         if not ready:
             return delivered
         batch, seq = batches.pick(ready)
+        in_place = batch[0].host is None  # a batch is read from one place: the staging rows, or the pool
+        batch = [ev for ev in batch if (ev.host is None) is in_place]
         rest = [ev for ev in ready if ev not in batch]
         if rest:
             manager.exports_returned(rest)  # taken again below, once the batch in doubt is settled
@@ -282,28 +317,38 @@ class StateTransfer:
             )
 
     def _ship(self, ready: list[Export], ids: list[str], seq: int) -> None:
-        """One batch until acknowledged: sent straight from the staging rows when they are one run and the batch
-        is split (see ``_link``), else gathered into the kept buffers."""
+        """One batch until acknowledged: sent straight from the staging rows (or, exported in place, the pool's)
+        when they are one run of host memory and the batch is split (see ``_link``), else gathered into the kept
+        buffers."""
         staged = staged_event(self._mgr)
         try:
             if staged is not None:
-                staged.synchronize()  # the rows are read from the staging slots: their bytes must be final
-            host = self._mgr.host_pool
-            assert host is not None
-            hosts = [ev.host for ev in ready]
+                staged.synchronize()  # the rows are read from the staging (or pool) slots: their bytes must be final
             split = self._split(len(ids))
-            first = run_of(hosts)
-            if split and first is not None:
-                rows = [t[:, first : first + len(ids)] for t in host.tensors]
-            else:
-                rows = self._send_bufs.rows(self._layers(), len(ids), self._shapes())
-                index = torch.tensor(hosts, dtype=torch.long)
-                for t, out in zip(host.tensors, rows, strict=True):
-                    torch.index_select(t, 1, index, out=out)
-            self._out.send(ids, seq, fingerprint(self._layers(), self._shapes()), rows, split)
+            raw = self._straight(ready) if split else None
+            if raw is None:
+                rows = export_rows(self._mgr, ready, self._send_bufs.rows(self._layers(), len(ids), self._shapes()))
+                raw = messages(rows, split)
+            self._out.send(ids, seq, fingerprint(self._layers(), self._shapes()), raw, split)
         except BaseException:
             self._send_bufs = _Buffers()
             raise
+
+    def _straight(self, ready: list[Export]) -> list[torch.Tensor] | None:
+        """The split messages of ``ready`` as views of the rows they are read from, or None unless their slots are
+        one run whose rows of each layer are contiguous host memory."""
+        mgr = self._mgr
+        host = mgr.host_pool
+        assert host is not None
+        in_place = ready[0].host is None
+        first = run_of([ev.slot if ev.host is None else ev.host for ev in ready])
+        if first is None:
+            return None
+        sources = mgr.pool.layers if in_place else [list(t.unbind(0)) for t in host.tensors]
+        parts = [layer[first : first + len(ready)] for layers in sources for layer in layers]
+        if not all(p.device.type == "cpu" and p.is_contiguous() for p in parts):
+            return None  # an accelerator's pool, or a pool whose slot rows are strided (paged)
+        return [p.reshape(-1).view(torch.uint8) for p in parts]
 
     def _split(self, n: int) -> bool:
         """Whether a batch of ``n`` states goes as one message per layer: large enough that a message costs less
@@ -327,7 +372,7 @@ class StateTransfer:
         layers = rows[0].shape[0] if rows else 0
         fp = fingerprint(layers, [(tuple(r.shape[2:]), r.dtype) for r in rows])
         with self._send_lock:  # one batch at a time per direction, as send() takes turns
-            self._out.send(list(request_ids), seq, fp, [r.contiguous() for r in rows], False)
+            self._out.send(list(request_ids), seq, fp, messages([r.contiguous() for r in rows], False), False)
 
     # -- receiving -----------------------------------------------------------
     @_tracing.traces_failures

@@ -364,8 +364,21 @@ def failing_receiver(me: Side) -> None:
 
 
 # Every layout of the wire (issue #32's cost): one message per pool tensor or one per layer (split), the
-# sender's staging slots one run or not, the receiver's landing slots one run or not.
-WIRE = [(split, srun, rrun) for split in (True, False) for srun in (True, False) for rrun in (True, False)]
+# sender's staging slots (or, exported in place, its pool slots) one run or not, the receiver's landing slots one
+# run or not.
+WIRE = [
+    (split, srun, rrun, in_place)
+    for split in (True, False)
+    for srun in (True, False)
+    for rrun in (True, False)
+    for in_place in (False, True)
+]
+
+
+def _sources(srun: bool, in_place: bool) -> list[int]:
+    """The sender's exported pool slots: staged, 1 and 3 (one run of staging slots or not by a third export
+    between them); in place, one run of pool slots (1, 2) or not (1, 3)."""
+    return [1, 2] if in_place and srun else [1, 3]
 
 
 def _direct(xfer: mc.StateTransfer, sending: bool) -> bool:
@@ -380,25 +393,27 @@ def wire_sender(me: Side) -> None:
 
     real = xfer_mod.SPLIT_BYTES
     try:
-        for k, (split, srun, _) in enumerate(WIRE):
+        for k, (split, srun, _, in_place) in enumerate(WIRE):
             xfer_mod.SPLIT_BYTES = 0 if split else 2**62  # the sender alone decides; the receiver follows the header
             ids = [f"w{k}a", f"w{k}b"]
+            first, second = _sources(srun, in_place)
             ref = prefill_pool(30 + k)
             for t, r in zip(me.pool.tensors, ref.tensors, strict=True):
                 t[:, [1, 2, 3]] = r[:, [1, 2, 3]]
-            me.mgr.alloc_slots([1], ids[0], clear=False)
-            me.mgr.export(1, ids[0])
-            if not srun:  # an export for another peer between them: staging host slots 1 and 3
+            me.mgr.alloc_slots([first], ids[0], clear=False)
+            me.mgr.export(first, ids[0], in_place=in_place)
+            if not srun and not in_place:  # an export for another peer between them: staging host slots 1 and 3
                 me.mgr.alloc_slots([2], "pad", clear=False)
                 me.mgr.export(2, "pad", to=7)
-            me.mgr.alloc_slots([3], ids[1], clear=False)
-            me.mgr.export(3, ids[1])
+            me.mgr.alloc_slots([second], ids[1], clear=False)
+            me.mgr.export(second, ids[1], in_place=in_place)
             me.mgr.flush_nowait()
             me.xfer._send_bufs = _Buffers()  # type: ignore[attr-defined]
             dist.barrier()
-            assert me.xfer.send() == ids, (split, srun)
-            assert _direct(me.xfer, True) == (split and srun), f"split {split}, one run {srun}: copied or not"
-            if not srun:
+            assert me.xfer.send() == ids, (split, srun, in_place)
+            how = f"split {split}, one run {srun}, in place {in_place}: copied or not"
+            assert _direct(me.xfer, True) == (split and srun), how
+            if not srun and not in_place:
                 me.mgr.release(2, "pad")  # withdraws its export
             me.mgr.flush_nowait()
             me.idle()
@@ -409,7 +424,7 @@ def wire_sender(me: Side) -> None:
 def wire_receiver(me: Side) -> None:
     from mambacache._handoff._transfer import _Buffers
 
-    for k, (split, _, rrun) in enumerate(WIRE):
+    for k, (split, srun, rrun, in_place) in enumerate(WIRE):
         held = []
         if not rrun:  # host slot 2 held: the batch lands in 1 and 3
             me.mgr.alloc_slots([6, 7], "hold", clear=False)
@@ -422,7 +437,8 @@ def wire_receiver(me: Side) -> None:
         ids = me.xfer.receive()
         assert ids == [f"w{k}a", f"w{k}b"], ids
         assert _direct(me.xfer, False) == (split and rrun), f"split {split}, one run {rrun}: copied or not"
-        me.imports(ids, [4, 5], [1, 3], 30 + k, f"the wire with split {split}, landing in one run {rrun}")
+        why = f"the wire with split {split}, landing in one run {rrun}, from slots {_sources(srun, in_place)}"
+        me.imports(ids, [4, 5], _sources(srun, in_place), 30 + k, why)
         for h in held:
             me.mgr.drop(h)
         if held:

@@ -201,10 +201,12 @@ class Import:
 
     Planned as a :class:`Restore` that frees ``host``: a clear of ``slot``
     queued before it never wipes the imported state, one queued after it does.
-    Produced by ``CacheManager.import_into``; not submittable by hand.
+    Produced by ``CacheManager.import_into``; not submittable by hand. ``host``
+    None: the state arrived in ``slot`` itself (``expect_import``): traced, never
+    queued or planned.
     """
 
-    host: int
+    host: int | None
     slot: int
     request_id: str | None = None
 

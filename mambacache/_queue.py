@@ -58,13 +58,19 @@ class SubmitGuard(Protocol):
         """The pool slots a send in flight holds: a closed queue keeps the ledgers claimed while any is left."""
         ...
 
-    def withdraw_locked(self, events: Sequence[Event]) -> list[Export]:
-        """What the releases among ``events`` withdraw; raises, changing nothing, if one may not be released, or
-        if one of ``events`` writes a slot whose state goes to a peer as it is (an export in place)."""
+    @property
+    def awaited(self) -> Sized:
+        """The pool slots awaiting a state from a peer: with ``exports``, the gate of :meth:`withdraw_locked`."""
         ...
 
-    def drop_locked(self, exports: Sequence[Export]) -> None:
-        """After the events are queued: ``exports`` (from :meth:`withdraw_locked`) leave the guard."""
+    def withdraw_locked(self, events: Sequence[Event]) -> list[Export | int]:
+        """What the releases among ``events`` withdraw (exports, and slots awaiting a state); raises, changing
+        nothing, if one may not be released, or if one of ``events`` writes a slot whose state goes to a peer
+        as it is (an export in place) or touches one awaiting a state."""
+        ...
+
+    def drop_locked(self, exports: Sequence[Export | int]) -> None:
+        """After the events are queued: what :meth:`withdraw_locked` gave leaves the guard."""
         ...
 
     def check_not_exporting(self, what: str, slot: int) -> None:
@@ -76,7 +82,11 @@ class SubmitGuard(Protocol):
         ...
 
     def check_write(self, what: str, slot: int) -> None:
-        """Raise when pool slot ``slot`` may not be written (its state goes to a peer as it is)."""
+        """Raise when pool slot ``slot`` may not be written (its state goes to a peer as it is, or one comes)."""
+        ...
+
+    def check_read(self, what: str, slot: int) -> None:
+        """Raise when pool slot ``slot`` may not be read (it awaits a state from a peer)."""
         ...
 
 
@@ -86,11 +96,12 @@ class _NoGuard:
     __slots__ = ()
     exports: tuple[()] = ()
     sending: tuple[()] = ()
+    awaited: tuple[()] = ()
 
-    def withdraw_locked(self, events: Sequence[Event]) -> list[Export]:
+    def withdraw_locked(self, events: Sequence[Event]) -> list[Export | int]:
         return []
 
-    def drop_locked(self, exports: Sequence[Export]) -> None:
+    def drop_locked(self, exports: Sequence[Export | int]) -> None:
         pass
 
     def check_not_exporting(self, what: str, slot: int) -> None:
@@ -100,6 +111,9 @@ class _NoGuard:
         pass
 
     def check_write(self, what: str, slot: int) -> None:
+        pass
+
+    def check_read(self, what: str, slot: int) -> None:
         pass
 
 
@@ -238,7 +252,7 @@ class StepQueue:
             if self.state != OPEN or self._runner.broken is not None or self._channel is not None:
                 self.check()  # the common case is one test; this raises or checks the source rank
             guard = self.guard
-            withdrawn = guard.withdraw_locked(events) if guard.exports else None
+            withdrawn = guard.withdraw_locked(events) if guard.exports or guard.awaited else None
             self.ledger.apply_batch(events, self._draft_tokens)
             self.events.extend(events)
             _tracing.tracer.events(events, self.step)
@@ -410,12 +424,19 @@ def offload_batch(queue: StepQueue, slots: list[int], tenant: str | None) -> lis
     assert host is not None
     with queue.lock:
         queue.check()
-        held, tenants = queue.ledger.held, queue.ledger.tenants
+        held, tenants, guard = queue.ledger.held, queue.ledger.tenants, queue.guard
         for i, s in enumerate(slots):  # offloads change no pool slot's state: one ledger serves every check
             if not held[s] or (tenant is not None and tenants[s] != tenant):
                 if i > host.num_free:
                     break  # one call per slot would run out of host slots first: take raises that
                 queue.ledger.check_held("Offload", s, tenant)
+            if guard.awaited:
+                try:
+                    guard.check_read("Offload", s)
+                except SlotStateError:
+                    if i > host.num_free:
+                        break  # as above: the host pool runs out first
+                    raise
         hosts = host.take(len(slots), tenant)  # the lowest first, as one take(1) per slot hands them out
         events = [Offload(s, h, tenant) for s, h in zip(slots, hosts, strict=True)]
         queue.events.extend(events)

@@ -104,8 +104,9 @@ class LogTracer(Tracer):
     """Writes events to structlog loggers: ``slots`` (debug, per slot; None to skip) and ``steps`` (flushes).
 
     ``slot.import`` lines carry the ``peer`` whose ``transfer.receive`` landed
-    their staging host slot (remembered per host slot, so at most one entry per
-    host slot; a state received before tracing was on imports without it).
+    their staging host slot, or their pool slot when it landed in place
+    (remembered per such slot, so at most one entry per slot; a state received
+    before tracing was on imports without it).
     """
 
     __slots__ = ("_peers", "_slots", "_steps", "close")
@@ -114,7 +115,8 @@ class LogTracer(Tracer):
         self._slots = slots
         self._steps = steps
         self.close = close  # closes the file configure() opened, if any
-        self._peers: dict[int, int] = {}  # staging host slot -> the rank its received state came from
+        # (False, staging host slot) or (True, pool slot it landed in place) -> the rank its received state came from
+        self._peers: dict[tuple[bool, int], int] = {}
 
     def events(self, events: Sequence[Event], step: int) -> None:
         log = self._slots
@@ -122,7 +124,8 @@ class LogTracer(Tracer):
             for ev in events:
                 name, fields = _fields(ev)
                 if type(ev) is Import:
-                    peer = self._peers.pop(ev.host, None)
+                    key = (True, ev.slot) if ev.host is None else (False, ev.host)
+                    peer = self._peers.pop(key, None)
                     if peer is not None:
                         fields["peer"] = peer
                 log.debug(name, **fields, step=step)
@@ -149,7 +152,9 @@ class LogTracer(Tracer):
             return
         if event == "transfer.receive" and self._slots is not None:
             for h in fields.get("hosts", ()):
-                self._peers[h] = peer
+                self._peers[False, h] = peer
+            for s in fields.get("slots", ()):
+                self._peers[True, s] = peer
         self._steps.info(event, peer=peer, request_ids=list(request_ids), **fields)
 
 

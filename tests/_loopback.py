@@ -70,19 +70,21 @@ class OneBatch:
         self.rooms: list[int] = []  # the room each offer was judged against
         self.answers: list[tuple[bool, str]] = []
 
-    def offer(self, layers: int, shapes: Any, room: int, deadline: float) -> Any:
+    def offer(self, layers: int, shapes: Any, room: Any, deadline: float) -> Any:
         from mambacache._handoff._link import Batch, message_sizes
 
         self.offers += 1
-        self.rooms.append(room)
         n = len(self.rows[0][0]) if self.rows else 1
         ids = ["r"] if n == 1 else [f"r{i}" for i in range(n)]
+        self.rooms.append(room(ids))
         self.waiting = Batch(1, ids, ("t", 1), "p", False, message_sizes(layers, shapes, n, False))
         return self.waiting
 
-    def take(self, batch: Any, rows: list[torch.Tensor]) -> None:
-        for into, row in zip(rows, self.rows, strict=True):
-            into.copy_(row)
+    def take(self, batch: Any, raw: list[torch.Tensor]) -> None:
+        from mambacache._handoff._link import messages
+
+        for into, message in zip(raw, messages([r.contiguous() for r in self.rows], False), strict=True):
+            into.copy_(message)
         batch.taken = True
 
     def answer(self, batch: Any, landed: bool, why: str = "") -> None:

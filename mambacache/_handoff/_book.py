@@ -29,13 +29,13 @@ before it.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from .. import _tracing
 from .._errors import InvalidArgumentError, SlotStateError
-from .._events import Alloc, Clear, CommitDraft, CopyOnWrite, DropHost, Event, Export, Import, Release
+from .._events import Clear, CommitDraft, CopyOnWrite, DropHost, Event, Export, Release
+from ._arrivals import Arrivals, QueueSide
 
 if TYPE_CHECKING:
     from .._backlog import Backlog
@@ -44,40 +44,24 @@ if TYPE_CHECKING:
 __all__ = ["HandOffBook", "QueueSide", "check_exports"]
 
 
-class QueueSide(Protocol):
-    """What the book needs of the step queue (which owns the lock, the event list and the lifecycle)."""
-
-    lock: threading.Lock
-    step: int
-
-    def check(self, settling: bool = False) -> None: ...
-
-    def closed(self) -> bool: ...
-
-    def enqueue(self, events: Sequence[Event]) -> None: ...
-
-    def settled(self) -> None: ...
-
-
 class HandOffBook:
-    """Exports not yet acknowledged and states arrived but not yet imported; changed only under the queue's lock.
+    """Exports not yet acknowledged, and (in :attr:`arrivals`) states arrived but not yet imported; changed only
+    under the queue's lock. The queue's guard for both.
 
     Invariants: a pool slot has at most one export in ``exports`` (in export
     order, with the backlog ticket of the flush that stages it), and while it
     is there its tenant does not change; ``sending`` and ``pinned`` are subsets of
     ``exports``' slots, and an export in ``pinned`` is taken for that peer
-    only (its batch to that peer is in doubt: it may have landed there); a
-    request id has at most one state in ``arrived`` and ``landing`` together
-    (``landing``: its rows not written yet, so neither importable nor
-    discardable); ``hosts`` holds exactly the staging host slots of
-    ``exports`` (those not in place), ``landing`` and ``arrived``, which no call but the hand-off's
-    own changes (drop, restore of one are refused); a slot exported in place is written by no event
-    while it is in ``exports``. Methods named ``*_locked`` run under the lock the
-    caller holds; the others take it.
+    only (its batch to that peer is in doubt: it may have landed there);
+    ``hosts`` holds exactly the staging host slots of ``exports`` (those not in
+    place), which no call but the hand-off's own changes (drop, restore of one
+    are refused), as the arrivals' own; a slot exported in place is written by
+    no event while it is in ``exports``. Methods named ``*_locked`` run under
+    the lock the caller holds; the others take it.
     """
 
     __slots__ = (
-        "_backlog", "_host", "_ledger", "_queue", "arrived", "exports", "hosts", "landing", "pinned", "sending",
+        "_backlog", "_host", "_ledger", "_queue", "arrivals", "awaited", "exports", "hosts", "pinned", "sending",
     )  # fmt: skip
 
     def __init__(self, queue: QueueSide, ledger: SlotLedger, host: SlotLedger, backlog: Backlog) -> None:
@@ -85,13 +69,14 @@ class HandOffBook:
         self.exports: dict[int, tuple[int, Export]] = {}  # pool slot -> (ticket, export)
         self.sending: set[int] = set()  # pool slots whose export a send has taken and not settled
         self.pinned: dict[int, int] = {}  # pool slot -> the peer that may hold its unaddressed export (in doubt)
-        self.arrived: dict[str, int] = {}  # request id -> staging host slot
-        self.landing: dict[str, int] = {}  # request id -> staging host slot being written (not arrived yet)
-        self.hosts: dict[int, str] = {}  # staging host slot -> "exporting" | "arrived"
+        self.hosts: dict[int, str] = {}  # staging host slot of an export -> "exporting"
+        self.arrivals = Arrivals(queue, ledger, host, backlog)
+        self.awaited = self.arrivals.slots  # pool slots awaiting a state in place (the queue's second gate)
 
     # -- checks other calls make (under the lock) --------------------------------
     def check_not_exporting(self, what: str, slot: int) -> None:
-        """:class:`SlotStateError` when ``slot`` has an export awaiting its ack."""
+        """:class:`SlotStateError` when ``slot`` has an export awaiting its ack, or awaits a state in place."""
+        self.arrivals.check_slot(what, slot)
         if slot in self.exports:
             ev = self.exports[slot][1]
             raise SlotStateError(
@@ -102,15 +87,21 @@ class HandOffBook:
     def check_host(self, what: str, host: int) -> None:
         """:class:`SlotStateError` when host slot ``host`` belongs to a transfer (an export's staging slot, or a
         state arrived for an import): only the hand-off's own calls change it."""
-        role = self.hosts.get(host)
+        role = self.hosts.get(host) or self.arrivals.hosts.get(host)
         if role is not None:
             how = {"arrived": "import_into() or discard_arrived()", "landing": "its receive()"}.get(
                 role, "the transfer's send() or release()"
             )
             raise SlotStateError(f"{what}: host slot {host} is a transfer's staging slot ({role}); {how} ends it")
 
+    def check_read(self, what: str, slot: int) -> None:
+        """:class:`SlotStateError` when ``slot`` awaits a state in place (it holds no state to read yet)."""
+        self.arrivals.check_slot(what, slot)
+
     def check_write(self, what: str, slot: int) -> None:
-        """:class:`SlotStateError` when ``slot`` is exported in place: the peer gets it as it is at the send."""
+        """:class:`SlotStateError` when ``slot`` is exported in place (the peer gets it as it is at the send), or
+        awaits a state in place."""
+        self.arrivals.check_slot(what, slot)
         entry = self.exports.get(slot)
         if entry is not None and entry[1].host is None:
             raise SlotStateError(
@@ -118,14 +109,17 @@ class HandOffBook:
                 " is, so nothing may write it until the peer acknowledges (release() withdraws the export)"
             )
 
-    def withdraw_locked(self, events: Sequence[Event]) -> list[Export]:
-        """The exports that the releases among ``events`` withdraw; raises, changing nothing, if one is sending
-        or if an event writes a slot exported in place."""
-        out = []
-        exports = self.exports
+    def withdraw_locked(self, events: Sequence[Event]) -> list[Export | int]:
+        """What the releases among ``events`` withdraw (exports, and slots awaiting a state in place); raises,
+        changing nothing, if one is sending or being landed, or if an event writes a slot exported in place or
+        touches one awaiting a state."""
+        out: list[Export | int] = []
+        exports, arrivals = self.exports, self.arrivals
         for ev in events:
             if type(ev) is Release:
                 if ev.slot not in exports:
+                    if arrivals.withdraw_check_locked(ev.slot):
+                        out.append(ev.slot)
                     continue
                 if ev.slot in self.sending:
                     raise SlotStateError(
@@ -137,6 +131,9 @@ class HandOffBook:
                 self.check_write(type(ev).__name__, ev.slot)
             elif type(ev) is CopyOnWrite:
                 self.check_write("CopyOnWrite", ev.dst)
+                arrivals.check_slot("CopyOnWrite", ev.src)
+                if ev.temporal_src is not None:
+                    arrivals.check_slot("CopyOnWrite", ev.temporal_src)
         return out
 
     # -- the sender ----------------------------------------------------------------
@@ -228,12 +225,17 @@ class HandOffBook:
             q.enqueue(releases)
             self.drop_locked(mine, withdrawn=False)
 
-    def drop_locked(self, exports: Sequence[Export], withdrawn: bool = True) -> None:
+    def drop_locked(self, exports: Sequence[Export | int], withdrawn: bool = True) -> None:
         """``exports`` leave the book and their staging host slots are dropped from here on (``withdrawn``: by a
-        release, so traced as ``transfer.withdraw``; else delivered)."""
+        release, so traced as ``transfer.withdraw``; else delivered); a pool slot among them (a release of a
+        slot awaiting a state in place) ends that arrival."""
         host = self._host
         gone = []
         for ev in exports:
+            if type(ev) is int:
+                self.arrivals.withdraw_locked(ev)
+                continue
+            assert type(ev) is Export
             entry = self.exports.get(ev.slot)
             if entry is not None and entry[1] is ev:
                 del self.exports[ev.slot]
@@ -279,93 +281,6 @@ class HandOffBook:
             ids = [ev.request_id or "" for ev in exports]
             _tracing.tracer.transfer("transfer.withdraw", None, ids, slots=[ev.slot for ev in exports], step=q.step)
         q.settled()
-
-    # -- the receiver --------------------------------------------------------------
-    def room(self) -> int:
-        """How many states :meth:`land` could take now: free host slots no queued event nor unfinished work
-        reads (O(host slots))."""
-        with self._queue.lock:
-            return self._host.num_settled(self._backlog.done)
-
-    def land(self, request_ids: list[str], write: Callable[[list[int]], None] | None = None) -> list[int]:
-        """Staging host slots for states arriving for ``request_ids``, each held by its id; all or none.
-
-        The rows are written at once, outside the step order, so only host
-        slots that neither a queued event nor unfinished work (a flush in
-        progress, a failed flush's backlog) still reads or writes will do
-        (:meth:`SlotLedger.take_settled`). ``write(slots)``: writes the rows,
-        outside the lock; until it returns the states are *landing*, not
-        arrived (an import or a discard of them is refused: the slot does not
-        hold them yet), and if it raises the slots are freed and nothing arrived.
-        """
-        host, q = self._host, self._queue
-        with q.lock:
-            q.check()
-            clash = [r for r in request_ids if r in self.arrived or r in self.landing]
-            if clash or len(set(request_ids)) != len(request_ids):
-                raise SlotStateError(f"states for {clash or request_ids} arrived twice without an import between")
-            slots = host.take_settled(len(request_ids), None, self._backlog.done)
-            for r, h in zip(request_ids, slots, strict=True):
-                host.tenants[h] = r
-                self.hosts[h] = "landing"
-            if write is None:
-                self._arrive_locked(request_ids, slots)
-                return slots
-            self.landing.update(zip(request_ids, slots, strict=True))
-        try:
-            write(slots)
-        except BaseException:
-            with q.lock:  # nothing queued reads them and only the write wrote them: free at once
-                for r, h in zip(request_ids, slots, strict=True):
-                    del self.landing[r], self.hosts[h]
-                    host.tenants[h] = None  # taken for no tenant (take_settled): given back as such
-                host.give_back(slots)
-            raise
-        with q.lock:
-            for r in request_ids:
-                del self.landing[r]
-            self._arrive_locked(request_ids, slots)
-        return slots
-
-    def _arrive_locked(self, request_ids: list[str], slots: list[int]) -> None:
-        for r, h in zip(request_ids, slots, strict=True):
-            self.arrived[r] = h
-            self.hosts[h] = "arrived"
-
-    def import_into(self, slot: int, tenant: str) -> None:
-        """Hold free ``slot`` for ``tenant`` without a clear, reading the state that arrived for ``tenant``.
-
-        :class:`SlotStateError` (nothing changed) when no state arrived for it, or ``slot`` is held.
-        """
-        host, q, ledger = self._host, self._queue, self._ledger
-        with q.lock:
-            q.check()
-            h = self.arrived.get(tenant)
-            if h is None:
-                raise SlotStateError(f"import_into: no state has arrived for {tenant!r} (receive it first)")
-            if ledger.held[slot]:
-                raise SlotStateError(f"import_into: slot {slot} is held by {ledger.tenants[slot]!r}")
-            ledger.check_available(1, tenant)
-            ledger.take_exact([slot], tenant)
-            del self.arrived[tenant]
-            del self.hosts[h]
-            host.free_later(h)
-            q.enqueue([Alloc(slot, tenant, False), Import(h, slot, tenant)])
-
-    def discard(self, tenant: str) -> int:
-        """Drop the staging host slot of the state that arrived for ``tenant``; returns it. :class:`SlotStateError`
-        (nothing changed) when none is waiting for an import."""
-        host, q = self._host, self._queue
-        with q.lock:
-            q.check()
-            h = self.arrived.pop(tenant, None)
-            if h is None:
-                raise SlotStateError(f"discard_arrived: no state for {tenant!r} awaits an import")
-            del self.hosts[h]
-            host.free_later(h)
-            q.enqueue((DropHost(h),))
-            _tracing.tracer.transfer("transfer.discard", None, [tenant], step=q.step)
-        return h
 
 
 def check_exports(what: str, exports: Any) -> list[Export]:

@@ -40,7 +40,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -268,7 +268,6 @@ class Batch:
     pair: str
     split: bool
     sizes: list[int]  # of its messages, checked against this side's layout before it was accepted
-    rows: list[torch.Tensor] = field(default_factory=list)
     taken: bool = False  # "go" written: the sender sends the bytes
 
 
@@ -315,9 +314,10 @@ class Inbox(_Direction):
                 self.store.delete_key(f"state/{m}")
         return got == decision
 
-    def offer(self, layers: int, shapes: Shapes, room: int, deadline: float) -> Batch:
-        """The next batch this side may take, judged against its layout (``layers``, ``shapes``) and ``room`` (how
-        many states could land now: a larger batch is refused, typed, and retried by the sender).
+    def offer(self, layers: int, shapes: Shapes, room: Callable[[list[str]], int], deadline: float) -> Batch:
+        """The next batch this side may take, judged against its layout (``layers``, ``shapes``) and ``room(ids)``
+        (how many states of a batch of ``ids`` could land now: a larger batch is refused, typed, and retried by
+        the sender).
 
         Waits until ``deadline`` (``time.monotonic()``) for a header. A retry of
         the batch landed last is acknowledged and skipped; a refusal is written
@@ -341,29 +341,29 @@ class Inbox(_Direction):
             if not self._decide(m, refusal or f"dup:{self.token}") or refusal is None:
                 continue  # withdrawn or settled elsewhere, or a duplicate acknowledged again
             reason, _, rest = refusal.removeprefix("refuse:").partition(":")
+            had, _, text = rest.partition(":")
             raise TransferRefusedError(
-                f"refused a batch from rank {self.src}: {rest.partition(':')[2]}", [], reason, room
+                f"refused a batch from rank {self.src}: {text}", [], reason, int(had) if had.isdigit() else None
             )
 
-    def take(self, batch: Batch, rows: list[torch.Tensor]) -> None:
-        """Answer ``go`` for ``batch`` and receive its bytes into ``rows`` (:func:`messages` of them, in place).
+    def take(self, batch: Batch, raw: list[torch.Tensor]) -> None:
+        """Answer ``go`` for ``batch`` and receive its bytes into ``raw`` (its messages: :func:`messages` of the
+        rows, or views of the same bytes, written in place).
 
         :class:`Withdrawn` when its sender withdrew it first (nothing arrives: move on);
         :class:`TransferError` when the bytes failed (the batch is answered failed).
         """
+        if [t.numel() for t in raw] != batch.sizes:  # the caller's rows are this side's layout, which was checked
+            raise AssertionError(f"rows of {[t.numel() for t in raw]} bytes for a batch of {batch.sizes}")
         if not self._decide(batch.number, f"go:{self.token}"):
             self.waiting = None
             raise Withdrawn(batch.ids)
         batch.taken = True
-        raw = messages(rows, batch.split)
-        if [t.numel() for t in raw] != batch.sizes:  # the caller's rows are this side's layout, which was checked
-            raise AssertionError(f"rows of {[t.numel() for t in raw]} bytes for a batch of {batch.sizes}")
         try:
             self.move(raw, False, batch.pair, batch.ids)
         except TransferError:
             self.answer_raw(batch.number, "fail:the bytes did not arrive")
             raise
-        batch.rows = rows
 
     def answer_raw(self, m: int, value: str) -> None:
         """Write the answer of header ``m`` and move past it."""
@@ -391,7 +391,7 @@ class Inbox(_Direction):
 def _judge(
     text: str,
     fp: list[Any],
-    room: int,
+    room_of: Callable[[list[str]], int],
     src: int,
     sizes: Callable[[int, bool], list[int]],
     last: tuple[str, int] | None,
@@ -427,6 +427,7 @@ def _judge(
         return f"refuse:header::a batch of {n} states with {len(set(ids))} distinct ids", header
     if (header["tok"], header["seq"]) == last:
         return None, header  # acknowledged again (dup), whatever the room
+    room = room_of(ids)
     if n > room:
         return f"refuse:room:{room}:{n} states arrived, room for {room} here (free host slots, then retry)", header
     if sizes_given != sizes(n, header["split"]):

@@ -31,6 +31,11 @@ if TYPE_CHECKING:
 __all__ = ["CacheManager", "HandOff"]
 
 
+def _check_ids(what: str, request_ids: Any) -> None:
+    if type(request_ids) is not list or not all(type(r) is str for r in request_ids):
+        raise InvalidArgumentError(f"{what} takes a list of request ids (str), got {request_ids!r}")
+
+
 def _check_to(to: Any) -> int | None:
     """A destination: a non-negative int (a peer's rank) or None (any peer)."""
     if to is not None and (type(to) is not int or to < 0):
@@ -114,18 +119,39 @@ class HandOff:
         A clear or release of ``slot`` queued before this never wipes the imported
         state, one queued after it does. The state must have arrived (the
         transfer's ``receive``); else :class:`SlotStateError`, nothing changed.
+        After :meth:`expect_import`, ``slot`` must be the slot it named: a state
+        that arrived in it is taken as it is (nothing to copy), one that arrived
+        in staging is restored into it.
         """
         check_request_id(request_id)
         if type(request_id) is not str:
             raise InvalidArgumentError("import_into needs the request's id: the state arrived under it")
-        self._book("import_into").import_into(as_slot(slot, self._pool.num_slots), request_id)
+        self._book("import_into").arrivals.import_into(as_slot(slot, self._pool.num_slots), request_id)
+
+    def expect_import(self, slot: int, request_id: str) -> None:
+        """Allocate free ``slot`` to ``request_id`` without a clear, as the place its state lands in on arrival.
+
+        A receive that brings the state once the flush that takes this alloc has
+        run writes it straight into ``slot``: no staging host slot and no copy at
+        the import (one arriving earlier lands in staging as without this call).
+        Until :meth:`import_into` of ``slot`` every other call on it, read or
+        write, is refused (:class:`SlotStateError`, nothing changed), and the
+        engine must not run the request; releasing it gives the state up
+        (refused while its bytes are being written). :class:`SlotStateError`,
+        nothing changed, when ``slot`` is held or a state of ``request_id`` is
+        expected or has arrived already. Needs a host pool, as every hand-off call.
+        """
+        check_request_id(request_id)
+        if type(request_id) is not str:
+            raise InvalidArgumentError("expect_import needs the request's id: the state arrives under it")
+        self._book("expect_import").arrivals.expect(as_slot(slot, self._pool.num_slots), request_id)
 
     def discard_arrived(self, request_id: str) -> int:
         """The state that arrived for ``request_id`` will not be imported (the request was aborted): its staging
         host slot is dropped from this point. Returns it; :class:`SlotStateError`, nothing changed, when no state
         for ``request_id`` awaits an import."""
         check_request_id(request_id)
-        return self._book("discard_arrived").discard(request_id)
+        return self._book("discard_arrived").arrivals.discard(request_id)
 
     # -- the transfer's side (StateTransfer calls these; engines call the two above) --------
     def exports_ready(self, to: int | None = None) -> list[Export]:
@@ -157,11 +183,14 @@ class HandOff:
         manager's ledgers stay claimed until its last send in flight settles."""
         self._book("exports_delivered").delivered(check_exports("exports_delivered", exports))
 
-    def landing_room(self) -> int:
+    def landing_room(self, request_ids: list[str] | None = None) -> int:
         """How many states :meth:`land` could take at once now: the free host slots that no queued event and no
         unfinished work reads (``host_pool.num_free`` also counts those freed in this step, which a landing
-        cannot take until the step's flush has run). Needs a host pool."""
-        return self._book("landing_room").room()
+        cannot take until the step's flush has run); with ``request_ids`` that all land in place now
+        (:meth:`land_in_place`), their number. Needs a host pool."""
+        if request_ids is not None:
+            _check_ids("landing_room", request_ids)
+        return self._book("landing_room").arrivals.room(request_ids)
 
     def land(self, request_ids: list[str], write: Callable[[list[int]], None] | None = None) -> list[int]:
         """Staging host slots for states arriving for ``request_ids`` (each held by its id until imported).
@@ -176,11 +205,21 @@ class HandOff:
         are free of every queued or unfinished read and write (a flush in
         progress, a failed flush awaiting its repair).
         """
-        if type(request_ids) is not list or not all(type(r) is str for r in request_ids):
-            raise InvalidArgumentError(f"land takes a list of request ids (str), got {request_ids!r}")
+        _check_ids("land", request_ids)
         if write is not None and not callable(write):
             raise InvalidArgumentError(f"land's write must be a callable or None, got {write!r}")
-        return self._book("land").land(request_ids, write)
+        return self._book("land").arrivals.land(request_ids, write)
+
+    def land_in_place(self, request_ids: list[str], write: Callable[[list[int]], None]) -> list[int] | None:
+        """The pool slots ``request_ids`` await their states in (:meth:`expect_import`), for ``write(slots)`` (a
+        transfer's receive) to write the arrived rows into, outside the manager's lock; None, with nothing
+        changed, unless every one of them lands in place now (expected, and the flush that took its alloc
+        ran). Until ``write`` returns a release of those slots is refused; if it raises nothing arrived.
+        :class:`SlotStateError` (nothing changed) when a state for one of them arrived already."""
+        _check_ids("land_in_place", request_ids)
+        if not callable(write):
+            raise InvalidArgumentError(f"land_in_place's write must be a callable, got {write!r}")
+        return self._book("land_in_place").arrivals.land_in_place(request_ids, write)
 
 
 class CacheManager(ManagerCore, HandOff):

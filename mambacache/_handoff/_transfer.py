@@ -95,7 +95,8 @@ def write_staging(manager: CacheManager, slots: list[int], rows: list[torch.Tens
 
 
 def wait_for_restores(manager: CacheManager) -> None:
-    """Before a write into free staging slots: an earlier flush's restore from them may still read on the stream."""
+    """Before a write into free staging slots (or pool slots awaiting a state): an earlier flush's restore from
+    them (or its work on the slot's last tenant) may still run on the stream."""
     staged = staged_event(manager)
     if staged is not None:
         staged.synchronize()
@@ -132,6 +133,36 @@ def export_rows(
             else:
                 row.copy_(view.index_select(0, index))
     return out
+
+
+def _views(sources: list[list[torch.Tensor]], slots: list[int]) -> list[torch.Tensor] | None:
+    """A split batch's messages as views of the rows of ``slots`` in ``sources`` (per pool tensor, its layers'
+    ``[slots + 1, *state]`` rows), or None unless ``slots`` are one run whose rows of each layer are contiguous
+    host memory (not an accelerator's, not strided paged rows)."""
+    first = run_of(slots)
+    if first is None:
+        return None
+    parts = [layer[first : first + len(slots)] for layers in sources for layer in layers]
+    if not all(p.device.type == "cpu" and p.is_contiguous() for p in parts):
+        return None
+    return [p.reshape(-1).view(torch.uint8) for p in parts]
+
+
+def write_pool(manager: CacheManager, slots: list[int], rows: list[torch.Tensor]) -> None:
+    """Write arrived ``rows`` (``[layers, n, *state]`` per pool tensor) into pool ``slots`` (awaiting them in
+    place), layer by layer on any pool layout; on an accelerator the copies are waited for before the states
+    count as arrived (an import may be read by the next forward on another stream)."""
+    wait_for_restores(manager)  # the last tenant's work on them may still run on the stream
+    pool = manager.pool
+    index = torch.tensor(slots, dtype=torch.long, device=pool.device)
+    for layers, buf in zip(pool.layers, rows, strict=True):
+        for view, row in zip(layers, buf.unbind(0), strict=True):
+            if view.device.type == "cpu" and not (view.is_floating_point() and view.element_size() == 1):
+                view.index_copy_(0, index, row)
+            else:
+                view[index] = row.to(view.device)  # float8: CPU torch has no index_copy_ for it
+    if pool.device.type != "cpu":
+        torch.accelerator.current_stream(pool.device).record_event().synchronize()
 
 
 def run_of(slots: list[int]) -> int | None:
@@ -337,18 +368,9 @@ class StateTransfer:
     def _straight(self, ready: list[Export]) -> list[torch.Tensor] | None:
         """The split messages of ``ready`` as views of the rows they are read from, or None unless their slots are
         one run whose rows of each layer are contiguous host memory."""
-        mgr = self._mgr
-        host = mgr.host_pool
-        assert host is not None
         in_place = ready[0].host is None
-        first = run_of([ev.slot if ev.host is None else ev.host for ev in ready])
-        if first is None:
-            return None
-        sources = mgr.pool.layers if in_place else [list(t.unbind(0)) for t in host.tensors]
-        parts = [layer[first : first + len(ready)] for layers in sources for layer in layers]
-        if not all(p.device.type == "cpu" and p.is_contiguous() for p in parts):
-            return None  # an accelerator's pool, or a pool whose slot rows are strided (paged)
-        return [p.reshape(-1).view(torch.uint8) for p in parts]
+        slots = [ev.slot for ev in ready] if in_place else [h for ev in ready if (h := ev.host) is not None]
+        return _views(self._sources(in_place), slots)
 
     def _split(self, n: int) -> bool:
         """Whether a batch of ``n`` states goes as one message per layer: large enough that a message costs less
@@ -392,11 +414,15 @@ class StateTransfer:
             self._check_answered()
             deadline = time.monotonic() + self._in.timeout
             while True:
-                batch = self._in.offer(self._layers(), self._shapes(), mgr.landing_room(), deadline)
+                batch = self._in.offer(self._layers(), self._shapes(), mgr.landing_room, deadline)
                 try:
-                    # The staging slots are taken before the answer, so the bytes may arrive straight into
-                    # them; they count as arrived (importable) only once written.
-                    slots = mgr.land(batch.ids, partial(self._take, batch))
+                    # The slots are taken before the answer, so the bytes may arrive straight into them; they
+                    # count as arrived (importable) only once written. In place (expect_import) when every
+                    # state of the batch awaits it in a settled pool slot, else in staging host slots.
+                    slots = mgr.land_in_place(batch.ids, partial(self._take, batch, True))
+                    in_place = slots is not None
+                    if slots is None:
+                        slots = mgr.land(batch.ids, partial(self._take, batch, False))
                 except Withdrawn:
                     continue  # its sender gave up on it first: nothing arrived, the next header may
                 except PoolExhaustedError as exc:  # room went elsewhere since the header was judged
@@ -409,31 +435,37 @@ class StateTransfer:
                     if self._in.waiting is batch:
                         self._in.answer(batch, False, str(exc))
                     raise
+                where = {"slots" if in_place else "hosts": slots}
                 _tracing.tracer.transfer(
-                    "transfer.receive",
-                    self.peer,
-                    batch.ids,
-                    step=mgr.step,
-                    n=len(batch.ids),
-                    hosts=slots,
-                    bytes=sum(batch.sizes),
-                )
+                    "transfer.receive", self.peer, batch.ids, step=mgr.step, n=len(batch.ids), bytes=sum(batch.sizes),
+                    **where,
+                )  # fmt: skip
                 self._in.answer(batch, True)
                 return batch.ids
 
-    def _take(self, batch: Batch, hosts: list[int]) -> None:
-        """Receive ``batch`` into staging ``hosts``: straight into their rows when they are one run and the batch
-        is split, else into the kept buffers and copied over."""
+    def _take(self, batch: Batch, in_place: bool, slots: list[int]) -> None:
+        """Receive ``batch`` into staging host ``slots`` (``in_place``: the pool slots awaiting it): straight into
+        their rows when they are one run of contiguous host memory and the batch is split, else into the kept
+        buffers and copied over."""
+        mgr = self._mgr
+        raw = _views(self._sources(in_place), slots) if batch.split else None
+        if raw is not None:
+            wait_for_restores(mgr)  # the bytes land in the slots themselves (write_staging and write_pool wait)
+            self._in.take(batch, raw)
+            return
+        rows = self._bufs.rows(self._layers(), len(slots), self._shapes())
+        self._in.take(batch, messages(rows, batch.split))
+        if in_place:
+            write_pool(mgr, slots, rows)
+        else:
+            write_staging(mgr, slots, rows)
+
+    def _sources(self, in_place: bool) -> list[list[torch.Tensor]]:
+        """Per pool tensor, its ``[slots + 1, *state]`` rows of each layer: the pool's (``in_place``) or the host
+        pool's."""
         host = self._mgr.host_pool
         assert host is not None
-        first = run_of(hosts)
-        if batch.split and first is not None:
-            wait_for_restores(self._mgr)  # the bytes land in the slots themselves (write_staging waits otherwise)
-            self._in.take(batch, [t[:, first : first + len(hosts)] for t in host.tensors])
-            return
-        rows = self._bufs.rows(self._layers(), len(hosts), self._shapes())
-        self._in.take(batch, rows)
-        write_staging(self._mgr, hosts, rows)
+        return self._mgr.pool.layers if in_place else [list(t.unbind(0)) for t in host.tensors]
 
     @_tracing.traces_failures
     def receive_rows(self, shapes: Shapes | None = None) -> tuple[list[str], list[torch.Tensor]]:
@@ -453,12 +485,13 @@ class StateTransfer:
             self._check_answered()
             deadline = time.monotonic() + self._in.timeout
             while True:
-                batch = self._in.offer(self._layers(), shapes, self._mgr.landing_room(), deadline)
+                batch = self._in.offer(self._layers(), shapes, lambda ids: self._mgr.landing_room(), deadline)
+                rows = _Buffers().rows(self._layers(), len(batch.ids), shapes)
                 try:
-                    self._in.take(batch, _Buffers().rows(self._layers(), len(batch.ids), shapes))
+                    self._in.take(batch, messages(rows, batch.split))
                 except Withdrawn:
                     continue
-                return batch.ids, batch.rows
+                return batch.ids, rows
 
     def _check_answered(self) -> None:
         """Refuse a receive while a batch of :meth:`receive_rows` awaits its answer: the next header would leave

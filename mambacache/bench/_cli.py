@@ -253,13 +253,15 @@ def _bulk_table(rows: list[dict[str, float]]) -> str:
 
 def _transfer_table(rows: list[dict[str, Any]]) -> str:
     return "\n\n".join(
-        table(["slots", "MiB", "transfer ms", "best", "send ms", "best", "x send", "best x", "stage ms", "wire ms",
-               "land ms"],
-              [[r["slots"], round(r["bytes"] / 2**20, 1), r["transfer_ms"], r["transfer_min_ms"], r["send_ms"],
-                r["send_min_ms"], r["ratio"], r["best_ratio"], r["stage_ms"], r["wire_ms"], r["land_ms"]]
+        table(["slots", "MiB", "transfer ms", "send ms", "x send", "best x", "stage ms", "wire ms", "land ms",
+               "in place ms", "x send", "spread ms", "x send"],
+              [[r["slots"], round(r["bytes"] / 2**20, 1), r["transfer_ms"], r["send_ms"], r["ratio"], r["best_ratio"],
+                r["stage_ms"], r["wire_ms"], r["land_ms"], r["in_place_ms"], r["in_place_ratio"],
+                r["in_place_spread_ms"], r["in_place_spread_ratio"]]
                for r in rows if r["preset"] == preset],
               title=f"{preset}: {rows[0]['layers']} layers; StateTransfer vs dist.send/recv of the same bytes (gloo,"
-                    " 127.0.0.1), interleaved; x send = transfer / send (medians)")
+                    " 127.0.0.1), interleaved; x send = transfer / send (medians); in place: export(...,"
+                    " in_place=True) of one run of slots, spread: of the transfer's spread slots")
         for preset in dict.fromkeys(r["preset"] for r in rows)
     )  # fmt: skip
 

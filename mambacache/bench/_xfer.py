@@ -5,10 +5,13 @@ torch thread each (two ranks share the machine, as two engines would share a
 host). Per size, rounds alternate the two paths (which goes first flips every
 round), so a slow spell of a shared machine hits both alike:
 
-* ``transfer``: ``export`` of n slots, ``flush_nowait`` (the staging copies into
-  the host pool), ``StateTransfer.send`` / ``receive`` (header, ids, one message
-  per pool tensor, the acknowledgement), ``import_into`` of n slots and the
-  receiver's ``flush_nowait`` (the copies into its pool);
+* ``transfer``: ``export`` of n slots spread over the pool, ``flush_nowait``
+  (the staging copies into the host pool), ``StateTransfer.send`` / ``receive``
+  (header, ids, the rows, the acknowledgement), ``import_into`` of n slots and
+  the receiver's ``flush_nowait`` (the copies into its pool);
+* ``in_place``: the same with ``export(..., in_place=True)`` of n slots that are
+  one run (no staging copy: the rows go straight from the pool slots), and
+  ``in_place_spread`` of the spread slots (the send gathers them: one copy);
 * ``send``: one ``dist.send`` / ``dist.recv`` of a ready contiguous buffer of the
   same bytes, the bound of this group and link.
 
@@ -40,7 +43,8 @@ from ._presets import fit_layers, lookup
 
 __all__ = ["transfer_vs_send"]
 
-PATHS = ("transfer", "send")
+PATHS = ("transfer", "in_place", "in_place_spread", "send")
+TRANSFERS = PATHS[:-1]
 # Per process: the pool, the host pool, the plain path's buffer and the transfer's gathered rows, each about
 # max(sizes) slots; two processes.
 COPIES = 8
@@ -91,9 +95,13 @@ def transfer_vs_send(
             row[f"{path}_gb_s"] = row["bytes"] / statistics.median(t[path]) / 1e9
         row["ratio"] = row["transfer_ms"] / row["send_ms"]
         row["best_ratio"] = row["transfer_min_ms"] / row["send_min_ms"]
-        row["stage_ms"] = statistics.median(t["stage"]) * 1e3
-        row["wire_ms"] = statistics.median(t["wire"]) * 1e3
-        row["land_ms"] = statistics.median(land) * 1e3
+        row["in_place_ratio"] = row["in_place_ms"] / row["send_ms"]
+        row["in_place_spread_ratio"] = row["in_place_spread_ms"] / row["send_ms"]
+        for path in TRANSFERS:
+            tag = "" if path == "transfer" else f"{path}_"
+            row[f"{tag}stage_ms"] = statistics.median(t[f"{path}_stage"]) * 1e3
+            row[f"{tag}wire_ms"] = statistics.median(t[f"{path}_wire"]) * 1e3
+            row[f"{tag}land_ms"] = statistics.median(land[path]) * 1e3
         row["rounds"] = len(t["transfer"])
         rows.append(row)
     return rows
@@ -138,7 +146,7 @@ class _Side:
                 if path == "send":
                     self.plain(buf, keep=r >= 2)
                 else:
-                    self.transfer(n, keep=r >= 2, check=r == 0)
+                    self.transfer(path, n, keep=r >= 2, check=r == 0)
         return self.times()
 
     def setup(self, n: int) -> None:
@@ -148,8 +156,8 @@ class _Side:
         """One plain round."""
         raise NotImplementedError
 
-    def transfer(self, n: int, keep: bool, check: bool) -> None:
-        """One transfer round."""
+    def transfer(self, path: str, n: int, keep: bool, check: bool) -> None:
+        """One transfer round of ``path``."""
         raise NotImplementedError
 
     def times(self) -> Any:
@@ -161,8 +169,12 @@ class _Sender(_Side):
     def setup(self, n: int) -> None:
         """Slots spread over the pool (every other where they fit: the staging copies are not one run)."""
         step = max(1, self.mgr.pool.num_slots // n)
-        self.slots = [1 + i * step for i in range(n)]
-        self.samples: dict[str, list[float]] = {"transfer": [], "send": [], "stage": [], "wire": []}
+        self.spread = [1 + i * step for i in range(n)]
+        self.run = list(range(1, n + 1))
+        self.samples: dict[str, list[float]] = {
+            name: [] for path in TRANSFERS for name in (path, f"{path}_stage", f"{path}_wire")
+        }
+        self.samples["send"] = []
 
     def plain(self, buf: torch.Tensor, keep: bool) -> None:
         """Send the bytes, wait for the receiver's word."""
@@ -172,15 +184,17 @@ class _Sender(_Side):
         if keep:
             self.samples["send"].append(time.perf_counter() - t0)
 
-    def transfer(self, n: int, keep: bool, check: bool) -> None:
+    def transfer(self, path: str, n: int, keep: bool, check: bool) -> None:
         """Export, stage, send until acknowledged, wait for the receiver's word that the states landed."""
         mgr, ids = self.mgr, [f"r{i}" for i in range(n)]
-        for s, r in zip(self.slots, ids, strict=True):
+        slots = self.run if path == "in_place" else self.spread
+        in_place = path != "transfer"
+        for s, r in zip(slots, ids, strict=True):
             mgr.alloc_slots([s], r, clear=False)
         mgr.flush_nowait()
         t0 = time.perf_counter()
-        for s, r in zip(self.slots, ids, strict=True):
-            mgr.export(s, r)
+        for s, r in zip(slots, ids, strict=True):
+            mgr.export(s, r, in_place=in_place)
         mgr.flush_nowait()
         t1 = time.perf_counter()
         if self.xfer.send() != ids:
@@ -190,11 +204,11 @@ class _Sender(_Side):
         t3 = time.perf_counter()
         if check:  # the receiver compares against these rows: untimed
             for t in mgr.pool.tensors:
-                self.dist.send(t[:, self.slots].contiguous().view(torch.uint8), 1)
+                self.dist.send(t[:, slots].contiguous().view(torch.uint8), 1)
         if keep:
-            self.samples["transfer"].append(t3 - t0)
-            self.samples["stage"].append(t1 - t0)
-            self.samples["wire"].append(t2 - t1)
+            self.samples[path].append(t3 - t0)
+            self.samples[f"{path}_stage"].append(t1 - t0)
+            self.samples[f"{path}_wire"].append(t2 - t1)
 
     def times(self) -> Any:
         """The sender's samples: both paths, and the transfer's stage and wire parts."""
@@ -205,14 +219,14 @@ class _Receiver(_Side):
     def setup(self, n: int) -> None:
         """Import into the last ``n`` slots (not the sender's: the ids are the receiver's own)."""
         self.slots = list(range(self.mgr.pool.num_slots - n + 1, self.mgr.pool.num_slots + 1))
-        self.land: list[float] = []
+        self.land: dict[str, list[float]] = {path: [] for path in TRANSFERS}
 
     def plain(self, buf: torch.Tensor, keep: bool) -> None:
         """Receive the bytes, say done."""
         self.dist.recv(buf, 0)
         self.dist.send(self.done, 0)
 
-    def transfer(self, n: int, keep: bool, check: bool) -> None:
+    def transfer(self, path: str, n: int, keep: bool, check: bool) -> None:
         """Receive, import, flush, say done; then free the slots (untimed)."""
         mgr = self.mgr
         ids = self.xfer.receive()
@@ -232,7 +246,7 @@ class _Receiver(_Side):
             mgr.release(s, r)
         mgr.flush_nowait()
         if keep:
-            self.land.append(t1 - t0)
+            self.land[path].append(t1 - t0)
 
     def times(self) -> Any:
         """The receiver's samples: the landing part."""

@@ -2,8 +2,9 @@
 
 ``loopback(sender, receiver)`` takes the sender's exports whose flush has run
 (``exports_ready``), gathers their staging host rows (or, exported in place,
-their pool slots' rows), lands them on the receiver (``land``: staging host
-slots held by each request id), copies the rows in and
+their pool slots' rows), lands them on the receiver (``land_in_place`` when
+every one awaits it in a settled slot, else ``land``: staging host slots held
+by each request id), copies the rows in and
 only then tells the sender they were delivered (``exports_delivered``: it drops
 the staging slots and releases the exported slots). It refuses, as ``send`` does,
 exports whose flush left work unfinished. A failing ``land`` raises before the
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 import mambacache as mc
-from mambacache._handoff._transfer import export_rows
+from mambacache._handoff._transfer import export_rows, write_pool
 
 __all__ = ["OneBatch", "loopback"]
 
@@ -48,11 +49,12 @@ def loopback(
     else:
         parts = [[t[:, [row]] for t in src.tensors] for _ in ready]
     rows = [torch.cat(column, dim=1) for column in zip(*parts, strict=True)]
-    slots = receiver.land(ids)
-    index = torch.tensor(slots, dtype=torch.long)
-    for t, buf in zip(dst.tensors, rows, strict=True):
-        # Indexed assignment, not index_copy_: CPU has no index_copy_ for float8 (see test_transfer_property).
-        t[:, index] = buf
+    if receiver.land_in_place(ids, lambda slots: write_pool(receiver, slots, rows)) is None:
+        slots = receiver.land(ids)
+        index = torch.tensor(slots, dtype=torch.long)
+        for t, buf in zip(dst.tensors, rows, strict=True):
+            # Indexed assignment, not index_copy_: CPU has no index_copy_ for float8 (see test_transfer_property).
+            t[:, index] = buf
     sender.exports_delivered(ready)
     return ids
 

@@ -364,14 +364,15 @@ def failing_receiver(me: Side) -> None:
 
 
 # Every layout of the wire (issue #32's cost): one message per pool tensor or one per layer (split), the
-# sender's staging slots (or, exported in place, its pool slots) one run or not, the receiver's landing slots one
-# run or not.
+# sender's staging slots (or, exported in place, its pool slots) one run or not, the receiver's landing slots
+# (staging host slots, or, expected in place, its pool slots) one run or not.
 WIRE = [
-    (split, srun, rrun, in_place)
+    (split, srun, rrun, in_place, expected)
     for split in (True, False)
     for srun in (True, False)
     for rrun in (True, False)
     for in_place in (False, True)
+    for expected in (False, True)
 ]
 
 
@@ -393,7 +394,7 @@ def wire_sender(me: Side) -> None:
 
     real = xfer_mod.SPLIT_BYTES
     try:
-        for k, (split, srun, _, in_place) in enumerate(WIRE):
+        for k, (split, srun, _, in_place, _) in enumerate(WIRE):
             xfer_mod.SPLIT_BYTES = 0 if split else 2**62  # the sender alone decides; the receiver follows the header
             ids = [f"w{k}a", f"w{k}b"]
             first, second = _sources(srun, in_place)
@@ -424,9 +425,15 @@ def wire_sender(me: Side) -> None:
 def wire_receiver(me: Side) -> None:
     from mambacache._handoff._transfer import _Buffers
 
-    for k, (split, srun, rrun, in_place) in enumerate(WIRE):
-        held = []
-        if not rrun:  # host slot 2 held: the batch lands in 1 and 3
+    for k, (split, srun, rrun, in_place, expected) in enumerate(WIRE):
+        held: list[int] = []
+        ids = [f"w{k}a", f"w{k}b"]
+        targets = [4, 5] if rrun or not expected else [4, 6]
+        if expected:  # the states land straight in the pool slots they await
+            for s, i in zip(targets, ids, strict=True):
+                me.mgr.expect_import(s, i)
+            me.mgr.flush_nowait()
+        elif not rrun:  # host slot 2 held: the batch lands in 1 and 3
             me.mgr.alloc_slots([6, 7], "hold", clear=False)
             held = me.mgr.offload_many([6, 7], "hold")
             me.mgr.flush_nowait()
@@ -434,11 +441,13 @@ def wire_receiver(me: Side) -> None:
             me.mgr.flush_nowait()
         me.xfer._bufs = _Buffers()  # type: ignore[attr-defined]
         dist.barrier()
-        ids = me.xfer.receive()
-        assert ids == [f"w{k}a", f"w{k}b"], ids
-        assert _direct(me.xfer, False) == (split and rrun), f"split {split}, one run {rrun}: copied or not"
+        assert me.xfer.receive() == ids
+        how = f"split {split}, one run {rrun}, in place {expected}: copied or not"
+        assert _direct(me.xfer, False) == (split and rrun), how
+        host = me.mgr.host_pool
+        assert host is not None and (host.num_held == len(held) + (0 if expected else 2)), how
         why = f"the wire with split {split}, landing in one run {rrun}, from slots {_sources(srun, in_place)}"
-        me.imports(ids, [4, 5], _sources(srun, in_place), 30 + k, why)
+        me.imports(ids, targets, _sources(srun, in_place), 30 + k, why)
         for h in held:
             me.mgr.drop(h)
         if held:

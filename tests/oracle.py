@@ -98,6 +98,14 @@ class SequentialOracle:
         if defined:
             self.host_defined.add(host)
 
+    def land_slot(self, slot: int, rows: list[torch.Tensor], defined: bool) -> None:
+        """A transfer wrote ``rows`` straight into pool slot ``slot`` (awaiting them in place), now."""
+        for t, row in zip(self.tensors, rows, strict=True):
+            t[:, slot] = row
+        self.defined.discard(slot)
+        if defined:
+            self.defined.add(slot)
+
     def write(self, slot: int, value: float) -> None:
         """A forward step writes every live slot: afterwards it is defined."""
         for t in self.tensors:

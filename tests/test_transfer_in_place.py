@@ -178,3 +178,162 @@ def test_an_export_in_place_is_traced_without_a_host_slot_and_the_analyzer_sees_
     assert line["slot"] == s and line["host"] is None and line["to"] == 1
     report = analyze_lines([json.dumps(r) for r in logs], expect_idle=True)
     assert report.anomalies == [], report.anomalies
+
+
+
+# -- arrivals in place: expect_import ---------------------------------------------------------------------------
+def _staged_batch(send: mc.CacheManager, ids: list[str], value: float) -> None:
+    """Sender: ``ids`` exported from slots holding ``value`` (+ i for the i-th), flushed: ready to go."""
+    slots = [send.alloc(1, rid)[0] for rid in ids]
+    send.flush_nowait()  # the allocs' clears ran: then a forward writes the states
+    for i, (s, rid) in enumerate(zip(slots, ids, strict=True)):
+        for t in pool_tensors(send.pool):
+            t[:, s] = value + i
+        send.export(s, rid)
+    send.flush_nowait()
+
+
+def test_an_expected_state_lands_straight_in_its_slot_and_the_import_queues_nothing() -> None:
+    with _manager() as send, _manager() as recv:
+        recv.expect_import(4, "a")
+        recv.expect_import(5, "b")
+        assert recv.queued() == [mc.Alloc(4, "a", False), mc.Alloc(5, "b", False)]
+        assert recv.held() == {4: "a", 5: "b"}
+        _staged_batch(send, ["a", "b"], 7.0)
+        assert recv.landing_room(["a", "b"]) == 4  # their allocs have not run: they would land in staging
+        recv.flush_nowait()
+        assert recv.landing_room(["a", "b"]) == 2 and recv.landing_room(["a", "c"]) == 4
+        assert loopback(send, recv) == ["a", "b"]
+        assert recv.host_pool is not None and recv.host_pool.held() == {}  # no staging slot taken
+        for t in recv.pool.tensors:
+            assert bool((t[:, 4] == 7.0).all()) and bool((t[:, 5] == 8.0).all())
+        queued = recv.queued()
+        with pytest.raises(mc.SlotStateError, match="lands in slot 4"):
+            recv.import_into(3, "a")
+        recv.import_into(5, "b")
+        recv.import_into(4, "a")
+        assert recv.queued() == queued  # nothing to copy
+        recv.copy_on_write(4, 5)  # an ordinary slot from here on
+        recv.flush_nowait()
+        for t in recv.pool.tensors:
+            assert bool((t[:, 5] == 7.0).all())
+        recv.release(4, "a")
+        recv.release(5, "b")
+        recv.flush_nowait()
+        recv.check_idle(host=True)
+
+
+def test_a_state_that_arrives_before_its_slot_settled_lands_in_staging_and_is_restored_into_it() -> None:
+    with _manager() as send, _manager() as recv:
+        recv.expect_import(3, "a")  # its alloc not flushed: the landing may not write the slot yet
+        _staged_batch(send, ["a"], 5.0)
+        assert loopback(send, recv) == ["a"]
+        assert recv.host_pool is not None and list(recv.host_pool.held().values()) == ["a"]
+        (h,) = recv.host_pool.held()
+        recv.import_into(3, "a")
+        assert recv.queued()[-1] == mc.Import(h, 3, "a")  # the slot is held already: no second alloc
+        recv.flush_nowait()
+        for t in recv.pool.tensors:
+            assert bool((t[:, 3] == 5.0).all())
+        recv.release(3, "a")
+        recv.flush_nowait()
+        recv.check_idle(host=True)
+
+
+@pytest.mark.parametrize(
+    "call", ["clear", "cow into", "cow from", "commit", "restore", "offload", "export", "hand_over", "alloc_slots"]
+)
+def test_every_other_call_on_a_slot_awaiting_a_state_is_refused_and_changes_nothing(call: str) -> None:
+    with _manager(mc.StatePool(dataclasses.replace(SPEC, draft_tokens=2), 6)) as mgr:
+        (other,) = mgr.alloc(1, "r")
+        h = mgr.offload(other)
+        mgr.expect_import(4, "a")
+        mgr.flush_nowait()
+        before = _state(mgr)
+        calls = {
+            "clear": lambda: mgr.clear(4),
+            "cow into": lambda: mgr.copy_on_write(other, 4),
+            "cow from": lambda: mgr.copy_on_write(4, other),
+            "commit": lambda: mgr.commit_draft(4, 1),
+            "restore": lambda: mgr.restore(h, 4),
+            "offload": lambda: mgr.offload(4),
+            "export": lambda: mgr.export(4, "a"),
+            "hand_over": lambda: mgr.hand_over(4, "a", "b"),
+            "alloc_slots": lambda: mgr.alloc_slots([4], "a"),
+        }
+        with pytest.raises(mc.SlotStateError):
+            calls[call]()
+        assert _same(_state(mgr), before)
+
+
+def test_expecting_twice_or_after_arrival_is_refused_and_a_release_gives_the_state_up() -> None:
+    with _manager() as send, _manager() as recv:
+        recv.expect_import(4, "a")
+        before = _state(recv)
+        with pytest.raises(mc.SlotStateError, match="expected or arrived"):
+            recv.expect_import(5, "a")
+        with pytest.raises(mc.SlotStateError, match="held"):
+            recv.expect_import(4, "b")
+        assert _same(_state(recv), before)
+        with pytest.raises(mc.SlotStateError, match="no state has arrived"):
+            recv.import_into(4, "a")
+        recv.flush_nowait()
+        _staged_batch(send, ["a"], 3.0)
+        assert loopback(send, recv) == ["a"]  # in place
+        with pytest.raises(mc.SlotStateError, match="release that"):
+            recv.discard_arrived("a")
+        recv.release(4, "a")  # the request was aborted: the state is given up with its slot
+        recv.flush_nowait()
+        recv.check_idle(host=True)
+        with pytest.raises(mc.SlotStateError, match="no state has arrived"):
+            recv.import_into(4, "a")
+
+
+def test_a_landing_in_place_that_fails_leaves_the_slot_awaiting_and_a_release_meanwhile_is_refused() -> None:
+    with _manager() as recv:
+        recv.expect_import(4, "a")
+        recv.flush_nowait()
+
+        def broken(slots: list[int]) -> None:
+            assert slots == [4]
+            with pytest.raises(mc.SlotStateError, match="being written"):
+                recv.release(4, "a")
+            with pytest.raises(mc.SlotStateError, match="arrived twice"):
+                recv.land(["a"])
+            raise RuntimeError("the bytes did not arrive")
+
+        with pytest.raises(RuntimeError, match="did not arrive"):
+            recv.land_in_place(["a"], broken)
+        with pytest.raises(mc.SlotStateError, match="no state has arrived"):
+            recv.import_into(4, "a")
+        assert recv.land_in_place(["a", "b"], broken) is None  # "b" is not expected: nothing lands in place
+        assert recv.land_in_place(["a"], lambda slots: None) == [4]
+        recv.import_into(4, "a")
+        recv.release(4, "a")
+        recv.flush_nowait()
+        recv.check_idle(host=True)
+
+
+def test_an_arrival_in_place_is_traced_and_the_analyzer_sees_it_imported() -> None:
+    tracing.configure(level="debug", use_structlog_config=True)
+    try:
+        with capture_logs() as logs, _manager() as recv:
+            recv.expect_import(4, "a")
+            recv.flush_nowait()
+            slots = recv.land_in_place(["a"], lambda slots: None)
+            _tracing.tracer.transfer("transfer.receive", 3, ["a"], step=recv.step, n=1, slots=slots, bytes=0)
+            recv.flush_nowait()  # a step while it waits for its import: the engine does not run it
+            recv.import_into(4, "a")
+            recv.flush_nowait()
+            recv.release(4, "a")
+            recv.flush_nowait()
+    finally:
+        tracing.disable()
+    (expect,) = [r for r in logs if r["event"] == "slot.expect"]
+    (imp,) = [r for r in logs if r["event"] == "slot.import"]
+    assert expect["slot"] == 4 and imp["host"] is None and imp["peer"] == 3
+    report = analyze_lines([json.dumps(r) for r in logs], expect_idle=True)
+    assert report.anomalies == [], report.anomalies
+    unimported = [json.dumps(r) for r in logs if r["event"] not in ("slot.import", "slot.release")]
+    kinds = [a.kind for a in analyze_lines(unimported, expect_idle=True).anomalies]
+    assert "import-never-completed" in kinds

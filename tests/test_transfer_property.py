@@ -62,6 +62,8 @@ class Engine:
         self.user_hosts: set[int] = set()  # host slots of plain offloads (restore and drop take these)
         self.exports: list[tuple[mc.Export, bool]] = []  # undelivered exports, and whether their flush ran
         self.arrived: dict[str, int] = {}  # request id -> staging host slot of a landed state not imported
+        # request id -> [pool slot it awaits its state in, its alloc's flush ran, the state landed there]
+        self.awaiting: dict[str, list[Any]] = {}
         self.freed: set[int] = set()  # host slots freed by events queued since the last flush
         self.captured: dict[str, tuple[list[torch.Tensor], bool]] = {}  # an export's bytes at its point of order
         self.received: dict[str, tuple[list[torch.Tensor], bool]] = {}  # the same, of states landed here
@@ -84,12 +86,17 @@ class Engine:
         """Slots exported in place: every call that would write one is refused until delivery."""
         return {ev.slot for ev, _ in self.exports if ev.host is None}
 
-    def refused(self, slot: int, call: Any) -> bool:
-        """Whether ``slot`` is exported in place; then ``call`` (a write of it) must be refused, changing nothing."""
-        if slot not in self.in_place():
+    def awaited(self) -> set[int]:
+        """Slots awaiting a state in place: every call but a release is refused until the import."""
+        return {a[0] for a in self.awaiting.values()}
+
+    def refused(self, slot: int, call: Any, write: bool = True) -> bool:
+        """Whether ``slot`` may not be written (``write``) or read now; then ``call`` must be refused, changing
+        nothing."""
+        if slot not in self.awaited() and (not write or slot not in self.in_place()):
             return False
         before = snapshot(self)
-        with pytest.raises(mc.SlotStateError, match="in place"):
+        with pytest.raises(mc.SlotStateError, match="in place|awaits the state"):
             call()
         assert snapshot(self) == before
         return True
@@ -122,6 +129,8 @@ class Engine:
     def cow(self, src: int, dst: int) -> None:
         if self.refused(dst, lambda: self.mgr.copy_on_write(src, dst)):
             return
+        if self.refused(src, lambda: self.mgr.copy_on_write(src, dst), write=False):
+            return
         self.mgr.copy_on_write(src, dst)
         self.apply(mc.CopyOnWrite(src, dst))
 
@@ -132,10 +141,15 @@ class Engine:
         self.apply(mc.CommitDraft(slot, accepted))
 
     def release(self, slot: int) -> None:
-        self.mgr.release(slot, self.tenants.pop(slot))
+        rid = self.tenants.pop(slot)
+        self.mgr.release(slot, rid)
         self.apply(mc.Release(slot))
+        if rid in self.awaiting and self.awaiting[rid][0] == slot:  # gives the state up, landed there or not
+            del self.awaiting[rid]
 
     def offload(self, slot: int) -> int | None:
+        if len(self.hosts) < H and self.refused(slot, lambda: self.mgr.offload(slot), write=False):
+            return None
         if len(self.hosts) == H:
             with pytest.raises(mc.PoolExhaustedError):
                 self.mgr.offload(slot)
@@ -188,13 +202,33 @@ class Engine:
         return h
 
     def import_into(self, slot: int, rid: str) -> None:
+        queued = self.mgr.queued()
         self.mgr.import_into(slot, rid)
+        awaited = self.awaiting.pop(rid, None)
+        if awaited is not None and awaited[2]:  # landed in the slot itself: nothing to run
+            assert self.mgr.queued() == queued
+            return
         h = self.arrived.pop(rid)
         events = [mc.Alloc(slot, rid, False), mc.Import(h, slot, rid)]
-        assert self.mgr.queued()[-2:] == events
+        if awaited is not None:  # it arrived in staging before its slot settled: restored into the slot held
+            events = events[1:]
+        assert self.mgr.queued()[len(queued) :] == events
         self.tenants[slot] = rid
         self.free_host(h)
         self.apply(*events)
+
+    def expect(self, slot: int, rid: str) -> None:
+        """``slot`` (free) awaits ``rid``'s state: it lands there once the alloc's flush ran."""
+        if rid in self.arrived or rid in self.awaiting:
+            before = snapshot(self)
+            with pytest.raises(mc.SlotStateError, match="expected or arrived"):
+                self.mgr.expect_import(slot, rid)
+            assert snapshot(self) == before
+            return
+        self.mgr.expect_import(slot, rid)
+        self.tenants[slot] = rid
+        self.awaiting[rid] = [slot, False, False]
+        self.apply(mc.Alloc(slot, rid, False))
 
     # -- flushes ----------------------------------------------------------------
     def flush(self, at: int = 0, peer: Engine | None = None, between: str = "") -> int:
@@ -227,7 +261,7 @@ class Engine:
             assert mgr.flush_nowait().resumed_stages >= 1  # the repair
         else:
             assert at == 0 or at > mode.ops
-        self.exports = [(ev, True) for ev, _ in self.exports]
+        self.settle()
         self.freed.clear()
         self.check()
         return mode.ops
@@ -242,10 +276,16 @@ class Engine:
         if err is not None:
             assert fail and isinstance(err, mc.ExecutorError), repr(err)
             assert self.mgr.flush_nowait().resumed_stages >= 1  # the repair
-        self.exports = [(ev, True) for ev, _ in self.exports]
+        self.settle()
         self.freed.clear()
         self.check()
         return held.mode.ops
+
+    def settle(self) -> None:
+        """A flush ran everything queued: every export is ready, every awaited slot may be landed in."""
+        self.exports = [(ev, True) for ev, _ in self.exports]
+        for a in self.awaiting.values():
+            a[1] = True
 
     def check(self) -> None:
         """After a flush: every live slot's and host slot's bytes, and every ledger, are the model's."""
@@ -262,9 +302,9 @@ class Engine:
         """A forward step writes every live slot (exporting ones too: their staged state is already taken), but
         those exported in place (the engine runs no forward of a request it hands off in place)."""
         self.steps += 1
-        in_place = self.in_place()
+        skipped = self.in_place() | self.awaited()  # nor of one whose state it has not imported yet
         for s in self.tenants:
-            if s in in_place:
+            if s in skipped:
                 continue
             value = step_value(self.steps + (50 if self.name == "b" else 0), s)
             self.oracle.write(s, value)
@@ -306,6 +346,8 @@ def transfer(s: Engine, r: Engine) -> list[str]:
     ready = [ev for ev, ran in s.exports if ran]
     assert s.mgr.exports_ready() == ready
     ids = [ev.request_id or "" for ev in ready]
+    if ids and all(i in r.awaiting and r.awaiting[i][1] and not r.awaiting[i][2] for i in ids):
+        return transfer_in_place(s, r, ready)
     # The receiver lacks room: nothing lands, the sender keeps all. A host slot freed by an event queued in this
     # step does not count: that event's read of the old state is still to run, and landed bytes are written now.
     if len(ids) > H - len(r.hosts) - len(r.freed - set(r.hosts)):
@@ -324,13 +366,23 @@ def transfer(s: Engine, r: Engine) -> list[str]:
         if defined:  # the bytes the exported slot held at the export's point of the order, exactly
             for i, (want, t) in enumerate(zip(rows, r.host.tensors, strict=True)):
                 assert torch.equal(want, t[:, h]), f"{rid}: tensor {i} landed other bytes than were exported"
-        if ev.host is None:  # in place: the slot as it is now, which nothing wrote since the export
-            r.oracle.land(h, [t[:, ev.slot].clone() for t in s.oracle.tensors], ev.slot in s.oracle.defined)
-        else:
-            r.oracle.land(h, [t[:, ev.host].clone() for t in s.oracle.host], ev.host in s.oracle.host_defined)
+        r.oracle.land(h, *sent_rows(s, ev))
         r.hosts[h] = rid
         r.arrived[rid] = h
-    # Delivered: the sender releases the exported slots, then drops their staging slots, at this point of its order.
+    delivered_by(s, ready, queued)
+    r.check_ledgers()
+    return ids
+
+
+def sent_rows(s: Engine, ev: mc.Export) -> tuple[list[torch.Tensor], bool]:
+    """What the wire carries for ``ev``: its staged state, or (in place) its slot's as it is now."""
+    if ev.host is None:
+        return [t[:, ev.slot].clone() for t in s.oracle.tensors], ev.slot in s.oracle.defined
+    return [t[:, ev.host].clone() for t in s.oracle.host], ev.host in s.oracle.host_defined
+
+
+def delivered_by(s: Engine, ready: list[mc.Export], queued: int) -> None:
+    """The sender releases the exported slots, then drops their staging slots, at this point of its order."""
     delivered = [mc.Release(ev.slot, ev.request_id) for ev in ready]
     delivered += [mc.DropHost(ev.host) for ev in ready if ev.host is not None]
     s.apply(*delivered)
@@ -341,6 +393,24 @@ def transfer(s: Engine, r: Engine) -> list[str]:
     assert s.mgr.queued()[queued:] == delivered
     s.exports = [(ev, ran) for ev, ran in s.exports if not ran]
     s.check_ledgers()
+
+
+def transfer_in_place(s: Engine, r: Engine, ready: list[mc.Export]) -> list[str]:
+    """Every state of the batch awaits ``r``'s settled slot: it lands straight in it, no host slot taken."""
+    ids = [ev.request_id or "" for ev in ready]
+    queued, hosts = len(s.mgr.queued()), r.host.held()
+    assert loopback(s.mgr, r.mgr) == ids
+    assert r.host.held() == hosts
+    for ev in ready:
+        rid = ev.request_id or ""
+        slot = r.awaiting[rid][0]
+        rows, defined = r.received[rid] = s.captured.pop(rid)
+        if defined:
+            for i, (want, t) in enumerate(zip(rows, r.pool.tensors, strict=True)):
+                assert torch.equal(want, t[:, slot]), f"{rid}: tensor {i} landed other bytes than were exported"
+        r.oracle.land_slot(slot, *sent_rows(s, ev))
+        r.awaiting[rid][2] = True
+    delivered_by(s, ready, queued)
     r.check_ledgers()
     return ids
 
@@ -348,7 +418,7 @@ def transfer(s: Engine, r: Engine) -> list[str]:
 # -- the property -----------------------------------------------------------------
 KINDS = (
     "alloc", "alloc", "clear", "cow", "cow", "release", "commit", "offload", "restore", "drop", "export", "export",
-    "export", "import", "import", "recycle", "flush", "flush", "flush", "transfer", "transfer",
+    "export", "import", "import", "recycle", "flush", "flush", "flush", "transfer", "transfer", "expect", "expect",
 )  # fmt: skip
 transfer_ops = st.lists(
     st.tuples(st.sampled_from(KINDS), st.integers(0, 1), st.integers(0, 10**6), st.integers(0, 10**6)),
@@ -379,16 +449,32 @@ def play(e: Engine, other: Engine, kind: str, a: int, b: int, faults: Any) -> No
     elif kind == "export" and e.releasable() and len(e.exports) + len(other.exports) < H - 1:
         # Fewer states in flight than a host pool holds, or each side could fill its staging area with its own
         # exports and have no room to land the other's: no batch could move (the drain below must end).
-        e.export(e.releasable()[a % len(e.releasable())], in_place=b % 2 == 1)
-    elif kind == "import" and e.arrived and free:
-        e.import_into(free[b % len(free)], sorted(e.arrived)[a % len(e.arrived)])
-    elif kind == "recycle" and e.arrived and e.releasable():
+        slot = e.releasable()[a % len(e.releasable())]
+        if not e.refused(slot, lambda: e.mgr.export(slot, e.tenants[slot]), write=False):
+            e.export(slot, in_place=b % 2 == 1)
+    elif kind == "import" and (e.arrived or e.awaiting):
+        rids = sorted({*e.arrived, *e.awaiting})
+        rid = rids[a % len(rids)]
+        if rid in e.awaiting and (e.awaiting[rid][2] or rid in e.arrived):
+            e.import_into(e.awaiting[rid][0], rid)  # into the slot it awaits, landed there or in staging
+        elif rid in e.awaiting:
+            slot = e.awaiting[rid][0]
+            before = snapshot(e)
+            with pytest.raises(mc.SlotStateError, match="no state has arrived"):
+                e.mgr.import_into(slot, rid)
+            assert snapshot(e) == before
+        elif free:
+            e.import_into(free[b % len(free)], rid)
+    elif kind == "expect" and free and other.exports:
+        e.expect(free[b % len(free)], other.exports[a % len(other.exports)][0].request_id or "")
+    elif kind == "recycle" and set(e.arrived) - set(e.awaiting) and e.releasable():
         # A clear and a release of the target queued before the import never wipe it; a clear after it does.
         slot = e.releasable()[b % len(e.releasable())]
         if a % 2:
             e.clear(slot)
         e.release(slot)
-        e.import_into(slot, sorted(e.arrived)[a % len(e.arrived)])
+        rids = sorted(set(e.arrived) - set(e.awaiting))
+        e.import_into(slot, rids[a % len(rids)])
         if b % 3 == 0:
             e.clear(slot)
     elif kind == "flush":
@@ -406,15 +492,22 @@ def drain(a: Engine, b: Engine) -> None:
                 e.release(slot)
             for h in sorted(e.user_hosts):
                 e.drop(h)
-            for rid in sorted(e.arrived):
-                slot = e.free()[0]
+            for rid in sorted({*e.arrived, *e.awaiting}):
+                if rid in e.awaiting and (e.awaiting[rid][2] or rid in e.arrived):
+                    slot = e.awaiting[rid][0]
+                elif rid in e.awaiting:
+                    continue  # released below: a state that comes later lands in staging
+                else:
+                    slot = e.free()[0]
                 e.import_into(slot, rid)
                 e.release(slot)
+            for a in list(e.awaiting.values()):
+                e.release(a[0])
             e.flush()
         for s, r in ((a, b), (b, a)):
             transfer(s, r)
     for e in (a, b):
-        assert not e.exports and not e.arrived
+        assert not e.exports and not e.arrived and not e.awaiting
         e.mgr.check_idle()
 
 

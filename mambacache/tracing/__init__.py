@@ -14,14 +14,16 @@ none on ``transfer.failed``) and, from :func:`configure`'s own pipeline,
 ``slot.handover``     debug  ``slot``, ``request_id`` (the old tenant), ``to``
 ``slot.offload``      debug  ``slot``, ``host``, ``request_id``
 ``slot.restore``      debug  ``host``, ``slot``, ``request_id``, ``keep``
-``slot.export``       debug  ``slot``, ``host`` (the staging host slot), ``request_id``
-``slot.import``       debug  ``host``, ``slot``, ``request_id``, ``peer`` (when its receive was traced)
+``slot.export``       debug  ``slot``, ``host`` (the staging host slot; null: exported in place), ``request_id``
+``slot.expect``       debug  ``slot``, ``request_id``: the slot (just allocated) awaits the state in place
+``slot.import``       debug  ``host`` (null: the state landed in the slot itself), ``slot``, ``request_id``,
+                             ``peer`` (when its receive was traced)
 ``host.drop``         debug  ``host``
 ``prefix.*``          debug  the prefix cache's hits, misses, inserts, evictions
 ``step.flush``        info   the StepReport figures, ``plan_us``, ``execute_us``
 ``step.error``        error  ``stage``, ``error``: an executor failed; work kept
 ``transfer.send``     info   ``peer``, ``request_ids``, ``n``, ``bytes``: a batch acknowledged
-``transfer.receive``  info   ``peer``, ``request_ids``, ``n``, ``hosts`` (staging), ``bytes``
+``transfer.receive``  info   ``peer``, ``request_ids``, ``n``, ``hosts`` (staging) or ``slots`` (in place), ``bytes``
 ``transfer.failed``   error  ``peer``, ``request_ids``, ``call``, ``error`` (no ``step``)
 ``transfer.withdraw`` info   ``request_ids``, ``slots``: exports a release gave up (no peer)
 ``transfer.discard``  info   ``request_ids``: arrived states given up, never imported (no peer)

@@ -33,6 +33,7 @@ SLOT_EVENTS = frozenset(
         "slot.handover",
         "slot.export",
         "slot.import",
+        "slot.expect",
     }
 )
 STEP_EVENTS = frozenset({"step.flush", "step.error"})
@@ -210,7 +211,8 @@ def _checked(record: dict[str, Any]) -> dict[str, Any]:
         out["shift"] = _int(record, "shift", required=False) or 0  # a shifted copy forks as a copy does
         out["temporal_src"] = _int(record, "temporal_src", required=False)  # a second source, read as src is
     elif event in _HOST_EVENTS:
-        out["slot"], out["host"] = _int(record, "slot", required=True), _int(record, "host", required=True)
+        out["slot"] = _int(record, "slot", required=True)
+        out["host"] = _int(record, "host", required=event in _STAGED)  # an export or import in place: null
         out["peer"] = _int(record, "peer", required=False)
         out["to"] = _int(record, "to", required=False)  # an export's destination rank, when routed
         keep = record.get("keep", False)
@@ -245,21 +247,23 @@ def _checked(record: dict[str, Any]) -> dict[str, Any]:
 
 
 _HOST_EVENTS = frozenset({"slot.offload", "slot.restore", "slot.export", "slot.import"})
+_STAGED = frozenset({"slot.offload", "slot.restore"})  # always through a host slot
 
 
 def _check_transfer(record: dict[str, Any], out: dict[str, Any]) -> None:
     """A transfer line's ``peer`` (none on a withdraw or discard) and ``request_ids``, and a receive's ``hosts``
-    (one per id)."""
+    or, landed in place, ``slots`` (one per id)."""
     out["peer"] = _int(record, "peer", required=record["event"] not in ("transfer.withdraw", "transfer.discard"))
     ids = record.get("request_ids")
     if type(ids) is not list or not all(type(r) is str for r in ids):
         raise ValueError(f"'request_ids' must be a list of strings, got {type(ids).__name__}")
     out["request_ids"] = ids
     if record["event"] == "transfer.receive":
-        hosts = record.get("hosts")
-        if type(hosts) is not list or len(hosts) != len(ids) or not all(type(h) is int and h >= 0 for h in hosts):
-            raise ValueError("'hosts' must list one host slot (an integer >= 0) per request id")
-        out["hosts"] = hosts
+        key = "slots" if "slots" in record else "hosts"
+        where = record.get(key)
+        if type(where) is not list or len(where) != len(ids) or not all(type(h) is int and h >= 0 for h in where):
+            raise ValueError(f"{key!r} must list one {key[:-1]} (an integer >= 0) per request id")
+        out[key] = where
     error = record.get("error")
     out["error"] = error if type(error) is str else None
 
@@ -373,6 +377,7 @@ class _Slot:
     tenant: str | None = None
     flagged_uncleared: bool = False
     flagged_import: bool = False  # read-before-import reported for this tenancy (its state never imported)
+    awaiting: bool = False  # allocated to await its state in place: not run before its import
     since: int = 0  # line of the alloc that began this tenancy
     taint: str = ""  # why an uninitialised slot is so, for the message
 
@@ -438,7 +443,7 @@ class _Pass:
         handoffs = self.handoffs
         handoffs.flushed(step)
         for s, st in self.slots.items():
-            if st.allocated and not st.initialized and not st.flagged_uncleared:
+            if st.allocated and not st.initialized and not st.flagged_uncleared and not st.awaiting:
                 st.flagged_uncleared = True
                 why = st.taint or "with neither a clear nor a fork into it since its alloc"
                 message = f"slot {s} (tenant {st.tenant}) was used by step {step} {why}: it holds stale state"
@@ -446,10 +451,10 @@ class _Pass:
             waiting = handoffs.waiting(st.tenant) if st.allocated and not st.flagged_import else None
             if waiting is not None and waiting[2] < st.since:  # a tenancy begun after the state arrived, not by it
                 st.flagged_import = True
-                host, peer, at = waiting
+                where, peer, at = waiting
                 message = (
                     f"slot {s} (tenant {st.tenant}) was used by step {step} while the state received for"
-                    f" {st.tenant!r} from rank {peer} (line {at}) still waits in staging host slot {host}, never"
+                    f" {st.tenant!r} from rank {peer} (line {at}) still waits in {where}, never"
                     " imported: the slot does not hold it"
                 )
                 self.flag("read-before-import", s, line, step, st.tenant, message)
@@ -490,7 +495,7 @@ class _Pass:
             message = f"slot {slot} allocated to {rid} while {st.tenant} holds it"
             self.flag("double-alloc", slot, line, step, rid, message)
         st.allocated, st.initialized, st.tenant, st.flagged_uncleared = True, cleared, rid, False
-        st.taint, st.flagged_import, st.since = "", False, line
+        st.taint, st.flagged_import, st.since, st.awaiting = "", False, line, False
         self.handoffs.gone(slot)
         self.evicted.pop(slot, None)
         self.entry(slot, Entry(line, step, "alloc", rid, cleared=cleared))
@@ -545,6 +550,14 @@ class _Pass:
             self.requests.add(r["to"])
         self.entry(slot, Entry(line, step, "handover", r["to"]))
 
+    def expect(self, slot: int, st: _Slot, r: dict[str, Any], line: int, step: int | None, rid: str | None) -> None:
+        """``slot.expect``: the slot, just allocated without a clear, awaits its tenant's state from a peer (the
+        manager refuses every event on it until the import, and the engine runs nothing on it)."""
+        if not st.allocated or st.tenant != rid:
+            self.flag("use-after-release", slot, line, step, rid, f"slot {slot} awaits a state while not held by {rid}")
+        st.awaiting = True
+        self.entry(slot, Entry(line, step, "expect", rid))
+
     def release(self, slot: int, st: _Slot, r: dict[str, Any], line: int, step: int | None, rid: str | None) -> None:
         """``slot.release``: the slot is free; the line is kept to name it in a later double release."""
         self.counts["releases"] += 1
@@ -552,7 +565,7 @@ class _Pass:
             kind = "double-release" if st.released_at is not None else "use-after-release"
             where = f" (first released on line {st.released_at})" if st.released_at is not None else ""
             self.flag(kind, slot, line, step, rid, f"release of slot {slot}, which is already free{where}")
-        st.allocated, st.released_at = False, line
+        st.allocated, st.released_at, st.awaiting = False, line, False
         self.handoffs.gone(slot)
         self.entry(slot, Entry(line, step, "release", rid))
 
@@ -568,7 +581,7 @@ class _Pass:
         """``slot.import``: the slot takes the state received for ``rid`` (once its flush has run)."""
         if not st.allocated:
             self.flag("use-after-release", slot, line, step, rid, f"import into slot {slot}, which is free")
-        st.initialized, st.taint = True, ""
+        st.initialized, st.taint, st.awaiting = True, "", False
         peer = self.handoffs.imported(slot, r["host"], line, step, rid, r["peer"])
         self.entry(slot, Entry(line, step, "import", rid, other=r["host"], peer=peer))
 
@@ -614,6 +627,7 @@ _SLOT_HANDLERS: dict[str, _SlotHandler] = {
     "slot.release": _Pass.release,
     "slot.export": _Pass.export,
     "slot.import": _Pass.import_,
+    "slot.expect": _Pass.expect,
 }
 
 

@@ -38,7 +38,7 @@ Flag = Callable[[str, "int | None", int, "int | None", "str | None", str], None]
 class _Import:
     """An import whose step no flush has completed since it was queued."""
 
-    host: int
+    host: int | None
     line: int
     step: int | None
     request_id: str | None
@@ -65,20 +65,21 @@ class Handoffs:
 
     def __init__(self, flag: Flag, counts: dict[str, int]) -> None:
         self.flag, self.counts = flag, counts
-        self.exports: dict[str, list[tuple[int, int, int, int | None]]] = {}  # request id -> [(slot, host, line, to)]
-        self.arrived: dict[str, tuple[int, int, int]] = {}  # request id -> (host, peer, line of the receive)
+        # request id -> [(slot, staging host slot or None in place, line, to)]
+        self.exports: dict[str, list[tuple[int, int | None, int, int | None]]] = {}
+        self.arrived: dict[str, tuple[str, int, int]] = {}  # request id -> (where it waits, peer, line of the receive)
         self.unlanded: dict[int, _Import] = {}  # pool slot -> its import
         self.last_failure: tuple[int, str | None] | None = None  # (line, error) of the last transfer.failed
 
     # -- the slot events --------------------------------------------------
-    def exported(self, slot: int, host: int, line: int, rid: str | None, to: int | None = None) -> None:
+    def exported(self, slot: int, host: int | None, line: int, rid: str | None, to: int | None = None) -> None:
         """``slot.export`` (addressed to rank ``to``, or to any): in flight until a ``transfer.send`` names it."""
         self.counts["exports"] += 1
         if rid is not None:
             self.exports.setdefault(rid, []).append((slot, host, line, to))
 
     def imported(
-        self, slot: int, host: int, line: int, step: int | None, rid: str | None, peer: int | None
+        self, slot: int, host: int | None, line: int, step: int | None, rid: str | None, peer: int | None
     ) -> int | None:
         """``slot.import``: the received state is read; returns the rank it came from (the line's, or its receive's)."""
         self.counts["imports"] += 1
@@ -102,8 +103,8 @@ class Handoffs:
         """The slot was released (or allocated anew): its import no longer concerns a tenant."""
         self.unlanded.pop(slot, None)
 
-    def waiting(self, tenant: str | None) -> tuple[int, int, int] | None:
-        """``(host, peer, line)`` of a state received for ``tenant`` and not imported, if any."""
+    def waiting(self, tenant: str | None) -> tuple[str, int, int] | None:
+        """``(where, peer, line)`` of a state received for ``tenant`` and not imported, if any."""
         return self.arrived.get(tenant) if tenant is not None and self.arrived else None
 
     # -- flushes ----------------------------------------------------------
@@ -141,8 +142,12 @@ class Handoffs:
             return []
         if event == "transfer.receive":
             self.counts["states_received"] += len(ids)
-            for rid, host in zip(ids, r["hosts"], strict=True):
-                self.arrived[rid] = (host, peer, line)
+            if "slots" in r:
+                for rid, slot in zip(ids, r["slots"], strict=True):
+                    self.arrived[rid] = (f"slot {slot} (landed in place)", peer, line)
+            else:
+                for rid, host in zip(ids, r["hosts"], strict=True):
+                    self.arrived[rid] = (f"staging host slot {host}", peer, line)
             return []
         self.counts["states_sent"] += len(ids)
         sent = []
@@ -161,10 +166,10 @@ class Handoffs:
     # -- the end of the trace ------------------------------------------------
     def finish(self, line: int, step: int | None) -> None:
         """With ``expect_idle``: every hand-off still in flight at the end is an anomaly."""
-        for rid, (host, peer, at) in self.arrived.items():
+        for rid, (where, peer, at) in self.arrived.items():
             message = (
-                f"the state received for {rid!r} from rank {peer} on line {at} was never imported:"
-                f" staging host slot {host} still holds it"
+                f"the state received for {rid!r} from rank {peer} on line {at} was never imported: {where} still"
+                " holds it"
             )
             self.flag("import-never-completed", None, line, step, rid, message)
         for slot, imp in self.unlanded.items():
@@ -178,8 +183,9 @@ class Handoffs:
         why = f"; the last transfer failure, line {failure[0]}: {failure[1]}" if failure is not None else ""
         for rid, pending in self.exports.items():
             for slot, host, at, _ in pending:
+                staged = "in place" if host is None else f"staging host slot {host}"
                 message = (
-                    f"the export of {rid!r} from slot {slot} (line {at}, staging host slot {host}) was never"
+                    f"the export of {rid!r} from slot {slot} (line {at}, {staged}) was never"
                     f" acknowledged by a peer{why}"
                 )
                 self.flag("export-undelivered", slot, line, step, rid, message)

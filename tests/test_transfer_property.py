@@ -96,7 +96,7 @@ class Engine:
         if slot not in self.awaited() and (not write or slot not in self.in_place()):
             return False
         before = snapshot(self)
-        with pytest.raises(mc.SlotStateError, match="in place|awaits the state"):
+        with pytest.raises(mc.SlotStateError, match=r"in place|awaits the state"):
             call()
         assert snapshot(self) == before
         return True

@@ -10,8 +10,11 @@ round), so a slow spell of a shared machine hits both alike:
   (header, ids, the rows, the acknowledgement), ``import_into`` of n slots and
   the receiver's ``flush_nowait`` (the copies into its pool);
 * ``in_place``: the same with ``export(..., in_place=True)`` of n slots that are
-  one run (no staging copy: the rows go straight from the pool slots), and
-  ``in_place_spread`` of the spread slots (the send gathers them: one copy);
+  one run (no staging copy: the rows go straight from the pool slots) and, on
+  the receiver, ``expect_import`` of its n slots (one run) before the round:
+  the rows land straight in them and ``import_into`` copies nothing;
+  ``in_place_spread``: the same from the spread slots (the send gathers them:
+  one copy);
 * ``send``: one ``dist.send`` / ``dist.recv`` of a ready contiguous buffer of the
   same bytes, the bound of this group and link.
 
@@ -142,6 +145,7 @@ class _Side:
         self.setup(n)
         for r in range(repeats + 2):
             for path in PATHS if r % 2 else PATHS[::-1]:
+                self.prepare(path, n)
                 self.dist.barrier()  # both sides start a round together: untimed
                 if path == "send":
                     self.plain(buf, keep=r >= 2)
@@ -151,6 +155,9 @@ class _Side:
 
     def setup(self, n: int) -> None:
         """Per-size state (slot choice, buffers)."""
+
+    def prepare(self, path: str, n: int) -> None:
+        """Before a round of ``path`` (untimed)."""
 
     def plain(self, buf: torch.Tensor, keep: bool) -> None:
         """One plain round."""
@@ -225,6 +232,14 @@ class _Receiver(_Side):
         """Receive the bytes, say done."""
         self.dist.recv(buf, 0)
         self.dist.send(self.done, 0)
+
+    def prepare(self, path: str, n: int) -> None:
+        """In place, the slots await the states from before the round (an engine allocates them when it admits
+        the requests, long before their states come)."""
+        if path.startswith("in_place"):
+            for s, r in zip(self.slots, [f"r{i}" for i in range(n)], strict=True):
+                self.mgr.expect_import(s, r)
+            self.mgr.flush_nowait()
 
     def transfer(self, path: str, n: int, keep: bool, check: bool) -> None:
         """Receive, import, flush, say done; then free the slots (untimed)."""

@@ -3,7 +3,8 @@
 ::
 
     _surface   CacheManager = ManagerCore + HandOff   the public manager: the core with the hand-off calls
-    _book      HandOffBook    every hand-off transition, under the queue's lock, as its SubmitGuard
+    _book      HandOffBook    every sender's hand-off transition, under the queue's lock; the queue's SubmitGuard
+    _arrivals  Arrivals       every receiver's: landing (in staging or in place), expecting, importing
     _transfer  StateTransfer  exported states to a peer, imported ones from it, over torch.distributed
     _link      Outbox, Inbox  one direction of a transfer: control through the group's store, bytes over gloo
     _reslice   StateLayout    re-slicing states between tensor-parallel sizes (ReslicingSender, -Receiver)

@@ -9,7 +9,10 @@ exports it and sends the batch: to its one decode rank when ``a >= b``, cut
 into the ``b / a`` shards of its decode ranks when ``a < b``
 (``ReslicingSender``). Each decode rank receives its shard (joined from
 ``a / b`` prefill ranks by a ``ReslicingReceiver`` when ``a > b``) and imports it
-into a dirty slot. The decode forward runs the full model too: at ``b > 1`` the
+into a dirty slot. Every other batch goes in place (``export(..., in_place=True)``
+on the prefill side, its slots awaiting it through ``expect_import`` on the
+decode side: no staging copy, no restore copy), the rest staged through the
+host pools. The decode forward runs the full model too: at ``b > 1`` the
 other decode ranks send their imported shards to the first, which gathers the
 whole state (checking that replicated parts agree) and decodes it, as a
 sharded forward would read the shards. Its tokens are compared with the
@@ -228,7 +231,7 @@ def _prefill(rank: int, cfg: PdConfig, model: SimModel, result: dict[str, Any]) 
     result.update(bytes=0, batches=0)
     with CacheManager(pool, host_pool=HostPool(pool.spec, cfg.batch)) as mgr:
         xfer, per_state = _sender(rank, cfg, layout, mgr)
-        for batch in _batches(cfg, model):
+        for number, batch in enumerate(_batches(cfg, model)):
             firsts, kvs = [], []
             slots = [mgr.alloc(1, request_id=rid)[0] for rid, _, _ in batch]
             mgr.flush_nowait()
@@ -242,7 +245,7 @@ def _prefill(rank: int, cfg: PdConfig, model: SimModel, result: dict[str, Any]) 
                 full = [t[:, j + 1 : j + 2] for t in scratch.tensors]
                 for dst, shard in zip(pool.tensors, layout.slice(full, tp, rank), strict=True):
                     dst[:, slot : slot + 1].copy_(shard)  # what a sharded forward would have written
-                mgr.export(slot, request_id=rid)
+                mgr.export(slot, request_id=rid, in_place=_in_place(cfg, number))
             mgr.flush_nowait()
             try:
                 xfer.send()
@@ -255,6 +258,12 @@ def _prefill(rank: int, cfg: PdConfig, model: SimModel, result: dict[str, Any]) 
             result["batches"] += 1
             if rank == 0:
                 _send_side(firsts, kvs, tp)
+
+
+def _in_place(cfg: PdConfig, number: int) -> bool:
+    """Whether batch ``number`` is handed over in place (every other one; never with ``skip-import``, whose decode
+    side allocates its slots itself)."""
+    return number % 2 == 1 and cfg.fault != "skip-import"
 
 
 def _send_side(firsts: list[int], kvs: list[Any], peer: int) -> None:
@@ -347,13 +356,17 @@ def _decode(rank: int, cfg: PdConfig, model: SimModel) -> dict[str, Any]:
     completed = batches = 0
     with CacheManager(pool, host_pool=HostPool(pool.spec, cfg.batch * 2)) as mgr:
         receiver = _receiver(rank, cfg, layout, mgr)
-        for batch in _batches(cfg, model):
+        for number, batch in enumerate(_batches(cfg, model)):
             if cfg.fault == "kill-peer" and batches == 1 and rank == b - 1:
                 os.kill(os.getpid(), signal.SIGKILL)  # a peer dies mid-run: the prefill side must notice, not hang
+            slots = list(range(1, len(batch) + 1))
+            if _in_place(cfg, number):  # admitted before their states come: they land in these slots
+                for slot, (rid, _, _) in zip(slots, batch, strict=True):
+                    mgr.expect_import(slot, request_id=rid)
+                mgr.flush_nowait()
             ids = receiver.receive()
             assert ids == [rid for rid, _, _ in batch], ids
             firsts, kvs = _recv_side(len(batch), 0) if rank == 0 else ([], [])
-            slots = list(range(1, len(batch) + 1))
             for slot, rid in zip(slots, ids, strict=True):
                 if cfg.fault == "skip-import":
                     mgr.alloc_slots([slot], rid)  # the bug the test must catch: the state never loaded

@@ -3,11 +3,14 @@
 Process 0 is the prefill engine: its step loop writes each request's state
 (the oracle: bytes drawn from the request id), exports it to a decode rank and
 flushes with a fault injected at a drawn aten op (a failed flush is repaired
-by the next), while one worker thread per decode rank sends. Each decode rank
+by the next), while one worker thread per decode rank sends; half the exports
+go in place (the send reads the pool slot while the step loop writes others). Each decode rank
 receives in a worker thread (sometimes sleeping past the timeout first, so the
 sender's batch fails and is retried) while its step loop imports, flushes with
 faults, checks every byte against the oracle and releases; its host pool is
-small, so batches are refused for room and retried. In the three-rank run the
+small, so batches are refused for room and retried, and its step loop keeps
+two slots awaiting the next states of its rank (``expect_import``: they land in
+place when the batch is all expected and settled, else in staging). In the three-rank run the
 second decode rank exits at a clean point halfway and a new process (not in the
 group's world: it joins through the store) takes its rank and receives the
 rest. Each process writes what it saw to ``out/<name>.json``; the test adds it
@@ -132,7 +135,7 @@ def prefill(peers: list[int], per_peer: int, out: str, seed: int, joiner: bool) 
                 _faulted_flush(mgr, rng)
                 for t, want in zip(pool.tensors, oracle(rid, pool), strict=True):
                     t[:, slot] = want  # the forward over the prompt
-                mgr.export(slot, rid, to=p)
+                mgr.export(slot, rid, to=p, in_place=rng.random() < 0.5)
                 exported[rid] = p
             _faulted_flush(mgr, rng)
             time.sleep(0.01)
@@ -154,7 +157,7 @@ def decode(rank: int, out: str, seed: int, *, store_port: int | None = None, sto
     pool = mc.StatePool(spec(), N)
     store = _store(store_port)
     name = f"decode{rank}" + ("-joined" if store_port else "")
-    stats: dict[str, Any] = {"verified": [], "failed_receives": 0, "delays": 0, "rank": rank}
+    stats: dict[str, Any] = {"verified": [], "failed_receives": 0, "delays": 0, "rank": rank, "expected": 0, "in_place": 0}
     with mc.CacheManager(pool, host_pool=mc.HostPool(spec(), DECODE_HOST)) as mgr:
         if store_port is None:
             xfer = mc.StateTransfer(mgr, dist.group.WORLD, peer=0, timeout=TIMEOUT)
@@ -181,18 +184,32 @@ def decode(rank: int, out: str, seed: int, *, store_port: int | None = None, sto
 
         thread = threading.Thread(target=receiver, daemon=True)
         thread.start()
+        expected: dict[str, int] = {}  # request id -> the slot awaiting its state
+        upcoming = (f"r{rank}-{i}" for i in range(10**6))  # this rank's ids, in export order
         while True:
             deadline.check(f"the step loop of {name}")
+            while len(expected) < 2 and pool.num_free > 2:
+                rid = next(upcoming)
+                slot = _free_slot(mgr)
+                try:
+                    mgr.expect_import(slot, rid)  # it may land in the receiver thread from here on
+                except mc.SlotStateError:
+                    continue  # arrived in staging already: imported into a free slot below
+                expected[rid] = slot
+                stats["expected"] += 1
             try:
                 rid = arrived.get(timeout=0.05)
             except queue.Empty:
                 if not thread.is_alive():
                     break  # it only ends once the queue can get nothing more
+                _faulted_flush(mgr, rng)  # the expected slots settle: a landing in place may follow
                 continue
             while not pool.num_free:
                 _faulted_flush(mgr, rng)
-            slot = _free_slot(mgr)
+            slot = expected.pop(rid, None) or _free_slot(mgr)
+            queued = len(mgr.queued())
             mgr.import_into(slot, rid)  # a landing may run in the receiver thread during this flush
+            stats["in_place"] += len(mgr.queued()) == queued  # landed in the slot itself: nothing to copy
             _faulted_flush(mgr, rng)
             for got, want in zip(pool.tensors, oracle(rid, pool), strict=True):
                 assert torch.equal(got[:, slot], want), f"{name}: {rid} arrived with other bytes"
@@ -205,6 +222,8 @@ def decode(rank: int, out: str, seed: int, *, store_port: int | None = None, sto
                 quit_.set()  # a clean point: the receiver ends after its current receive; what it got is checked
         thread.join(DEADLINE)
         assert not thread.is_alive(), "the receiver hung"
+        for rid, slot in expected.items():  # states that went to another engine of this rank, or never came
+            mgr.release(slot, rid)
         _faulted_flush(mgr, rng)
         mgr.check_idle(host=True)
     stats["stopped_early"] = bool(stop_after)

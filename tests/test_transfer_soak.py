@@ -49,7 +49,9 @@ def test_a_soak_loses_nothing_and_never_hangs(decoders: int, per_peer: int, tmp_
         f"soak {decoders + 1} ranks: {prefill['batches']} batches, {prefill['states']} states,"
         f" {prefill['failed_sends']} failed sends retried, {prefill['refusals']} refusals for room,"
         f" {sum(s['failed_receives'] for s in seen.values())} failed receives,"
-        f" {sum(s['delays'] for s in seen.values())} receiver delays past the timeout, 0 lost, 0 hangs,"
+        f" {sum(s['delays'] for s in seen.values())} receiver delays past the timeout,"
+        f" {sum(s['expected'] for s in seen.values())} slots awaiting states in place"
+        f" ({sum(s['in_place'] for s in seen.values())} landed there), 0 lost, 0 hangs,"
         f" every state at the rank it was exported to, {wall:.1f}s wall"
     )
     print(line)

@@ -157,7 +157,8 @@ def decode(rank: int, out: str, seed: int, *, store_port: int | None = None, sto
     pool = mc.StatePool(spec(), N)
     store = _store(store_port)
     name = f"decode{rank}" + ("-joined" if store_port else "")
-    stats: dict[str, Any] = {"verified": [], "failed_receives": 0, "delays": 0, "rank": rank, "expected": 0, "in_place": 0}
+    stats: dict[str, Any] = {"verified": [], "failed_receives": 0, "delays": 0, "rank": rank}
+    stats.update(expected=0, in_place=0)
     with mc.CacheManager(pool, host_pool=mc.HostPool(spec(), DECODE_HOST)) as mgr:
         if store_port is None:
             xfer = mc.StateTransfer(mgr, dist.group.WORLD, peer=0, timeout=TIMEOUT)

@@ -180,7 +180,6 @@ def test_an_export_in_place_is_traced_without_a_host_slot_and_the_analyzer_sees_
     assert report.anomalies == [], report.anomalies
 
 
-
 # -- arrivals in place: expect_import ---------------------------------------------------------------------------
 def _staged_batch(send: mc.CacheManager, ids: list[str], value: float) -> None:
     """Sender: ``ids`` exported from slots holding ``value`` (+ i for the i-th), flushed: ready to go."""

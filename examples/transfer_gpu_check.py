@@ -21,11 +21,16 @@ tensors over NCCL). Per size n (slots of the small bench preset, 1 MiB each):
    and sends host tensors, so this path is device -> host -> gloo -> host ->
    device. Every byte is compared with the sender's (the receiver rebuilds the
    sender's pool from the same seed): a mismatch exits 1.
-2. ``nccl send``: one ``dist.send`` of a CUDA buffer of the same bytes (NCCL,
+2. ``in place``: the same with ``export(..., in_place=True)`` on rank 0 and
+   ``expect_import`` of its n slots on rank 1 before the round: no host pool
+   slot on either side; the send copies the CUDA rows to the host itself, the
+   landing copies them into the awaiting CUDA slots and waits for that copy.
+   Every byte is checked the same way.
+3. ``nccl send``: one ``dist.send`` of a CUDA buffer of the same bytes (NCCL,
    device to device), synchronized on both sides: the bound of a
    device-staged transfer, which does not exist yet (docs/transfer.md says
    what it would take).
-3. ``gloo send``: one ``dist.send`` of a host buffer of the same bytes: the
+4. ``gloo send``: one ``dist.send`` of a host buffer of the same bytes: the
    wire the transfer uses today.
 
 Rounds alternate the paths; it prints medians and bests and the ratios. Last,
@@ -97,7 +102,8 @@ def rounds(
     fill(pool, 100 + rank)
     sent = mc.StatePool(SPEC, top)  # rank 1: rank 0's pool, rebuilt on the CPU from its seed
     fill(sent, 100)
-    paths = ["transfer", "gloo send"] + (["nccl send"] if nccl else [])
+    paths = ["transfer", "in place", "gloo send"] + (["nccl send"] if nccl else [])
+    handoffs = ("transfer", "in place")
     out: dict[int, dict[str, list[float]]] = {}
     with mc.CacheManager(pool, host_pool=host) as mgr:
         xfer = mc.StateTransfer(mgr, dist.group.WORLD, peer=1 - rank, timeout=TIMEOUT)
@@ -111,16 +117,20 @@ def rounds(
             ids = [f"r{i}" for i in range(n)]
             for r in range(repeats + 2):
                 for path in paths if r % 2 else paths[::-1]:
-                    if rank == 0 and path == "transfer":
+                    if rank == 0 and path in handoffs:
                         for s, i in zip(src, ids, strict=True):
                             mgr.alloc_slots([s], i, clear=False)
                         mgr.flush_nowait()
+                    if rank == 1 and path == "in place":  # admitted before the states come
+                        for s, i in zip(dst, ids, strict=True):
+                            mgr.expect_import(s, i)
+                        mgr.flush_nowait()
                     start(rank)
                     t0 = time.perf_counter()
-                    if path == "transfer":
+                    if path in handoffs:
                         if rank == 0:
                             for s, i in zip(src, ids, strict=True):
-                                mgr.export(s, i)
+                                mgr.export(s, i, in_place=path == "in place")
                             mgr.flush_nowait()
                             if xfer.send() != ids:
                                 raise SystemExit("the transfer did not deliver every export")
@@ -139,7 +149,7 @@ def rounds(
                     word(rank)
                     if rank == 0 and r >= 2:
                         times[path].append(time.perf_counter() - t0)
-                    if rank == 1 and path == "transfer":
+                    if rank == 1 and path in handoffs:
                         check(pool, sent, src, dst, n)
                         for s, i in zip(dst, ids, strict=True):
                             mgr.release(s, i)
@@ -209,8 +219,10 @@ def engine(rank: int, port: int, sizes: list[int], repeats: int, out: str, cpu: 
                 med = {p: statistics.median(v) * 1e3 for p, v in t.items()}
                 best = {p: min(v) * 1e3 for p, v in t.items()}
                 row = ", ".join(f"{p} {med[p]:.3f} ms (best {best[p]:.3f})" for p in t)
-                ratios = ", ".join(f"x {p} {med['transfer'] / med[p]:.2f}" for p in t if p != "transfer")
-                lines.append(f"n={n} ({n * SPEC.slot_bytes / 2**20:.1f} MiB): {row}; transfer {ratios}")
+                ratios = ", ".join(
+                    f"{h} x {p} {med[h] / med[p]:.2f}" for h in ("transfer", "in place") for p in t if "send" in p
+                )
+                lines.append(f"n={n} ({n * SPEC.slot_bytes / 2**20:.1f} MiB): {row}; {ratios}")
             lines.append(f"NCCL-only group: {note}")
             with open(os.path.join(out, "report.txt"), "w", encoding="utf-8") as f:
                 f.write("\n".join(lines) + "\n")

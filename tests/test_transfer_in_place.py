@@ -336,3 +336,21 @@ def test_an_arrival_in_place_is_traced_and_the_analyzer_sees_it_imported() -> No
     unimported = [json.dumps(r) for r in logs if r["event"] not in ("slot.import", "slot.release")]
     kinds = [a.kind for a in analyze_lines(unimported, expect_idle=True).anomalies]
     assert "import-never-completed" in kinds
+
+
+def test_the_analyzer_takes_a_null_host_only_where_a_hand_off_runs_in_place() -> None:
+    head = [json.dumps({"event": "slot.alloc", "step": 0, "slot": 1, "request_id": "a", "cleared": True})]
+    fine = [
+        {"event": "slot.export", "step": 1, "slot": 1, "host": None, "request_id": "a"},
+        {"event": "transfer.receive", "step": 1, "peer": 0, "request_ids": ["a"], "n": 1, "slots": [1], "bytes": 0},
+    ]
+    bad = [
+        {"event": "slot.offload", "step": 1, "slot": 1, "host": None, "request_id": "a"},
+        {"event": "slot.restore", "step": 1, "slot": 1, "host": None, "request_id": "a"},
+        {"event": "slot.import", "step": 1, "slot": 1, "request_id": "a"},  # no host at all
+        {"event": "transfer.receive", "step": 1, "peer": 0, "request_ids": ["a"], "n": 1, "slots": [-1]},
+    ]
+    for r in fine:
+        assert analyze_lines([*head, json.dumps(r)]).bad_lines == [], r
+    for r in bad:
+        assert [b.line for b in analyze_lines([*head, json.dumps(r)]).bad_lines] == [2], r

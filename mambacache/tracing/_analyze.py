@@ -212,7 +212,9 @@ def _checked(record: dict[str, Any]) -> dict[str, Any]:
         out["temporal_src"] = _int(record, "temporal_src", required=False)  # a second source, read as src is
     elif event in _HOST_EVENTS:
         out["slot"] = _int(record, "slot", required=True)
-        out["host"] = _int(record, "host", required=event in _STAGED)  # an export or import in place: null
+        if "host" not in record:  # present on every such line: null only for an export or import in place
+            raise ValueError("'host' must be an integer (null: in place), got missing")
+        out["host"] = _int(record, "host", required=event in _STAGED)
         out["peer"] = _int(record, "peer", required=False)
         out["to"] = _int(record, "to", required=False)  # an export's destination rank, when routed
         keep = record.get("keep", False)

@@ -46,10 +46,10 @@ class SlowLand(mc.CacheManager):
 class Side:
     """One rank's manager, pool and transfer, and the checks the cases share."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, timeout: float = TIMEOUT) -> None:
         self.pool = prefill_pool(50 + rank)
         self.mgr = SlowLand(self.pool, host_pool=mc.HostPool(spec(), HOST))
-        self.xfer = mc.StateTransfer(self.mgr, dist.group.WORLD, peer=1 - rank, timeout=TIMEOUT)
+        self.xfer = mc.StateTransfer(self.mgr, dist.group.WORLD, peer=1 - rank, timeout=timeout)
 
     def stage(self, ids: list[str], slots: list[int], seed: int) -> list[str]:
         """Sender: ``seed``'s states into ``slots``, exported under ``ids`` and flushed."""

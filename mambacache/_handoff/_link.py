@@ -316,11 +316,13 @@ class Inbox(_Direction):
                 self.store.delete_key(f"state/{m}")
         return got == decision
 
-    def offer(self, layers: int, shapes: Shapes, room: int, deadline: float) -> Batch:
-        """The next batch this side may take, judged against its layout (``layers``, ``shapes``) and ``room`` (how
+    def offer(self, layers: int, shapes: Shapes, room: Callable[[], int], deadline: float) -> Batch:
+        """The next batch this side may take, judged against its layout (``layers``, ``shapes``) and ``room()`` (how
         many states could land now: a larger batch is refused, typed, and retried by the sender).
 
-        Waits until ``deadline`` (``time.monotonic()``) for a header. A retry of
+        ``room`` is asked when each header arrives, not before the wait: the step
+        loop may free host slots meanwhile, and a refusal tells the sender how
+        many states to send next. Waits until ``deadline`` (``time.monotonic()``) for a header. A retry of
         the batch landed last is acknowledged and skipped; a refusal is written
         and raised (:class:`TransferRefusedError`). The batch returned has no
         decision yet: :meth:`take` it or :meth:`answer` it not landed.
@@ -331,8 +333,9 @@ class Inbox(_Direction):
             text = self.wait_key(f"hdr/{m}", deadline - time.monotonic())
             if text is None:
                 raise TransferError(f"no batch from rank {self.src}: timed out after {self.timeout:g}s")
+            free = room()
             refusal, header = _judge(
-                text, fp, room, self.src, lambda n, split: message_sizes(layers, shapes, n, split), self._last
+                text, fp, free, self.src, lambda n, split: message_sizes(layers, shapes, n, split), self._last
             )
             if refusal is None:
                 key = (str(header["tok"]), int(header["seq"]))
@@ -343,7 +346,7 @@ class Inbox(_Direction):
                 continue  # withdrawn or settled elsewhere, or a duplicate acknowledged again
             reason, _, rest = refusal.removeprefix("refuse:").partition(":")
             raise TransferRefusedError(
-                f"refused a batch from rank {self.src}: {rest.partition(':')[2]}", [], reason, room
+                f"refused a batch from rank {self.src}: {rest.partition(':')[2]}", [], reason, free
             )
 
     def take(self, batch: Batch, rows: list[torch.Tensor]) -> None:

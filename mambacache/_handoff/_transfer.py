@@ -337,7 +337,7 @@ class StateTransfer:
         Each is then read by ``manager.import_into(slot, request_id=...)``. Waits
         up to ``timeout`` for a batch (none: :class:`TransferError`, and the next
         call waits again), then up to ``timeout`` for its bytes. A batch larger
-        than ``manager.landing_room()``, of another spec or of an impossible size
+        than ``manager.landing_room()`` (asked when its header arrives), of another spec or of an impossible size
         is refused before anything is allocated (:class:`TransferRefusedError`,
         the sender keeps it); a batch landed already (its acknowledgement was
         lost) is acknowledged again and not landed twice, whatever the room.
@@ -347,7 +347,7 @@ class StateTransfer:
             self._check_answered()
             deadline = time.monotonic() + self._in.timeout
             while True:
-                batch = self._in.offer(self._layers(), self._shapes(), mgr.landing_room(), deadline)
+                batch = self._in.offer(self._layers(), self._shapes(), mgr.landing_room, deadline)
                 try:
                     # The staging slots are taken before the answer, so the bytes may arrive straight into
                     # them; they count as arrived (importable) only once written.
@@ -408,7 +408,7 @@ class StateTransfer:
             self._check_answered()
             deadline = time.monotonic() + self._in.timeout
             while True:
-                batch = self._in.offer(self._layers(), shapes, self._mgr.landing_room(), deadline)
+                batch = self._in.offer(self._layers(), shapes, self._mgr.landing_room, deadline)
                 try:
                     self._in.take(batch, _Buffers().rows(self._layers(), len(batch.ids), shapes))
                 except Withdrawn:

@@ -10,14 +10,16 @@ sides idle (``tests/_transfer_link_worker.py`` holds the shared checks).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-from mambacache._handoff._link import Inbox
+import mambacache as mc
+from mambacache._handoff._link import Inbox, root_store
 
-from ._transfer_link_worker import Side
+from ._transfer_link_worker import Side, _fails
 from ._transfer_worker import HOST
 
 
@@ -82,25 +84,83 @@ def room_freed_receiver(me: Side) -> None:
     me.idle()
 
 
+def _direction(src: int, dst: int) -> Any:
+    """A plain client's view of direction ``src > dst`` in the store, as another process on that rank has it."""
+    return dist.distributed_c10d.PrefixStore(
+        f"mambacache/xfer/{src}>{dst}/", root_store(dist.distributed_c10d._get_default_store())
+    )
+
+
+def _until(call: Callable[[], list[str]], tries: int = 4) -> list[str]:
+    """``call`` until it returns without a TransferError (a failed try costs one timeout), at most ``tries``."""
+    for _ in range(tries - 1):
+        try:
+            return call()
+        except mc.TransferError:
+            pass
+    return call()
+
+
+def unwritten_sender(me: Side) -> None:
+    _direction(0, 1).add("posted", 1)  # what a sender on this rank that died between its two writes leaves
+    dist.barrier()
+    ids = me.stage(["u1", "u2"], [1, 2], 42)
+    assert _until(me.xfer.send) == ids, "after a header number that was never written"
+    me.idle()
+
+
+def unwritten_receiver(me: Side) -> None:
+    """A sender dies after taking a header number (``posted``) and before writing the header; a new one takes the
+    rank. The receiver waited for that header forever ("no batch" on every receive) and never took another."""
+    dist.barrier()
+    assert _until(me.xfer.receive) == ["u1", "u2"], "a header number never written stopped the direction"
+    me.imports(["u1", "u2"], [4, 5], [1, 2], 42, "after a header number never written")
+    me.idle()
+
+
+def uncounted_sender(me: Side) -> None:
+    ids = me.stage(["c1"], [3], 43)
+    exc = _fails(me.xfer.send, "a receiver that refused and died", "room")
+    assert exc.request_ids == ids, repr(exc)
+    dist.barrier()
+    assert _until(me.xfer.send) == ids, "after a header settled by a receiver that died before counting it"
+    me.idle()
+
+
+def uncounted_receiver(me: Side) -> None:
+    """A receiver dies after writing its decision (or acknowledgement) and before counting the header
+    (``taken``); its sender reads the decision and deletes the header. The next receiver on the rank waited for
+    that header forever and never took another."""
+    store = _direction(0, 1)
+    store.wait(["hdr/1"], timedelta(seconds=10))
+    assert store.compare_set("state/1", "", "refuse:room:0:dead") == b"refuse:room:0:dead"  # then dies
+    dist.barrier()
+    assert _until(me.xfer.receive) == ["c1"], "a header settled and never counted stopped the direction"
+    me.imports(["c1"], [4], [3], 43, "after a header settled and never counted")
+    me.idle()
+
+
+# name: (sender, receiver, the transfers' timeout)
 CASES = {
-    "room freed while the receiver waits": (room_freed_sender, room_freed_receiver),
+    # long enough for the receiver's step loop to free its host pool inside the receive's wait
+    "room freed while the receiver waits": (room_freed_sender, room_freed_receiver, 5.0),
+    "a header number its sender never wrote": (unwritten_sender, unwritten_receiver, 1.0),
+    "a header settled and never counted": (uncounted_sender, uncounted_receiver, 1.0),
 }
 
-TIMEOUT = 5.0  # long enough for the receiver's step loop to free its host pool inside the receive's wait
 
-
-def wire_worker(rank: int, port: int, cases: list[str]) -> None:
+def wire_worker(rank: int, port: int, case: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=30)
     )
     try:
-        me = Side(rank, timeout=TIMEOUT)
+        sender, receiver, timeout = CASES[case]
+        me = Side(rank, timeout=timeout)
         with me.mgr:
-            for name in cases:
-                dist.barrier()
-                try:
-                    CASES[name][rank](me)
-                except AssertionError as exc:
-                    raise AssertionError(f"{name} (rank {rank}): {exc}") from exc
+            dist.barrier()
+            try:
+                (sender, receiver)[rank](me)
+            except AssertionError as exc:
+                raise AssertionError(f"{case} (rank {rank}): {exc}") from exc
     finally:
         dist.destroy_process_group()

@@ -16,4 +16,4 @@ from .test_distributed import free_port
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_wire_holds_under_attack(case: str) -> None:
-    mp.spawn(wire_worker, args=(free_port(), [case]), nprocs=2, join=True)
+    mp.spawn(wire_worker, args=(free_port(), case), nprocs=2, join=True)

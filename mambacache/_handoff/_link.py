@@ -14,7 +14,9 @@ the store (``docs/transfer.md`` has the whole protocol)::
                     or the sender's "withdrawn" (its wait for a decision timed out: nothing was sent)
     pair/{name}/..  the gloo pair's rendezvous (name changes after every failure)
     ack/{m}         receiver: "ok:<n>" | "refuse:room:<room>:<why>" | "fail:<why>"
-    taken           receiver: how many headers it has settled (a restarted receiver continues from it)
+    taken           receiver: how many headers it has settled (a restarted receiver continues from it; a header
+                    that is absent when its wait times out while a later one was posted is counted too: its
+                    sender or its receiver died between two writes, see Inbox._lost)
 
 A batch is ``(token, seq)``: a retry of a batch in doubt carries the same pair,
 and a receiver that landed it already answers ``dup`` (an acknowledgement) and
@@ -316,6 +318,17 @@ class Inbox(_Direction):
                 self.store.delete_key(f"state/{m}")
         return got == decision
 
+    def _lost(self, m: int) -> bool:
+        """Count header ``m`` settled, and say so, when it will never be there: absent while a later one was
+        posted. A live sender takes a number only after it wrote the header of the last, so either the sender of
+        ``m`` died between taking the number and writing the header, or it read the answer of a receiver that
+        died before counting ``m`` and deleted the header. Waited for, either stopped the direction for good
+        (every later receive "no batch"). Asked only after a wait timed out: no store call on the common path."""
+        if int(self.call("add", "posted", 0)) <= m or self.call("check", [f"hdr/{m}"]):
+            return False
+        self.call("add", "taken", 1)
+        return True
+
     def offer(self, layers: int, shapes: Shapes, room: Callable[[], int], deadline: float) -> Batch:
         """The next batch this side may take, judged against its layout (``layers``, ``shapes``) and ``room()`` (how
         many states could land now: a larger batch is refused, typed, and retried by the sender).
@@ -332,6 +345,8 @@ class Inbox(_Direction):
             m = int(self.call("add", "taken", 0)) + 1
             text = self.wait_key(f"hdr/{m}", deadline - time.monotonic())
             if text is None:
+                if self._lost(m):
+                    continue
                 raise TransferError(f"no batch from rank {self.src}: timed out after {self.timeout:g}s")
             free = room()
             refusal, header = _judge(

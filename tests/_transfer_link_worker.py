@@ -30,12 +30,15 @@ TIMEOUT = 2.0
 
 class SlowLand(mc.CacheManager):
     """A receiver's manager that takes ``delay`` seconds to land a batch once its bytes arrived (the receive
-    writes them inside ``land``), so its acknowledgement comes late."""
+    writes them inside ``land``), so its acknowledgement comes late; ``before``: seconds inside ``land`` before the
+    write (the batch's slots taken, its ``go`` not written yet)."""
 
     delay = 0.0
+    before = 0.0
 
     def land(self, request_ids: list[str], write: Callable[[list[int]], None] | None = None) -> list[int]:
         def slow(hosts: list[int]) -> None:
+            time.sleep(self.before)
             if write is not None:
                 write(hosts)
             time.sleep(self.delay)

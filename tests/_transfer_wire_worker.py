@@ -140,12 +140,44 @@ def uncounted_receiver(me: Side) -> None:
     me.idle()
 
 
+def withdrawn_sender(me: Side) -> None:
+    ids = me.stage(["w1"], [1], 44)
+    done = root_store(dist.distributed_c10d._get_default_store())
+    for _ in range(12):  # a sender that retries at once, as a send loop does, until the receiver gave up
+        if done.check(["wire/received"]):
+            break
+        _fails(me.xfer.send, "a receiver whose landing outlasts this side's wait for its decision")
+    dist.barrier()
+    assert me.xfer.send() == ids, "the retry once the receiver lands in time"
+    me.idle()
+
+
+def withdrawn_receiver(me: Side) -> None:
+    """A receive whose landing takes longer than its sender's wait for a decision (slots taken, ``go`` not written
+    yet), while its sender retries at once: every header is withdrawn before the ``go``, and the receive went on to
+    the next header, again and again, past its timeout for as long as the sender retried (a hang). It fails once
+    its timeout is spent, with nothing landed."""
+    me.mgr.before = 1.5 * me.xfer._in.timeout  # type: ignore[attr-defined]
+    try:
+        _fails(me.xfer.receive, "a receive whose every header is withdrawn before its go")
+    finally:
+        me.mgr.before = 0.0
+        root_store(dist.distributed_c10d._get_default_store()).set("wire/received", "1")
+    host = me.mgr.host_pool
+    assert host is not None and host.num_held == 0, "a withdrawn batch kept its landing slots"
+    dist.barrier()
+    assert _until(me.xfer.receive) == ["w1"]
+    me.imports(["w1"], [4], [1], 44, "after batches withdrawn before their go")
+    me.idle()
+
+
 # name: (sender, receiver, the transfers' timeout)
 CASES = {
     # long enough for the receiver's step loop to free its host pool inside the receive's wait
     "room freed while the receiver waits": (room_freed_sender, room_freed_receiver, 5.0),
     "a header number its sender never wrote": (unwritten_sender, unwritten_receiver, 1.0),
     "a header settled and never counted": (uncounted_sender, uncounted_receiver, 1.0),
+    "every header withdrawn before its go": (withdrawn_sender, withdrawn_receiver, 1.0),
 }
 
 

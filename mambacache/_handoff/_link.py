@@ -364,6 +364,17 @@ class Inbox(_Direction):
                 f"refused a batch from rank {self.src}: {rest.partition(':')[2]}", [], reason, free
             )
 
+    def check_left(self, deadline: float) -> None:
+        """After a batch its sender withdrew before this side's ``go``: :class:`TransferError` once the receive's
+        wait (until ``deadline``) is spent, else nothing (take the next header). Without it a receive whose landing
+        outlasts its sender's wait for a decision went on to the retry, and the next, each withdrawn in turn, for
+        as long as the sender retried: past its timeout, without end."""
+        if time.monotonic() >= deadline:
+            raise TransferError(
+                f"no batch from rank {self.src} taken within {self.timeout:g}s: its sender withdrew each before this"
+                " side's go (the landing took longer than the sender waits for a decision)"
+            )
+
     def take(self, batch: Batch, rows: list[torch.Tensor]) -> None:
         """Answer ``go`` for ``batch`` and receive its bytes into ``rows`` (:func:`messages` of them, in place).
 

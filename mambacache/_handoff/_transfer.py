@@ -352,8 +352,9 @@ class StateTransfer:
                     # The staging slots are taken before the answer, so the bytes may arrive straight into
                     # them; they count as arrived (importable) only once written.
                     slots = mgr.land(batch.ids, partial(self._take, batch))
-                except Withdrawn:
-                    continue  # its sender gave up on it first: nothing arrived, the next header may
+                except Withdrawn:  # its sender gave up on it first: nothing arrived, the next header may
+                    self._in.check_left(deadline)
+                    continue
                 except PoolExhaustedError as exc:  # room went elsewhere since the header was judged
                     self._in.answer(batch, False, f"room:{mgr.landing_room()}:{exc}")
                     raise TransferRefusedError(
@@ -412,6 +413,7 @@ class StateTransfer:
                 try:
                     self._in.take(batch, _Buffers().rows(self._layers(), len(batch.ids), shapes))
                 except Withdrawn:
+                    self._in.check_left(deadline)
                     continue
                 return batch.ids, batch.rows
 

@@ -171,6 +171,55 @@ def withdrawn_receiver(me: Side) -> None:
     me.idle()
 
 
+# (split, where the landing fails): both wire layouts (the split batch lands straight into one run of slots)
+FAILS = [(split, where) for split in (True, False) for where in ("before", "after")]
+
+
+def failing_landing_sender(me: Side) -> None:
+    import mambacache._handoff._transfer as xfer_mod
+
+    real = xfer_mod.SPLIT_BYTES
+    try:
+        for k, (split, where) in enumerate(FAILS):
+            xfer_mod.SPLIT_BYTES = 0 if split else 2**62
+            ids = me.stage([f"l{k}a", f"l{k}b"], [1, 2], 45 + k)
+            dist.barrier()
+            exc = _fails(me.xfer.send, f"a landing that fails {where} (split {split})", "failed")
+            assert exc.request_ids == ids, repr(exc)
+            me.holds(ids, f"a batch whose landing failed {where} was delivered")
+            dist.barrier()
+            assert me.xfer.send() == ids, f"the retry after a landing that failed {where} (split {split})"
+            me.idle()
+    finally:
+        xfer_mod.SPLIT_BYTES = real
+
+
+def failing_landing_receiver(me: Side) -> None:
+    """A landing that fails before its ``go`` (the batch's slots taken) or after its bytes arrived (straight into
+    its slots, or through the buffers): the slots are freed, nothing arrived, the sender is told so (not in
+    doubt), and the retry lands once, byte for byte."""
+    host = me.mgr.host_pool
+    assert host is not None
+    for k, (split, where) in enumerate(FAILS):
+        me.mgr.fail = where
+        dist.barrier()
+        try:
+            me.xfer.receive()
+        except (MemoryError, mc.TransferError):  # the landing's own error (or one typed as the transfer's)
+            pass
+        else:
+            raise AssertionError(f"a landing that failed {where} (split {split}) returned")
+        finally:
+            me.mgr.fail = ""
+        assert host.num_held == 0, f"a landing that failed {where} (split {split}) kept its slots"
+        me.idle()
+        dist.barrier()
+        ids = [f"l{k}a", f"l{k}b"]
+        assert me.xfer.receive() == ids
+        me.imports(ids, [4, 5], [1, 2], 45 + k, f"the retry after a landing that failed {where} (split {split})")
+        me.idle()
+
+
 # name: (sender, receiver, the transfers' timeout)
 CASES = {
     # long enough for the receiver's step loop to free its host pool inside the receive's wait
@@ -178,6 +227,7 @@ CASES = {
     "a header number its sender never wrote": (unwritten_sender, unwritten_receiver, 1.0),
     "a header settled and never counted": (uncounted_sender, uncounted_receiver, 1.0),
     "every header withdrawn before its go": (withdrawn_sender, withdrawn_receiver, 1.0),
+    "a landing that fails before its go or after its bytes": (failing_landing_sender, failing_landing_receiver, 2.0),
 }
 
 

@@ -9,18 +9,24 @@ sides idle (``tests/_transfer_link_worker.py`` holds the shared checks).
 
 from __future__ import annotations
 
+import contextlib
+import queue
+import random
 import threading
+import time
+import zlib
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 import mambacache as mc
 from mambacache._handoff._link import Inbox, root_store
 
 from ._transfer_link_worker import Side, _fails
-from ._transfer_worker import HOST
+from ._transfer_worker import HOST, N
 
 
 class Waits:
@@ -220,6 +226,110 @@ def failing_landing_receiver(me: Side) -> None:
         me.idle()
 
 
+RANDOM_STATES = 40
+RANDOM_FAULTS = ["none", "none", "none", "before", "after", "slow go", "late ack", "late receiver"]
+
+
+def _oracle(rid: str, pool: mc.StatePool) -> list[torch.Tensor]:
+    """Request ``rid``'s state, one ``[layers, *state]`` tensor per pool tensor: the same in both processes."""
+    g = torch.Generator().manual_seed(zlib.crc32(rid.encode()))
+    return [torch.randn(t[:, 0].shape, generator=g).to(t.dtype) for t in pool.tensors]
+
+
+def random_sender(me: Side) -> None:
+    """The sender's step loop exports states one by one (staging slots in and out of one run) while a thread
+    sends, each batch split or not at random, retrying every failure at once."""
+    import mambacache._handoff._transfer as xfer_mod
+
+    rng, exported, delivered = random.Random(7), [], []
+    real = xfer_mod.SPLIT_BYTES
+
+    def send_loop() -> None:
+        while len(delivered) < RANDOM_STATES:
+            xfer_mod.SPLIT_BYTES = 0 if rng.random() < 0.6 else 2**62
+            with contextlib.suppress(mc.TransferError):  # every failure retried at once
+                delivered.extend(me.xfer.send())
+            time.sleep(rng.random() * 0.02)
+
+    thread = threading.Thread(target=send_loop)
+    thread.start()
+    try:
+        end = time.monotonic() + 60
+        for k in range(RANDOM_STATES):
+            while len(me.mgr.held()) >= HOST:  # every staging slot taken: wait for deliveries
+                assert time.monotonic() < end, "the sender's exports were never delivered (a hang)"
+                me.mgr.flush_nowait()
+                time.sleep(0.01)
+            rid = f"r{k}"
+            (slot,) = me.mgr.alloc(1, rid, clear=False)
+            me.mgr.flush_nowait()
+            for t, want in zip(me.pool.tensors, _oracle(rid, me.pool), strict=True):
+                t[:, slot] = want
+            me.mgr.export(slot, rid)
+            exported.append(rid)
+            me.mgr.flush_nowait()
+        thread.join(60)
+        assert not thread.is_alive(), "the send loop hung"
+    finally:
+        xfer_mod.SPLIT_BYTES = real
+    assert sorted(delivered) == sorted(exported), "a state was delivered twice or never"
+    me.mgr.flush_nowait()
+    me.idle()
+
+
+def random_receiver(me: Side) -> None:
+    """A receive thread whose landing fails before its go or after its bytes, outlasts the sender's wait for a
+    decision (withdrawn) or for the acknowledgement (in doubt: the retry is acknowledged, not landed again), or
+    comes late, at random, while the step loop imports each state that arrived and checks its bytes: every state
+    arrives exactly once, none is lost, no call outlasts its timeouts (found the withdrawn-header hang)."""
+    rng, timeout = random.Random(8), me.xfer._in.timeout  # type: ignore[attr-defined]
+    arrived: queue.Queue[str] = queue.Queue()
+    seen: list[str] = []
+
+    def receive_loop() -> None:
+        while len(seen) < RANDOM_STATES:
+            fault = rng.choice(RANDOM_FAULTS)
+            me.mgr.fail = {"before": "before", "after": "after"}.get(fault, "")
+            me.mgr.before = timeout * rng.uniform(0.9, 1.1) if fault == "slow go" else 0.0
+            me.mgr.delay = 1.3 * timeout if fault == "late ack" else 0.0
+            if fault == "late receiver":
+                time.sleep(1.3 * timeout)
+            start = time.monotonic()
+            try:
+                ids = me.xfer.receive()
+            except (mc.TransferError, MemoryError):
+                ids = []
+            finally:
+                me.mgr.fail, me.mgr.before, me.mgr.delay = "", 0.0, 0.0
+            assert time.monotonic() - start < 4 * timeout + 2, f"a receive ({fault}) outlasted its timeouts"
+            seen.extend(ids)
+            for rid in ids:
+                arrived.put(rid)
+
+    thread = threading.Thread(target=receive_loop)
+    thread.start()
+    end = time.monotonic() + 60
+    done = 0
+    while done < RANDOM_STATES:
+        assert time.monotonic() < end and (thread.is_alive() or not arrived.empty()), "states never arrived"
+        try:
+            rid = arrived.get(timeout=0.05)
+        except queue.Empty:
+            continue
+        slot = next(s for s in range(1, N + 1) if s not in me.mgr.held())
+        me.mgr.import_into(slot, rid)
+        me.mgr.flush_nowait()
+        for got, want in zip(me.pool.tensors, _oracle(rid, me.pool), strict=True):
+            assert torch.equal(got[:, slot], want), f"{rid} arrived with other bytes"
+        me.mgr.release(slot, rid)
+        me.mgr.flush_nowait()
+        done += 1
+    thread.join(60)
+    assert not thread.is_alive(), "the receive loop hung"
+    assert sorted(seen) == sorted(f"r{k}" for k in range(RANDOM_STATES)), "a state arrived twice or never"
+    me.idle()
+
+
 # name: (sender, receiver, the transfers' timeout)
 CASES = {
     # long enough for the receiver's step loop to free its host pool inside the receive's wait
@@ -228,6 +338,7 @@ CASES = {
     "a header settled and never counted": (uncounted_sender, uncounted_receiver, 1.0),
     "every header withdrawn before its go": (withdrawn_sender, withdrawn_receiver, 1.0),
     "a landing that fails before its go or after its bytes": (failing_landing_sender, failing_landing_receiver, 2.0),
+    "random landing faults": (random_sender, random_receiver, 0.5),
 }
 
 

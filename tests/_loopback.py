@@ -17,6 +17,7 @@ process; tests/test_transfer.py runs the real thing over gloo.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -72,13 +73,13 @@ class OneBatch:
         self.rooms: list[int] = []  # the room each offer was judged against
         self.answers: list[tuple[bool, str]] = []
 
-    def offer(self, layers: int, shapes: Any, room: Any, deadline: float) -> Any:
+    def offer(self, layers: int, shapes: Any, room: Callable[[list[str]], int], deadline: float) -> Any:
         from mambacache._handoff._link import Batch, message_sizes
 
         self.offers += 1
         n = len(self.rows[0][0]) if self.rows else 1
         ids = ["r"] if n == 1 else [f"r{i}" for i in range(n)]
-        self.rooms.append(room(ids))
+        self.rooms.append(room(ids))  # asked when the header arrives, as Inbox.offer does
         self.waiting = Batch(1, ids, ("t", 1), "p", False, message_sizes(layers, shapes, n, False))
         return self.waiting
 

@@ -30,14 +30,23 @@ TIMEOUT = 2.0
 
 class SlowLand(mc.CacheManager):
     """A receiver's manager that takes ``delay`` seconds to land a batch once its bytes arrived (the receive
-    writes them inside ``land``), so its acknowledgement comes late."""
+    writes them inside ``land``), so its acknowledgement comes late; ``before``: seconds inside ``land`` before the
+    write (the batch's slots taken, its ``go`` not written yet); ``fail``: a MemoryError there (``"before"``) or
+    once the bytes were written (``"after"``)."""
 
     delay = 0.0
+    before = 0.0
+    fail = ""
 
     def land(self, request_ids: list[str], write: Callable[[list[int]], None] | None = None) -> list[int]:
         def slow(hosts: list[int]) -> None:
+            time.sleep(self.before)
+            if self.fail == "before":
+                raise MemoryError("injected: the landing failed before its go")
             if write is not None:
                 write(hosts)
+            if self.fail == "after":
+                raise MemoryError("injected: the landing failed after its bytes")
             time.sleep(self.delay)
 
         return super().land(request_ids, slow)
@@ -46,10 +55,10 @@ class SlowLand(mc.CacheManager):
 class Side:
     """One rank's manager, pool and transfer, and the checks the cases share."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, timeout: float = TIMEOUT) -> None:
         self.pool = prefill_pool(50 + rank)
         self.mgr = SlowLand(self.pool, host_pool=mc.HostPool(spec(), HOST))
-        self.xfer = mc.StateTransfer(self.mgr, dist.group.WORLD, peer=1 - rank, timeout=TIMEOUT)
+        self.xfer = mc.StateTransfer(self.mgr, dist.group.WORLD, peer=1 - rank, timeout=timeout)
 
     def stage(self, ids: list[str], slots: list[int], seed: int) -> list[str]:
         """Sender: ``seed``'s states into ``slots``, exported under ``ids`` and flushed."""

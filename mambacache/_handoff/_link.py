@@ -14,7 +14,9 @@ the store (``docs/transfer.md`` has the whole protocol)::
                     or the sender's "withdrawn" (its wait for a decision timed out: nothing was sent)
     pair/{name}/..  the gloo pair's rendezvous (name changes after every failure)
     ack/{m}         receiver: "ok:<n>" | "refuse:room:<room>:<why>" | "fail:<why>"
-    taken           receiver: how many headers it has settled (a restarted receiver continues from it)
+    taken           receiver: how many headers it has settled (a restarted receiver continues from it; a header
+                    that is absent when its wait times out while a later one was posted is counted too: its
+                    sender or its receiver died between two writes, see Inbox._lost)
 
 A batch is ``(token, seq)``: a retry of a batch in doubt carries the same pair,
 and a receiver that landed it already answers ``dup`` (an acknowledgement) and
@@ -314,12 +316,25 @@ class Inbox(_Direction):
                 self.store.delete_key(f"state/{m}")
         return got == decision
 
+    def _lost(self, m: int) -> bool:
+        """Count header ``m`` settled, and say so, when it will never be there: absent while a later one was
+        posted. A live sender takes a number only after it wrote the header of the last, so either the sender of
+        ``m`` died between taking the number and writing the header, or it read the answer of a receiver that
+        died before counting ``m`` and deleted the header. Waited for, either stopped the direction for good
+        (every later receive "no batch"). Asked only after a wait timed out: no store call on the common path."""
+        if int(self.call("add", "posted", 0)) <= m or self.call("check", [f"hdr/{m}"]):
+            return False
+        self.call("add", "taken", 1)
+        return True
+
     def offer(self, layers: int, shapes: Shapes, room: Callable[[list[str]], int], deadline: float) -> Batch:
         """The next batch this side may take, judged against its layout (``layers``, ``shapes``) and ``room(ids)``
         (how many states of a batch of ``ids`` could land now: a larger batch is refused, typed, and retried by
         the sender).
 
-        Waits until ``deadline`` (``time.monotonic()``) for a header. A retry of
+        ``room`` is asked when each header arrives, not before the wait: the step
+        loop may free host slots meanwhile, and a refusal tells the sender how
+        many states to send next. Waits until ``deadline`` (``time.monotonic()``) for a header. A retry of
         the batch landed last is acknowledged and skipped; a refusal is written
         and raised (:class:`TransferRefusedError`). The batch returned has no
         decision yet: :meth:`take` it or :meth:`answer` it not landed.
@@ -329,6 +344,8 @@ class Inbox(_Direction):
             m = int(self.call("add", "taken", 0)) + 1
             text = self.wait_key(f"hdr/{m}", deadline - time.monotonic())
             if text is None:
+                if self._lost(m):
+                    continue
                 raise TransferError(f"no batch from rank {self.src}: timed out after {self.timeout:g}s")
             refusal, header = _judge(
                 text, fp, room, self.src, lambda n, split: message_sizes(layers, shapes, n, split), self._last
@@ -344,6 +361,17 @@ class Inbox(_Direction):
             had, _, text = rest.partition(":")
             raise TransferRefusedError(
                 f"refused a batch from rank {self.src}: {text}", [], reason, int(had) if had.isdigit() else None
+            )
+
+    def check_left(self, deadline: float) -> None:
+        """After a batch its sender withdrew before this side's ``go``: :class:`TransferError` once the receive's
+        wait (until ``deadline``) is spent, else nothing (take the next header). Without it a receive whose landing
+        outlasts its sender's wait for a decision went on to the retry, and the next, each withdrawn in turn, for
+        as long as the sender retried: past its timeout, without end."""
+        if time.monotonic() >= deadline:
+            raise TransferError(
+                f"no batch from rank {self.src} taken within {self.timeout:g}s: its sender withdrew each before this"
+                " side's go (the landing took longer than the sender waits for a decision)"
             )
 
     def take(self, batch: Batch, raw: list[torch.Tensor]) -> None:

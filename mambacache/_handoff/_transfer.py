@@ -404,7 +404,7 @@ class StateTransfer:
         Each is then read by ``manager.import_into(slot, request_id=...)``. Waits
         up to ``timeout`` for a batch (none: :class:`TransferError`, and the next
         call waits again), then up to ``timeout`` for its bytes. A batch larger
-        than ``manager.landing_room()``, of another spec or of an impossible size
+        than ``manager.landing_room()`` (asked when its header arrives), of another spec or of an impossible size
         is refused before anything is allocated (:class:`TransferRefusedError`,
         the sender keeps it); a batch landed already (its acknowledgement was
         lost) is acknowledged again and not landed twice, whatever the room.
@@ -423,8 +423,9 @@ class StateTransfer:
                     in_place = slots is not None
                     if slots is None:
                         slots = mgr.land(batch.ids, partial(self._take, batch, False))
-                except Withdrawn:
-                    continue  # its sender gave up on it first: nothing arrived, the next header may
+                except Withdrawn:  # its sender gave up on it first: nothing arrived, the next header may
+                    self._in.check_left(deadline)
+                    continue
                 except PoolExhaustedError as exc:  # room went elsewhere since the header was judged
                     self._in.answer(batch, False, f"room:{mgr.landing_room()}:{exc}")
                     raise TransferRefusedError(
@@ -490,6 +491,7 @@ class StateTransfer:
                 try:
                     self._in.take(batch, messages(rows, batch.split))
                 except Withdrawn:
+                    self._in.check_left(deadline)
                     continue
                 return batch.ids, rows
 

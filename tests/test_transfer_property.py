@@ -148,7 +148,7 @@ class Engine:
             del self.awaiting[rid]
 
     def offload(self, slot: int) -> int | None:
-        if len(self.hosts) < H and self.refused(slot, lambda: self.mgr.offload(slot), write=False):
+        if self.refused(slot, lambda: self.mgr.offload(slot), write=False):  # before the host pool's room
             return None
         if len(self.hosts) == H:
             with pytest.raises(mc.PoolExhaustedError):

@@ -86,6 +86,11 @@ class Arrivals:
                 " or release() it to give the state up"
             )
 
+    def awaiting_in(self, slot: int) -> str | None:
+        """The request id awaiting its state in ``slot``, if any (under the lock: one consistent read)."""
+        with self._queue.lock:
+            return self.slots.get(slot)
+
     def withdraw_check_locked(self, slot: int) -> bool:
         """Whether a release of ``slot`` ends an arrival in place; raises, changing nothing, while its bytes are
         being written."""

@@ -146,6 +146,13 @@ class HandOff:
             raise InvalidArgumentError("expect_import needs the request's id: the state arrives under it")
         self._book("expect_import").arrivals.expect(as_slot(slot, self._pool.num_slots), request_id)
 
+    def awaiting_import(self, slot: int) -> str | None:
+        """The request whose state ``slot`` awaits from a peer (:meth:`expect_import`, not imported or released
+        since), else None: such a slot holds no state yet, so every call that reads or writes it is refused."""
+        slot = as_slot(slot, self._pool.num_slots)
+        book = self._handoff
+        return None if book is None else book.arrivals.awaiting_in(slot)
+
     def discard_arrived(self, request_id: str) -> int:
         """The state that arrived for ``request_id`` will not be imported (the request was aborted): its staging
         host slot is dropped from this point. Returns it; :class:`SlotStateError`, nothing changed, when no state

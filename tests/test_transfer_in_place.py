@@ -336,3 +336,65 @@ def test_an_arrival_in_place_is_traced_and_the_analyzer_sees_it_imported() -> No
     unimported = [json.dumps(r) for r in logs if r["event"] not in ("slot.import", "slot.release")]
     kinds = [a.kind for a in analyze_lines(unimported, expect_idle=True).anomalies]
     assert "import-never-completed" in kinds
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_landing_that_a_close_overtakes_is_not_acknowledged_and_keeps_the_pool_from_the_next_manager(
+    in_place: bool,
+) -> None:
+    """A receive thread writes a batch's rows while the step loop closes the manager. Before, the landing ended
+    as arrived on the closed manager (where nothing can import it) and was acknowledged, so the sender released
+    the state: lost; and the close freed the pool for the next manager while the rows were still being written
+    into its slots. Now the closed manager keeps the pool claimed until the write ends, and a landing that ends
+    on a manager no longer open is not an arrival: the receive raises ManagerClosedError and answers that
+    nothing landed (the sender keeps the state), the slot still held by the request (in place) or the staging
+    host slot free again."""
+    import threading
+
+    import mambacache._handoff._transfer as xfer_mod
+
+    from ._loopback import OneBatch
+
+    pool, host = mc.StatePool(SPEC, 6), mc.HostPool(SPEC, 4)
+    mgr = mc.CacheManager(pool, host_pool=host).__enter__()
+    if in_place:
+        mgr.expect_import(3, "r")
+        mgr.flush_nowait()
+    rows = [torch.full((t.shape[0], 1, *t.shape[2:]), 7.0).to(t.dtype) for t in host.tensors]
+    inbox = OneBatch(rows)
+    xfer = inbox.transfer(mgr)
+    writing, go = threading.Event(), threading.Event()
+    name = "write_pool" if in_place else "write_staging"
+    real = getattr(xfer_mod, name)
+
+    def slow(m: mc.CacheManager, slots: list[int], r: list[torch.Tensor]) -> None:
+        writing.set()
+        assert go.wait(10)
+        real(m, slots, r)
+
+    outcome: list[object] = []
+
+    def receive() -> None:
+        try:
+            outcome.append(xfer.receive())
+        except BaseException as exc:  # the test checks it
+            outcome.append(exc)
+
+    setattr(xfer_mod, name, slow)
+    try:
+        t = threading.Thread(target=receive)
+        t.start()
+        assert writing.wait(10)
+        mgr.__exit__(None, None, None)
+        with pytest.raises(mc.InvalidArgumentError, match="already managed"):
+            mc.CacheManager(pool, host_pool=host).__enter__()  # the rows are still being written into it
+        go.set()
+        t.join(10)
+    finally:
+        setattr(xfer_mod, name, real)
+        go.set()
+    assert isinstance(outcome[0], mc.ManagerClosedError), outcome
+    assert [landed for landed, _ in inbox.answers] == [False]
+    with mc.CacheManager(pool, host_pool=host) as nxt:
+        assert nxt.held() == ({3: "r"} if in_place else {}) and host.held() == {}
+

@@ -64,7 +64,9 @@ class Arrivals:
     ``import_into`` or a release ends it.
     """
 
-    __slots__ = ("_backlog", "_host", "_ledger", "_queue", "arrived", "awaiting", "hosts", "landing", "slots")
+    __slots__ = (
+        "_backlog", "_host", "_ledger", "_queue", "arrived", "awaiting", "hosts", "landing", "slots", "writing",
+    )  # fmt: skip
 
     def __init__(self, queue: QueueSide, ledger: SlotLedger, host: SlotLedger, backlog: Backlog) -> None:
         self._queue, self._ledger, self._host, self._backlog = queue, ledger, host, backlog
@@ -73,6 +75,7 @@ class Arrivals:
         self.hosts: dict[int, str] = {}  # staging host slot -> "landing" | "arrived"
         self.awaiting: dict[str, tuple[int, int, str]] = {}  # request id -> (pool slot, ticket, phase), in place
         self.slots: dict[int, str] = {}  # pool slot -> the request id awaiting its state there
+        self.writing = 0  # landings whose rows are being written (a closed manager keeps the pools claimed meanwhile)
 
     # -- checks other calls make (under the lock) --------------------------------
     def check_slot(self, what: str, slot: int) -> None:
@@ -135,6 +138,9 @@ class Arrivals:
         outside the lock; until it returns the states are *landing*, not
         arrived (an import or a discard of them is refused: the slot does not
         hold them yet), and if it raises the slots are freed and nothing arrived.
+        So too when the manager closed (or broke) meanwhile: nothing could ever
+        import them there (:class:`ManagerClosedError`, to be answered as not
+        landed), and it kept the pools from the next manager until the write ended.
         """
         host, q = self._host, self._queue
         with q.lock:
@@ -148,20 +154,39 @@ class Arrivals:
                 self._arrive_locked(request_ids, slots)
                 return slots
             self.landing.update(zip(request_ids, slots, strict=True))
+            self.writing += 1
         try:
             write(slots)
         except BaseException:
-            with q.lock:  # nothing queued reads them and only the write wrote them: free at once
-                for r, h in zip(request_ids, slots, strict=True):
-                    del self.landing[r], self.hosts[h]
-                    host.tenants[h] = None  # taken for no tenant (take_settled): given back as such
-                host.give_back(slots)
+            with q.lock:
+                self._unland_locked(request_ids, slots)
             raise
         with q.lock:
+            try:
+                q.check()  # a manager closed (or broken) meanwhile can never import them: not arrived
+            except BaseException:
+                self._unland_locked(request_ids, slots)
+                raise
+            self.writing -= 1
             for r in request_ids:
                 del self.landing[r]
             self._arrive_locked(request_ids, slots)
         return slots
+
+    def _unland_locked(self, request_ids: list[str], slots: list[int]) -> None:
+        """A landing in staging that did not arrive: nothing queued reads its slots and only its write wrote them,
+        so they are free at once."""
+        host = self._host
+        for r, h in zip(request_ids, slots, strict=True):
+            del self.landing[r], self.hosts[h]
+            host.tenants[h] = None  # taken for no tenant (take_settled): given back as such
+        host.give_back(slots)
+        self._written_locked()
+
+    def _written_locked(self) -> None:
+        """A landing's write ended without an arrival: on a closed manager the last one frees the pools."""
+        self.writing -= 1
+        self._queue.settled()
 
     def _check_new_locked(self, request_ids: list[str]) -> None:
         landed = [r for r in request_ids if r in self.arrived or r in self.landing]
@@ -179,8 +204,9 @@ class Arrivals:
         None (nothing changed) unless every id lands in place now (:meth:`expect`, its alloc's flush done).
 
         Until ``write`` returns they are landing (a release is refused); if it
-        raises they await again, nothing arrived; once it returns they arrived,
-        and ``import_into`` of each one's slot completes it without a copy.
+        raises, or the manager closed (or broke) meanwhile (:class:`ManagerClosedError`),
+        they await again, nothing arrived; once it returns they arrived, and
+        ``import_into`` of each one's slot completes it without a copy.
         """
         q, awaiting = self._queue, self.awaiting
         with q.lock:
@@ -190,13 +216,22 @@ class Arrivals:
                 return None
             slots = [awaiting[r][0] for r in request_ids]
             self._phase_locked(request_ids, LANDING)
+            self.writing += 1
         try:
             write(slots)
         except BaseException:
             with q.lock:
                 self._phase_locked(request_ids, WAITING)
+                self._written_locked()
             raise
         with q.lock:
+            try:
+                q.check()  # as in land(): a manager that closed meanwhile never imports them
+            except BaseException:
+                self._phase_locked(request_ids, WAITING)
+                self._written_locked()
+                raise
+            self.writing -= 1
             self._phase_locked(request_ids, ARRIVED)
         return slots
 

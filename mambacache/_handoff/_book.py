@@ -73,6 +73,11 @@ class HandOffBook:
         self.arrivals = Arrivals(queue, ledger, host, backlog)
         self.awaited = self.arrivals.slots  # pool slots awaiting a state in place (the queue's second gate)
 
+    def in_flight(self) -> bool:
+        """Under the lock: whether a send awaits its ack or a landing writes its rows (a closed queue keeps the
+        pools claimed until neither does)."""
+        return bool(self.sending) or self.arrivals.writing > 0
+
     # -- checks other calls make (under the lock) --------------------------------
     def check_not_exporting(self, what: str, slot: int) -> None:
         """:class:`SlotStateError` when ``slot`` has an export awaiting its ack, or awaits a state in place."""

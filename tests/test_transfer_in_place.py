@@ -398,3 +398,32 @@ def test_a_landing_that_a_close_overtakes_is_not_acknowledged_and_keeps_the_pool
     with mc.CacheManager(pool, host_pool=host) as nxt:
         assert nxt.held() == ({3: "r"} if in_place else {}) and host.held() == {}
 
+
+_EXPECTED = [
+    '{"event": "slot.alloc", "step": 0, "slot": 1, "request_id": "a", "cleared": true}',
+    '{"event": "slot.alloc", "step": 0, "slot": 2, "request_id": "b", "cleared": false}',
+    '{"event": "slot.expect", "step": 0, "slot": 2, "request_id": "b"}',
+]
+_READS = {
+    "fork": '{"event": "slot.cow", "step": 0, "src": 2, "dst": 1, "request_id": "a"}',
+    "second source": '{"event": "slot.cow", "step": 0, "src": 1, "dst": 1, "temporal_src": 2, "request_id": "a"}',
+    "offload": '{"event": "slot.offload", "step": 0, "slot": 2, "host": 1, "request_id": "b"}',
+    "export": '{"event": "slot.export", "step": 0, "slot": 2, "host": null, "request_id": "b"}',
+    "commit": '{"event": "slot.commit", "step": 0, "slot": 2, "accepted": 1, "request_id": "b"}',
+}
+
+
+@pytest.mark.parametrize("read", sorted(_READS))
+def test_the_analyzer_flags_a_read_of_a_slot_that_awaits_its_state_and_not_one_after_the_import(read: str) -> None:
+    """A slot awaiting its state from a peer (``slot.expect``) holds none until its import (the manager refuses
+    any read of it): a trace written by hand or by another tool that forks out of it, offloads, exports or commits
+    it went unflagged (an export would ship stale bytes); now it is a read-before-import."""
+    flush = '{"event": "step.flush", "step": 0, "events": 4, "elided": 0}'
+    kinds = [a.kind for a in analyze_lines([*_EXPECTED, _READS[read], flush]).anomalies]
+    assert "read-before-import" in kinds, kinds
+    landed = [
+        '{"event": "transfer.receive", "step": 0, "peer": 3, "request_ids": ["b"], "slots": [2], "n": 1}',
+        '{"event": "slot.import", "step": 0, "slot": 2, "host": null, "request_id": "b"}',
+    ]
+    kinds = [a.kind for a in analyze_lines([*_EXPECTED, *landed, _READS[read], flush]).anomalies]
+    assert "read-before-import" not in kinds, kinds

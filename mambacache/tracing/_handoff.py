@@ -10,7 +10,9 @@ engines at each line of one engine's trace, and the three anomalies that shows.
   LMCache#2863's state never loaded); or a
   flush carrying an import failed (``step.error``) and, before any flush
   completed, a later step read the slot (a fork from it, an offload, an export, a
-  commit), so the engine ran on as if the import had landed.
+  commit), so the engine ran on as if the import had landed. (A read of a slot that awaits
+  its state in place, ``slot.expect`` with no import since, is flagged by the
+  pass itself: ``_analyze._Pass.awaited_read``.)
 * ``import-never-completed`` (``expect_idle``): a received state never
   imported, or an import whose flush never completed, at the end.
 * ``export-misrouted``: a ``transfer.send`` to one rank named an export

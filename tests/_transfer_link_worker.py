@@ -34,13 +34,19 @@ class SlowLand(mc.CacheManager):
 
     delay = 0.0
 
-    def land(self, request_ids: list[str], write: Callable[[list[int]], None] | None = None) -> list[int]:
+    def land(
+        self,
+        request_ids: list[str],
+        write: Callable[[list[int]], None] | None = None,
+        *,
+        arrived: Callable[[list[int]], None] | None = None,
+    ) -> list[int]:
         def slow(hosts: list[int]) -> None:
             if write is not None:
                 write(hosts)
             time.sleep(self.delay)
 
-        return super().land(request_ids, slow)
+        return super().land(request_ids, slow, arrived=arrived)
 
 
 class Side:

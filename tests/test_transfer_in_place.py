@@ -427,3 +427,50 @@ def test_the_analyzer_flags_a_read_of_a_slot_that_awaits_its_state_and_not_one_a
     ]
     kinds = [a.kind for a in analyze_lines([*_EXPECTED, *landed, _READS[read], flush]).anomalies]
     assert "read-before-import" not in kinds, kinds
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_the_receive_line_precedes_an_import_made_by_another_thread_as_soon_as_the_state_arrived(
+    in_place: bool,
+) -> None:
+    """The step loop may import a state the moment it counts as arrived (polling ``import_into`` for a request it
+    expects). The receive traced its line only after the landing returned, outside the lock, so that import could
+    be traced first: its line lacked the peer (left to a later import into the same slot), and the analyzer saw a
+    received state never imported (a false import-never-completed). Now the line is traced in the lock hold that
+    makes the states arrived."""
+    import threading
+
+    from ._loopback import OneBatch
+
+    tracing.configure(level="debug", use_structlog_config=True)
+    try:
+        with capture_logs() as logs, _manager() as recv:
+            if in_place:
+                recv.expect_import(4, "r")
+                recv.flush_nowait()
+            assert recv.host_pool is not None
+            rows = [torch.full((t.shape[0], 1, *t.shape[2:]), 7.0).to(t.dtype) for t in recv.host_pool.tensors]
+            xfer = OneBatch(rows).transfer(recv)
+            name = "land_in_place" if in_place else "land"
+            real = getattr(recv, name)
+
+            def landed_then_imported(*args: object, **kwargs: object) -> object:
+                slots = real(*args, **kwargs)
+                if slots is not None:  # the step loop's import runs before this thread goes on
+                    step_loop = threading.Thread(target=recv.import_into, args=(4, "r"))
+                    step_loop.start()
+                    step_loop.join(10)
+                return slots
+
+            setattr(recv, name, landed_then_imported)
+            assert xfer.receive() == ["r"]
+            recv.flush_nowait()
+            recv.release(4, "r")
+            recv.flush_nowait()
+    finally:
+        tracing.disable()
+    order = [r["event"] for r in logs if r["event"] in ("transfer.receive", "slot.import")]
+    assert order == ["transfer.receive", "slot.import"], order
+    (imp,) = [r for r in logs if r["event"] == "slot.import"]
+    assert imp["peer"] == 1
+    assert analyze_lines([json.dumps(r) for r in logs], expect_idle=True).anomalies == []

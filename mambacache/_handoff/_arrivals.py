@@ -128,7 +128,12 @@ class Arrivals:
             for r in request_ids
         ) and len(set(request_ids)) == len(request_ids)
 
-    def land(self, request_ids: list[str], write: Callable[[list[int]], None] | None = None) -> list[int]:
+    def land(
+        self,
+        request_ids: list[str],
+        write: Callable[[list[int]], None] | None = None,
+        arrived: Callable[[list[int]], None] | None = None,
+    ) -> list[int]:
         """Staging host slots for states arriving for ``request_ids``, each held by its id; all or none.
 
         The rows are written at once, outside the step order, so only host
@@ -141,6 +146,8 @@ class Arrivals:
         So too when the manager closed (or broke) meanwhile: nothing could ever
         import them there (:class:`ManagerClosedError`, to be answered as not
         landed), and it kept the pools from the next manager until the write ended.
+        ``arrived(slots)``: called in the lock hold that makes them arrived, so
+        before any import of them (a transfer traces its receive line there).
         """
         host, q = self._host, self._queue
         with q.lock:
@@ -151,7 +158,7 @@ class Arrivals:
                 host.tenants[h] = r
                 self.hosts[h] = "landing"
             if write is None:
-                self._arrive_locked(request_ids, slots)
+                self._arrive_locked(request_ids, slots, arrived)
                 return slots
             self.landing.update(zip(request_ids, slots, strict=True))
             self.writing += 1
@@ -170,7 +177,7 @@ class Arrivals:
             self.writing -= 1
             for r in request_ids:
                 del self.landing[r]
-            self._arrive_locked(request_ids, slots)
+            self._arrive_locked(request_ids, slots, arrived)
         return slots
 
     def _unland_locked(self, request_ids: list[str], slots: list[int]) -> None:
@@ -194,19 +201,29 @@ class Arrivals:
         if landed or len(set(request_ids)) != len(request_ids):
             raise SlotStateError(f"states for {landed or request_ids} arrived twice without an import between")
 
-    def _arrive_locked(self, request_ids: list[str], slots: list[int]) -> None:
+    def _arrive_locked(
+        self, request_ids: list[str], slots: list[int], arrived: Callable[[list[int]], None] | None
+    ) -> None:
         for r, h in zip(request_ids, slots, strict=True):
             self.arrived[r] = h
             self.hosts[h] = "arrived"
+        if arrived is not None:
+            arrived(slots)
 
-    def land_in_place(self, request_ids: list[str], write: Callable[[list[int]], None]) -> list[int] | None:
+    def land_in_place(
+        self,
+        request_ids: list[str],
+        write: Callable[[list[int]], None],
+        arrived: Callable[[list[int]], None] | None = None,
+    ) -> list[int] | None:
         """The pool slots ``request_ids`` await their states in, written by ``write(slots)`` outside the lock;
         None (nothing changed) unless every id lands in place now (:meth:`expect`, its alloc's flush done).
 
         Until ``write`` returns they are landing (a release is refused); if it
         raises, or the manager closed (or broke) meanwhile (:class:`ManagerClosedError`),
         they await again, nothing arrived; once it returns they arrived, and
-        ``import_into`` of each one's slot completes it without a copy.
+        ``import_into`` of each one's slot completes it without a copy
+        (``arrived(slots)``: as in :meth:`land`).
         """
         q, awaiting = self._queue, self.awaiting
         with q.lock:
@@ -233,6 +250,8 @@ class Arrivals:
                 raise
             self.writing -= 1
             self._phase_locked(request_ids, ARRIVED)
+            if arrived is not None:
+                arrived(slots)
         return slots
 
     def _phase_locked(self, request_ids: list[str], phase: str) -> None:

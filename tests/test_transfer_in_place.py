@@ -474,3 +474,37 @@ def test_the_receive_line_precedes_an_import_made_by_another_thread_as_soon_as_t
     (imp,) = [r for r in logs if r["event"] == "slot.import"]
     assert imp["peer"] == 1
     assert analyze_lines([json.dumps(r) for r in logs], expect_idle=True).anomalies == []
+
+
+def test_a_state_landing_in_staging_is_not_landed_in_place_a_second_time_by_another_receive() -> None:
+    """Two receives at once (one per peer) with a state for the same request: while the first writes it into a
+    staging host slot, the second found its slot awaiting and landed it there too, so the id arrived twice (in
+    staging and in its slot: delivered twice, against the arrivals' invariant). Now the second is refused as
+    arrived twice, nothing changed."""
+    import threading
+
+    with _manager() as recv:
+        recv.expect_import(4, "a")  # its alloc not run yet: a landing now goes to staging
+        writing, go = threading.Event(), threading.Event()
+
+        def slow(slots: list[int]) -> None:
+            writing.set()
+            assert go.wait(10)
+
+        first = threading.Thread(target=recv.land, args=(["a"], slow))
+        first.start()
+        try:
+            assert writing.wait(10)
+            recv.flush_nowait()  # the slot settles while the first landing writes
+            before = _state(recv)
+            with pytest.raises(mc.SlotStateError, match="arrived twice"):
+                recv.land_in_place(["a"], lambda slots: None)
+            assert _same(_state(recv), before)
+        finally:
+            go.set()
+            first.join(10)
+        recv.import_into(4, "a")  # the staged state, restored into the slot that awaited it
+        recv.flush_nowait()
+        recv.release(4, "a")
+        recv.flush_nowait()
+        recv.check_idle(host=True)

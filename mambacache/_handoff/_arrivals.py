@@ -122,11 +122,12 @@ class Arrivals:
 
     def _in_place_locked(self, request_ids: list[str]) -> bool:
         """Whether every id awaits its state in a slot the landing may write now (its alloc's ticket is done)."""
-        done, awaiting = self._backlog.done, self.awaiting
+        done, awaiting, arrived, landing = self._backlog.done, self.awaiting, self.arrived, self.landing
         return all(
-            (a := awaiting.get(r)) is not None and a[2] == WAITING and a[1] < done and r not in self.arrived
+            (a := awaiting.get(r)) is not None and a[2] == WAITING and a[1] < done and r not in arrived
+            and r not in landing  # arriving in staging (another receive): that one is the state
             for r in request_ids
-        ) and len(set(request_ids)) == len(request_ids)
+        ) and len(set(request_ids)) == len(request_ids)  # fmt: skip
 
     def land(
         self,

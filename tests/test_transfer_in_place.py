@@ -508,3 +508,37 @@ def test_a_state_landing_in_staging_is_not_landed_in_place_a_second_time_by_anot
         recv.release(4, "a")
         recv.flush_nowait()
         recv.check_idle(host=True)
+
+
+def test_an_import_in_place_is_not_reported_unlanded_when_a_flush_of_its_step_fails() -> None:
+    """An import in place queues nothing (the state is in its slot already), yet the analyzer tracked it as an
+    import whose flush must complete: a flush of its step that failed (on other work) made a later read of the
+    slot a read-before-import, and a trace ending before a flush reported it never completed."""
+    tracing.configure(level="debug", use_structlog_config=True)
+    try:
+        with capture_logs() as logs, _manager() as recv:
+            recv.expect_import(4, "a")
+            recv.flush_nowait()
+            slots = recv.land_in_place(
+                ["a"],
+                lambda slots: None,
+                arrived=lambda slots: _tracing.tracer.transfer(
+                    "transfer.receive", 3, ["a"], step=recv.step, n=1, slots=slots, bytes=0
+                ),
+            )
+            assert slots == [4]
+            recv.import_into(4, "a")
+            imported = [json.dumps(r) for r in logs]
+            kinds = [a.kind for a in analyze_lines(imported, expect_idle=True).anomalies]
+            assert kinds == ["held-at-end"], kinds  # the slot is held: its import completed
+            recv.alloc(1, "b")  # other work in the import's step, whose flush fails
+            with pytest.raises(mc.ExecutorError), FaultAt(1, RuntimeError):
+                recv.flush_nowait()
+            recv.offload(4, "a")  # the slot holds its state: the engine may read it
+            lines = [json.dumps(r) for r in logs]
+            assert analyze_lines(lines).anomalies == []
+            recv.flush_nowait()  # the repair
+    finally:
+        tracing.disable()
+    assert any(r["event"] == "step.error" for r in logs)
+    assert analyze_lines([json.dumps(r) for r in logs]).anomalies == []

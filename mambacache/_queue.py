@@ -53,9 +53,9 @@ class SubmitGuard(Protocol):
         the decode step's one test)."""
         ...
 
-    @property
-    def sending(self) -> Sized:
-        """The pool slots a send in flight holds: a closed queue keeps the ledgers claimed while any is left."""
+    def in_flight(self) -> bool:
+        """Whether a send awaits its ack or a landing writes its rows: a closed queue keeps the ledgers claimed
+        while one does (:meth:`StepQueue.settled`)."""
         ...
 
     @property
@@ -95,8 +95,10 @@ class _NoGuard:
 
     __slots__ = ()
     exports: tuple[()] = ()
-    sending: tuple[()] = ()
     awaited: tuple[()] = ()
+
+    def in_flight(self) -> bool:
+        return False
 
     def withdraw_locked(self, events: Sequence[Event]) -> list[Export | int]:
         return []
@@ -232,14 +234,15 @@ class StepQueue:
 
     def release(self) -> None:
         """Free the ledgers for the next manager, once this one's leftover work is in the pool's backlog and
-        no send of its exports awaits an ack (else the last one to settle frees them: :meth:`settled`)."""
+        no send of its exports awaits an ack and no landing writes (else the last one to settle frees them:
+        :meth:`settled`)."""
         with self.lock:
             self._releasing = True
             self.settled()
 
     def settled(self) -> None:
-        """Under the lock, once closed: free the ledgers unless a send is still in flight."""
-        if self._releasing and not self.guard.sending:
+        """Under the lock, once closed: free the ledgers unless a send or a landing is still in flight."""
+        if self._releasing and not self.guard.in_flight():
             self._releasing = False
             if self._host is not None:
                 self._host.unclaim(self._claim)

@@ -34,9 +34,15 @@ class SlowLand(mc.CacheManager):
 
     delay = 0.0
 
-    def land(self, request_ids: list[str], write: Callable[[list[int]], None] | None = None) -> list[int]:
+    def land(
+        self,
+        request_ids: list[str],
+        write: Callable[[list[int]], None] | None = None,
+        *,
+        arrived: Callable[[list[int]], None] | None = None,
+    ) -> list[int]:
         time.sleep(self.delay)
-        return super().land(request_ids, write)
+        return super().land(request_ids, write, arrived=arrived)
 
 
 class _Rank:

@@ -38,7 +38,13 @@ class SlowLand(mc.CacheManager):
     before = 0.0
     fail = ""
 
-    def land(self, request_ids: list[str], write: Callable[[list[int]], None] | None = None) -> list[int]:
+    def land(
+        self,
+        request_ids: list[str],
+        write: Callable[[list[int]], None] | None = None,
+        *,
+        arrived: Callable[[list[int]], None] | None = None,
+    ) -> list[int]:
         def slow(hosts: list[int]) -> None:
             time.sleep(self.before)
             if self.fail == "before":
@@ -49,7 +55,7 @@ class SlowLand(mc.CacheManager):
                 raise MemoryError("injected: the landing failed after its bytes")
             time.sleep(self.delay)
 
-        return super().land(request_ids, slow)
+        return super().land(request_ids, slow, arrived=arrived)
 
 
 class Side:

@@ -266,3 +266,46 @@ class ExportLife(RuleBasedStateMachine):
 
 ExportLife.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 test_export_life = ExportLife.TestCase
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_two_exports_of_one_request_that_could_share_a_batch_are_refused_not_wedging_the_transfer(
+    in_place: bool,
+) -> None:
+    """A peer imports one state per request id and refuses a batch naming one twice (its header, before any byte),
+    so two exports of ``r`` (two slots it holds) went into every batch and every send was refused, for good, with
+    every other export behind them (``q`` never delivered). Now the second export is refused (nothing changed)
+    unless the two go to two peers; the real transfer (two threads, a TCPStore) then delivers the rest."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+
+    def client() -> dist.TCPStore:
+        return dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=5))
+
+    with _manager() as send, _manager() as recv:
+        a, b = send.alloc(2, "r")
+        (c,) = send.alloc(1, "q")
+        send.export(a, "r", in_place=in_place, to=1)
+        before = _state(send)
+        for to in (None, 1):
+            with pytest.raises(mc.SlotStateError, match="exported already"):
+                send.export(b, "r", in_place=in_place, to=to)
+            assert _state(send) == before
+        send.export(b, "r", in_place=in_place, to=2)  # to another peer: never in one batch with the first
+        send.export(c, "q", in_place=in_place)
+        send.flush_nowait()
+        xs = mc.StateTransfer(send, None, peer=1, store=client(), rank=0, timeout=5.0)
+        xr = mc.StateTransfer(recv, None, peer=0, store=client(), rank=1, timeout=5.0)
+        got: list[object] = []
+        thread = threading.Thread(target=lambda: got.append(xr.receive()))
+        thread.start()
+        assert xs.send() == ["r", "q"]
+        thread.join(10)
+        assert got == [["r", "q"]]
+        send.release(b, "r")  # withdrawn: the peer at rank 2 never came
+        send.flush_nowait()
+        send.check_idle(host=True)

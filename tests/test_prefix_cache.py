@@ -557,3 +557,24 @@ def test_a_restore_reads_a_host_checkpoint_dropped_and_rewritten_later_in_its_st
         cache.clear()
         mgr.flush_nowait()
         mgr.check_idle()
+
+
+def test_an_insert_from_a_slot_awaiting_a_state_is_refused_before_anything_changes() -> None:
+    """A slot that awaits its state from a peer (``expect_import``) holds nothing to checkpoint, and the manager
+    refuses the fork out of it; the insert refused that only after evicting, allocating the checkpoint slot and
+    linking the prefix, so the slot stayed held by the cache's tenant, tracked by no checkpoint (a leak)."""
+    _pool, mgr, cache, s, _hit = _full_tiers()
+    held = mgr.held()
+    t = next(x for x in range(1, mgr.pool.num_slots + 1) if x not in held)
+    mgr.expect_import(t, "a")
+    assert (mgr.awaiting_import(t), mgr.awaiting_import(s)) == ("a", None)
+    before = _snapshot(mgr, cache)
+    with pytest.raises(mc.SlotStateError, match="awaits"):
+        cache.insert([7, 7], t)
+    assert _snapshot(mgr, cache) == before
+    mgr.release(t, request_id="a")
+    mgr.release(s, request_id="s")
+    cache.clear()
+    mgr.flush_nowait()
+    mgr.check_idle()
+    mgr.__exit__(None, None, None)

@@ -354,3 +354,209 @@ def test_the_analyzer_takes_a_null_host_only_where_a_hand_off_runs_in_place() ->
         assert analyze_lines([*head, json.dumps(r)]).bad_lines == [], r
     for r in bad:
         assert [b.line for b in analyze_lines([*head, json.dumps(r)]).bad_lines] == [2], r
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_landing_that_a_close_overtakes_is_not_acknowledged_and_keeps_the_pool_from_the_next_manager(
+    in_place: bool,
+) -> None:
+    """A receive thread writes a batch's rows while the step loop closes the manager. Before, the landing ended
+    as arrived on the closed manager (where nothing can import it) and was acknowledged, so the sender released
+    the state: lost; and the close freed the pool for the next manager while the rows were still being written
+    into its slots. Now the closed manager keeps the pool claimed until the write ends, and a landing that ends
+    on a manager no longer open is not an arrival: the receive raises ManagerClosedError and answers that
+    nothing landed (the sender keeps the state), the slot still held by the request (in place) or the staging
+    host slot free again."""
+    import threading
+
+    import mambacache._handoff._transfer as xfer_mod
+
+    from ._loopback import OneBatch
+
+    pool, host = mc.StatePool(SPEC, 6), mc.HostPool(SPEC, 4)
+    mgr = mc.CacheManager(pool, host_pool=host).__enter__()
+    if in_place:
+        mgr.expect_import(3, "r")
+        mgr.flush_nowait()
+    rows = [torch.full((t.shape[0], 1, *t.shape[2:]), 7.0).to(t.dtype) for t in host.tensors]
+    inbox = OneBatch(rows)
+    xfer = inbox.transfer(mgr)
+    writing, go = threading.Event(), threading.Event()
+    name = "write_pool" if in_place else "write_staging"
+    real = getattr(xfer_mod, name)
+
+    def slow(m: mc.CacheManager, slots: list[int], r: list[torch.Tensor]) -> None:
+        writing.set()
+        assert go.wait(10)
+        real(m, slots, r)
+
+    outcome: list[object] = []
+
+    def receive() -> None:
+        try:
+            outcome.append(xfer.receive())
+        except BaseException as exc:  # the test checks it
+            outcome.append(exc)
+
+    setattr(xfer_mod, name, slow)
+    try:
+        t = threading.Thread(target=receive)
+        t.start()
+        assert writing.wait(10)
+        mgr.__exit__(None, None, None)
+        with pytest.raises(mc.InvalidArgumentError, match="already managed"):
+            mc.CacheManager(pool, host_pool=host).__enter__()  # the rows are still being written into it
+        go.set()
+        t.join(10)
+    finally:
+        setattr(xfer_mod, name, real)
+        go.set()
+    assert isinstance(outcome[0], mc.ManagerClosedError), outcome
+    assert [landed for landed, _ in inbox.answers] == [False]
+    with mc.CacheManager(pool, host_pool=host) as nxt:
+        assert nxt.held() == ({3: "r"} if in_place else {}) and host.held() == {}
+
+
+_EXPECTED = [
+    '{"event": "slot.alloc", "step": 0, "slot": 1, "request_id": "a", "cleared": true}',
+    '{"event": "slot.alloc", "step": 0, "slot": 2, "request_id": "b", "cleared": false}',
+    '{"event": "slot.expect", "step": 0, "slot": 2, "request_id": "b"}',
+]
+_READS = {
+    "fork": '{"event": "slot.cow", "step": 0, "src": 2, "dst": 1, "request_id": "a"}',
+    "second source": '{"event": "slot.cow", "step": 0, "src": 1, "dst": 1, "temporal_src": 2, "request_id": "a"}',
+    "offload": '{"event": "slot.offload", "step": 0, "slot": 2, "host": 1, "request_id": "b"}',
+    "export": '{"event": "slot.export", "step": 0, "slot": 2, "host": null, "request_id": "b"}',
+    "commit": '{"event": "slot.commit", "step": 0, "slot": 2, "accepted": 1, "request_id": "b"}',
+}
+
+
+@pytest.mark.parametrize("read", sorted(_READS))
+def test_the_analyzer_flags_a_read_of_a_slot_that_awaits_its_state_and_not_one_after_the_import(read: str) -> None:
+    """A slot awaiting its state from a peer (``slot.expect``) holds none until its import (the manager refuses
+    any read of it): a trace written by hand or by another tool that forks out of it, offloads, exports or commits
+    it went unflagged (an export would ship stale bytes); now it is a read-before-import."""
+    flush = '{"event": "step.flush", "step": 0, "events": 4, "elided": 0}'
+    kinds = [a.kind for a in analyze_lines([*_EXPECTED, _READS[read], flush]).anomalies]
+    assert "read-before-import" in kinds, kinds
+    landed = [
+        '{"event": "transfer.receive", "step": 0, "peer": 3, "request_ids": ["b"], "slots": [2], "n": 1}',
+        '{"event": "slot.import", "step": 0, "slot": 2, "host": null, "request_id": "b"}',
+    ]
+    kinds = [a.kind for a in analyze_lines([*_EXPECTED, *landed, _READS[read], flush]).anomalies]
+    assert "read-before-import" not in kinds, kinds
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_the_receive_line_precedes_an_import_made_by_another_thread_as_soon_as_the_state_arrived(
+    in_place: bool,
+) -> None:
+    """The step loop may import a state the moment it counts as arrived (polling ``import_into`` for a request it
+    expects). The receive traced its line only after the landing returned, outside the lock, so that import could
+    be traced first: its line lacked the peer (left to a later import into the same slot), and the analyzer saw a
+    received state never imported (a false import-never-completed). Now the line is traced in the lock hold that
+    makes the states arrived."""
+    import threading
+
+    from ._loopback import OneBatch
+
+    tracing.configure(level="debug", use_structlog_config=True)
+    try:
+        with capture_logs() as logs, _manager() as recv:
+            if in_place:
+                recv.expect_import(4, "r")
+                recv.flush_nowait()
+            assert recv.host_pool is not None
+            rows = [torch.full((t.shape[0], 1, *t.shape[2:]), 7.0).to(t.dtype) for t in recv.host_pool.tensors]
+            xfer = OneBatch(rows).transfer(recv)
+            name = "land_in_place" if in_place else "land"
+            real = getattr(recv, name)
+
+            def landed_then_imported(*args: object, **kwargs: object) -> object:
+                slots = real(*args, **kwargs)
+                if slots is not None:  # the step loop's import runs before this thread goes on
+                    step_loop = threading.Thread(target=recv.import_into, args=(4, "r"))
+                    step_loop.start()
+                    step_loop.join(10)
+                return slots
+
+            setattr(recv, name, landed_then_imported)
+            assert xfer.receive() == ["r"]
+            recv.flush_nowait()
+            recv.release(4, "r")
+            recv.flush_nowait()
+    finally:
+        tracing.disable()
+    order = [r["event"] for r in logs if r["event"] in ("transfer.receive", "slot.import")]
+    assert order == ["transfer.receive", "slot.import"], order
+    (imp,) = [r for r in logs if r["event"] == "slot.import"]
+    assert imp["peer"] == 1
+    assert analyze_lines([json.dumps(r) for r in logs], expect_idle=True).anomalies == []
+
+
+def test_a_state_landing_in_staging_is_not_landed_in_place_a_second_time_by_another_receive() -> None:
+    """Two receives at once (one per peer) with a state for the same request: while the first writes it into a
+    staging host slot, the second found its slot awaiting and landed it there too, so the id arrived twice (in
+    staging and in its slot: delivered twice, against the arrivals' invariant). Now the second is refused as
+    arrived twice, nothing changed."""
+    import threading
+
+    with _manager() as recv:
+        recv.expect_import(4, "a")  # its alloc not run yet: a landing now goes to staging
+        writing, go = threading.Event(), threading.Event()
+
+        def slow(slots: list[int]) -> None:
+            writing.set()
+            assert go.wait(10)
+
+        first = threading.Thread(target=recv.land, args=(["a"], slow))
+        first.start()
+        try:
+            assert writing.wait(10)
+            recv.flush_nowait()  # the slot settles while the first landing writes
+            before = _state(recv)
+            with pytest.raises(mc.SlotStateError, match="arrived twice"):
+                recv.land_in_place(["a"], lambda slots: None)
+            assert _same(_state(recv), before)
+        finally:
+            go.set()
+            first.join(10)
+        recv.import_into(4, "a")  # the staged state, restored into the slot that awaited it
+        recv.flush_nowait()
+        recv.release(4, "a")
+        recv.flush_nowait()
+        recv.check_idle(host=True)
+
+
+def test_an_import_in_place_is_not_reported_unlanded_when_a_flush_of_its_step_fails() -> None:
+    """An import in place queues nothing (the state is in its slot already), yet the analyzer tracked it as an
+    import whose flush must complete: a flush of its step that failed (on other work) made a later read of the
+    slot a read-before-import, and a trace ending before a flush reported it never completed."""
+    tracing.configure(level="debug", use_structlog_config=True)
+    try:
+        with capture_logs() as logs, _manager() as recv:
+            recv.expect_import(4, "a")
+            recv.flush_nowait()
+            slots = recv.land_in_place(
+                ["a"],
+                lambda slots: None,
+                arrived=lambda slots: _tracing.tracer.transfer(
+                    "transfer.receive", 3, ["a"], step=recv.step, n=1, slots=slots, bytes=0
+                ),
+            )
+            assert slots == [4]
+            recv.import_into(4, "a")
+            imported = [json.dumps(r) for r in logs]
+            kinds = [a.kind for a in analyze_lines(imported, expect_idle=True).anomalies]
+            assert kinds == ["held-at-end"], kinds  # the slot is held: its import completed
+            recv.alloc(1, "b")  # other work in the import's step, whose flush fails
+            with pytest.raises(mc.ExecutorError), FaultAt(1, RuntimeError):
+                recv.flush_nowait()
+            recv.offload(4, "a")  # the slot holds its state: the engine may read it
+            lines = [json.dumps(r) for r in logs]
+            assert analyze_lines(lines).anomalies == []
+            recv.flush_nowait()  # the repair
+    finally:
+        tracing.disable()
+    assert any(r["event"] == "step.error" for r in logs)
+    assert analyze_lines([json.dumps(r) for r in logs]).anomalies == []

@@ -641,13 +641,18 @@ def test_bad_exports_and_imports_are_typed_errors_that_change_nothing() -> None:
             send.export(s, None)  # type: ignore[arg-type]
         assert state(send) == before
         others = send.alloc(3, "r")
-        for t in [s, *others[:2]]:
-            send.export(t, "r")
+        send.export(s, "r", to=0)
+        before = state(send)
+        with pytest.raises(mc.SlotStateError, match="exported already"):
+            send.export(others[0], "r")  # another state of "r" in one batch with it: the peer imports one
+        assert state(send) == before
+        for i, t in enumerate(others[:2], 1):
+            send.export(t, "r", to=i)  # each to its own peer
         full = state(send)
         with pytest.raises(mc.SlotStateError, match="exporting"):
             send.export(s, "r")  # already exporting
         with pytest.raises(mc.PoolExhaustedError):
-            send.export(others[2], "r")  # no staging slot left
+            send.export(others[2], "r", to=3)  # no staging slot left
         assert state(send) == full
         # The receiver: nothing arrived, a held slot, a bad id or slot.
         (held,) = recv.alloc(1, "old")

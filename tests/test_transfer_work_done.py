@@ -255,13 +255,14 @@ def test_a_send_in_flight_across_the_close_is_delivered_and_frees_both_slots_for
 def test_a_send_that_fails_after_the_close_frees_its_slots_too() -> None:
     mgr = _mgr(host=3)
     with mgr:
-        a, b = mgr.alloc(2, "r")
+        (a,) = mgr.alloc(1, "r")
+        (b,) = mgr.alloc(1, "q")
         mgr.export(a, "r")
         mgr.flush_nowait()
         taken = mgr.take_exports()
-        mgr.export(b, "r")  # not sent: stays held by its request after the close, as any held slot
+        mgr.export(b, "q")  # not sent: stays held by its request after the close, as any held slot
     mgr.exports_returned(taken)
-    assert mgr.held() == {b: "r"} and mgr.host_pool is not None and len(mgr.host_pool.held()) == 1
+    assert mgr.held() == {b: "q"} and mgr.host_pool is not None and len(mgr.host_pool.held()) == 1
     with mc.CacheManager(mgr.pool, host_pool=mgr.host_pool):
         pass  # the ledgers are free again
 

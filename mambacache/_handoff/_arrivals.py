@@ -64,7 +64,9 @@ class Arrivals:
     ``import_into`` or a release ends it.
     """
 
-    __slots__ = ("_backlog", "_host", "_ledger", "_queue", "arrived", "awaiting", "hosts", "landing", "slots")
+    __slots__ = (
+        "_backlog", "_host", "_ledger", "_queue", "arrived", "awaiting", "hosts", "landing", "slots", "writing",
+    )  # fmt: skip
 
     def __init__(self, queue: QueueSide, ledger: SlotLedger, host: SlotLedger, backlog: Backlog) -> None:
         self._queue, self._ledger, self._host, self._backlog = queue, ledger, host, backlog
@@ -73,6 +75,7 @@ class Arrivals:
         self.hosts: dict[int, str] = {}  # staging host slot -> "landing" | "arrived"
         self.awaiting: dict[str, tuple[int, int, str]] = {}  # request id -> (pool slot, ticket, phase), in place
         self.slots: dict[int, str] = {}  # pool slot -> the request id awaiting its state there
+        self.writing = 0  # landings whose rows are being written (a closed manager keeps the pools claimed meanwhile)
 
     # -- checks other calls make (under the lock) --------------------------------
     def check_slot(self, what: str, slot: int) -> None:
@@ -85,6 +88,11 @@ class Arrivals:
                 f"{what}: slot {slot} awaits the state of {rid!r} from a peer ({phase}); import_into() it first,"
                 " or release() it to give the state up"
             )
+
+    def awaiting_in(self, slot: int) -> str | None:
+        """The request id awaiting its state in ``slot``, if any (under the lock: one consistent read)."""
+        with self._queue.lock:
+            return self.slots.get(slot)
 
     def withdraw_check_locked(self, slot: int) -> bool:
         """Whether a release of ``slot`` ends an arrival in place; raises, changing nothing, while its bytes are
@@ -114,13 +122,19 @@ class Arrivals:
 
     def _in_place_locked(self, request_ids: list[str]) -> bool:
         """Whether every id awaits its state in a slot the landing may write now (its alloc's ticket is done)."""
-        done, awaiting = self._backlog.done, self.awaiting
+        done, awaiting, arrived, landing = self._backlog.done, self.awaiting, self.arrived, self.landing
         return all(
-            (a := awaiting.get(r)) is not None and a[2] == WAITING and a[1] < done and r not in self.arrived
+            (a := awaiting.get(r)) is not None and a[2] == WAITING and a[1] < done and r not in arrived
+            and r not in landing  # arriving in staging (another receive): that one is the state
             for r in request_ids
-        ) and len(set(request_ids)) == len(request_ids)
+        ) and len(set(request_ids)) == len(request_ids)  # fmt: skip
 
-    def land(self, request_ids: list[str], write: Callable[[list[int]], None] | None = None) -> list[int]:
+    def land(
+        self,
+        request_ids: list[str],
+        write: Callable[[list[int]], None] | None = None,
+        arrived: Callable[[list[int]], None] | None = None,
+    ) -> list[int]:
         """Staging host slots for states arriving for ``request_ids``, each held by its id; all or none.
 
         The rows are written at once, outside the step order, so only host
@@ -130,6 +144,11 @@ class Arrivals:
         outside the lock; until it returns the states are *landing*, not
         arrived (an import or a discard of them is refused: the slot does not
         hold them yet), and if it raises the slots are freed and nothing arrived.
+        So too when the manager closed (or broke) meanwhile: nothing could ever
+        import them there (:class:`ManagerClosedError`, to be answered as not
+        landed), and it kept the pools from the next manager until the write ended.
+        ``arrived(slots)``: called in the lock hold that makes them arrived, so
+        before any import of them (a transfer traces its receive line there).
         """
         host, q = self._host, self._queue
         with q.lock:
@@ -140,23 +159,42 @@ class Arrivals:
                 host.tenants[h] = r
                 self.hosts[h] = "landing"
             if write is None:
-                self._arrive_locked(request_ids, slots)
+                self._arrive_locked(request_ids, slots, arrived)
                 return slots
             self.landing.update(zip(request_ids, slots, strict=True))
+            self.writing += 1
         try:
             write(slots)
         except BaseException:
-            with q.lock:  # nothing queued reads them and only the write wrote them: free at once
-                for r, h in zip(request_ids, slots, strict=True):
-                    del self.landing[r], self.hosts[h]
-                    host.tenants[h] = None  # taken for no tenant (take_settled): given back as such
-                host.give_back(slots)
+            with q.lock:
+                self._unland_locked(request_ids, slots)
             raise
         with q.lock:
+            try:
+                q.check()  # a manager closed (or broken) meanwhile can never import them: not arrived
+            except BaseException:
+                self._unland_locked(request_ids, slots)
+                raise
+            self.writing -= 1
             for r in request_ids:
                 del self.landing[r]
-            self._arrive_locked(request_ids, slots)
+            self._arrive_locked(request_ids, slots, arrived)
         return slots
+
+    def _unland_locked(self, request_ids: list[str], slots: list[int]) -> None:
+        """A landing in staging that did not arrive: nothing queued reads its slots and only its write wrote them,
+        so they are free at once."""
+        host = self._host
+        for r, h in zip(request_ids, slots, strict=True):
+            del self.landing[r], self.hosts[h]
+            host.tenants[h] = None  # taken for no tenant (take_settled): given back as such
+        host.give_back(slots)
+        self._written_locked()
+
+    def _written_locked(self) -> None:
+        """A landing's write ended without an arrival: on a closed manager the last one frees the pools."""
+        self.writing -= 1
+        self._queue.settled()
 
     def _check_new_locked(self, request_ids: list[str]) -> None:
         landed = [r for r in request_ids if r in self.arrived or r in self.landing]
@@ -164,18 +202,29 @@ class Arrivals:
         if landed or len(set(request_ids)) != len(request_ids):
             raise SlotStateError(f"states for {landed or request_ids} arrived twice without an import between")
 
-    def _arrive_locked(self, request_ids: list[str], slots: list[int]) -> None:
+    def _arrive_locked(
+        self, request_ids: list[str], slots: list[int], arrived: Callable[[list[int]], None] | None
+    ) -> None:
         for r, h in zip(request_ids, slots, strict=True):
             self.arrived[r] = h
             self.hosts[h] = "arrived"
+        if arrived is not None:
+            arrived(slots)
 
-    def land_in_place(self, request_ids: list[str], write: Callable[[list[int]], None]) -> list[int] | None:
+    def land_in_place(
+        self,
+        request_ids: list[str],
+        write: Callable[[list[int]], None],
+        arrived: Callable[[list[int]], None] | None = None,
+    ) -> list[int] | None:
         """The pool slots ``request_ids`` await their states in, written by ``write(slots)`` outside the lock;
         None (nothing changed) unless every id lands in place now (:meth:`expect`, its alloc's flush done).
 
         Until ``write`` returns they are landing (a release is refused); if it
-        raises they await again, nothing arrived; once it returns they arrived,
-        and ``import_into`` of each one's slot completes it without a copy.
+        raises, or the manager closed (or broke) meanwhile (:class:`ManagerClosedError`),
+        they await again, nothing arrived; once it returns they arrived, and
+        ``import_into`` of each one's slot completes it without a copy
+        (``arrived(slots)``: as in :meth:`land`).
         """
         q, awaiting = self._queue, self.awaiting
         with q.lock:
@@ -185,14 +234,25 @@ class Arrivals:
                 return None
             slots = [awaiting[r][0] for r in request_ids]
             self._phase_locked(request_ids, LANDING)
+            self.writing += 1
         try:
             write(slots)
         except BaseException:
             with q.lock:
                 self._phase_locked(request_ids, WAITING)
+                self._written_locked()
             raise
         with q.lock:
+            try:
+                q.check()  # as in land(): a manager that closed meanwhile never imports them
+            except BaseException:
+                self._phase_locked(request_ids, WAITING)
+                self._written_locked()
+                raise
+            self.writing -= 1
             self._phase_locked(request_ids, ARRIVED)
+            if arrived is not None:
+                arrived(slots)
         return slots
 
     def _phase_locked(self, request_ids: list[str], phase: str) -> None:

@@ -53,6 +53,9 @@ class HandOffBook:
     is there its tenant does not change; ``sending`` and ``pinned`` are subsets of
     ``exports``' slots, and an export in ``pinned`` is taken for that peer
     only (its batch to that peer is in doubt: it may have landed there);
+    ``ids`` counts the exports of each request id in ``exports``, and no two
+    of them may go in one batch (a peer imports one state per id: both would
+    be refused, every batch with them, for good), so they go to two peers;
     ``hosts`` holds exactly the staging host slots of ``exports`` (those not in
     place), which no call but the hand-off's own changes (drop, restore of one
     are refused), as the arrivals' own; a slot exported in place is written by
@@ -61,7 +64,7 @@ class HandOffBook:
     """
 
     __slots__ = (
-        "_backlog", "_host", "_ledger", "_queue", "arrivals", "awaited", "exports", "hosts", "pinned", "sending",
+        "_backlog", "_host", "_ledger", "_queue", "arrivals", "awaited", "exports", "hosts", "ids", "pinned", "sending",
     )  # fmt: skip
 
     def __init__(self, queue: QueueSide, ledger: SlotLedger, host: SlotLedger, backlog: Backlog) -> None:
@@ -70,8 +73,14 @@ class HandOffBook:
         self.sending: set[int] = set()  # pool slots whose export a send has taken and not settled
         self.pinned: dict[int, int] = {}  # pool slot -> the peer that may hold its unaddressed export (in doubt)
         self.hosts: dict[int, str] = {}  # staging host slot of an export -> "exporting"
+        self.ids: dict[str, int] = {}  # request id -> how many exports of it are in ``exports``
         self.arrivals = Arrivals(queue, ledger, host, backlog)
         self.awaited = self.arrivals.slots  # pool slots awaiting a state in place (the queue's second gate)
+
+    def in_flight(self) -> bool:
+        """Under the lock: whether a send awaits its ack or a landing writes its rows (a closed queue keeps the
+        pools claimed until neither does)."""
+        return bool(self.sending) or self.arrivals.writing > 0
 
     # -- checks other calls make (under the lock) --------------------------------
     def check_not_exporting(self, what: str, slot: int) -> None:
@@ -145,17 +154,31 @@ class HandOffBook:
             q.check()
             self._ledger.check_held("Export", slot, tenant)
             self.check_not_exporting("export", slot)
+            if tenant in self.ids:
+                self._check_one_per_batch(slot, tenant, to)
             h = None if in_place else host.take(1, tenant)[0]
             ev = Export(slot, h, tenant, to)
             # The events queued now are taken by the next take, which gets the backlog's next ticket: in place,
             # the export is ready once every event queued before it ran, though it queues none itself.
             self.exports[slot] = (self._backlog.taken, ev)
+            self.ids[tenant] = self.ids.get(tenant, 0) + 1
             if h is None:
                 _tracing.tracer.events((ev,), q.step)
             else:
                 self.hosts[h] = "exporting"
                 q.enqueue((ev,))
         return h
+
+    def _check_one_per_batch(self, slot: int, tenant: str, to: int | None) -> None:
+        """:class:`SlotStateError` when an export of ``tenant`` in the book could go in one batch with an export of
+        it to ``to`` (the same peer, or either to no one in particular)."""
+        for ticket_ev in self.exports.values():
+            ev = ticket_ev[1]
+            if ev.request_id == tenant and (to is None or ev.to is None or ev.to == to):
+                raise SlotStateError(
+                    f"export: slot {slot}: a state of {tenant!r} is exported already (slot {ev.slot}) until the peer"
+                    " acknowledges it; the peer imports one state per request id (export the other to another peer)"
+                )
 
     def ready(self, to: int | None, take: bool) -> list[Export]:
         """The exports whose staging copy ran, not acknowledged and not being sent, in export order; with ``to``
@@ -239,6 +262,7 @@ class HandOffBook:
             entry = self.exports.get(ev.slot)
             if entry is not None and entry[1] is ev:
                 del self.exports[ev.slot]
+                self._forget_id(ev)
                 self.sending.discard(ev.slot)
                 self.pinned.pop(ev.slot, None)
                 if ev.host is not None:
@@ -254,6 +278,14 @@ class HandOffBook:
                 "transfer.withdraw", None, ids, slots=[ev.slot for ev in gone], step=self._queue.step
             )
 
+    def _forget_id(self, ev: Export) -> None:
+        rid = ev.request_id or ""
+        left = self.ids[rid] - 1
+        if left:
+            self.ids[rid] = left
+        else:
+            del self.ids[rid]
+
     def _settle_closed(self, exports: list[Export], withdrawn: bool) -> None:
         """Under the lock, on a closed manager: a send taken before the close settled (``withdrawn``: it failed).
 
@@ -268,6 +300,7 @@ class HandOffBook:
         staged = [ev.host for ev in exports if ev.host is not None]
         for ev in exports:
             del self.exports[ev.slot]
+            self._forget_id(ev)
             self.sending.discard(ev.slot)
             self.pinned.pop(ev.slot, None)
         for h in staged:

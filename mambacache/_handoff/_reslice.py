@@ -247,7 +247,14 @@ class ReslicingReceiver:
                     raise TransferError(f"peer rank 0 sent {ids}, rank {k} sent {other}: not one batch", ids)
             full = self._layout.gather([rows for _, rows in got], dim=2)
             # Arrived only once written (a failed write frees the slots, and every rank hears it landed nothing).
-            slots = self._mgr.land(ids, lambda hosts: write_staging(self._mgr, hosts, full))
+            peers = [x.peer for x in self._transfers]  # the line names the first; `peers` lists every shard's rank
+
+            def arrived(slots: list[int]) -> None:  # in the hold that makes them arrived: before any import's line
+                _tracing.tracer.transfer(
+                    "transfer.receive", peers[0], ids, step=self._mgr.step, n=len(ids), hosts=slots, peers=peers
+                )
+
+            self._mgr.land(ids, lambda hosts: write_staging(self._mgr, hosts, full), arrived=arrived)
         except BaseException as exc:
             # Every rank that sent its shard hears that nothing landed: it keeps its slots and sends again.
             why = f"room:{self._mgr.landing_room()}:{exc}" if isinstance(exc, PoolExhaustedError) else str(exc)
@@ -255,9 +262,6 @@ class ReslicingReceiver:
                 with contextlib.suppress(TransferError):
                     x.acknowledge(shard_ids, landed=False, why=why)
             raise
-        peers = [x.peer for x in self._transfers]  # the line names the first; `peers` lists every shard's rank
-        _tracing.tracer.transfer("transfer.receive", peers[0], ids, step=self._mgr.step, n=len(ids), hosts=slots,
-                                 peers=peers)  # fmt: skip
         for x in self._transfers:
             x.acknowledge(ids)
         return ids

@@ -36,6 +36,11 @@ def _check_ids(what: str, request_ids: Any) -> None:
         raise InvalidArgumentError(f"{what} takes a list of request ids (str), got {request_ids!r}")
 
 
+def _check_arrived(what: str, arrived: Any) -> None:
+    if arrived is not None and not callable(arrived):
+        raise InvalidArgumentError(f"{what}'s arrived must be a callable or None, got {arrived!r}")
+
+
 def _check_to(to: Any) -> int | None:
     """A destination: a non-negative int (a peer's rank) or None (any peer)."""
     if to is not None and (type(to) is not int or to < 0):
@@ -146,6 +151,13 @@ class HandOff:
             raise InvalidArgumentError("expect_import needs the request's id: the state arrives under it")
         self._book("expect_import").arrivals.expect(as_slot(slot, self._pool.num_slots), request_id)
 
+    def awaiting_import(self, slot: int) -> str | None:
+        """The request whose state ``slot`` awaits from a peer (:meth:`expect_import`, not imported or released
+        since), else None: such a slot holds no state yet, so every call that reads or writes it is refused."""
+        slot = as_slot(slot, self._pool.num_slots)
+        book = self._handoff
+        return None if book is None else book.arrivals.awaiting_in(slot)
+
     def discard_arrived(self, request_id: str) -> int:
         """The state that arrived for ``request_id`` will not be imported (the request was aborted): its staging
         host slot is dropped from this point. Returns it; :class:`SlotStateError`, nothing changed, when no state
@@ -192,13 +204,22 @@ class HandOff:
             _check_ids("landing_room", request_ids)
         return self._book("landing_room").arrivals.room(request_ids)
 
-    def land(self, request_ids: list[str], write: Callable[[list[int]], None] | None = None) -> list[int]:
+    def land(
+        self,
+        request_ids: list[str],
+        write: Callable[[list[int]], None] | None = None,
+        *,
+        arrived: Callable[[list[int]], None] | None = None,
+    ) -> list[int]:
         """Staging host slots for states arriving for ``request_ids`` (each held by its id until imported).
 
         ``write(slots)`` (a transfer's receive): writes the arrived rows into the
         slots, called outside the manager's lock; the states count as arrived
         (importable, discardable) only once it returned, and if it raises the
         slots are freed and nothing arrived (its error is raised).
+        ``arrived(slots)``: called under the manager's lock in the hold that
+        makes them arrived, so before any import of them can be (a transfer
+        traces its receive line there); it must not raise nor call the manager.
         All or none: :class:`InvalidArgumentError` unless a list of str,
         :class:`SlotStateError` when a state for one of them arrived already and
         is not imported yet, :class:`PoolExhaustedError` when too few host slots
@@ -208,18 +229,27 @@ class HandOff:
         _check_ids("land", request_ids)
         if write is not None and not callable(write):
             raise InvalidArgumentError(f"land's write must be a callable or None, got {write!r}")
-        return self._book("land").arrivals.land(request_ids, write)
+        _check_arrived("land", arrived)
+        return self._book("land").arrivals.land(request_ids, write, arrived)
 
-    def land_in_place(self, request_ids: list[str], write: Callable[[list[int]], None]) -> list[int] | None:
+    def land_in_place(
+        self,
+        request_ids: list[str],
+        write: Callable[[list[int]], None],
+        *,
+        arrived: Callable[[list[int]], None] | None = None,
+    ) -> list[int] | None:
         """The pool slots ``request_ids`` await their states in (:meth:`expect_import`), for ``write(slots)`` (a
         transfer's receive) to write the arrived rows into, outside the manager's lock; None, with nothing
         changed, unless every one of them lands in place now (expected, and the flush that took its alloc
         ran). Until ``write`` returns a release of those slots is refused; if it raises nothing arrived.
+        ``arrived(slots)``: as in :meth:`land`.
         :class:`SlotStateError` (nothing changed) when a state for one of them arrived already."""
         _check_ids("land_in_place", request_ids)
         if not callable(write):
             raise InvalidArgumentError(f"land_in_place's write must be a callable, got {write!r}")
-        return self._book("land_in_place").arrivals.land_in_place(request_ids, write)
+        _check_arrived("land_in_place", arrived)
+        return self._book("land_in_place").arrivals.land_in_place(request_ids, write, arrived)
 
 
 class CacheManager(ManagerCore, HandOff):

@@ -417,12 +417,13 @@ class StateTransfer:
                 batch = self._in.offer(self._layers(), self._shapes(), mgr.landing_room, deadline)
                 try:
                     # The slots are taken before the answer, so the bytes may arrive straight into them; they
-                    # count as arrived (importable) only once written. In place (expect_import) when every
-                    # state of the batch awaits it in a settled pool slot, else in staging host slots.
-                    slots = mgr.land_in_place(batch.ids, partial(self._take, batch, True))
-                    in_place = slots is not None
+                    # count as arrived (importable) only once written, and the line is traced in that same
+                    # hold of the lock (an import in another thread may follow at once: its line comes after).
+                    # In place (expect_import) when every state awaits it in a settled pool slot, else staged.
+                    traced = partial(self._traced, batch)
+                    slots = mgr.land_in_place(batch.ids, partial(self._take, batch, True), arrived=traced("slots"))
                     if slots is None:
-                        slots = mgr.land(batch.ids, partial(self._take, batch, False))
+                        mgr.land(batch.ids, partial(self._take, batch, False), arrived=traced("hosts"))
                 except Withdrawn:  # its sender gave up on it first: nothing arrived, the next header may
                     self._in.check_left(deadline)
                     continue
@@ -436,13 +437,20 @@ class StateTransfer:
                     if self._in.waiting is batch:
                         self._in.answer(batch, False, str(exc))
                     raise
-                where = {"slots" if in_place else "hosts": slots}
-                _tracing.tracer.transfer(
-                    "transfer.receive", self.peer, batch.ids, step=mgr.step, n=len(batch.ids), bytes=sum(batch.sizes),
-                    **where,
-                )  # fmt: skip
                 self._in.answer(batch, True)
                 return batch.ids
+
+    def _traced(self, batch: Batch, where: str) -> Callable[[list[int]], None]:
+        """The ``arrived`` callback of a landing of ``batch``: its ``transfer.receive`` line, naming the staging host
+        slots (``where`` ``"hosts"``) or the pool slots it landed in place in (``"slots"``)."""
+
+        def arrived(slots: list[int]) -> None:
+            _tracing.tracer.transfer(
+                "transfer.receive", self.peer, batch.ids, step=self._mgr.step, n=len(batch.ids),
+                bytes=sum(batch.sizes), **{where: slots},
+            )  # fmt: skip
+
+        return arrived
 
     def _take(self, batch: Batch, in_place: bool, slots: list[int]) -> None:
         """Receive ``batch`` into staging host ``slots`` (``in_place``: the pool slots awaiting it): straight into

@@ -237,6 +237,9 @@ class PrefixCache:
         slot = as_slot(slot, self._mgr.pool.num_slots)
         if not self._mgr.pool.is_allocated(slot):
             raise SlotStateError(f"insert: slot {slot!r} is not allocated")
+        awaited = self._mgr.awaiting_import(slot)
+        if awaited is not None:  # the fork out of it would be refused only after the eviction and the alloc
+            raise SlotStateError(f"insert: slot {slot} awaits the state of {awaited!r} from a peer: nothing to copy")
         self._mgr.check_open()
         path = tuple(tokens)
         node = self._trie.find(path, key)

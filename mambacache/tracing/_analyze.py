@@ -432,6 +432,17 @@ class _Pass:
         """Record an anomaly."""
         self.out.anomalies.append(Anomaly(kind, slot, step, line, rid, message))
 
+    def awaited_read(self, slot: int, st: _Slot, line: int, step: int | None, rid: str | None, what: str) -> None:
+        """``what`` reads ``slot``: a read-before-import when it awaits its tenant's state from a peer
+        (``slot.expect``, no import since), since it holds no state yet (the manager refuses such a read)."""
+        if st.awaiting and not st.flagged_import:
+            st.flagged_import = True
+            message = (
+                f"{what} slot {slot} while it awaits the state of {st.tenant!r} from a peer (a slot.expect with no"
+                " slot.import since): it holds no state yet"
+            )
+            self.flag("read-before-import", slot, line, step, rid, message)
+
     def entry(self, slot: int, e: Entry) -> None:
         """Append ``e`` to the slot's timeline."""
         self.out.timelines.setdefault(slot, []).append(e)
@@ -478,6 +489,7 @@ class _Pass:
                 message = f"fork {src} -> {dst} reads checkpoint slot {s}, evicted on line {self.evicted[s]}"
                 self.flag("fork-from-evicted", s, line, step, rid, message)
             self.handoffs.read(s, line, step, rid, f"fork {src} -> {dst} reads")
+            self.awaited_read(s, s_src, line, step, rid, f"fork {src} -> {dst} reads")
             if initialized and not s_src.initialized:
                 initialized, taint = False, f"forked from slot {s}, itself never cleared"
         if not s_dst.allocated:
@@ -508,6 +520,7 @@ class _Pass:
         if not st.allocated:
             self.flag("use-after-release", slot, line, step, rid, f"commit into slot {slot}, which is free")
         self.handoffs.read(slot, line, step, rid, "a commit of draft tokens into")
+        self.awaited_read(slot, st, line, step, rid, "a commit of draft tokens into")
         self.entry(slot, Entry(line, step, "commit", rid, other=r["accepted"]))
 
     def clear(self, slot: int, st: _Slot, r: dict[str, Any], line: int, step: int | None, rid: str | None) -> None:
@@ -524,6 +537,7 @@ class _Pass:
         if not st.allocated:
             self.flag("use-after-release", slot, line, step, rid, f"offload of slot {slot}, which is free")
         self.handoffs.read(slot, line, step, rid, "an offload reads")
+        self.awaited_read(slot, st, line, step, rid, "an offload reads")
         self.host_held[r["host"]] = st.initialized
         self.host_from[r["host"]] = (slot, rid)
         self.entry(slot, Entry(line, step, "offload", rid, other=r["host"]))
@@ -576,6 +590,7 @@ class _Pass:
         if not st.allocated:
             self.flag("use-after-release", slot, line, step, rid, f"export of slot {slot}, which is free")
         self.handoffs.read(slot, line, step, rid, "an export reads")
+        self.awaited_read(slot, st, line, step, rid, "an export reads")
         self.handoffs.exported(slot, r["host"], line, rid, r["to"])
         self.entry(slot, Entry(line, step, "export", rid, other=r["host"]))
 

@@ -10,7 +10,9 @@ engines at each line of one engine's trace, and the three anomalies that shows.
   LMCache#2863's state never loaded); or a
   flush carrying an import failed (``step.error``) and, before any flush
   completed, a later step read the slot (a fork from it, an offload, an export, a
-  commit), so the engine ran on as if the import had landed.
+  commit), so the engine ran on as if the import had landed. (A read of a slot that awaits
+  its state in place, ``slot.expect`` with no import since, is flagged by the
+  pass itself: ``_analyze._Pass.awaited_read``.)
 * ``import-never-completed`` (``expect_idle``): a received state never
   imported, or an import whose flush never completed, at the end.
 * ``export-misrouted``: a ``transfer.send`` to one rank named an export
@@ -57,7 +59,8 @@ class Handoffs:
     Invariants: ``exports`` holds, per request, the exports no ``transfer.send``
     has named yet (oldest first: a send delivers the oldest); ``arrived`` the
     states a ``transfer.receive`` landed that no ``slot.import`` has read;
-    ``unlanded`` the imports no completed flush has run yet. A slot's release
+    ``unlanded`` the staged imports no completed flush has run yet (one in
+    place queues no work: its state is in the slot at its line). A slot's release
     ends its import's tracking: whatever was pending no longer reaches a tenant.
     """
 
@@ -84,7 +87,8 @@ class Handoffs:
         """``slot.import``: the received state is read; returns the rank it came from (the line's, or its receive's)."""
         self.counts["imports"] += 1
         came = self.arrived.pop(rid, None) if rid is not None else None
-        self.unlanded[slot] = _Import(host, line, step, rid)
+        if host is not None:  # in place (no host slot) the state is in the slot already: no flush to wait for
+            self.unlanded[slot] = _Import(host, line, step, rid)
         return peer if peer is not None or came is None else came[1]
 
     def read(self, slot: int, line: int, step: int | None, rid: str | None, what: str) -> None:

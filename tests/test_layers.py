@@ -29,6 +29,9 @@ FOREIGN_PRIVATES = {
     "argparse._SubParsersAction",  # the type of add_subparsers(), for annotations
     "GPUModelRunner._update_states",  # vLLM plugin: the one hook where a step's requests are known
     "dist.distributed_c10d._get_default_store",  # StateTransfer's control plane: the group's store, no public form
+    # The crew: whether a Python dispatch mode (thread-local) watches this thread's ops; no public form.
+    "torch._C",
+    "torch._C._len_torch_dispatch_stack",
 }
 MAX_CLASS_LINES = 300
 MAX_FUNCTION_LINES = 60
@@ -93,7 +96,8 @@ def test_no_import_circle() -> None:
 CORE = {
     "mambacache._args", "mambacache._backlog", "mambacache._channel", "mambacache._distributed",
     "mambacache._errors", "mambacache._events", "mambacache._executors", "mambacache._executors._base",
-    "mambacache._executors._npu", "mambacache._executors._reference", "mambacache._executors._torch",
+    "mambacache._executors._crew", "mambacache._executors._npu", "mambacache._executors._reference",
+    "mambacache._executors._torch",
     "mambacache._flush", "mambacache._hf", "mambacache._host", "mambacache._hosttier", "mambacache._indices",
     "mambacache._layout", "mambacache._ledger", "mambacache._manager", "mambacache._planner", "mambacache._pool",
     "mambacache._queue", "mambacache._reserve", "mambacache._runner", "mambacache._spec", "mambacache._torchutil",

@@ -32,8 +32,9 @@ __all__ = [
 # from it on, the op is an OpenMP parallel region that ends only once every pool thread got a time slice. A
 # runs-path stage is one op per run: on a host where another process computes (shared machines, CPU quotas),
 # each region waits for the thread that process holds, about a scheduler slice each, and a stage of 128 runs
-# took 47x a memset (docs/benchmarks.md, "Contention"). Cut under the grain, every op runs inline: the memory
-# system, not the thread count, bounds these copies, so one thread loses nothing on a quiet machine either.
+# took 47x a memset (docs/benchmarks.md, "Contention"). Cut under the grain, every op runs inline; a large
+# stage's pieces are shared with helper threads that take chunks as they come free (``_crew.py``), since one
+# thread alone moves about half a two-thread memcpy's bytes on a quiet machine.
 GRAIN = 32768
 # Widest first: a zero or a same-dtype copy moves the bytes whatever their dtype (an op copies complex128
 # through vector loads and stores, bit for bit), and a wider element puts more bytes under the grain.

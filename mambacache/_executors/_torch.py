@@ -8,7 +8,8 @@ or forced (``path="runs" | "index" | "direct"``):
   ``num_layers`` contiguous chunks, no index tensor, no temporary: memset/memcpy
   speed when chunks are large (CPU). On CPU a view of ``GRAIN`` elements or more
   is cut into pieces under it (``pieces`` in ``_base.py``), so that no op of the stage
-  is an OpenMP parallel region. Single-slot views are cached;
+  is an OpenMP parallel region; a stage of a few MiB or more is shared in chunks
+  with the process's helper threads (``_crew.py``). Single-slot views are cached;
 * index: one ``index_fill_`` (zero) or ``index_select`` + ``index_copy_`` (copy)
   per tensor with host-built indices: one op whatever the slot count, but a
   copy gathers into a temporary (chunked to ``copy_workspace_bytes``), so every
@@ -53,6 +54,7 @@ import torch
 from .._errors import InvalidArgumentError
 from .._planner import CommitStage, CopyStage, HostStage, OffloadStage, RotateStage, ShiftStage, Stage, ZeroStage
 from ._base import GRAIN, Executor, IndexBuilder, Progress, copy_host, piece_size, pieces, row_width, stage_pairs
+from ._crew import crew
 
 __all__ = ["PATHS", "TorchExecutor"]
 
@@ -146,7 +148,10 @@ def _run_views(stage: ZeroStage | CopyStage, entries: list[_Views]) -> None:
             for start, length in stage.runs:
                 got = cache[start] if length == 1 else None
                 views += got if got is not None else entry.run(start, length)
-        torch._foreach_zero_(views)
+        if len(views) < crew.min_views:  # a decode step's few views: not even the crew's call
+            torch._foreach_zero_(views)
+        else:
+            crew.run(views)
         return
     sources: list[torch.Tensor] = []
     for entry in entries:
@@ -155,7 +160,10 @@ def _run_views(stage: ZeroStage | CopyStage, entries: list[_Views]) -> None:
             a, b = (cache[src], cache[dst]) if length == 1 else (None, None)
             sources += a if a is not None else entry.run(src, length)
             views += b if b is not None else entry.run(dst, length)
-    torch._foreach_copy_(views, sources)
+    if len(views) < crew.min_views:
+        torch._foreach_copy_(views, sources)
+    else:
+        crew.run(views, sources)
 
 
 class TorchExecutor(Executor):
@@ -363,7 +371,7 @@ class TorchExecutor(Executor):
             else:
                 dst[:, b : b + n].copy_(src[:, a : a + n])
         if dests:
-            torch._foreach_copy_(dests, sources)
+            crew.run(dests, sources)
 
     def execute(self, stage: Stage, tensor: torch.Tensor, draft: torch.Tensor | None = None) -> None:
         if isinstance(stage, CommitStage):
@@ -378,7 +386,7 @@ class TorchExecutor(Executor):
                 srcs = [src * k + pos for src, pos, _ in stage.entries]
                 torch._foreach_copy_(self._rows(tensor, dsts), self._rows(draft, srcs, depth=3))
             else:
-                torch._foreach_copy_(*self._commit_views(stage, tensor, draft))
+                crew.run(*self._commit_views(stage, tensor, draft))
         elif isinstance(stage, (ZeroStage, CopyStage)):
             # The runs and direct paths are the whole-stage ones, on this one tensor;
             # what they decline takes the index path.

@@ -1,0 +1,189 @@
+"""The host threads that share a large CPU stage's foreach op (one crew per process).
+
+Why not torch's own threads: a CPU stage is cut into pieces under ATen's grain
+(``GRAIN`` in ``_base.py``), so that no op is an OpenMP parallel region that
+waits, op after op, for a pool thread another process holds. Cut that way, the
+whole stage runs on the calling thread: on a quiet host a large copy then moves
+at one thread's bandwidth, about half a two-thread memcpy (docs/benchmarks.md,
+"Contention"). The crew gives the parallelism back without the barriers: the
+stage's views are split into chunks of about ``CHUNK_BYTES``, and the calling
+thread and ``torch.get_num_threads() - 1`` helper threads each take the next
+chunk as they come free. A helper that another process has descheduled holds
+up at most the one chunk it runs; the others take the rest::
+
+    views  [v0 v1 v2 | v3 v4 v5 | v6 v7 v8 | v9 ...]    chunks of ~CHUNK_BYTES
+             caller     helper     caller    whoever is free first
+
+Each chunk is one ``_foreach_zero_`` / ``_foreach_copy_`` over its views, which
+drops the GIL while it moves bytes.
+
+Invariants:
+
+* :meth:`Crew.run` returns or raises only once no chunk of its stage is
+  running: a helper never writes after it, so an executor's resume contract
+  (a stage run again after a fault) holds as on one thread; the first
+  exception of any chunk is raised, and no chunk starts after it.
+* Only stages whose views can go in any order come here (the zero and copy
+  stages' disjoint sources and destinations, host stages, commits).
+* Only views under the grain (each op inline on the thread that runs it: a
+  larger one would start a second OpenMP team from a helper).
+* Inline, as before, whenever the crew would not pay or would change what an
+  observer sees: under ``CHUNK_BYTES * 2`` bytes, one torch thread, the crew
+  busy with another thread's stage, or a Python dispatch mode active (modes are
+  thread-local, so a fault or op-counting mode would miss the helpers' ops).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+
+import torch
+
+from ._base import GRAIN
+
+__all__ = ["CHUNK_BYTES", "MIN_VIEWS", "Crew", "crew"]
+
+# About 100-300 us of one thread's copying here: large against a chunk's hand-off (a queue put and a
+# foreach call, some microseconds), small against a scheduler slice a descheduled helper may hold it for.
+CHUNK_BYTES = 1 << 20
+# A stage of fewer views is not summed up at all (a decode step's few single-slot views): the check that
+# keeps the crew off the hot path costs one len().
+MIN_VIEWS = 16
+
+
+def _bounds(views: list[torch.Tensor], chunk: int) -> list[tuple[int, int]]:
+    """``views`` as consecutive ``[i, j)`` ranges of about ``chunk`` bytes each (a view is never split)."""
+    out: list[tuple[int, int]] = []
+    start = size = 0
+    for i, v in enumerate(views):
+        size += v.numel() * v.element_size()
+        if size >= chunk:
+            out.append((start, i + 1))
+            start, size = i + 1, 0
+    if start < len(views):
+        out.append((start, len(views)))
+    return out
+
+
+class _Job:
+    """One stage's chunks, taken in order by whoever is free; the first failure stops the taking."""
+
+    __slots__ = ("bounds", "dests", "error", "lock", "next", "sources")
+
+    def __init__(
+        self, dests: list[torch.Tensor], sources: list[torch.Tensor] | None, bounds: list[tuple[int, int]]
+    ) -> None:
+        self.dests, self.sources, self.bounds = dests, sources, bounds
+        self.next = 0
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+
+    def take(self) -> tuple[int, int] | None:
+        with self.lock:
+            if self.error is not None or self.next == len(self.bounds):
+                return None
+            self.next += 1
+            return self.bounds[self.next - 1]
+
+    def fail(self, error: BaseException) -> None:
+        with self.lock:
+            if self.error is None:
+                self.error = error
+
+    def work(self) -> None:
+        while (got := self.take()) is not None:
+            i, j = got
+            try:
+                if self.sources is None:
+                    torch._foreach_zero_(self.dests[i:j])
+                else:
+                    torch._foreach_copy_(self.dests[i:j], self.sources[i:j])
+            except BaseException as e:  # recorded and re-raised by Crew.run on the calling thread
+                self.fail(e)
+                return
+
+
+class Crew:
+    """Helper threads (started on first use, daemons, kept) that share the chunks of one stage at a time."""
+
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES, min_views: int = MIN_VIEWS) -> None:
+        self.chunk_bytes, self.min_views = chunk_bytes, min_views
+        self._busy = threading.Lock()  # one stage at a time; another thread's stage runs inline meanwhile
+        self._inbox: list[queue.SimpleQueue[_Job]] = []
+        self._done: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self._pid = os.getpid()
+        self.stages = 0  # stages shared with helpers (a count for tests and the bench)
+
+    def _helpers(self, want: int) -> list[queue.SimpleQueue[_Job]]:
+        if self._pid != os.getpid():  # a forked child has none of its parent's threads
+            self._inbox, self._done, self._pid = [], queue.SimpleQueue(), os.getpid()
+        while len(self._inbox) < want:
+            inbox: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(inbox,), name="mambacache-crew", daemon=True).start()
+            self._inbox.append(inbox)
+        return self._inbox[:want]
+
+    def _serve(self, inbox: queue.SimpleQueue[_Job]) -> None:
+        while True:
+            job = inbox.get()
+            try:
+                job.work()
+            finally:
+                self._done.put(None)
+
+    def shares(self, dests: list[torch.Tensor]) -> bool:
+        """Whether a stage over ``dests`` (CPU views) goes to the crew: see the module's last invariant."""
+        if len(dests) < self.min_views or torch.get_num_threads() < 2 or torch._C._len_torch_dispatch_stack():
+            return False
+        size = 0
+        for v in dests:
+            n = v.numel()
+            if n >= GRAIN:  # an op that is a parallel region of its own: on a helper, a second OpenMP team
+                return False
+            size += n * v.element_size()
+        return size >= 2 * self.chunk_bytes
+
+    def run(self, dests: list[torch.Tensor], sources: list[torch.Tensor] | None = None) -> None:
+        """Zero ``dests`` (``sources`` None) or copy ``sources`` into them, pairwise, in any order."""
+        if not self.shares(dests) or not self._busy.acquire(blocking=False):
+            _inline(dests, sources)
+            return
+        try:
+            job = _Job(dests, sources, _bounds(dests, self.chunk_bytes))
+            helpers = self._helpers(min(torch.get_num_threads(), len(job.bounds)) - 1)
+            for inbox in helpers:
+                inbox.put(job)
+            self.stages += 1
+            try:
+                job.work()
+            except BaseException as e:  # an interrupt between chunks: stop the taking, wait below
+                job.fail(e)
+            finally:
+                _join(self._done, len(helpers), job)
+            if job.error is not None:
+                raise job.error
+        finally:
+            self._busy.release()
+
+
+def _join(done: queue.SimpleQueue[None], count: int, job: _Job) -> None:
+    """Wait until ``count`` helpers finished ``job``; an interrupt meanwhile stops the taking and waits on."""
+    while count:
+        try:
+            done.get()
+            count -= 1
+        except BaseException as e:
+            job.fail(e)
+
+
+def _inline(dests: list[torch.Tensor], sources: list[torch.Tensor] | None) -> None:
+    if sources is None:
+        torch._foreach_zero_(dests)
+    else:
+        torch._foreach_copy_(dests, sources)
+
+
+crew = Crew()
+"""The process's crew: every torch executor shares its helper threads."""

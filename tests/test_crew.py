@@ -1,0 +1,266 @@
+"""The crew: a large CPU stage's pieces shared with helper threads (mambacache/_executors/_crew.py).
+
+The executor tests run through the crew only when a stage is a few MiB, which
+the small pools of the property and fault sweeps never are; here the crew's
+thresholds are lowered so that every stage of pieces is shared, and its own
+contract is checked: the bytes are the reference executor's; a fault at any
+chunk, on any thread, leaves no helper writing once the flush raised, and the
+repair flush is exact; a slow helper holds up only its own chunk; a dispatch
+mode keeps every op on the calling thread; two threads' stages do not mix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mambacache as mc
+from mambacache._executors._crew import CHUNK_BYTES, MIN_VIEWS, crew
+from mambacache._executors._torch import TorchExecutor
+
+from .oracle import SequentialOracle
+from .strategies import events_from_ops, host_events_from_ops, host_ops, ops
+from .test_grain import make_pool, random_bytes
+from .util import FaultAt, drive
+
+
+@contextlib.contextmanager
+def shared(chunk_bytes: int = 512, min_views: int = 2) -> Iterator[None]:
+    """Every stage of two views or more and twice ``chunk_bytes`` goes to the crew, in chunks of about that, with
+    two torch threads (the crew takes a helper per torch thread past the first; the suite runs with one)."""
+    old = crew.chunk_bytes, crew.min_views, torch.get_num_threads()
+    crew.chunk_bytes, crew.min_views = chunk_bytes, min_views
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        crew.chunk_bytes, crew.min_views = old[:2]
+        torch.set_num_threads(old[2])
+
+
+class Foreach:
+    """Wraps torch's two foreach ops (module attributes, so every thread's calls): counts calls per thread,
+    raises ``exc`` before call ``at`` (1-based, in whichever thread), sleeps ``slow`` seconds in a helper's first
+    call, and tracks the calls in flight."""
+
+    def __init__(self, at: int = 0, exc: type[BaseException] = MemoryError, slow: float = 0.0) -> None:
+        self.at, self.exc, self.slow = at, exc, slow
+        self.calls = 0
+        self.by_thread: dict[str, int] = {}
+        self.in_flight = 0
+        self.lock = threading.Lock()
+        self.real = {name: getattr(torch, name) for name in ("_foreach_zero_", "_foreach_copy_")}
+
+    def _wrap(self, name: str) -> Any:
+        real = self.real[name]
+
+        def op(*args: Any) -> Any:
+            me = threading.current_thread()
+            with self.lock:
+                self.calls += 1
+                self.by_thread[me.name] = self.by_thread.get(me.name, 0) + 1
+                if self.calls == self.at:
+                    raise self.exc(f"injected before foreach call {self.calls}")
+                first_helper = me is not threading.main_thread() and self.by_thread[me.name] == 1
+                self.in_flight += 1
+            try:
+                if self.slow and first_helper:
+                    time.sleep(self.slow)
+                return real(*args)
+            finally:
+                with self.lock:
+                    self.in_flight -= 1
+
+        return op
+
+    def __enter__(self) -> Foreach:
+        for name in self.real:
+            setattr(torch, name, self._wrap(name))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, real in self.real.items():
+            setattr(torch, name, real)
+
+
+def _bytes(*tensor_lists: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.view(torch.uint8).clone() for ts in tensor_lists for t in ts]
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("name", ["wide", "narrow"])
+@given(raw=ops, seed=st.integers(0, 99))
+@settings(max_examples=15)
+def test_shared_stages_move_the_bytes_the_reference_moves(name: str, paged: bool, raw: list[Any], seed: int) -> None:
+    raw0 = [(k, 0 if k == "alloc" else a, b) for k, a, b in raw]
+    drafts = 0 if paged else 2
+    moved = []
+    for executor in (TorchExecutor(), "reference"):
+        pool = make_pool(name, paged)
+        random_bytes([*pool.tensors, *pool.draft_tensors], seed)
+        with shared(), mc.CacheManager(pool, executor=executor) as mgr:
+            for events, _ in events_from_ops(raw0, 8, set(), draft_tokens=drafts):
+                drive(mgr, events)
+                mgr.flush_nowait()
+        moved.append((pool.allocated_slots(), _bytes(pool.tensors)))
+    assert moved[0][0] == moved[1][0]
+    assert all(map(torch.equal, moved[0][1], moved[1][1]))
+
+
+@pytest.mark.parametrize("name", ["wide", "narrow"])
+@given(raw=host_ops, seed=st.integers(0, 99))
+@settings(max_examples=15)
+def test_shared_host_stages_move_the_bytes_the_reference_moves(name: str, raw: list[Any], seed: int) -> None:
+    moved = []
+    for executor in (TorchExecutor(), "reference"):
+        pool = make_pool(name, False)
+        host = mc.HostPool(pool.spec, 6)
+        random_bytes([*pool.tensors, *host.tensors], seed)
+        with shared(), mc.CacheManager(pool, executor=executor, host_pool=host) as mgr:
+            mgr.alloc(8, clear=False)
+            hosts: dict[int, int] = {}
+            raw0 = [(k, 0 if k == "alloc" else a, b) for k, a, b in raw]
+            for events, _, _ in host_events_from_ops(raw0, 8, set(range(1, 9)), 6, set()):
+                drive(mgr, events, hosts=hosts)
+                mgr.flush_nowait()
+        moved.append((pool.allocated_slots(), _bytes(pool.tensors, host.tensors)))
+    assert moved[0][0] == moved[1][0]
+    assert all(map(torch.equal, moved[0][1], moved[1][1]))
+
+
+def _step(mgr: mc.CacheManager) -> None:
+    """A step of shared stages: a run of clears, copies of whole slots, offloads, restores, a commit."""
+    mgr.submit(mc.Clear(1), mc.Clear(2), mc.Clear(3))
+    mgr.copy_many([4, 5, 6], [7, 8, 1])
+    mgr.offload_many([2, 4, 5])
+    mgr.restore(1, 3, keep=True)
+    mgr.submit(mc.CommitDraft(6, 1))
+
+
+def _faulted_flush(at: int, exc: type[BaseException], *, slow: float = 0.0) -> tuple[Foreach, int]:
+    """The step on the wide pool with a fault before foreach call ``at`` (0: none), then the repair; the pool
+    and host pool against the oracle. Returns the wrapper and the shared stages of the faulted flush."""
+    pool = make_pool("wide", False)
+    host = mc.HostPool(pool.spec, 6)
+    g = torch.Generator().manual_seed(at)
+    for t in [*pool.tensors, *pool.draft_tensors, *host.tensors]:  # finite values: the oracle compares floats
+        t.copy_(torch.randn(t.shape, generator=g))
+    with shared(), mc.CacheManager(pool, host_pool=host) as mgr:
+        mgr.alloc(8, clear=False)
+        mgr.flush_nowait()
+        oracle = SequentialOracle(pool, host)
+        before = mgr.pending
+        _step(mgr)
+        oracle.apply(mgr.queued()[before:])
+        stages = crew.stages
+        with Foreach(at, exc, slow) as calls:
+            try:
+                mgr.flush_nowait()
+            except (mc.ExecutorError, KeyboardInterrupt):
+                assert at, "no fault was injected"
+                # The flush raised: no chunk of its stage may still be running, or the repair would race it.
+                assert calls.in_flight == 0
+                assert pool.unfinished >= 1
+                assert mgr.flush_nowait().resumed_stages >= 1
+            else:
+                assert at == 0 or at > calls.calls
+        shared_stages = crew.stages - stages
+        oracle.assert_matches(pool)
+        for got, want in zip(host.tensors, oracle.host, strict=True):
+            for h in (1, 2, 3):  # the offloaded host slots
+                assert torch.equal(got[:, h], want[:, h])
+    return calls, shared_stages
+
+
+def test_a_fault_before_any_foreach_call_of_shared_stages_then_one_flush_is_exact() -> None:
+    calls, stages = _faulted_flush(0, MemoryError)
+    assert stages >= 4, "the step's clear, copy, offload and commit stages were not shared"
+    assert len(calls.by_thread) >= 2, f"no helper thread ran a chunk: {calls.by_thread}"
+    excs: list[type[BaseException]] = [MemoryError, RuntimeError, KeyboardInterrupt]
+    for at in range(1, calls.calls + 1):
+        _faulted_flush(at, excs[at % len(excs)])
+
+
+def test_a_slow_helper_holds_up_only_its_own_chunk() -> None:
+    # The helper's first chunk sleeps: the calling thread takes every other chunk of the stage meanwhile.
+    calls, stages = _faulted_flush(0, MemoryError, slow=0.2)
+    assert stages >= 4
+    helpers = {k: v for k, v in calls.by_thread.items() if k != threading.main_thread().name}
+    assert calls.by_thread[threading.main_thread().name] >= calls.calls - stages  # at most one chunk a stage
+    assert sum(helpers.values()) <= stages, helpers
+
+
+def test_a_dispatch_mode_keeps_every_op_on_the_calling_thread() -> None:
+    pool = make_pool("wide", False)
+    with shared(), mc.CacheManager(pool) as mgr:
+        mgr.alloc(8, clear=False)
+        mgr.flush_nowait()
+        mgr.copy_many([1, 2, 3], [4, 5, 6])
+        before = crew.stages
+        with FaultAt(0) as mode:
+            mgr.flush_nowait()
+        assert crew.stages == before
+        assert mode.ops > 0
+
+
+def test_the_default_thresholds_share_a_realistic_stage() -> None:
+    # A Qwen3-Next-like TP rank's temporal state (4 x 128 x 128 fp32, 256 KiB a layer), 2 layers, 8 copies:
+    # 4 MiB, past twice CHUNK_BYTES, so the defaults share it; a decode-sized state is not.
+    spec = mc.StateSpec(num_layers=2, conv_shapes=[(64, 4)], temporal_shape=(4, 128, 128))
+    pool = mc.StatePool(spec, 16)
+    assert 8 * spec.slot_bytes >= 2 * CHUNK_BYTES
+    random_bytes(pool.tensors, 3)
+    want = [t.clone() for t in pool.tensors]
+    srcs, dsts = list(range(1, 17, 2)), list(range(2, 17, 2))
+    with shared(CHUNK_BYTES, MIN_VIEWS), mc.CacheManager(pool) as mgr:
+        mgr.alloc(16, clear=False)
+        mgr.flush_nowait()
+        before = crew.stages
+        mgr.copy_many(srcs, dsts)
+        mgr.flush_nowait()
+        assert crew.stages == before + 1  # the temporal tensor's stage (the conv one is under the threshold)
+        mgr.copy_many([1], [2])  # one slot: 2 views, inline
+        mgr.flush_nowait()
+        assert crew.stages == before + 1
+    for t in want:
+        t[:, dsts] = t[:, srcs].clone()
+    assert all(map(torch.equal, _bytes(pool.tensors), _bytes(want)))
+
+
+def test_two_threads_flushing_shared_stages_get_their_own_bytes() -> None:
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        try:
+            for r in range(5):
+                pool = make_pool("wide", False)
+                random_bytes(pool.tensors, seed * 100 + r)
+                want = [t.clone() for t in pool.tensors]
+                with mc.CacheManager(pool) as mgr:
+                    mgr.alloc(8, clear=False)
+                    mgr.copy_many([1, 2, 3, 4], [5, 6, 7, 8])
+                    mgr.clear_many([1, 2])
+                    mgr.flush_nowait()
+                for t in want:
+                    t[:, 5:9] = t[:, 1:5].clone()
+                    t[:, 1:3] = 0
+                assert all(map(torch.equal, _bytes(pool.tensors), _bytes(want)))
+        except BaseException as e:  # re-raised on the test's thread
+            errors.append(e)
+
+    with shared():
+        torch.set_num_threads(2)
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors

@@ -137,7 +137,7 @@ class _Views:
         return [p for block in blocks for p in pieces(block, self.width)]
 
 
-def _run_views(stage: ZeroStage | CopyStage, entries: list[_Views]) -> None:
+def _run_views(stage: ZeroStage | CopyStage, entries: list[_Views], share: bool) -> None:
     """The runs path of a whole stage: one ``_foreach_zero_`` / ``_foreach_copy_`` over every tensor's views of
     the runs. A cached single slot is read inline: a method call per run is a measurable part of a decode step,
     whose stages are a few single-slot runs of a few tensors."""
@@ -148,10 +148,10 @@ def _run_views(stage: ZeroStage | CopyStage, entries: list[_Views]) -> None:
             for start, length in stage.runs:
                 got = cache[start] if length == 1 else None
                 views += got if got is not None else entry.run(start, length)
-        if len(views) < crew.min_views:  # a decode step's few views: not even the crew's call
-            torch._foreach_zero_(views)
-        else:
+        if share and len(views) >= crew.min_views:  # a decode step's few views: not even the crew's call
             crew.run(views)
+        else:
+            torch._foreach_zero_(views)
         return
     sources: list[torch.Tensor] = []
     for entry in entries:
@@ -160,10 +160,10 @@ def _run_views(stage: ZeroStage | CopyStage, entries: list[_Views]) -> None:
             a, b = (cache[src], cache[dst]) if length == 1 else (None, None)
             sources += a if a is not None else entry.run(src, length)
             views += b if b is not None else entry.run(dst, length)
-    if len(views) < crew.min_views:
-        torch._foreach_copy_(views, sources)
-    else:
+    if share and len(views) >= crew.min_views:
         crew.run(views, sources)
+    else:
+        torch._foreach_copy_(views, sources)
 
 
 class TorchExecutor(Executor):
@@ -176,19 +176,30 @@ class TorchExecutor(Executor):
         min_run_bytes: int = 64 << 10,
         max_runs: int = 4,
         path: str = "auto",
+        share_stages: bool = True,
     ) -> None:
+        """``share_stages``: a CPU stage of a few MiB or more is shared in chunks with the process's helper
+        threads (``_crew.py``); False keeps every op of every stage on the calling thread."""
         if path not in PATHS:
             raise InvalidArgumentError(f"path must be one of {PATHS}, got {path!r}")
         self.copy_workspace_bytes = copy_workspace_bytes
         self.min_run_bytes = min_run_bytes
         self.max_runs = max_runs
         self.path = path
+        self.share_stages = share_stages
         self._indices = IndexBuilder()
         self._progress = Progress()
         # id(tensor) -> its views; the entry holds the tensor, so the id stays its own.
         self._views: dict[int, _Views] = {}
         # The last all-CPU group of tensors a whole stage ran on, and their views (:meth:`_cpu_group`).
         self._group: tuple[list[torch.Tensor], list[_Views]] = ([], [])
+
+    def _copy(self, dests: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+        """One copy of CPU views in any order (a host stage, a commit): shared with the crew if large."""
+        if self.share_stages:
+            crew.run(dests, sources)
+        else:
+            torch._foreach_copy_(dests, sources)
 
     # -- views ---------------------------------------------------------------
     def _entry(self, tensor: torch.Tensor) -> _Views:
@@ -291,7 +302,7 @@ class TorchExecutor(Executor):
         if (kind is ZeroStage or kind is CopyStage) and self.path == "auto" and len(stage.runs) <= self.max_runs:  # type: ignore[union-attr]
             entries = self._cpu_group(tensors)
             if entries is not None:  # few runs on CPU tensors (a decode step): the runs path, decided at once
-                _run_views(stage, entries)  # type: ignore[arg-type]
+                _run_views(stage, entries, self.share_stages)  # type: ignore[arg-type]
                 return True
         if isinstance(stage, ZeroStage):
             slots, runs = len(stage.slots), len(stage.runs)
@@ -324,7 +335,7 @@ class TorchExecutor(Executor):
                 sources += self._rows(t, srcs)
             torch._foreach_copy_(views, sources)
             return True
-        _run_views(stage, [self._entry(t) for t in tensors])
+        _run_views(stage, [self._entry(t) for t in tensors], self.share_stages)
         return True
 
     def _cpu_group(self, tensors: list[torch.Tensor]) -> list[_Views] | None:
@@ -371,7 +382,7 @@ class TorchExecutor(Executor):
             else:
                 dst[:, b : b + n].copy_(src[:, a : a + n])
         if dests:
-            crew.run(dests, sources)
+            self._copy(dests, sources)
 
     def execute(self, stage: Stage, tensor: torch.Tensor, draft: torch.Tensor | None = None) -> None:
         if isinstance(stage, CommitStage):
@@ -386,7 +397,7 @@ class TorchExecutor(Executor):
                 srcs = [src * k + pos for src, pos, _ in stage.entries]
                 torch._foreach_copy_(self._rows(tensor, dsts), self._rows(draft, srcs, depth=3))
             else:
-                crew.run(*self._commit_views(stage, tensor, draft))
+                self._copy(*self._commit_views(stage, tensor, draft))
         elif isinstance(stage, (ZeroStage, CopyStage)):
             # The runs and direct paths are the whole-stage ones, on this one tensor;
             # what they decline takes the index path.

@@ -53,7 +53,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         action="append",
         type=executor_name(*BENCH_EXECUTORS),
         help="repeatable: a registered executor, or torch-runs / torch-index / torch-direct (the torch executor with"
-        " a forced path); default: torch, torch-direct, npu, reference",
+        " a forced path), torch-inline (no helper threads share a large CPU stage); default: torch, torch-direct,"
+        " npu, reference",
     )
     p.add_argument(
         "--preset",

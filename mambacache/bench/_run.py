@@ -175,12 +175,13 @@ def _launches(fn: Callable[[], object], device: torch.device) -> int | None:
 DRAFTS = 2  # draft states per slot in the bench's pools (for the commit op)
 
 # Executors the bench knows besides the registry's: the torch executor with a forced path.
-BENCH_EXECUTORS = {"torch-runs": "runs", "torch-index": "index", "torch-direct": "direct"}
+# torch-inline: the auto paths with every op on the calling thread (no helper threads share a large CPU stage).
+BENCH_EXECUTORS = {"torch-runs": "runs", "torch-index": "index", "torch-direct": "direct", "torch-inline": "auto"}
 
 
 def make_executor(name: str, device: torch.device, workspace_bytes: int) -> Any:
     if name in BENCH_EXECUTORS:
-        return TorchExecutor(workspace_bytes, path=BENCH_EXECUTORS[name])
+        return TorchExecutor(workspace_bytes, path=BENCH_EXECUTORS[name], share_stages=name != "torch-inline")
     return resolve_executor(name, device, workspace_bytes)
 
 

@@ -111,8 +111,12 @@ def test_auto_rule() -> None:
     assert ex._choose(cpu, 8, 8) == "index"  # many runs of tiny slots on CPU
     big = torch.zeros(2, 10, 64 << 10)
     assert ex._choose(big, 8, 8) == "runs"  # each run moves enough bytes
-    assert ex._choose(big, 8, 8, zero=True) == "index"  # a zero: one index_fill_ per tensor, at memset speed
+    assert ex._choose(big, 8, 8, zero=True) == "runs"  # a zero as a copy: pieces shared with the crew
+    assert ex._choose(cpu, 8, 8, zero=True) == "index"
     assert ex._choose(big, 2, 2, zero=True) == "runs"  # few runs (a decode step): a few ops under the grain
+    inline = TorchExecutor(share_stages=False)  # on the calling thread alone, one index_fill_ per tensor is faster
+    assert inline._choose(big, 8, 8, zero=True) == "index"
+    assert inline._choose(big, 8, 8) == "runs"
     meta = torch.zeros(2, 10, 4, device="meta")
     assert ex._choose(meta, 8, 8) == "direct"  # any accelerator: no temporary, constant ops
     with pytest.raises(mc.InvalidArgumentError):

@@ -124,6 +124,28 @@ def test_no_op_of_a_runs_stage_reaches_the_grain(name: str, paged: bool) -> None
             assert all(n < GRAIN for _, n in writes), writes
 
 
+def test_a_run_of_slots_under_the_grain_is_cut_slot_by_slot_where_the_run_reaches_it() -> None:
+    # Each slot's view (2 layers x 4 x 32 x 65 fp32, 16,640 elements) is under the grain, a run of two is past
+    # it: one op over the run would be a parallel region (a clear of 256 slots took 6x a memset with another
+    # process computing); each slot is one op under the grain, and the bytes are the reference's.
+    spec = mc.StateSpec(num_layers=2, conv_shapes=[(8, 4)], temporal_shape=(4, 32, 65))
+    events = [[mc.Clear(s) for s in (1, 2, 3, 6, 7)], [mc.CopyOnWrite(1, 5), mc.CopyOnWrite(2, 6)]]
+    moved = []
+    for ex in (TorchExecutor(path="runs"), ReferenceExecutor()):
+        pool = mc.StatePool(spec, 8)
+        random_bytes(pool.tensors, 5)
+        for evs in events:
+            (stage,) = plan_step(evs).stages
+            assert any(r[-1] > 1 for r in stage.runs)  # a run of several slots
+            with MaxElements() as seen:
+                run_stage(ex, stage, pool.exec_tensors)
+            if isinstance(ex, TorchExecutor):
+                writes = [(f, n) for f, n in seen.seen if "_foreach" in f]
+                assert writes and all(n < GRAIN for _, n in writes), writes
+        moved.append([t.view(torch.uint8).clone() for t in pool.tensors])
+    assert all(map(torch.equal, *moved))
+
+
 def test_small_states_keep_one_view_per_slot() -> None:
     # Under the grain already: one strided op per slot and tensor, as before (the decode step's case).
     pool = mc.StatePool(mc.StateSpec(num_layers=4, conv_shapes=[(4, 2)], temporal_shape=(2, 2)), 16)

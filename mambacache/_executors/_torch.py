@@ -26,11 +26,12 @@ or forced (``path="runs" | "index" | "direct"``):
   index copy at all.
 
 The auto rule, from the interleaved CPU measurements in docs/benchmarks.md:
-on CPU, runs when there are few runs (``max_runs``); else a zero stage takes
-index (one ``index_fill_`` per tensor, one parallel region: memset speed, quiet
-or with another process computing), and a copy stage runs when each run moves
-at least ``min_run_bytes``, else index (tiny states, many runs: one op beats
-many); elsewhere, direct (no temporary, constant op count).
+on CPU, runs when there are few runs (``max_runs``); else a zero or copy stage
+runs when each run moves at least ``min_run_bytes`` (its pieces shared with the
+crew: memset/memcpy speed quiet, faster than one parallel region per tensor
+with another process computing), else index (tiny states, many runs: one op beats
+many; with ``share_stages=False`` every zero stage of many runs); elsewhere,
+direct (no temporary, constant op count).
 
 Offload and restore stages on CPU (``execute_host``) take the runs path's views
 on both sides, pool and host tensor alike, so a run at or past ``GRAIN``
@@ -93,18 +94,17 @@ class _Views:
     each, where cutting the block afresh makes five.
     """
 
-    __slots__ = ("drafts", "flats", "row", "rows", "slots", "split", "tensor", "width")
+    __slots__ = ("drafts", "flats", "row", "rows", "slots", "small", "split", "tensor", "width")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
         self.slots: list[list[torch.Tensor] | None] = [None] * tensor.shape[1]
         self.rows: tuple[torch.Tensor, ...] | None = None
         self.drafts: dict[int, list[torch.Tensor]] = {}  # a draft buffer's pieces by slot * k + draft state
-        self.split = (
-            tensor.device.type == "cpu"
-            and tensor.shape[0] * tensor[0, 0].numel() >= GRAIN
-            and tensor[0, 0].is_contiguous()
-        )
+        cpu, slot = tensor.device.type == "cpu", tensor.shape[0] * tensor[0, 0].numel()
+        self.split = cpu and slot >= GRAIN and tensor[0, 0].is_contiguous()
+        # A slot under the grain: a run of several is cut slot by slot where its view reaches the grain.
+        self.small = cpu and slot < GRAIN
         self.width = row_width(tensor) if self.split else tensor.dtype
         self.flats: list[torch.Tensor] | None = None
         self.row = 0  # one (layer, slot) row, in width elements
@@ -124,6 +124,8 @@ class _Views:
     def _build(self, start: int, length: int) -> list[torch.Tensor]:
         t = self.tensor
         view = t[:, start] if length == 1 else t[:, start : start + length]
+        if self.small and view.numel() >= GRAIN:  # one op would be a parallel region: one per slot instead
+            return [v for s in range(start, start + length) for v in self.run(s, 1)]
         if not self.split or view.numel() < GRAIN:
             return [view]
         if self.flats is not None:  # the table: pieces(t[layer, start:start + length]), sliced from the flat
@@ -279,9 +281,10 @@ class TorchExecutor(Executor):
             return "direct"
         if runs <= self.max_runs:
             return "runs"
-        if zero:
-            # One index_fill_ per tensor: one parallel region, at memset speed whatever the state size
-            # (docs/benchmarks.md, "Contention"), where runs cut under the grain make an op per row.
+        if zero and not self.share_stages:
+            # On the calling thread alone, pieces under the grain run at about 0.6 of memset on a quiet host;
+            # one index_fill_ per tensor (one parallel region) at memset speed (docs/benchmarks.md, "Contention").
+            # Shared with the crew, the pieces are at memset speed quiet and faster with another process computing.
             return "index"
         if slots * _slot_bytes(tensor) >= runs * self.min_run_bytes:
             return "runs"

@@ -48,11 +48,20 @@ def shared(chunk_bytes: int = 512, min_views: int = 2) -> Iterator[None]:
 
 class Foreach:
     """Wraps torch's two foreach ops (module attributes, so every thread's calls): counts calls per thread,
-    raises ``exc`` before call ``at`` (1-based, in whichever thread), sleeps ``slow`` seconds in a helper's first
-    call, and tracks the calls in flight."""
+    raises ``exc`` before call ``at`` (1-based, in whichever thread), sleeps ``slow`` seconds in each helper's
+    call and ``main`` in each of the calling thread's (``wait``: the calling thread's calls wait until a helper
+    made one), and tracks the calls in flight."""
 
-    def __init__(self, at: int = 0, exc: type[BaseException] = MemoryError, slow: float = 0.0) -> None:
-        self.at, self.exc, self.slow = at, exc, slow
+    def __init__(
+        self,
+        at: int = 0,
+        exc: type[BaseException] = MemoryError,
+        slow: float = 0.0,
+        main: float = 0.0,
+        wait: bool = False,
+    ) -> None:
+        self.at, self.exc, self.slow, self.main, self.wait = at, exc, slow, main, wait
+        self.helper_ran = threading.Event()
         self.calls = 0
         self.by_thread: dict[str, int] = {}
         self.in_flight = 0
@@ -69,11 +78,17 @@ class Foreach:
                 self.by_thread[me.name] = self.by_thread.get(me.name, 0) + 1
                 if self.calls == self.at:
                     raise self.exc(f"injected before foreach call {self.calls}")
-                first_helper = me is not threading.main_thread() and self.by_thread[me.name] == 1
+                helper = me is not threading.main_thread()
                 self.in_flight += 1
             try:
-                if self.slow and first_helper:
+                if self.slow and helper:
                     time.sleep(self.slow)
+                elif self.main and not helper:  # the helpers' time to take chunks too
+                    time.sleep(self.main)
+                if helper:
+                    self.helper_ran.set()
+                elif self.wait and crew._busy.locked():  # a shared stage's chunk: until a helper took one too
+                    self.helper_ran.wait(30)  # (a loaded host wakes a helper late)
                 return real(*args)
             finally:
                 with self.lock:
@@ -145,7 +160,9 @@ def _step(mgr: mc.CacheManager) -> None:
     mgr.submit(mc.CommitDraft(6, 1))
 
 
-def _faulted_flush(at: int, exc: type[BaseException], *, slow: float = 0.0) -> tuple[Foreach, int]:
+def _faulted_flush(
+    at: int, exc: type[BaseException], *, slow: float = 0.0, main: float = 0.0, wait: bool = False
+) -> tuple[Foreach, int]:
     """The step on the wide pool with a fault before foreach call ``at`` (0: none), then the repair; the pool
     and host pool against the oracle. Returns the wrapper and the shared stages of the faulted flush."""
     pool = make_pool("wide", False)
@@ -161,7 +178,7 @@ def _faulted_flush(at: int, exc: type[BaseException], *, slow: float = 0.0) -> t
         _step(mgr)
         oracle.apply(mgr.queued()[before:])
         stages = crew.stages
-        with Foreach(at, exc, slow) as calls:
+        with Foreach(at, exc, slow, main, wait) as calls:
             try:
                 mgr.flush_nowait()
             except (mc.ExecutorError, KeyboardInterrupt):
@@ -181,16 +198,17 @@ def _faulted_flush(at: int, exc: type[BaseException], *, slow: float = 0.0) -> t
 
 
 def test_a_fault_before_any_foreach_call_of_shared_stages_then_one_flush_is_exact() -> None:
-    calls, stages = _faulted_flush(0, MemoryError)
+    calls, stages = _faulted_flush(0, MemoryError, wait=True)
     assert stages >= 4, "the step's clear, copy, offload and commit stages were not shared"
     assert len(calls.by_thread) >= 2, f"no helper thread ran a chunk: {calls.by_thread}"
     excs: list[type[BaseException]] = [MemoryError, RuntimeError, KeyboardInterrupt]
     for at in range(1, calls.calls + 1):
-        _faulted_flush(at, excs[at % len(excs)])
+        _faulted_flush(at, excs[at % len(excs)], main=0.001)
 
 
 def test_a_slow_helper_holds_up_only_its_own_chunk() -> None:
-    # The helper's first chunk sleeps: the calling thread takes every other chunk of the stage meanwhile.
+    # Each helper's chunk sleeps (a helper another process holds): the calling thread takes every other chunk
+    # of the stage meanwhile, so a helper runs at most one chunk a stage.
     calls, stages = _faulted_flush(0, MemoryError, slow=0.2)
     assert stages >= 4
     helpers = {k: v for k, v in calls.by_thread.items() if k != threading.main_thread().name}
@@ -209,6 +227,38 @@ def test_a_dispatch_mode_keeps_every_op_on_the_calling_thread() -> None:
             mgr.flush_nowait()
         assert crew.stages == before
         assert mode.ops > 0
+
+
+@pytest.mark.parametrize("made_in", ["inference_mode", "no_grad"])
+def test_helpers_take_on_the_callers_autograd_mode(made_in: str) -> None:
+    # An engine's pool made and flushed under inference_mode holds inference tensors: an in-place op on one
+    # outside inference mode (a helper thread's default) raises; the helpers run under their caller's modes.
+    mode = torch.inference_mode if made_in == "inference_mode" else torch.no_grad
+    with mode():
+        pool = make_pool("wide", False)
+        random_bytes(pool.tensors, 1)
+    want = [t.clone() for t in pool.tensors]
+    with shared(), mode(), mc.CacheManager(pool) as mgr, Foreach(wait=True) as calls:
+        mgr.alloc(8, clear=False)
+        before = crew.stages
+        mgr.copy_many([1, 2, 3, 4], [5, 6, 7, 8])
+        mgr.flush_nowait()
+        assert crew.stages > before
+        assert len(calls.by_thread) >= 2, f"no helper thread ran a chunk: {calls.by_thread}"
+    for t in want:
+        t[:, 5:9] = t[:, 1:5].clone()
+    assert all(map(torch.equal, _bytes(pool.tensors), _bytes(want)))
+
+
+def test_a_function_mode_keeps_every_op_on_the_calling_thread() -> None:
+    pool = make_pool("wide", False)
+    with shared(), mc.CacheManager(pool) as mgr:
+        mgr.alloc(8, clear=False)
+        mgr.copy_many([1, 2, 3, 4], [5, 6, 7, 8])
+        before = crew.stages
+        with torch.device("cpu"):  # a TorchFunctionMode
+            mgr.flush_nowait()
+        assert crew.stages == before
 
 
 def test_the_default_thresholds_share_a_realistic_stage() -> None:

@@ -32,6 +32,7 @@ FOREIGN_PRIVATES = {
     # The crew: whether a Python dispatch mode (thread-local) watches this thread's ops; no public form.
     "torch._C",
     "torch._C._len_torch_dispatch_stack",
+    "torch._C._len_torch_function_stack",
 }
 MAX_CLASS_LINES = 300
 MAX_FUNCTION_LINES = 60

@@ -29,8 +29,12 @@ Invariants:
   larger one would start a second OpenMP team from a helper).
 * Inline, as before, whenever the crew would not pay or would change what an
   observer sees: under ``CHUNK_BYTES * 2`` bytes, one torch thread, the crew
-  busy with another thread's stage, or a Python dispatch mode active (modes are
-  thread-local, so a fault or op-counting mode would miss the helpers' ops).
+  busy with another thread's stage, or a Python dispatch or function mode active
+  (modes are thread-local, so a fault or op-counting mode would miss the
+  helpers' ops).
+* A helper runs a stage under its caller's inference and grad modes (also
+  thread-local): an engine's pool made under ``torch.inference_mode`` holds
+  inference tensors, which refuse an in-place op outside it.
 """
 
 from __future__ import annotations
@@ -70,12 +74,15 @@ def _bounds(views: list[torch.Tensor], chunk: int) -> list[tuple[int, int]]:
 class _Job:
     """One stage's chunks, taken in order by whoever is free; the first failure stops the taking."""
 
-    __slots__ = ("bounds", "dests", "error", "lock", "next", "sources")
+    __slots__ = ("bounds", "dests", "error", "grad", "inference", "lock", "next", "sources")
 
     def __init__(
         self, dests: list[torch.Tensor], sources: list[torch.Tensor] | None, bounds: list[tuple[int, int]]
     ) -> None:
         self.dests, self.sources, self.bounds = dests, sources, bounds
+        # The caller's thread-local autograd state, which its helpers take on: an engine's pool made under
+        # inference_mode holds inference tensors, which refuse an in-place op outside it.
+        self.inference, self.grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
         self.next = 0
         self.error: BaseException | None = None
         self.lock = threading.Lock()
@@ -129,13 +136,18 @@ class Crew:
         while True:
             job = inbox.get()
             try:
-                job.work()
+                with torch.inference_mode(job.inference), torch.set_grad_enabled(job.grad):
+                    job.work()
+            except BaseException as e:  # raised by run() on the caller's thread; this helper serves on
+                job.fail(e)
             finally:
                 self._done.put(None)
 
     def shares(self, dests: list[torch.Tensor]) -> bool:
         """Whether a stage over ``dests`` (CPU views) goes to the crew: see the module's last invariant."""
-        if len(dests) < self.min_views or torch.get_num_threads() < 2 or torch._C._len_torch_dispatch_stack():
+        if len(dests) < self.min_views or torch.get_num_threads() < 2:
+            return False
+        if torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
             return False
         size = 0
         for v in dests:

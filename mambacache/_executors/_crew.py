@@ -117,15 +117,17 @@ class Crew:
 
     def __init__(self, chunk_bytes: int = CHUNK_BYTES, min_views: int = MIN_VIEWS) -> None:
         self.chunk_bytes, self.min_views = chunk_bytes, min_views
+        self.stages = 0  # stages shared with helpers (a count for tests and the bench)
+        self._reset()
+
+    def _reset(self) -> None:
+        """No helpers yet, and the crew free: at start, and in a forked child, which has none of its parent's
+        threads (and whose copy of ``_busy`` may be held by a parent thread that does not exist there)."""
         self._busy = threading.Lock()  # one stage at a time; another thread's stage runs inline meanwhile
         self._inbox: list[queue.SimpleQueue[_Job]] = []
         self._done: queue.SimpleQueue[None] = queue.SimpleQueue()
-        self._pid = os.getpid()
-        self.stages = 0  # stages shared with helpers (a count for tests and the bench)
 
     def _helpers(self, want: int) -> list[queue.SimpleQueue[_Job]]:
-        if self._pid != os.getpid():  # a forked child has none of its parent's threads
-            self._inbox, self._done, self._pid = [], queue.SimpleQueue(), os.getpid()
         while len(self._inbox) < want:
             inbox: queue.SimpleQueue[_Job] = queue.SimpleQueue()
             threading.Thread(target=self._serve, args=(inbox,), name="mambacache-crew", daemon=True).start()
@@ -199,3 +201,4 @@ def _inline(dests: list[torch.Tensor], sources: list[torch.Tensor] | None) -> No
 
 crew = Crew()
 """The process's crew: every torch executor shares its helper threads."""
+os.register_at_fork(after_in_child=crew._reset)

@@ -175,7 +175,7 @@ class TorchExecutor(Executor):
         self,
         copy_workspace_bytes: int = 64 << 20,
         *,
-        min_run_bytes: int = 64 << 10,
+        min_run_bytes: int = 8 << 10,
         max_runs: int = 4,
         path: str = "auto",
         share_stages: bool = True,

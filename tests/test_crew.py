@@ -12,8 +12,10 @@ mode keeps every op on the calling thread; two threads' stages do not mix.
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mambacache as mc
-from mambacache._executors._crew import CHUNK_BYTES, MIN_VIEWS, crew
+from mambacache._executors._crew import CHUNK_BYTES, MIN_VIEWS, Crew, crew
 from mambacache._executors._torch import TorchExecutor
 
 from .oracle import SequentialOracle
@@ -314,3 +316,54 @@ def test_two_threads_flushing_shared_stages_get_their_own_bytes() -> None:
         for t in threads:
             t.join()
     assert not errors, errors
+
+
+def test_an_interrupt_after_a_helper_got_the_stage_leaves_no_helper_writing() -> None:
+    # A KeyboardInterrupt as the hand-out returns (a signal): run raises only once the helper's chunk ended, and
+    # the next stage is not cut short by anything the first left behind.
+    own = Crew(chunk_bytes=512, min_views=2)
+
+    class InterruptAfterPut:
+        def __init__(self, inbox: Any) -> None:
+            self.inbox = inbox
+
+        def put(self, job: Any) -> None:
+            self.inbox.put(job)
+            raise KeyboardInterrupt("a signal as the hand-out returned")
+
+    with shared():
+        (real,) = own._helpers(1)
+        own._inbox[0] = InterruptAfterPut(real)  # type: ignore[assignment]
+        views = [torch.ones(128) for _ in range(8)]
+        with Foreach(slow=0.05) as calls:
+            with pytest.raises(KeyboardInterrupt):
+                own.run(views)
+            assert calls.in_flight == 0
+            own._inbox[0] = real
+            for _ in range(3):
+                views = [torch.ones(128) for _ in range(8)]
+                own.run(views)
+                assert calls.in_flight == 0
+                assert all(bool((v == 0).all()) for v in views)
+
+
+def test_a_helper_keeps_no_stage_alive() -> None:
+    # A job holds its stage's views, and views keep the pool's storage: a pool the user drops must go.
+    with shared():
+        pool = torch.ones(64, 256)
+        gone = weakref.ref(pool)
+        crew.run(list(pool.unbind(0)))
+        del pool
+        for _ in range(100):
+            gc.collect()
+            if gone() is None:
+                break
+            time.sleep(0.01)
+        assert gone() is None
+
+
+def test_views_off_the_cpu_stay_on_the_calling_thread() -> None:
+    # An accelerator's ops go on the calling thread's current stream: never to a helper (meta stands in).
+    with shared():
+        assert crew.shares([torch.empty(128) for _ in range(8)])
+        assert not crew.shares([torch.empty(128, device="meta") for _ in range(8)])

@@ -25,8 +25,9 @@ Invariants:
   exception of any chunk is raised, and no chunk starts after it.
 * Only stages whose views can go in any order come here (the zero and copy
   stages' disjoint sources and destinations, host stages, commits).
-* Only views under the grain (each op inline on the thread that runs it: a
-  larger one would start a second OpenMP team from a helper).
+* Only CPU views under the grain (each op inline on the thread that runs it: a
+  larger one would start a second OpenMP team from a helper; an accelerator's
+  ops go on the calling thread's current stream).
 * Inline, as before, whenever the crew would not pay or would change what an
   observer sees: under ``CHUNK_BYTES * 2`` bytes, one torch thread, the crew
   busy with another thread's stage, or a Python dispatch or function mode active
@@ -72,9 +73,11 @@ def _bounds(views: list[torch.Tensor], chunk: int) -> list[tuple[int, int]]:
 
 
 class _Job:
-    """One stage's chunks, taken in order by whoever is free; the first failure stops the taking."""
+    """One stage's chunks, taken in order by whoever is free. The state of the job, not a count of signals, says
+    when it is over: ``running`` chunks in progress, ``closed`` once its caller leaves (no chunk starts after),
+    so no interrupt can lose or carry over a signal into the next job."""
 
-    __slots__ = ("bounds", "dests", "error", "grad", "inference", "lock", "next", "sources")
+    __slots__ = ("bounds", "closed", "cond", "dests", "error", "grad", "inference", "next", "running", "sources")
 
     def __init__(
         self, dests: list[torch.Tensor], sources: list[torch.Tensor] | None, bounds: list[tuple[int, int]]
@@ -83,19 +86,21 @@ class _Job:
         # The caller's thread-local autograd state, which its helpers take on: an engine's pool made under
         # inference_mode holds inference tensors, which refuse an in-place op outside it.
         self.inference, self.grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
-        self.next = 0
+        self.next = self.running = 0
+        self.closed = False
         self.error: BaseException | None = None
-        self.lock = threading.Lock()
+        self.cond = threading.Condition()
 
     def take(self) -> tuple[int, int] | None:
-        with self.lock:
-            if self.error is not None or self.next == len(self.bounds):
+        with self.cond:
+            if self.closed or self.error is not None or self.next == len(self.bounds):
                 return None
             self.next += 1
+            self.running += 1
             return self.bounds[self.next - 1]
 
     def fail(self, error: BaseException) -> None:
-        with self.lock:
+        with self.cond:
             if self.error is None:
                 self.error = error
 
@@ -109,7 +114,24 @@ class _Job:
                     torch._foreach_copy_(self.dests[i:j], self.sources[i:j])
             except BaseException as e:  # recorded and re-raised by Crew.run on the calling thread
                 self.fail(e)
+            finally:
+                with self.cond:
+                    self.running -= 1
+                    if not self.running:
+                        self.cond.notify_all()
+
+    def close(self) -> None:
+        """No chunk starts after this; returns once none runs. An interrupt meanwhile is recorded (raised by
+        :meth:`Crew.run` after) and the wait goes on: the caller must not leave a helper writing."""
+        while True:
+            try:
+                with self.cond:
+                    self.closed = True
+                    while self.running:
+                        self.cond.wait()
                 return
+            except BaseException as e:
+                self.fail(e)
 
 
 class Crew:
@@ -125,29 +147,19 @@ class Crew:
         threads (and whose copy of ``_busy`` may be held by a parent thread that does not exist there)."""
         self._busy = threading.Lock()  # one stage at a time; another thread's stage runs inline meanwhile
         self._inbox: list[queue.SimpleQueue[_Job]] = []
-        self._done: queue.SimpleQueue[None] = queue.SimpleQueue()
 
     def _helpers(self, want: int) -> list[queue.SimpleQueue[_Job]]:
         while len(self._inbox) < want:
             inbox: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-            threading.Thread(target=self._serve, args=(inbox,), name="mambacache-crew", daemon=True).start()
+            # Listed before its thread starts: an interrupt between the two leaves an inbox no one serves,
+            # which costs its stages a helper, never a wait (a job's end is its own state).
             self._inbox.append(inbox)
+            threading.Thread(target=_serve, args=(inbox,), name="mambacache-crew", daemon=True).start()
         return self._inbox[:want]
 
-    def _serve(self, inbox: queue.SimpleQueue[_Job]) -> None:
-        while True:
-            job = inbox.get()
-            try:
-                with torch.inference_mode(job.inference), torch.set_grad_enabled(job.grad):
-                    job.work()
-            except BaseException as e:  # raised by run() on the caller's thread; this helper serves on
-                job.fail(e)
-            finally:
-                self._done.put(None)
-
     def shares(self, dests: list[torch.Tensor]) -> bool:
-        """Whether a stage over ``dests`` (CPU views) goes to the crew: see the module's last invariant."""
-        if len(dests) < self.min_views or torch.get_num_threads() < 2:
+        """Whether a stage over ``dests`` goes to the crew: see the module's invariants."""
+        if len(dests) < self.min_views or torch.get_num_threads() < 2 or not dests[0].is_cpu:
             return False
         if torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
             return False
@@ -166,30 +178,32 @@ class Crew:
             return
         try:
             job = _Job(dests, sources, _bounds(dests, self.chunk_bytes))
-            helpers = self._helpers(min(torch.get_num_threads(), len(job.bounds)) - 1)
-            for inbox in helpers:
-                inbox.put(job)
-            self.stages += 1
             try:
+                for inbox in self._helpers(min(torch.get_num_threads(), len(job.bounds)) - 1):
+                    inbox.put(job)
+                self.stages += 1
                 job.work()
-            except BaseException as e:  # an interrupt between chunks: stop the taking, wait below
-                job.fail(e)
-            finally:
-                _join(self._done, len(helpers), job)
+            finally:  # whatever raised above, including an interrupt between two puts
+                job.close()
             if job.error is not None:
                 raise job.error
         finally:
             self._busy.release()
 
 
-def _join(done: queue.SimpleQueue[None], count: int, job: _Job) -> None:
-    """Wait until ``count`` helpers finished ``job``; an interrupt meanwhile stops the taking and waits on."""
-    while count:
+def _serve(inbox: queue.SimpleQueue[_Job]) -> None:
+    """A helper: each job it is handed, under the job's autograd modes, until the job is closed or done. Holds
+    no job between jobs (a job's views keep the pool's storage alive)."""
+    while True:
+        job: _Job | None = inbox.get()
+        assert job is not None
         try:
-            done.get()
-            count -= 1
-        except BaseException as e:
+            with torch.inference_mode(job.inference), torch.set_grad_enabled(job.grad):
+                job.work()
+        except BaseException as e:  # raised by run() on the caller's thread; this helper serves on
             job.fail(e)
+        finally:
+            job = None
 
 
 def _inline(dests: list[torch.Tensor], sources: list[torch.Tensor] | None) -> None:

@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mambacache as mc
-from mambacache._executors._crew import CHUNK_BYTES, MIN_VIEWS, Crew, crew
+from mambacache._executors._crew import CHUNK_BYTES, MIN_VIEWS, Crew, _Job, crew
 from mambacache._executors._torch import TorchExecutor
 
 from .oracle import SequentialOracle
@@ -367,3 +367,40 @@ def test_views_off_the_cpu_stay_on_the_calling_thread() -> None:
     with shared():
         assert crew.shares([torch.empty(128) for _ in range(8)])
         assert not crew.shares([torch.empty(128, device="meta") for _ in range(8)])
+
+
+def test_an_interrupt_as_the_caller_takes_a_chunk_does_not_hang_the_stage() -> None:
+    # A signal reaches only the main thread, at any bytecode: here as its take() of a chunk returns, after the
+    # job's books changed. run raises it once the helpers' chunks ended, and does not wait for a chunk that
+    # never runs (it did, for ever, when the caller's chunks were counted).
+    own = Crew(chunk_bytes=512, min_views=2)
+    real_take = _Job.take
+    raised: list[bool] = []
+
+    def take(job: _Job, helper: bool) -> tuple[int, int] | None:
+        got = real_take(job, helper)
+        if not helper and got is not None and not raised:
+            raised.append(True)
+            raise KeyboardInterrupt("a signal as take returned")
+        return got
+
+    outcome: list[BaseException | None] = []
+
+    def caller() -> None:
+        try:
+            own.run([torch.ones(128) for _ in range(8)])
+            outcome.append(None)
+        except BaseException as e:  # the test's thread reads it
+            outcome.append(e)
+
+    with shared():
+        own._helpers(1)
+        _Job.take = take  # type: ignore[method-assign]
+        try:
+            thread = threading.Thread(target=caller)
+            thread.start()
+            thread.join(10)
+        finally:
+            _Job.take = real_take  # type: ignore[method-assign]
+    assert not thread.is_alive(), "the stage hung"
+    assert len(outcome) == 1 and isinstance(outcome[0], KeyboardInterrupt)

@@ -74,8 +74,8 @@ def _bounds(views: list[torch.Tensor], chunk: int) -> list[tuple[int, int]]:
 
 class _Job:
     """One stage's chunks, taken in order by whoever is free. The state of the job, not a count of signals, says
-    when it is over: ``running`` chunks in progress, ``closed`` once its caller leaves (no chunk starts after),
-    so no interrupt can lose or carry over a signal into the next job."""
+    when it is over: ``running`` helpers' chunks in progress, ``closed`` once its caller leaves (no chunk starts
+    after), so no interrupt can lose or carry over a signal into the next job."""
 
     __slots__ = ("bounds", "closed", "cond", "dests", "error", "grad", "inference", "next", "running", "sources")
 
@@ -91,12 +91,14 @@ class _Job:
         self.error: BaseException | None = None
         self.cond = threading.Condition()
 
-    def take(self) -> tuple[int, int] | None:
+    def take(self, helper: bool) -> tuple[int, int] | None:
         with self.cond:
             if self.closed or self.error is not None or self.next == len(self.bounds):
                 return None
             self.next += 1
-            self.running += 1
+            # Only helpers' chunks are counted: the caller's chunk cannot outlive its own raise, and a signal
+            # (delivered only to the main thread) between this count and its decrement would leave it counted.
+            self.running += helper
             return self.bounds[self.next - 1]
 
     def fail(self, error: BaseException) -> None:
@@ -104,8 +106,8 @@ class _Job:
             if self.error is None:
                 self.error = error
 
-    def work(self) -> None:
-        while (got := self.take()) is not None:
+    def work(self, helper: bool = False) -> None:
+        while (got := self.take(helper)) is not None:
             i, j = got
             try:
                 if self.sources is None:
@@ -115,10 +117,11 @@ class _Job:
             except BaseException as e:  # recorded and re-raised by Crew.run on the calling thread
                 self.fail(e)
             finally:
-                with self.cond:
-                    self.running -= 1
-                    if not self.running:
-                        self.cond.notify_all()
+                if helper:
+                    with self.cond:
+                        self.running -= 1
+                        if not self.running:
+                            self.cond.notify_all()
 
     def close(self) -> None:
         """No chunk starts after this; returns once none runs. An interrupt meanwhile is recorded (raised by
@@ -199,7 +202,7 @@ def _serve(inbox: queue.SimpleQueue[_Job]) -> None:
         assert job is not None
         try:
             with torch.inference_mode(job.inference), torch.set_grad_enabled(job.grad):
-                job.work()
+                job.work(helper=True)
         except BaseException as e:  # raised by run() on the caller's thread; this helper serves on
             job.fail(e)
         finally:

@@ -142,7 +142,7 @@ class Crew:
 
     def __init__(self, chunk_bytes: int = CHUNK_BYTES, min_views: int = MIN_VIEWS) -> None:
         self.chunk_bytes, self.min_views = chunk_bytes, min_views
-        self.stages = 0  # stages shared with helpers (a count for tests and the bench)
+        self.stages = 0  # stages shared with helpers (a count the tests read)
         self._reset()
 
     def _reset(self) -> None:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from mambacache._cli import main
 
@@ -134,5 +135,25 @@ def test_bench_layers_row(capsys: pytest.CaptureFixture[str]) -> None:
     for r in rows:
         assert 0 < r["min_us"] <= r["step_us"] and r["layers"] == 36
         assert r["ratio"] == 1.0 if r["layout"] == "stacked" else r["ratio"] > 0
+        assert r["op_us"] > 0
     assert main(["bench", "--layers", "--repeats", "1"]) == 0
-    assert "vs stacked" in capsys.readouterr().out
+    assert "op vs stacked" in capsys.readouterr().out
+
+
+def test_bench_layers_floor_is_the_forks_copy() -> None:
+    """The per-layer row's floor moves what the step's fork moves: slot 1's rows into slot 2, in every pool
+    tensor and layer group of each layout, and nothing else."""
+    from mambacache.bench._layers import TINY, _bare_op, _pools
+
+    for layout, pools in _pools(TINY, 6).items():
+        for p in pools:
+            for t in p.exec_tensors:
+                t.copy_(torch.randint(0, 100, t.shape, dtype=t.dtype))
+        before = [t.clone() for p in pools for t in p.exec_tensors]
+        _bare_op(pools)()
+        after = [t for p in pools for t in p.exec_tensors]
+        assert len(after) == (72 if layout in ("layers-apart", "managers") else 2)
+        for b, a in zip(before, after, strict=True):
+            assert torch.equal(a[:, 2], b[:, 1]), layout
+            b[:, 2] = b[:, 1]
+            assert torch.equal(a, b), layout

@@ -23,6 +23,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
 
 import mambacache as mc
 from mambacache._executors._crew import CHUNK_BYTES, MIN_VIEWS, Crew, _Job, crew
@@ -30,7 +31,7 @@ from mambacache._executors._torch import TorchExecutor
 
 from .oracle import SequentialOracle
 from .strategies import events_from_ops, host_events_from_ops, host_ops, ops
-from .test_grain import make_pool, random_bytes
+from .test_grain import SPECS, make_pool, random_bytes
 from .util import FaultAt, drive
 
 
@@ -123,13 +124,60 @@ def test_shared_stages_move_the_bytes_the_reference_moves(name: str, paged: bool
     for executor in (TorchExecutor(), "reference"):
         pool = make_pool(name, paged)
         random_bytes([*pool.tensors, *pool.draft_tensors], seed)
-        with shared(), mc.CacheManager(pool, executor=executor) as mgr:
+        with shared(), SizeHints() as hints, mc.CacheManager(pool, executor=executor) as mgr:
             for events, _ in events_from_ops(raw0, 8, set(), draft_tokens=drafts):
                 drive(mgr, events)
                 mgr.flush_nowait()
+        assert hints.wrong == [], "a stage's size hint is not its views' bytes"
         moved.append((pool.allocated_slots(), _bytes(pool.tensors)))
     assert moved[0][0] == moved[1][0]
     assert all(map(torch.equal, moved[0][1], moved[1][1]))
+
+
+class SizeHints:
+    """Checks every size hint the executor gives the crew (it lets a small stage skip the look at each view)
+    against the bytes of the views it came with."""
+
+    def __init__(self) -> None:
+        self.wrong: list[tuple[int, int]] = []
+        self.given = 0
+
+    def __enter__(self) -> SizeHints:
+        real = Crew.shares
+
+        def shares(me: Crew, dests: list[torch.Tensor], nbytes: int | None = None) -> bool:
+            if nbytes is not None:
+                self.given += 1
+                if nbytes != sum(v.nbytes for v in dests):
+                    self.wrong.append((nbytes, sum(v.nbytes for v in dests)))
+            return real(me, dests, nbytes)
+
+        crew.shares = shares.__get__(crew)  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del crew.shares
+
+
+def test_size_hints_are_given_on_both_runs_paths() -> None:
+    """The hint comes with a decode step's few runs (the kept group's size) and with many runs (summed)."""
+    pool = mc.StatePool(SPECS["wide"], 16)
+    executor = TorchExecutor()
+    assert executor.max_runs == 4
+    with shared(), SizeHints() as hints, mc.CacheManager(pool, executor=executor) as mgr:
+        mgr.alloc(16, clear=False)
+        mgr.flush_nowait()
+        # One run of four slots (the few-runs path), then five runs of one (past max_runs: the rule's path).
+        for srcs, dsts in (([1, 2, 3, 4], [5, 6, 7, 8]), ([1, 3, 5, 7, 9], [2, 4, 6, 8, 10])):
+            before = hints.given
+            mgr.copy_many(srcs, dsts)
+            mgr.flush_nowait()
+            assert hints.given > before
+            before = hints.given
+            mgr.clear_many(dsts)
+            mgr.flush_nowait()
+            assert hints.given > before
+    assert hints.wrong == []
 
 
 @pytest.mark.parametrize("name", ["wide", "narrow"])
@@ -252,15 +300,62 @@ def test_helpers_take_on_the_callers_autograd_mode(made_in: str) -> None:
     assert all(map(torch.equal, _bytes(pool.tensors), _bytes(want)))
 
 
-def test_a_function_mode_keeps_every_op_on_the_calling_thread() -> None:
+class _CountCalls(TorchFunctionMode):
+    """A user's function mode: counts the torch calls it sees (on its own thread only: modes are
+    thread-local)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("under_device", [False, True])
+def test_a_function_mode_keeps_every_op_on_the_calling_thread(under_device: bool) -> None:
     pool = make_pool("wide", False)
     with shared(), mc.CacheManager(pool) as mgr:
         mgr.alloc(8, clear=False)
         mgr.copy_many([1, 2, 3, 4], [5, 6, 7, 8])
         before = crew.stages
-        with torch.device("cpu"):  # a TorchFunctionMode
+        with contextlib.ExitStack() as stack:
+            if under_device:  # a default-device context below the user's mode does not make it shareable
+                stack.enter_context(torch.device("cpu"))
+            mode = stack.enter_context(_CountCalls())
             mgr.flush_nowait()
         assert crew.stages == before
+        assert mode.calls > 0
+
+
+@pytest.mark.parametrize("how", ["set_default_device", "with torch.device", "both"])
+def test_a_default_device_context_still_shares_stages(how: str) -> None:
+    # torch.set_default_device (even to 'cpu') and `with torch.device(...)` push a function mode that only
+    # gives factory functions a device; an engine that set one kept every stage on one thread before.
+    pool = make_pool("wide", False)
+    random_bytes(pool.tensors, 5)
+    want = [t.clone() for t in pool.tensors]
+    with shared(), mc.CacheManager(pool) as mgr, Foreach(wait=True) as calls:
+        mgr.alloc(8, clear=False)
+        mgr.flush_nowait()
+        before = crew.stages
+        mgr.copy_many([1, 2, 3, 4], [5, 6, 7, 8])
+        try:
+            with contextlib.ExitStack() as stack:
+                if how != "with torch.device":
+                    torch.set_default_device("cpu")
+                if how != "set_default_device":
+                    stack.enter_context(torch.device("cpu"))
+                assert torch._C._len_torch_function_stack() > 0
+                mgr.flush_nowait()
+        finally:
+            torch.set_default_device(None)
+        assert crew.stages > before
+        assert len(calls.by_thread) >= 2, f"no helper thread ran a chunk: {calls.by_thread}"
+    for t in want:
+        t[:, 5:9] = t[:, 1:5].clone()
+    assert all(map(torch.equal, _bytes(pool.tensors), _bytes(want)))
 
 
 def test_the_default_thresholds_share_a_realistic_stage() -> None:

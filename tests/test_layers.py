@@ -33,6 +33,9 @@ FOREIGN_PRIVATES = {
     "torch._C",
     "torch._C._len_torch_dispatch_stack",
     "torch._C._len_torch_function_stack",
+    # The crew: a default-device context (the one function mode it runs under) is told apart by its type.
+    "torch._C._get_function_stack_at",
+    "torch.utils._device",
 }
 MAX_CLASS_LINES = 300
 MAX_FUNCTION_LINES = 60

@@ -32,7 +32,10 @@ Invariants:
   observer sees: under ``CHUNK_BYTES * 2`` bytes, one torch thread, the crew
   busy with another thread's stage, or a Python dispatch or function mode active
   (modes are thread-local, so a fault or op-counting mode would miss the
-  helpers' ops).
+  helpers' ops). A default-device context (``torch.set_default_device``, ``with
+  torch.device(...)``) is the one function mode that does not keep a stage
+  inline: it only gives factory functions a device, and a stage's in-place ops
+  on the pool's own tensors create nothing.
 * A helper runs a stage under its caller's inference and grad modes (also
   thread-local): an engine's pool made under ``torch.inference_mode`` holds
   inference tensors, which refuse an in-place op outside it.
@@ -45,6 +48,7 @@ import queue
 import threading
 
 import torch
+import torch.utils._device  # the default-device context's type (see _only_device_contexts)
 
 from ._base import GRAIN
 
@@ -160,11 +164,18 @@ class Crew:
             threading.Thread(target=_serve, args=(inbox,), name="mambacache-crew", daemon=True).start()
         return self._inbox[:want]
 
-    def shares(self, dests: list[torch.Tensor]) -> bool:
-        """Whether a stage over ``dests`` goes to the crew: see the module's invariants."""
+    def shares(self, dests: list[torch.Tensor], nbytes: int | None = None) -> bool:
+        """Whether a stage over ``dests`` goes to the crew: see the module's invariants. ``nbytes``, the
+        stage's size where the caller knows it: a stage under the threshold is then inline without a look at
+        each of its views (a per-layer pool's decode step has two views per layer, and the look costs about
+        0.1 us a view)."""
+        if nbytes is not None and nbytes < 2 * self.chunk_bytes:
+            return False
         if len(dests) < self.min_views or torch.get_num_threads() < 2 or not dests[0].is_cpu:
             return False
-        if torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
+        if torch._C._len_torch_dispatch_stack():
+            return False
+        if (modes := torch._C._len_torch_function_stack()) and not _only_device_contexts(modes):
             return False
         size = 0
         for v in dests:
@@ -174,9 +185,12 @@ class Crew:
             size += n * v.element_size()
         return size >= 2 * self.chunk_bytes
 
-    def run(self, dests: list[torch.Tensor], sources: list[torch.Tensor] | None = None) -> None:
-        """Zero ``dests`` (``sources`` None) or copy ``sources`` into them, pairwise, in any order."""
-        if not self.shares(dests) or not self._busy.acquire(blocking=False):
+    def run(
+        self, dests: list[torch.Tensor], sources: list[torch.Tensor] | None = None, nbytes: int | None = None
+    ) -> None:
+        """Zero ``dests`` (``sources`` None) or copy ``sources`` into them, pairwise, in any order. ``nbytes``:
+        the bytes of ``dests`` together, where the caller knows them without a look at each view."""
+        if not self.shares(dests, nbytes) or not self._busy.acquire(blocking=False):
             _inline(dests, sources)
             return
         try:
@@ -207,6 +221,13 @@ def _serve(inbox: queue.SimpleQueue[_Job]) -> None:
             job.fail(e)
         finally:
             job = None
+
+
+def _only_device_contexts(modes: int) -> bool:
+    """Whether each of the ``modes`` function modes on this thread's stack is a default-device context: an
+    engine that set a default device once (even ``'cpu'``) would otherwise run every stage on one thread."""
+    context = torch.utils._device.DeviceContext
+    return all(isinstance(torch._C._get_function_stack_at(i), context) for i in range(modes))
 
 
 def _inline(dests: list[torch.Tensor], sources: list[torch.Tensor] | None) -> None:

@@ -94,10 +94,11 @@ class _Views:
     each, where cutting the block afresh makes five.
     """
 
-    __slots__ = ("drafts", "flats", "row", "rows", "slots", "small", "split", "tensor", "width")
+    __slots__ = ("drafts", "flats", "row", "rows", "slot_bytes", "slots", "small", "split", "tensor", "width")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
+        self.slot_bytes = tensor.shape[0] * tensor[0, 0].nbytes  # a slot's bytes, every layer
         self.slots: list[list[torch.Tensor] | None] = [None] * tensor.shape[1]
         self.rows: tuple[torch.Tensor, ...] | None = None
         self.drafts: dict[int, list[torch.Tensor]] = {}  # a draft buffer's pieces by slot * k + draft state
@@ -139,10 +140,11 @@ class _Views:
         return [p for block in blocks for p in pieces(block, self.width)]
 
 
-def _run_views(stage: ZeroStage | CopyStage, entries: list[_Views], share: bool) -> None:
+def _run_views(stage: ZeroStage | CopyStage, entries: list[_Views], share: bool, slot_bytes: int | None = None) -> None:
     """The runs path of a whole stage: one ``_foreach_zero_`` / ``_foreach_copy_`` over every tensor's views of
     the runs. A cached single slot is read inline: a method call per run is a measurable part of a decode step,
-    whose stages are a few single-slot runs of a few tensors."""
+    whose stages are a few single-slot runs of a few tensors. ``slot_bytes``: a slot's bytes over every entry,
+    where the caller keeps it."""
     views: list[torch.Tensor] = []
     if type(stage) is ZeroStage:
         for entry in entries:
@@ -151,7 +153,9 @@ def _run_views(stage: ZeroStage | CopyStage, entries: list[_Views], share: bool)
                 got = cache[start] if length == 1 else None
                 views += got if got is not None else entry.run(start, length)
         if share and len(views) >= crew.min_views:  # a decode step's few views: not even the crew's call
-            crew.run(views)
+            if slot_bytes is None:
+                slot_bytes = sum(e.slot_bytes for e in entries)
+            crew.run(views, nbytes=len(stage.slots) * slot_bytes)
         else:
             torch._foreach_zero_(views)
         return
@@ -163,7 +167,9 @@ def _run_views(stage: ZeroStage | CopyStage, entries: list[_Views], share: bool)
             sources += a if a is not None else entry.run(src, length)
             views += b if b is not None else entry.run(dst, length)
     if share and len(views) >= crew.min_views:
-        crew.run(views, sources)
+        if slot_bytes is None:
+            slot_bytes = sum(e.slot_bytes for e in entries)
+        crew.run(views, sources, len(stage.pairs) * slot_bytes)  # type: ignore[union-attr]
     else:
         torch._foreach_copy_(views, sources)
 
@@ -193,8 +199,9 @@ class TorchExecutor(Executor):
         self._progress = Progress()
         # id(tensor) -> its views; the entry holds the tensor, so the id stays its own.
         self._views: dict[int, _Views] = {}
-        # The last all-CPU group of tensors a whole stage ran on, and their views (:meth:`_cpu_group`).
-        self._group: tuple[list[torch.Tensor], list[_Views]] = ([], [])
+        # The last all-CPU group of tensors a whole stage ran on, their views and a slot's bytes over all of
+        # them (:meth:`_cpu_group`).
+        self._group: tuple[list[torch.Tensor], list[_Views], int] = ([], [], 0)
 
     def _copy(self, dests: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
         """One copy of CPU views in any order (a host stage, a commit): shared with the crew if large."""
@@ -302,11 +309,11 @@ class TorchExecutor(Executor):
         views it gathers; split, each piece would re-derive the same path set.
         """
         kind = type(stage)
-        if (kind is ZeroStage or kind is CopyStage) and self.path == "auto" and len(stage.runs) <= self.max_runs:  # type: ignore[union-attr]
-            entries = self._cpu_group(tensors)
-            if entries is not None:  # few runs on CPU tensors (a decode step): the runs path, decided at once
-                _run_views(stage, entries, self.share_stages)  # type: ignore[arg-type]
-                return True
+        few = (kind is ZeroStage or kind is CopyStage) and self.path == "auto" and len(stage.runs) <= self.max_runs  # type: ignore[union-attr]
+        if few and self._cpu_group(tensors):  # few runs on CPU tensors (a decode step): the runs path, at once
+            _, entries, slot_bytes = self._group
+            _run_views(stage, entries, self.share_stages, slot_bytes)  # type: ignore[arg-type]
+            return True
         if isinstance(stage, ZeroStage):
             slots, runs = len(stage.slots), len(stage.runs)
         elif isinstance(stage, CopyStage):
@@ -341,17 +348,18 @@ class TorchExecutor(Executor):
         _run_views(stage, [self._entry(t) for t in tensors], self.share_stages)
         return True
 
-    def _cpu_group(self, tensors: list[torch.Tensor]) -> list[_Views] | None:
-        """The view caches of ``tensors`` when all are on the CPU, else None. The last group is kept: a
-        manager's flushes hand over the same pool tensors every step, found again with one identity check."""
-        key, entries = self._group
+    def _cpu_group(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether ``tensors`` are all on the CPU; if so, ``_group`` now holds them, their view caches and a
+        slot's bytes over all of them. The last group is kept: a manager's flushes hand over the same pool
+        tensors every step, found again with one identity check."""
+        key = self._group[0]
         if key and len(key) == len(tensors) and all(map(operator.is_, key, tensors)):
-            return entries
+            return True
         if not all(t.is_cpu for t in tensors):
-            return None
+            return False
         entries = [self._entry(t) for t in tensors]
-        self._group = (list(tensors), entries)
-        return entries
+        self._group = (list(tensors), entries, sum(e.slot_bytes for e in entries))
+        return True
 
     def execute_host(self, stage: HostStage, tensor: torch.Tensor, host: torch.Tensor) -> None:
         """An offload or restore on CPU tensors: one ``_foreach_copy_`` over both sides' run views, each cut

@@ -24,6 +24,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
+from torch.utils._device import DeviceContext
 
 import mambacache as mc
 from mambacache._executors._crew import CHUNK_BYTES, MIN_VIEWS, Crew, _Job, crew
@@ -356,6 +357,34 @@ def test_a_default_device_context_still_shares_stages(how: str) -> None:
     for t in want:
         t[:, 5:9] = t[:, 1:5].clone()
     assert all(map(torch.equal, _bytes(pool.tensors), _bytes(want)))
+
+
+class _CountingDevice(DeviceContext):
+    """A user's mode built on the default-device context: it gives factory functions a device and counts the
+    torch calls it sees, so it must see every op, as any other function mode must."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.calls = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.calls += 1
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def test_a_mode_that_subclasses_the_default_device_context_keeps_every_op_on_the_calling_thread() -> None:
+    # Only the default-device context itself does nothing to an in-place op; a subclass may do anything.
+    pool = make_pool("wide", False)
+    with shared(), mc.CacheManager(pool) as mgr:
+        mgr.alloc(8, clear=False)
+        mgr.flush_nowait()
+        mgr.copy_many([1, 2, 3, 4], [5, 6, 7, 8])
+        before = crew.stages
+        mode = _CountingDevice()
+        with mode:
+            mgr.flush_nowait()
+        assert crew.stages == before, "a stage went to the helpers, whose ops the mode does not see"
+        assert mode.calls > 0
 
 
 def test_the_default_thresholds_share_a_realistic_stage() -> None:

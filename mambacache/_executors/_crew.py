@@ -33,9 +33,9 @@ Invariants:
   busy with another thread's stage, or a Python dispatch or function mode active
   (modes are thread-local, so a fault or op-counting mode would miss the
   helpers' ops). A default-device context (``torch.set_default_device``, ``with
-  torch.device(...)``) is the one function mode that does not keep a stage
-  inline: it only gives factory functions a device, and a stage's in-place ops
-  on the pool's own tensors create nothing.
+  torch.device(...)``; its own type, not a subclass) is the one function mode
+  that does not keep a stage inline: it only gives factory functions a device,
+  and a stage's in-place ops on the pool's own tensors create nothing.
 * A helper runs a stage under its caller's inference and grad modes (also
   thread-local): an engine's pool made under ``torch.inference_mode`` holds
   inference tensors, which refuse an in-place op outside it.
@@ -225,9 +225,10 @@ def _serve(inbox: queue.SimpleQueue[_Job]) -> None:
 
 def _only_device_contexts(modes: int) -> bool:
     """Whether each of the ``modes`` function modes on this thread's stack is a default-device context: an
-    engine that set a default device once (even ``'cpu'``) would otherwise run every stage on one thread."""
+    engine that set a default device once (even ``'cpu'``) would otherwise run every stage on one thread. The
+    type itself, not a subclass: a user's mode built on it may count or fault ops, and must see every one."""
     context = torch.utils._device.DeviceContext
-    return all(isinstance(torch._C._get_function_stack_at(i), context) for i in range(modes))
+    return all(type(torch._C._get_function_stack_at(i)) is context for i in range(modes))
 
 
 def _inline(dests: list[torch.Tensor], sources: list[torch.Tensor] | None) -> None:

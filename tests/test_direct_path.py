@@ -121,3 +121,43 @@ def test_auto_rule() -> None:
     assert ex._choose(meta, 8, 8) == "direct"  # any accelerator: no temporary, constant ops
     with pytest.raises(mc.InvalidArgumentError):
         TorchExecutor(path="fast")
+
+
+def test_an_executor_shared_by_two_managers_runs_each_stage_on_its_own_tensors() -> None:
+    """The executor keeps the last group of pool tensors a stage ran on; another manager's flush on another
+    thread may replace it at any point, even between a stage's check of the group and its use of it, and the
+    stage must still run on its own tensors."""
+    import threading
+
+    spec = mc.StateSpec(num_layers=2, conv_shapes=[(8, 4)], temporal_shape=(4, 8))
+    executor = TorchExecutor()
+    a, b = mc.StatePool(spec, 8), mc.StatePool(spec, 8)
+    with mc.CacheManager(a, executor=executor) as ma, mc.CacheManager(b, executor=executor) as mb:
+        ma.alloc(4, clear=False)
+        ma.flush_nowait()
+        mb.alloc(4, clear=False)
+        mb.flush_nowait()
+        for pool, value in ((a, 7.0), (b, 5.0)):
+            for t in pool.tensors:
+                t[:, 1] = value
+        want_b = [t.clone() for t in b.tensors]
+        real = executor._cpu_group
+        interleave = [True]
+
+        def cpu_group(tensors: list[torch.Tensor]) -> object:
+            got = real(tensors)
+            if interleave.pop() if interleave else False:  # b's flush, on its own thread, runs right here
+                mb.clear_many([3])
+                thread = threading.Thread(target=mb.flush_nowait)
+                thread.start()
+                thread.join()
+            return got
+
+        executor._cpu_group = cpu_group  # type: ignore[method-assign]
+        ma.copy_many([1], [2])
+        ma.flush_nowait()
+    assert not interleave
+    assert all(bool((t[:, 2] == 7.0).all()) for t in a.tensors), "a's copy did not happen in a"
+    for t in want_b:
+        t[:, 3] = 0
+    assert all(map(torch.equal, b.tensors, want_b)), "a's copy ran on b's tensors"

@@ -310,9 +310,8 @@ class TorchExecutor(Executor):
         """
         kind = type(stage)
         few = (kind is ZeroStage or kind is CopyStage) and self.path == "auto" and len(stage.runs) <= self.max_runs  # type: ignore[union-attr]
-        if few and self._cpu_group(tensors):  # few runs on CPU tensors (a decode step): the runs path, at once
-            _, entries, slot_bytes = self._group
-            _run_views(stage, entries, self.share_stages, slot_bytes)  # type: ignore[arg-type]
+        if few and (group := self._cpu_group(tensors)) is not None:  # few runs on CPU tensors (a decode step)
+            _run_views(stage, group[1], self.share_stages, group[2])  # type: ignore[arg-type]
             return True
         if isinstance(stage, ZeroStage):
             slots, runs = len(stage.slots), len(stage.runs)
@@ -348,18 +347,20 @@ class TorchExecutor(Executor):
         _run_views(stage, [self._entry(t) for t in tensors], self.share_stages)
         return True
 
-    def _cpu_group(self, tensors: list[torch.Tensor]) -> bool:
-        """Whether ``tensors`` are all on the CPU; if so, ``_group`` now holds them, their view caches and a
-        slot's bytes over all of them. The last group is kept: a manager's flushes hand over the same pool
-        tensors every step, found again with one identity check."""
-        key = self._group[0]
+    def _cpu_group(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[_Views], int] | None:
+        """``tensors``, their view caches and a slot's bytes over all of them, when all are on the CPU; else
+        None. The last group is kept: a manager's flushes hand over the same pool tensors every step, found
+        again with one identity check. The group is returned, not read back from ``_group`` by the caller:
+        another manager's flush on another thread may replace it in between (an executor given to two)."""
+        group = self._group
+        key = group[0]
         if key and len(key) == len(tensors) and all(map(operator.is_, key, tensors)):
-            return True
+            return group
         if not all(t.is_cpu for t in tensors):
-            return False
+            return None
         entries = [self._entry(t) for t in tensors]
-        self._group = (list(tensors), entries, sum(e.slot_bytes for e in entries))
-        return True
+        group = self._group = (list(tensors), entries, sum(e.slot_bytes for e in entries))
+        return group
 
     def execute_host(self, stage: HostStage, tensor: torch.Tensor, host: torch.Tensor) -> None:
         """An offload or restore on CPU tensors: one ``_foreach_copy_`` over both sides' run views, each cut

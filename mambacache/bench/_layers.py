@@ -20,6 +20,8 @@ so that all four see the same machine load:
 ``_foreach_copy_`` its fork needs, over row views built beforehand (a view per
 pool tensor and layer group), with no manager around it. Where a layout's floor
 alone passes the stacked step times a goal ratio, no host-side change meets it.
+(On model-sized states a slot's view is past the grain, so the floor is one
+parallel region where the step cuts pieces for the crew: a floor, not a twin.)
 """
 
 from __future__ import annotations

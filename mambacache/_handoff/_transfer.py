@@ -223,7 +223,14 @@ def send_exports(
     """
     delivered: list[str] = []
     while True:
-        ready = manager.take_exports(to=peers[0])
+        try:
+            ready = manager.take_exports(to=peers[0])
+        except Exception:
+            # The manager closed (or broke) while a batch was out: what it delivered is settled, and the
+            # caller must hear so (a closing manager still takes a send in flight; it is no failure).
+            if delivered:
+                return delivered
+            raise
         if not ready:
             return delivered
         batch, seq = batches.pick(ready)

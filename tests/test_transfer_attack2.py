@@ -9,6 +9,11 @@ Others replace the wire by a ``ship`` callable, as ``test_transfer_attack``.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
 
 import mambacache as mc
 from mambacache._handoff._transfer import Batches, send_exports
@@ -57,3 +62,86 @@ def test_a_send_that_delivered_a_batch_before_the_manager_closed_returns_it() ->
     assert send_exports(mgr, ship, [1], Batches()) == ["a"], "a delivered batch was reported as a failure"
     assert shipped == [["a"]]
     assert a not in mgr.pool.allocated_slots(), "the delivered export's slot was kept"
+
+
+# -- the real link in one process ---------------------------------------------------------------------------
+def _store() -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+
+def _transfer(mgr: mc.CacheManager, master: Any, rank: int, peer: int, timeout: float) -> mc.StateTransfer:
+    import torch.distributed as dist
+
+    client = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=10))
+    return mc.StateTransfer(mgr, None, peer=peer, store=client, rank=rank, timeout=timeout)
+
+
+def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    """``call`` in a thread; its result (or its exception) lands in the list."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(call())
+        except BaseException as exc:  # handed to the test's thread
+            out.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, out
+
+
+def test_an_unaddressed_export_withdrawn_before_a_peer_took_it_may_still_go_to_another_peer() -> None:
+    """``export(to=None)``, sent to peer 1, which never receives: the sender withdraws its header at the timeout
+    (first writer wins, so peer 1 can never take it: "nothing was sent"). It was counted in doubt all the same
+    and pinned to peer 1, so the transfer to peer 2 never took it: one dead or slow peer kept the state for good.
+    A retry of a batch in doubt that is withdrawn stays in doubt (an earlier try may have landed)."""
+    master = _store()
+    with _mgr() as mgr, _mgr() as peer2:
+        to1 = _transfer(mgr, master, 0, 1, 0.3)
+        to2 = _transfer(mgr, master, 0, 2, 5.0)
+        at2 = _transfer(peer2, master, 2, 0, 5.0)
+        _export(mgr, "r", 4.0)
+        with pytest.raises(mc.TransferError, match="nothing was sent"):
+            to1.send()
+        assert [ev.request_id for ev in mgr.exports_ready(to=2)] == ["r"], "kept for a peer that never took it"
+        thread, sent = _in_thread(to2.send)
+        assert at2.receive() == ["r"]
+        thread.join(10)
+        assert sent == [["r"]]
+        peer2.import_into(1, "r")
+        peer2.flush_nowait()
+        assert all(bool(t[:, 1].eq(4.0).all()) for t in peer2.pool.tensors)
+        peer2.release(1, "r")
+        mgr.flush_nowait()
+        peer2.flush_nowait()
+        mgr.check_idle(host=True)
+        peer2.check_idle(host=True)
+
+
+def test_a_retry_in_doubt_that_is_withdrawn_stays_with_its_peer() -> None:
+    """The other half of the test above: the first try's acknowledgement was lost (it may have landed at peer 1),
+    the retry is withdrawn before peer 1's go; the state must still go to peer 1 alone, as a retry of its number."""
+    from mambacache._handoff._link import NothingSent
+
+    with _mgr() as mgr:
+        seqs: list[int] = []
+
+        def ship(batch: list[mc.Export], ids: list[str], seq: int) -> None:
+            seqs.append(seq)
+            if len(seqs) == 1:
+                raise mc.TransferError("the acknowledgement timed out", ids)
+            if len(seqs) == 2:
+                raise NothingSent("withdrawn before the peer's go", ids)
+
+        batches = Batches()
+        _export(mgr, "r", 1.0)
+        for _ in range(2):
+            with pytest.raises(mc.TransferError):
+                send_exports(mgr, ship, [1], batches)
+        assert mgr.exports_ready(to=2) == [], "an export that may be at peer 1 is offered to peer 2"
+        assert send_exports(mgr, ship, [1], batches) == ["r"] and seqs == [1, 1, 1]
+        mgr.flush_nowait()
+        mgr.check_idle(host=True)

@@ -37,7 +37,18 @@ from .._errors import (
     TransferRefusedError,
 )
 from .._events import Export
-from ._link import SPLIT_BYTES, Batch, Inbox, Outbox, Shapes, Withdrawn, check_timeout, fingerprint, messages
+from ._link import (
+    SPLIT_BYTES,
+    Batch,
+    Inbox,
+    NothingSent,
+    Outbox,
+    Shapes,
+    Withdrawn,
+    check_timeout,
+    fingerprint,
+    messages,
+)
 from ._surface import CacheManager
 
 __all__ = ["StateTransfer"]
@@ -233,6 +244,7 @@ def send_exports(
             raise
         if not ready:
             return delivered
+        last = batches.seq
         batch, seq = batches.pick(ready)
         in_place = batch[0].host is None  # a batch is read from one place: the staging rows, or the pool
         batch = [ev for ev in batch if (ev.host is None) is in_place]
@@ -251,9 +263,16 @@ def send_exports(
             if delivered:
                 return delivered  # what went out is the caller's news; the rest fails again on the next call
             raise
-        except BaseException:
-            batches.doubt = batch
-            manager.exports_returned(batch, peer=peers[0])  # it may have landed there: nowhere else
+        except BaseException as exc:
+            # Withdrawn before the peer's go, a first try is nowhere: not in doubt, and not kept for that peer
+            # (an export to no one must stay free to go to another peer). A retry of a batch in doubt (its
+            # number went out before) may have landed by an earlier try: still in doubt.
+            if isinstance(exc, NothingSent) and seq != last:
+                batches.doubt = []
+                manager.exports_returned(batch)
+            else:
+                batches.doubt = batch
+                manager.exports_returned(batch, peer=peers[0])  # it may have landed there: nowhere else
             if delivered:
                 return delivered
             raise

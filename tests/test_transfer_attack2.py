@@ -147,6 +147,72 @@ def test_a_retry_in_doubt_that_is_withdrawn_stays_with_its_peer() -> None:
         mgr.check_idle(host=True)
 
 
+class _FullDisk:
+    """A tracer whose first ``event`` line raises, as structlog's WriteLogger does on a full disk."""
+
+    def __init__(self, event: str) -> None:
+        self.event, self.raised = event, 0
+
+    def __enter__(self) -> _FullDisk:
+        from mambacache import _tracing
+
+        outer = self
+
+        class Full(_tracing.Tracer):
+            def transfer(self, event: str, peer: int | None, request_ids: Any, **fields: Any) -> None:
+                if event == outer.event and not outer.raised:
+                    outer.raised += 1
+                    raise OSError(28, "No space left on device")
+
+        self._old = _tracing.install(Full())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from mambacache import _tracing
+
+        _tracing.install(self._old)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_receive_whose_trace_line_fails_lands_nothing_and_the_retry_lands_once(in_place: bool) -> None:
+    """The ``transfer.receive`` line is written in the hold of the lock that makes the states arrived. A tracer
+    that raised there (a full disk) left them arrived, importable, while the receive raised and told the sender
+    that nothing landed (``fail``): not in doubt, the sender sent the state again as a new batch, refused as
+    "arrived twice" until the engine imported the first copy, then landed a second time."""
+    master = _store()
+    with _mgr() as mgr, _mgr() as peer:
+        out, into = _transfer(mgr, master, 0, 1, 5.0), _transfer(peer, master, 1, 0, 5.0)
+        _export(mgr, "r", 3.0)
+        if in_place:
+            peer.expect_import(2, "r")
+            peer.flush_nowait()
+        with _FullDisk("transfer.receive") as disk:
+            thread, sent = _in_thread(out.send)
+            with pytest.raises(OSError):
+                into.receive()
+            thread.join(10)
+            assert disk.raised == 1
+        assert isinstance(sent[0], mc.TransferRefusedError) and sent[0].reason == "failed", sent
+        if in_place:
+            assert peer.awaiting_import(2) == "r"
+        else:
+            with pytest.raises(mc.SlotStateError):
+                peer.import_into(2, "r")  # told "not landed": it must not be here
+            assert peer.host_pool is not None and peer.host_pool.num_held == 0
+        thread, sent = _in_thread(out.send)
+        assert into.receive() == ["r"], "the retry of a state the sender heard did not land"
+        thread.join(10)
+        assert sent == [["r"]]
+        peer.import_into(2, "r")
+        peer.flush_nowait()
+        assert all(bool(t[:, 2].eq(3.0).all()) for t in peer.pool.tensors)
+        peer.release(2, "r")
+        mgr.flush_nowait()
+        peer.flush_nowait()
+        mgr.check_idle(host=True)
+        peer.check_idle(host=True)
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="not fixed: a withdrawn header retires the gloo pair on both sides (kept, never destroyed); keeping it"

@@ -213,6 +213,27 @@ def test_a_receive_whose_trace_line_fails_lands_nothing_and_the_retry_lands_once
         peer.check_idle(host=True)
 
 
+def test_a_send_whose_trace_line_fails_still_takes_the_acknowledged_delivery() -> None:
+    """The ``transfer.send`` line came between the peer's acknowledgement and the delivery; a tracer that raised
+    there left the export *sending* for good: never sent again, its release refused ("being sent") for ever, its
+    pool and staging slots held by a state the peer holds. The delivery is taken whatever the tracer does."""
+    master = _store()
+    with _mgr() as mgr, _mgr() as peer:
+        out, into = _transfer(mgr, master, 0, 1, 5.0), _transfer(peer, master, 1, 0, 5.0)
+        slot = _export(mgr, "r", 3.0)
+        with _FullDisk("transfer.send"):
+            thread, sent = _in_thread(out.send)
+            assert into.receive() == ["r"]
+            thread.join(10)
+        assert isinstance(sent[0], OSError), sent
+        assert slot not in mgr.held(), "an acknowledged export's slot stayed held"
+        mgr.flush_nowait()
+        mgr.check_idle(host=True)
+        peer.discard_arrived("r")
+        peer.flush_nowait()
+        peer.check_idle(host=True)
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="not fixed: a withdrawn header retires the gloo pair on both sides (kept, never destroyed); keeping it"

@@ -277,9 +277,11 @@ def send_exports(
                 return delivered
             raise
         batches.doubt, batches.limit = [], None
-        for peer in peers:
-            _tracing.tracer.transfer("transfer.send", peer, ids, step=manager.step, n=len(ids), **sizes(len(ids)))
-        manager.exports_delivered(batch)
+        try:
+            for peer in peers:
+                _tracing.tracer.transfer("transfer.send", peer, ids, step=manager.step, n=len(ids), **sizes(len(ids)))
+        finally:  # acknowledged: taken even if the tracer raises (a full disk), else they stayed sending for good
+            manager.exports_delivered(batch)
         delivered += ids
         if not rest:
             return delivered

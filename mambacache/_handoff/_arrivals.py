@@ -159,7 +159,14 @@ class Arrivals:
                 host.tenants[h] = r
                 self.hosts[h] = "landing"
             if write is None:
-                self._arrive_locked(request_ids, slots, arrived)
+                try:
+                    self._arrive_locked(request_ids, slots, arrived)
+                except BaseException:  # its arrived callback raised: nothing arrived, the slots are free again
+                    for h in slots:
+                        del self.hosts[h]
+                        host.tenants[h] = None
+                    host.give_back(slots)
+                    raise
                 return slots
             self.landing.update(zip(request_ids, slots, strict=True))
             self.writing += 1
@@ -172,13 +179,15 @@ class Arrivals:
         with q.lock:
             try:
                 q.check()  # a manager closed (or broken) meanwhile can never import them: not arrived
+                if arrived is not None:
+                    arrived(slots)  # before they count: one that raises (a tracer's full disk) leaves none arrived
             except BaseException:
                 self._unland_locked(request_ids, slots)
                 raise
             self.writing -= 1
             for r in request_ids:
                 del self.landing[r]
-            self._arrive_locked(request_ids, slots, arrived)
+            self._arrive_locked(request_ids, slots, None)
         return slots
 
     def _unland_locked(self, request_ids: list[str], slots: list[int]) -> None:
@@ -205,11 +214,13 @@ class Arrivals:
     def _arrive_locked(
         self, request_ids: list[str], slots: list[int], arrived: Callable[[list[int]], None] | None
     ) -> None:
+        """Make the states arrived; ``arrived(slots)`` is called first, so if it raises none of them did (the
+        transfer then answers that nothing landed, and its sender must not hear that while they are here)."""
+        if arrived is not None:
+            arrived(slots)
         for r, h in zip(request_ids, slots, strict=True):
             self.arrived[r] = h
             self.hosts[h] = "arrived"
-        if arrived is not None:
-            arrived(slots)
 
     def land_in_place(
         self,
@@ -245,14 +256,14 @@ class Arrivals:
         with q.lock:
             try:
                 q.check()  # as in land(): a manager that closed meanwhile never imports them
+                if arrived is not None:
+                    arrived(slots)  # as in land(): before they count
             except BaseException:
                 self._phase_locked(request_ids, WAITING)
                 self._written_locked()
                 raise
             self.writing -= 1
             self._phase_locked(request_ids, ARRIVED)
-            if arrived is not None:
-                arrived(slots)
         return slots
 
     def _phase_locked(self, request_ids: list[str], phase: str) -> None:

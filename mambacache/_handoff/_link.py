@@ -51,8 +51,8 @@ import torch
 from .._errors import InvalidArgumentError, TransferError, TransferRefusedError
 
 __all__ = [
-    "SPLIT_BYTES", "Batch", "Inbox", "Outbox", "Shapes", "Withdrawn", "check_timeout", "fingerprint", "message_sizes",
-    "messages", "root_store",
+    "SPLIT_BYTES", "Batch", "Inbox", "NothingSent", "Outbox", "Shapes", "Withdrawn", "check_timeout", "fingerprint",
+    "message_sizes", "messages", "root_store",
 ]  # fmt: skip
 
 MAGIC = 0x6D63_7846
@@ -63,6 +63,11 @@ _RETIRED: list[Any] = []  # gloo pairs replaced after a failure (see _Direction.
 # two (the gather and the landing copy); measured, a split at 0.26 MiB a layer was no faster than one message
 # per tensor, at 2 MiB 0.66 of its time: below this many bytes of a batch per layer, one message per tensor.
 SPLIT_BYTES = 1024 * 1024
+
+
+class NothingSent(TransferError):
+    """The sender withdrew its header before the receiver's ``go``: not a byte of this try left, and the
+    receiver can never take it (first writer wins), so this try put nothing at the peer."""
 
 
 class Withdrawn(Exception):  # a signal between the link and its caller, never raised to a user
@@ -227,7 +232,7 @@ class Outbox(_Direction):
         if decision is None:
             decision = bytes(self.call("compare_set", f"state/{m}", "", "withdrawn")).decode()
             if decision == "withdrawn":
-                raise TransferError(
+                raise NothingSent(
                     f"rank {self.dst} took no batch: timed out after {self.timeout:g}s (not receiving?);"
                     " nothing was sent",
                     ids,

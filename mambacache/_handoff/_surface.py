@@ -219,7 +219,8 @@ class HandOff:
         slots are freed and nothing arrived (its error is raised).
         ``arrived(slots)``: called under the manager's lock in the hold that
         makes them arrived, so before any import of them can be (a transfer
-        traces its receive line there); it must not raise nor call the manager.
+        traces its receive line there), before they count: if it raises, none
+        arrived and its error is raised; it must not call the manager.
         All or none: :class:`InvalidArgumentError` unless a list of str,
         :class:`SlotStateError` when a state for one of them arrived already and
         is not imported yet, :class:`PoolExhaustedError` when too few host slots

@@ -37,7 +37,18 @@ from .._errors import (
     TransferRefusedError,
 )
 from .._events import Export
-from ._link import SPLIT_BYTES, Batch, Inbox, Outbox, Shapes, Withdrawn, check_timeout, fingerprint, messages
+from ._link import (
+    SPLIT_BYTES,
+    Batch,
+    Inbox,
+    NothingSent,
+    Outbox,
+    Shapes,
+    Withdrawn,
+    check_timeout,
+    fingerprint,
+    messages,
+)
 from ._surface import CacheManager
 
 __all__ = ["StateTransfer"]
@@ -223,9 +234,17 @@ def send_exports(
     """
     delivered: list[str] = []
     while True:
-        ready = manager.take_exports(to=peers[0])
+        try:
+            ready = manager.take_exports(to=peers[0])
+        except Exception:
+            # The manager closed (or broke) while a batch was out: what it delivered is settled, and the
+            # caller must hear so (a closing manager still takes a send in flight; it is no failure).
+            if delivered:
+                return delivered
+            raise
         if not ready:
             return delivered
+        last = batches.seq
         batch, seq = batches.pick(ready)
         in_place = batch[0].host is None  # a batch is read from one place: the staging rows, or the pool
         batch = [ev for ev in batch if (ev.host is None) is in_place]
@@ -244,16 +263,25 @@ def send_exports(
             if delivered:
                 return delivered  # what went out is the caller's news; the rest fails again on the next call
             raise
-        except BaseException:
-            batches.doubt = batch
-            manager.exports_returned(batch, peer=peers[0])  # it may have landed there: nowhere else
+        except BaseException as exc:
+            # Withdrawn before the peer's go, a first try is nowhere: not in doubt, and not kept for that peer
+            # (an export to no one must stay free to go to another peer). A retry of a batch in doubt (its
+            # number went out before) may have landed by an earlier try: still in doubt.
+            if isinstance(exc, NothingSent) and seq != last:
+                batches.doubt = []
+                manager.exports_returned(batch)
+            else:
+                batches.doubt = batch
+                manager.exports_returned(batch, peer=peers[0])  # it may have landed there: nowhere else
             if delivered:
                 return delivered
             raise
         batches.doubt, batches.limit = [], None
-        for peer in peers:
-            _tracing.tracer.transfer("transfer.send", peer, ids, step=manager.step, n=len(ids), **sizes(len(ids)))
-        manager.exports_delivered(batch)
+        try:
+            for peer in peers:
+                _tracing.tracer.transfer("transfer.send", peer, ids, step=manager.step, n=len(ids), **sizes(len(ids)))
+        finally:  # acknowledged: taken even if the tracer raises (a full disk), else they stayed sending for good
+            manager.exports_delivered(batch)
         delivered += ids
         if not rest:
             return delivered

@@ -199,6 +199,29 @@ class Batches:
         self.doubt: list[Export] = []
         self.limit: int | None = None  # the room the peer last had when it refused a batch for room
 
+    def failed(self, manager: CacheManager, batch: list[Export], exc: BaseException, first: bool, peer: int) -> bool:
+        """Give a batch whose ship raised ``exc`` back to ``manager``, in doubt or not; True when it goes again at
+        once (refused for room: cut to the room the peer has). ``first``: this was the batch's first try."""
+        if isinstance(exc, TransferRefusedError):  # nothing landed: not in doubt
+            self.doubt = []
+            manager.exports_returned(batch)
+            if exc.reason == "room" and exc.room and exc.room < len(batch):
+                self.limit = exc.room  # a batch the peer has room for, at once
+                return True
+            return False
+        # Withdrawn before the peer's go, a first try is nowhere: not in doubt, and not kept for that peer (an
+        # export to no one must stay free to go to another peer). A retry of a batch in doubt (its number went
+        # out before) may have landed by an earlier try: still in doubt. A ship to several peers raises
+        # NothingSent only if no peer took the batch (the re-slicing ship raises a plain TransferError for any
+        # failed rank: in doubt).
+        if isinstance(exc, NothingSent) and first:
+            self.doubt = []
+            manager.exports_returned(batch)
+        else:
+            self.doubt = batch
+            manager.exports_returned(batch, peer=peer)  # it may have landed there: nowhere else
+        return False
+
     def pick(self, ready: list[Export]) -> tuple[list[Export], int]:
         """The batch to send out of ``ready`` (the first ``limit`` of them after a refusal for room), with its
         number."""
@@ -254,27 +277,11 @@ def send_exports(
         ids = [ev.request_id or "" for ev in batch]
         try:
             ship(batch, ids, seq)
-        except TransferRefusedError as exc:  # nothing landed: not in doubt
-            batches.doubt = []
-            manager.exports_returned(batch)
-            if exc.reason == "room" and exc.room and exc.room < len(batch):
-                batches.limit = exc.room  # a batch the peer has room for, at once
+        except BaseException as exc:
+            if batches.failed(manager, batch, exc, seq != last, peers[0]):
                 continue
             if delivered:
                 return delivered  # what went out is the caller's news; the rest fails again on the next call
-            raise
-        except BaseException as exc:
-            # Withdrawn before the peer's go, a first try is nowhere: not in doubt, and not kept for that peer
-            # (an export to no one must stay free to go to another peer). A retry of a batch in doubt (its
-            # number went out before) may have landed by an earlier try: still in doubt.
-            if isinstance(exc, NothingSent) and seq != last:
-                batches.doubt = []
-                manager.exports_returned(batch)
-            else:
-                batches.doubt = batch
-                manager.exports_returned(batch, peer=peers[0])  # it may have landed there: nowhere else
-            if delivered:
-                return delivered
             raise
         batches.doubt, batches.limit = [], None
         try:

@@ -234,16 +234,11 @@ def test_a_send_whose_trace_line_fails_still_takes_the_acknowledged_delivery() -
         peer.check_idle(host=True)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not fixed: a withdrawn header retires the gloo pair on both sides (kept, never destroyed); keeping it"
-    " would hand a peer that joins later a pair name whose rendezvous keys are stale",
-)
 def test_a_header_withdrawn_while_the_receiver_is_busy_costs_no_gloo_pair() -> None:
     """A receiver busy past the sender's timeout is a normal event (the faults table: send again). Each time, the
-    sender bumps its pair's epoch and retires its gloo pair, and the receiver retires its own at the next header:
+    sender bumped its pair's epoch and retired its gloo pair, and the receiver retired its own at the next header:
     a ProcessGroupGloo each (about 5 file descriptors each here), kept for the life of the process, so a
-    deployment whose decode side is sometimes late runs out of file descriptors."""
+    deployment whose decode side is sometimes late ran out of file descriptors. A withdrawal keeps the pair."""
     import mambacache._handoff._link as link
 
     master = _store()
@@ -264,3 +259,34 @@ def test_a_header_withdrawn_while_the_receiver_is_busy_costs_no_gloo_pair() -> N
                 peer.flush_nowait()
             retired.append(len(link._RETIRED))
         assert retired[0] == retired[-1], f"gloo pairs retired after each round: {retired}"
+
+
+def test_a_receiver_that_replaced_a_withdrawn_ones_rank_takes_the_next_batch() -> None:
+    """A withdrawal keeps the sender's pair; a receiver that took the rank since (an engine restarted there) must
+    still take the next batch, over a pair of its own: the pair's name carries the token of the receiver that
+    answered go. Named by the sender alone, the new receiver would meet the pair built with its predecessor
+    and fail a batch before it took one."""
+    master = _store()
+    with _mgr() as mgr, _mgr() as first:
+        out, old = _transfer(mgr, master, 0, 1, 1.0), _transfer(first, master, 1, 0, 5.0)
+        _export(mgr, "a", 1.0)
+        thread, sent = _in_thread(out.send)
+        assert old.receive() == ["a"]  # the pair between the sender and the first receiver is built and used
+        thread.join(10)
+        assert sent == [["a"]]
+        _export(mgr, "b", 2.0)
+        with pytest.raises(mc.TransferError, match="nothing was sent"):
+            out.send()  # the first receiver is gone: withdrawn at the timeout
+        with _mgr() as second:
+            new = _transfer(second, master, 1, 0, 5.0)
+            thread, sent = _in_thread(out.send)
+            assert new.receive() == ["b"], "the new receiver did not take the first batch sent after it came"
+            thread.join(10)
+            assert sent == [["b"]]
+            second.import_into(1, "b")
+            second.flush_nowait()
+            assert all(bool(t[:, 1].eq(2.0).all()) for t in second.pool.tensors)
+        first.discard_arrived("a")
+        first.flush_nowait()
+        mgr.flush_nowait()
+        mgr.check_idle(host=True)

@@ -55,7 +55,7 @@ __all__ = [
     "message_sizes", "messages", "root_store",
 ]  # fmt: skip
 
-MAGIC = 0x6D63_7846
+MAGIC = 0x6D63_7847  # 7847: the pair's name ends with the receiver's token (a peer of 7846 refuses the header)
 # Far beyond any wait a deployment wants, and well inside what timedelta and c10d's millisecond counts take.
 MAX_TIMEOUT = 1e9
 _RETIRED: list[Any] = []  # gloo pairs replaced after a failure (see _Direction.drop_pair)
@@ -155,7 +155,9 @@ class _Direction:
 
         The old one is kept, never destroyed while the process runs: destroying a
         gloo group whose peer died can abort the process inside gloo. A pair is
-        only replaced after a failure, so these are few.
+        only replaced after a failure of its bytes or acknowledgement, or for a new
+        receiver on that rank, so these are few (a header withdrawn before the
+        receiver's ``go`` keeps it: nothing went over it).
         """
         if self._pair is not None:
             _RETIRED.append(self._pair[1])
@@ -221,6 +223,10 @@ class Outbox(_Direction):
                 self._epoch += 1
                 self.drop_pair()
             raise
+        except NothingSent:
+            # Nothing went over the pair, so it is as good as before: kept. A receiver that replaced the one it
+            # was built with answers go with its own token, which names another pair (see _settle).
+            raise
         except TransferError:
             self._epoch += 1  # the pair may be closed, or the peer gone: a fresh one next time
             self.drop_pair()
@@ -242,7 +248,10 @@ class Outbox(_Direction):
             return  # landed by an earlier try whose acknowledgement was lost
         if kind == "refuse":
             raise self._refused(why, ids)
-        self.move(raw, True, pair, ids)
+        # The pair is named by both ends: this side's token and epoch (the header's), and the token of the
+        # receiver that answered go. A receiver that joined the rank since builds a fresh pair, never one whose
+        # other end was its predecessor, whether or not a failure bumped the epoch.
+        self.move(raw, True, f"{pair}.{why}", ids)
         ack = self.wait_key(f"ack/{m}", self.timeout)
         if ack is None:
             raise TransferError(f"rank {self.dst} did not acknowledge: timed out after {self.timeout:g}s", ids)
@@ -393,7 +402,7 @@ class Inbox(_Direction):
             raise Withdrawn(batch.ids)
         batch.taken = True
         try:
-            self.move(raw, False, batch.pair, batch.ids)
+            self.move(raw, False, f"{batch.pair}.{self.token}", batch.ids)  # both ends' names (Outbox._settle)
         except TransferError:
             self.answer_raw(batch.number, "fail:the bytes did not arrive")
             raise
@@ -437,7 +446,7 @@ def _judge(
     try:
         header = json.loads(text)
         ids, sizes_given = header["ids"], header["bytes"]
-        header.setdefault("split", False)  # a sender from before split messages
+        header.setdefault("split", False)  # absent: one message per pool tensor
         ok = (
             header["magic"] == MAGIC
             and isinstance(ids, list)

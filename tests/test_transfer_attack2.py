@@ -290,3 +290,42 @@ def test_a_receiver_that_replaced_a_withdrawn_ones_rank_takes_the_next_batch() -
         first.flush_nowait()
         mgr.flush_nowait()
         mgr.check_idle(host=True)
+
+
+def test_a_batch_refused_before_the_receivers_go_costs_no_gloo_pair() -> None:
+    """A landing that fails before ``go`` (here: an id that arrived already and awaits its import) is answered
+    as a refusal, ``refuse:failed``: nothing went over the pair, as for a withdrawn header. The sender took any
+    ``failed`` for one after the bytes, bumped its epoch and retired its gloo pair, and the receiver retired its
+    own at the next batch: a ProcessGroupGloo per side per such refusal, kept for the life of the process."""
+    import mambacache._handoff._link as link
+
+    master = _store()
+    with _mgr(host=3) as mgr, _mgr(host=3) as peer:
+        out, into = _transfer(mgr, master, 0, 1, 5.0), _transfer(peer, master, 1, 0, 5.0)
+        retired = []
+        for k in range(2):
+            rid = f"a{k}"
+            _export(mgr, rid, float(k))
+            thread, sent = _in_thread(out.send)
+            assert into.receive() == [rid]
+            thread.join(10)
+            assert sent == [[rid]]
+            _export(mgr, rid, float(k))  # the same id again while the first awaits its import there
+            thread, sent = _in_thread(out.send)
+            with pytest.raises(mc.SlotStateError, match="arrived twice"):
+                into.receive()
+            thread.join(10)
+            assert isinstance(sent[0], mc.TransferRefusedError) and sent[0].reason == "failed", sent
+            peer.discard_arrived(rid)
+            peer.flush_nowait()
+            thread, sent = _in_thread(out.send)
+            assert into.receive() == [rid], "the batch refused before go, sent again"
+            thread.join(10)
+            assert sent == [[rid]]
+            peer.discard_arrived(rid)
+            peer.flush_nowait()
+            retired.append(len(link._RETIRED))
+        assert retired[0] == retired[-1], f"gloo pairs retired after each round: {retired}"
+        mgr.flush_nowait()
+        mgr.check_idle(host=True)
+        peer.check_idle(host=True)

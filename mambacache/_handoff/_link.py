@@ -4,15 +4,16 @@ Why not the process group itself: gloo closes a pair on any timeout, so after
 one late peer every later message on the group fails. Here a batch is agreed
 on through the group's key-value store (whose waits time out without harm), and
 the bytes go over a two-rank gloo group of their own, built by the two peers
-alone and replaced after any failure, so a closed pair never poisons a later
-batch. Per direction ``src > dst``, under ``mambacache/xfer/{src}>{dst}/`` of
+alone and replaced after any failure of its bytes or acknowledgement, so a
+closed pair never poisons a later batch. Per direction ``src > dst``, under ``mambacache/xfer/{src}>{dst}/`` of
 the store (``docs/transfer.md`` has the whole protocol)::
 
     posted          sender: store.add -> m, the batch's header number
     hdr/{m}         sender: JSON header (token, seq, ids, fingerprint, pair, split, byte sizes of its messages)
     state/{m}       compare_set, first writer wins: receiver "go:<tok>" | "dup:<tok>" | "refuse:<kind>:<room>:<why>",
                     or the sender's "withdrawn" (its wait for a decision timed out: nothing was sent)
-    pair/{name}/..  the gloo pair's rendezvous (name changes after every failure)
+    pair/{name}/..  the gloo pair's rendezvous, name "<tok>.<epoch>.<receiver's tok>" (the epoch: after a failure
+                    of the bytes or the acknowledgement; a refused or withdrawn header keeps it)
     ack/{m}         receiver: "ok:<n>" | "refuse:room:<room>:<why>" | "fail:<why>"
     taken           receiver: how many headers it has settled (a restarted receiver continues from it; a header
                     that is absent when its wait times out while a later one was posted is counted too: its
@@ -217,11 +218,8 @@ class Outbox(_Direction):
         self.call("set", f"hdr/{m}", json.dumps(header))
         try:
             self._settle(m, ids, raw, pair)
-        except TransferRefusedError as exc:
-            self._cleanup(m)
-            if exc.reason == "failed":  # after the bytes: the receiver may have dropped its end of the pair
-                self._epoch += 1
-                self.drop_pair()
+        except TransferRefusedError:
+            self._cleanup(m)  # a "fail" after the bytes moved to a fresh pair in _settle; a refusal keeps it
             raise
         except NothingSent:
             # Nothing went over the pair, so it is as good as before: kept. A receiver that replaced the one it
@@ -261,6 +259,8 @@ class Outbox(_Direction):
         if kind == "refuse":
             raise self._refused(why, ids)
         if kind == "fail":  # the receiver says it landed none of it (else it would have answered "dup")
+            self._epoch += 1  # after the bytes: the receiver may have dropped its end of the pair
+            self.drop_pair()
             raise TransferRefusedError(f"rank {self.dst} did not land the batch: {why}", ids, "failed")
         raise TransferError(f"rank {self.dst} did not land the batch: {ack}", ids)
 

@@ -329,3 +329,26 @@ def test_a_batch_refused_before_the_receivers_go_costs_no_gloo_pair() -> None:
         mgr.flush_nowait()
         mgr.check_idle(host=True)
         peer.check_idle(host=True)
+
+
+def test_two_senders_of_one_rank_that_take_turns_to_one_receiver_deliver_every_batch() -> None:
+    """Two transfers on rank 0 (two managers) send to one receiver on rank 1 in turns, sharing the direction.
+    The receiver kept one gloo pair: S2's batch retired the pair it had with S1, and S1's next batch rebuilt a
+    pair of the same name (S1's epoch had not moved) while S1 still held its end of the old one, over stale
+    rendezvous keys: the bytes timed out, every other batch, for as long as the two took turns."""
+    master = _store()
+    with _mgr() as m1, _mgr() as m2, _mgr(host=4) as peer:
+        s1, s2 = _transfer(m1, master, 0, 1, 2.0), _transfer(m2, master, 0, 1, 2.0)
+        into = _transfer(peer, master, 1, 0, 2.0)
+        for k, (out, mgr) in enumerate([(s1, m1), (s2, m2), (s1, m1), (s2, m2)]):
+            rid = f"x{k}"
+            _export(mgr, rid, float(k))
+            thread, sent = _in_thread(out.send)
+            got = into.receive()
+            thread.join(10)
+            assert got == [rid] and sent == [[rid]], f"batch {k}: {sent}"
+            peer.discard_arrived(rid)
+            peer.flush_nowait()
+        for mgr in (m1, m2):
+            mgr.flush_nowait()
+            mgr.check_idle(host=True)

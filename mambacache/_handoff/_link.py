@@ -120,7 +120,8 @@ class _Direction:
         self.store = dist.distributed_c10d.PrefixStore(f"mambacache/xfer/{src}>{dst}/", clone)
         self.src, self.dst, self.me = src, dst, me
         self.timeout = timeout
-        self._pair: tuple[str, Any] | None = None
+        # Per token of the other end (a receiver's, or a sender's), the name of the pair with it and the group.
+        self._pairs: dict[str, tuple[str, Any]] = {}
 
     def wait_key(self, key: str, seconds: float) -> str | None:
         """The value of ``key`` once it is set, or None after ``seconds`` (a store wait: retryable)."""
@@ -142,33 +143,44 @@ class _Direction:
         except Exception as exc:
             raise TransferError(f"the key-value store failed ({what}): {exc}") from exc
 
-    def pair(self, name: str) -> Any:
-        """The gloo pair called ``name``, built (both peers build it, nobody else) unless it is the current one."""
-        if self._pair is None or self._pair[0] != name:
-            self.drop_pair()
+    def pair(self, name: str, peer: str) -> Any:
+        """The gloo pair called ``name`` with the other end whose token is ``peer``, built (both peers build it,
+        nobody else) unless it is the one kept for that peer.
+
+        One kept per peer, not one in all: two transfers that take turns on one
+        direction (two senders of one rank, or two receivers) would otherwise each retire the
+        other's pair, and the next batch rebuild a name its other end still
+        holds the old group of (stale rendezvous keys: the bytes time out).
+        """
+        kept = self._pairs.get(peer)
+        if kept is None or kept[0] != name:
+            self.drop_pair(peer)
             prefix = self._dist.distributed_c10d.PrefixStore(f"pair/{name}/", self.store)
             pg = self._dist.ProcessGroupGloo(prefix, self.me, 2, timedelta(seconds=self.timeout))
-            self._pair = (name, pg)
-        return self._pair[1]
+            self._pairs[peer] = kept = (name, pg)
+        return kept[1]
 
-    def drop_pair(self) -> None:
-        """After a failure the pair may be closed (gloo closes it on a timeout): the next batch builds another.
+    def drop_pair(self, peer: str | None = None) -> None:
+        """After a failure the pair with ``peer`` (None: every pair) may be closed (gloo closes it on a timeout):
+        the next batch builds another.
 
         The old one is kept, never destroyed while the process runs: destroying a
         gloo group whose peer died can abort the process inside gloo. A pair is
-        only replaced after a failure of its bytes or acknowledgement, or for a new
-        receiver on that rank, so these are few (a header withdrawn before the
-        receiver's ``go`` keeps it: nothing went over it).
+        only replaced after a failure of its bytes or acknowledgement, so these are
+        few (a header withdrawn or refused before the receiver's ``go`` keeps it:
+        nothing went over it; a receiver that took the rank since, or another
+        sender, gets a pair of its own beside it).
         """
-        if self._pair is not None:
-            _RETIRED.append(self._pair[1])
-        self._pair = None
+        for key in list(self._pairs) if peer is None else [peer]:  # None: every peer's
+            kept = self._pairs.pop(key, None)
+            if kept is not None:
+                _RETIRED.append(kept[1])
 
-    def move(self, tensors: list[torch.Tensor], send: bool, name: str, ids: list[str]) -> None:
-        """Every tensor over pair ``name`` (posted together, one tag each), all within one timeout."""
+    def move(self, tensors: list[torch.Tensor], send: bool, name: str, peer: str, ids: list[str]) -> None:
+        """Every tensor over pair ``name`` with ``peer`` (posted together, one tag each), all within one timeout."""
         start = time.monotonic()
         try:
-            pg = self.pair(name)
+            pg = self.pair(name, peer)
             other = 1 - self.me
             works = [
                 pg.send([t], other, i) if send else pg.recv([t], other, i) for i, t in enumerate(tensors) if t.numel()
@@ -176,7 +188,7 @@ class _Direction:
             for w in works:
                 w.wait(timedelta(seconds=max(self.timeout - (time.monotonic() - start), 1e-3)))
         except Exception as exc:  # gloo: a dead peer, a timeout, a closed pair, all RuntimeError
-            self.drop_pair()
+            self.drop_pair(peer)
             raise TransferError(
                 f"the states' bytes {'to' if send else 'from'} rank {self.dst if send else self.src} failed or"
                 f" timed out after {self.timeout:g}s: {exc}",
@@ -249,7 +261,7 @@ class Outbox(_Direction):
         # The pair is named by both ends: this side's token and epoch (the header's), and the token of the
         # receiver that answered go. A receiver that joined the rank since builds a fresh pair, never one whose
         # other end was its predecessor, whether or not a failure bumped the epoch.
-        self.move(raw, True, f"{pair}.{why}", ids)
+        self.move(raw, True, f"{pair}.{why}", why, ids)
         ack = self.wait_key(f"ack/{m}", self.timeout)
         if ack is None:
             raise TransferError(f"rank {self.dst} did not acknowledge: timed out after {self.timeout:g}s", ids)
@@ -402,7 +414,7 @@ class Inbox(_Direction):
             raise Withdrawn(batch.ids)
         batch.taken = True
         try:
-            self.move(raw, False, f"{batch.pair}.{self.token}", batch.ids)  # both ends' names (Outbox._settle)
+            self.move(raw, False, f"{batch.pair}.{self.token}", batch.key[0], batch.ids)  # both ends' (_settle)
         except TransferError:
             self.answer_raw(batch.number, "fail:the bytes did not arrive")
             raise

@@ -93,6 +93,23 @@ def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
     return thread, out
 
 
+def _deliver(out: mc.StateTransfer, into: mc.StateTransfer, rid: str, why: str = "") -> None:
+    """One batch of ``rid`` over the real link: sent in a thread, received and acknowledged here."""
+    thread, sent = _in_thread(out.send)
+    assert into.receive() == [rid], why
+    thread.join(10)
+    assert sent == [[rid]]
+
+
+def _imported(mgr: mc.CacheManager, slot: int, rid: str, value: float, release: bool = True) -> None:
+    """``rid``'s state imported into ``slot`` holds ``value`` in every pool tensor (then released)."""
+    mgr.import_into(slot, rid)
+    mgr.flush_nowait()
+    assert all(bool(t[:, slot].eq(value).all()) for t in mgr.pool.tensors)
+    if release:
+        mgr.release(slot, rid)
+
+
 def test_an_unaddressed_export_withdrawn_before_a_peer_took_it_may_still_go_to_another_peer() -> None:
     """``export(to=None)``, sent to peer 1, which never receives: the sender withdraws its header at the timeout
     (first writer wins, so peer 1 can never take it: "nothing was sent"). It was counted in doubt all the same
@@ -107,14 +124,8 @@ def test_an_unaddressed_export_withdrawn_before_a_peer_took_it_may_still_go_to_a
         with pytest.raises(mc.TransferError, match="nothing was sent"):
             to1.send()
         assert [ev.request_id for ev in mgr.exports_ready(to=2)] == ["r"], "kept for a peer that never took it"
-        thread, sent = _in_thread(to2.send)
-        assert at2.receive() == ["r"]
-        thread.join(10)
-        assert sent == [["r"]]
-        peer2.import_into(1, "r")
-        peer2.flush_nowait()
-        assert all(bool(t[:, 1].eq(4.0).all()) for t in peer2.pool.tensors)
-        peer2.release(1, "r")
+        _deliver(to2, at2, "r")
+        _imported(peer2, 1, "r", 4.0)
         mgr.flush_nowait()
         peer2.flush_nowait()
         mgr.check_idle(host=True)
@@ -199,14 +210,8 @@ def test_a_receive_whose_trace_line_fails_lands_nothing_and_the_retry_lands_once
             with pytest.raises(mc.SlotStateError):
                 peer.import_into(2, "r")  # told "not landed": it must not be here
             assert peer.host_pool is not None and peer.host_pool.num_held == 0
-        thread, sent = _in_thread(out.send)
-        assert into.receive() == ["r"], "the retry of a state the sender heard did not land"
-        thread.join(10)
-        assert sent == [["r"]]
-        peer.import_into(2, "r")
-        peer.flush_nowait()
-        assert all(bool(t[:, 2].eq(3.0).all()) for t in peer.pool.tensors)
-        peer.release(2, "r")
+        _deliver(out, into, "r", "the retry of a state the sender heard did not land")
+        _imported(peer, 2, "r", 3.0)
         mgr.flush_nowait()
         peer.flush_nowait()
         mgr.check_idle(host=True)
@@ -251,10 +256,7 @@ def test_a_header_withdrawn_while_the_receiver_is_busy_costs_no_gloo_pair() -> N
                 if busy:  # the receiver does not come within the sender's timeout: withdrawn, nothing sent
                     with pytest.raises(mc.TransferError, match="nothing was sent"):
                         out.send()
-                thread, sent = _in_thread(out.send)
-                assert into.receive() == [rid]
-                thread.join(10)
-                assert sent == [[rid]]
+                _deliver(out, into, rid)
                 peer.discard_arrived(rid)
                 peer.flush_nowait()
             retired.append(len(link._RETIRED))
@@ -270,22 +272,14 @@ def test_a_receiver_that_replaced_a_withdrawn_ones_rank_takes_the_next_batch() -
     with _mgr() as mgr, _mgr() as first:
         out, old = _transfer(mgr, master, 0, 1, 1.0), _transfer(first, master, 1, 0, 5.0)
         _export(mgr, "a", 1.0)
-        thread, sent = _in_thread(out.send)
-        assert old.receive() == ["a"]  # the pair between the sender and the first receiver is built and used
-        thread.join(10)
-        assert sent == [["a"]]
+        _deliver(out, old, "a")  # the pair between the sender and the first receiver is built and used
         _export(mgr, "b", 2.0)
         with pytest.raises(mc.TransferError, match="nothing was sent"):
             out.send()  # the first receiver is gone: withdrawn at the timeout
         with _mgr() as second:
             new = _transfer(second, master, 1, 0, 5.0)
-            thread, sent = _in_thread(out.send)
-            assert new.receive() == ["b"], "the new receiver did not take the first batch sent after it came"
-            thread.join(10)
-            assert sent == [["b"]]
-            second.import_into(1, "b")
-            second.flush_nowait()
-            assert all(bool(t[:, 1].eq(2.0).all()) for t in second.pool.tensors)
+            _deliver(out, new, "b", "the new receiver did not take the first batch sent after it came")
+            _imported(second, 1, "b", 2.0, release=False)
         first.discard_arrived("a")
         first.flush_nowait()
         mgr.flush_nowait()
@@ -306,10 +300,7 @@ def test_a_batch_refused_before_the_receivers_go_costs_no_gloo_pair() -> None:
         for k in range(2):
             rid = f"a{k}"
             _export(mgr, rid, float(k))
-            thread, sent = _in_thread(out.send)
-            assert into.receive() == [rid]
-            thread.join(10)
-            assert sent == [[rid]]
+            _deliver(out, into, rid)
             _export(mgr, rid, float(k))  # the same id again while the first awaits its import there
             thread, sent = _in_thread(out.send)
             with pytest.raises(mc.SlotStateError, match="arrived twice"):
@@ -318,10 +309,7 @@ def test_a_batch_refused_before_the_receivers_go_costs_no_gloo_pair() -> None:
             assert isinstance(sent[0], mc.TransferRefusedError) and sent[0].reason == "failed", sent
             peer.discard_arrived(rid)
             peer.flush_nowait()
-            thread, sent = _in_thread(out.send)
-            assert into.receive() == [rid], "the batch refused before go, sent again"
-            thread.join(10)
-            assert sent == [[rid]]
+            _deliver(out, into, rid, "the batch refused before go, sent again")
             peer.discard_arrived(rid)
             peer.flush_nowait()
             retired.append(len(link._RETIRED))

@@ -160,13 +160,12 @@ class Arrivals:
                 self.hosts[h] = "landing"
             if write is None:
                 try:
-                    self._arrive_locked(request_ids, slots, arrived)
-                except BaseException:  # its arrived callback raised: nothing arrived, the slots are free again
-                    for h in slots:
-                        del self.hosts[h]
-                        host.tenants[h] = None
-                    host.give_back(slots)
+                    if arrived is not None:
+                        arrived(slots)  # before they count: one that raises (a tracer's full disk) leaves none arrived
+                except BaseException:
+                    self._free_locked(slots)
                     raise
+                self._arrive_locked(request_ids, slots)
                 return slots
             self.landing.update(zip(request_ids, slots, strict=True))
             self.writing += 1
@@ -187,18 +186,24 @@ class Arrivals:
             self.writing -= 1
             for r in request_ids:
                 del self.landing[r]
-            self._arrive_locked(request_ids, slots, None)
+            self._arrive_locked(request_ids, slots)
         return slots
 
     def _unland_locked(self, request_ids: list[str], slots: list[int]) -> None:
         """A landing in staging that did not arrive: nothing queued reads its slots and only its write wrote them,
         so they are free at once."""
+        for r in request_ids:
+            del self.landing[r]
+        self._free_locked(slots)
+        self._written_locked()
+
+    def _free_locked(self, slots: list[int]) -> None:
+        """Staging slots taken for states that did not arrive, free again."""
         host = self._host
-        for r, h in zip(request_ids, slots, strict=True):
-            del self.landing[r], self.hosts[h]
+        for h in slots:
+            del self.hosts[h]
             host.tenants[h] = None  # taken for no tenant (take_settled): given back as such
         host.give_back(slots)
-        self._written_locked()
 
     def _written_locked(self) -> None:
         """A landing's write ended without an arrival: on a closed manager the last one frees the pools."""
@@ -211,13 +216,10 @@ class Arrivals:
         if landed or len(set(request_ids)) != len(request_ids):
             raise SlotStateError(f"states for {landed or request_ids} arrived twice without an import between")
 
-    def _arrive_locked(
-        self, request_ids: list[str], slots: list[int], arrived: Callable[[list[int]], None] | None
-    ) -> None:
-        """Make the states arrived; ``arrived(slots)`` is called first, so if it raises none of them did (the
-        transfer then answers that nothing landed, and its sender must not hear that while they are here)."""
-        if arrived is not None:
-            arrived(slots)
+    def _arrive_locked(self, request_ids: list[str], slots: list[int]) -> None:
+        """Make the states arrived. The caller's ``arrived(slots)`` ran just before in this lock hold: if it raised,
+        none of them did (the transfer then answers that nothing landed, and its sender must not hear that while
+        they are here)."""
         for r, h in zip(request_ids, slots, strict=True):
             self.arrived[r] = h
             self.hosts[h] = "arrived"

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mambacache import CacheManager
 from mambacache._cli import main
 
 
@@ -117,10 +118,43 @@ def test_the_competing_process_is_killed_even_on_interrupt() -> None:
 
 
 def test_the_decode_flush_ratio_is_measured() -> None:
-    from mambacache.bench._run import decode_flush
+    from mambacache.bench._decode import decode_flush
 
     d = decode_flush(1, steps=50)
     assert d["flush_us"] > 0 and d["op_us"] > 0 and d["ratio"] == d["flush_us"] / d["op_us"]
+    assert d["floor_us"] > 0 and d["floor_ratio"] == d["floor_us"] / d["op_us"]
+
+
+@pytest.mark.anyio
+async def test_the_decode_floor_does_the_steps_work() -> None:
+    """The floor leaves a pool exactly as the manager does: same slots, same bytes, step after step."""
+    from mambacache.bench._decode import BareManager, decode_pool
+
+    real_pool, low_pool = decode_pool(), decode_pool()
+    gen = torch.Generator().manual_seed(3)
+    for a, b in zip(real_pool.exec_tensors, low_pool.exec_tensors, strict=True):
+        a.copy_(torch.randn(a.shape, generator=gen))
+        b.copy_(a)
+    low = BareManager(low_pool)
+    async with CacheManager(real_pool) as mgr:
+        prefixes, low_prefixes = mgr.alloc(2), low.alloc(2)
+        running, low_running = mgr.alloc(6), low.alloc(6)
+        await mgr.flush()
+        await low.flush()
+        for step in range(30):
+            k = 1 + step % 3  # releases, allocs and forks of one or more slots, a prefix each
+            mgr.release_many(running[:k])
+            low.release_many(low_running[:k])
+            new, low_new = mgr.alloc(k + 1), low.alloc(k + 1)
+            assert new == low_new  # the same free-list order
+            for i in range(k):
+                mgr.copy_on_write(prefixes[i % 2], new[i])
+                low.copy_on_write(low_prefixes[i % 2], low_new[i])
+            await mgr.flush()  # new[-1] is cleared, the others forked
+            await low.flush()
+            for a, b in zip(real_pool.exec_tensors, low_pool.exec_tensors, strict=True):
+                assert torch.equal(a, b), step
+            running, low_running = running[k:] + new, low_running[k:] + low_new
 
 
 @pytest.mark.slow

@@ -23,12 +23,12 @@ from .._console import (
     write_json,
 )
 from . import _layers
+from ._decode import decode_flush
 from ._presets import PRESETS, lookup, shard
 from ._run import (
     BENCH_EXECUTORS,
     Result,
     bulk_vs_loop,
-    decode_flush,
     embedding_overhead,
     host_overhead,
     host_tier_overhead,
@@ -370,7 +370,8 @@ def run(args: argparse.Namespace) -> int:
                  f" {embed['decode_step_us']:.1f} us, min {embed['decode_step_min_us']:.1f} us",
                  f"decode flush (2 releases, 2 allocs, 2 forks; await flush) vs its one op (_foreach_copy_ +"
                  f" an anyio checkpoint): {decode['flush_us']:.1f} vs {decode['op_us']:.1f} us ="
-                 f" {decode['ratio']:.2f}x",
+                 f" {decode['ratio']:.2f}x; the floor, the same step in Python with nothing but its work (no lock,"
+                 f" tenants, trace or report): {decode['floor_us']:.1f} us = {decode['floor_ratio']:.2f}x",
                  f"host tier, per slot (submit + plan, {tier['events']:.0f} a step): offload + release"
                  f" {tier['offload_release_us_per_slot']:.2f} us, alloc + restore"
                  f" {tier['alloc_restore_us_per_slot']:.2f} us",

@@ -396,56 +396,6 @@ def embedding_overhead(repeats: int, bulk: int = 1000) -> dict[str, float]:
     return out
 
 
-def decode_flush(repeats: int, steps: int = 400) -> dict[str, float]:
-    """The async decode step against the one op it issues, interleaved in one run.
-
-    * ``flush_us``: 2 releases of finished requests, 2 allocs for new ones and 2
-      forks of a cached prefix into them (``copy_on_write``), then ``await
-      mgr.flush()``: submit + plan + execute + report on a pool of small states,
-      whose plan is one copy stage;
-    * ``op_us``: what such a step cannot do without: that stage's one
-      ``_foreach_copy_`` over the cached views of both pool tensors, and one anyio
-      checkpoint (an ``await`` that yields to the event loop).
-
-    ``ratio`` is flush over op (medians of alternating pairs after warm-up: ``steps``, or 20 per repeat).
-    """
-    pool = StatePool(StateSpec(num_layers=4, conv_shapes=[(4, 2)], temporal_shape=(2, 2)), 64)
-    n = max(steps, repeats * 20)
-
-    async def main() -> tuple[list[int], list[int]]:
-        flush: list[int] = []
-        bare: list[int] = []
-        async with CacheManager(pool) as mgr:
-            (prefix,) = mgr.alloc(1, "prefix")
-            running = mgr.alloc(8)
-            spare = mgr.alloc(2)  # the bare op's two destinations, never flushed over
-            await mgr.flush()
-            tensors = pool.exec_tensors
-            dsts = [t[:, s] for t in tensors for s in spare]
-            srcs = [t[:, prefix] for t in tensors for _ in spare]
-            clock, checkpoint, copy = time.perf_counter_ns, anyio.lowlevel.checkpoint, torch._foreach_copy_
-            for _ in range(n + 20):
-                t0 = clock()
-                mgr.release_many(running[:2])
-                new = mgr.alloc(2)
-                mgr.copy_on_write(prefix, new[0])
-                mgr.copy_on_write(prefix, new[1])
-                await mgr.flush()
-                t1 = clock()
-                copy(dsts, srcs)
-                await checkpoint()
-                t2 = clock()
-                flush.append(t1 - t0)
-                bare.append(t2 - t1)
-                running = running[2:] + new
-        return flush[20:], bare[20:]
-
-    flush, bare = anyio.run(main)
-    f, b = statistics.median(flush) / 1e3, statistics.median(bare) / 1e3
-    return {"flush_us": f, "flush_min_us": min(flush) / 1e3, "op_us": b, "op_min_us": min(bare) / 1e3,
-            "ratio": f / b}  # fmt: skip
-
-
 def tracing_overhead(events: int = 1000, repeats: int = 7) -> dict[str, float]:
     """A flush of ``events`` events with tracing off, against the same work without the tracing checks.
 

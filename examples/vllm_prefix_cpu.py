@@ -76,21 +76,25 @@ def plugin_active() -> bool:
     return active()
 
 
-def timed_plugin() -> tuple[list[float], list[float]]:
+def timed_plugin() -> tuple[list[float], list[float], list[float]]:
     """Time the plugin's host work per step: ``VllmStates.take`` starts a step, its copies and flush join it.
 
-    Returns the per-step seconds (filled as vLLM runs) and the model runner's
-    ``execute_model`` seconds per step, for scale. On CPU a flush runs the
-    step's clears and copies in the call, so their device work is included.
+    Returns the per-step seconds (filled as vLLM runs), the part of each spent
+    running the step's stages (``run_stage``: on CPU a flush runs the clears
+    and copies in the call, so their bytes are moved there, and they grow with
+    the layers; on a GPU they are launches), and the model runner's
+    ``execute_model`` seconds per step, for scale.
     """
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    from mambacache import _runner
     from mambacache.integrations.vllm import VllmStates
 
     per_step: list[float] = []
+    stages: list[float] = []
     executes: list[float] = []
 
-    def timed(fn: Any, starts_step: bool) -> Any:
+    def timed(fn: Any, starts_step: bool, into: list[float]) -> Any:
         def wrapper(*a: Any, **k: Any) -> Any:
             t = time.perf_counter()
             try:
@@ -98,14 +102,17 @@ def timed_plugin() -> tuple[list[float], list[float]]:
             finally:
                 if starts_step:
                     per_step.append(0.0)
-                if per_step:
-                    per_step[-1] += time.perf_counter() - t
+                    stages.append(0.0)
+                if into:
+                    into[-1] += time.perf_counter() - t
 
         return wrapper
 
-    VllmStates.take = timed(VllmStates.take, True)  # type: ignore[method-assign]
-    VllmStates.copy_block = timed(VllmStates.copy_block, False)  # type: ignore[method-assign]
-    VllmStates.flush = timed(VllmStates.flush, False)  # type: ignore[method-assign]
+    VllmStates.take = timed(VllmStates.take, True, per_step)  # type: ignore[method-assign]
+    VllmStates.copy_block = timed(VllmStates.copy_block, False, per_step)  # type: ignore[method-assign]
+    VllmStates.flush = timed(VllmStates.flush, False, per_step)  # type: ignore[method-assign]
+    # The runner calls run_stage through its module's global: the one place a stage becomes executor calls.
+    _runner.run_stage = timed(_runner.run_stage, False, stages)  # type: ignore[assignment]
     execute = GPUModelRunner.execute_model
 
     def execute_model(self: Any, *a: Any, **k: Any) -> Any:
@@ -116,7 +123,7 @@ def timed_plugin() -> tuple[list[float], list[float]]:
             executes.append(time.perf_counter() - t)
 
     GPUModelRunner.execute_model = execute_model
-    return per_step, executes
+    return per_step, stages, executes
 
 
 def quantiles(xs: list[float]) -> dict[str, float]:
@@ -204,7 +211,7 @@ def worker(args: argparse.Namespace) -> None:
 
         spec = GPUModelRunner.get_kv_cache_spec
         GPUModelRunner.get_kv_cache_spec = lambda self: _without_prefill_checkpoints(spec(self))
-    per_step, executes = timed_plugin() if args.measure else ([], [])
+    per_step, stages, executes = timed_plugin() if args.measure else ([], [], [])
     t0 = time.perf_counter()
     try:
         if args.tp > 1:
@@ -236,6 +243,10 @@ def worker(args: argparse.Namespace) -> None:
                 rank = llm.collective_rpc("mambacache_stats")[0]
                 report["plugin_pools"] = {"shapes": rank["pools"], "layer_groups": rank["layer_groups"]}
             report["plugin_host_per_step"] = quantiles(per_step)
+            # Without the stages' own run: what is left is the plugin's and the manager's host work.
+            report["plugin_host_per_step_without_stages"] = quantiles(
+                [p - s for p, s in zip(per_step, stages, strict=True)]
+            )
             report["execute_model_per_step"] = quantiles(executes)
         else:
             report |= shared_prefixes(llm, args)

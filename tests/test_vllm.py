@@ -151,3 +151,16 @@ def test_tensor_parallel_2_each_rank_adopts_its_own_shard_and_stays_exact(model_
     # Each rank's pool is its own shard of the heads: the same blocks, smaller pages.
     assert all(rank["pools"][0][:2] == whole["pools"][0][:2] for rank in two["ranks"])
     assert all(rank["pools"][0][2] < whole["pools"][0][2] for rank in two["ranks"])
+
+
+def test_measure_splits_the_plugins_host_time_from_its_stages(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``--measure`` (the #33 per-layer figures): every step timed, and the time inside ``run_stage`` taken out
+    for the host-only figure; the forks' copies make the two differ at the p95."""
+    model = tmp_path_factory.mktemp("model") / "qwen3-next-tiny"
+    r = example(model, "--model", "qwen3-next", "--spec", "2", "--measure", "--modes", "plugin", "--rounds", "2",
+                "--linear-layers", "3", script="vllm_prefix_cpu.py")  # fmt: skip
+    plug = r["plugin"]
+    assert r["returncode"] == 0 and "error" not in plug, plug
+    whole, host = plug["plugin_host_per_step"], plug["plugin_host_per_step_without_stages"]
+    assert whole["n"] == host["n"] > 20, plug
+    assert 0 < host["median_ms"] <= whole["median_ms"] and host["p95_ms"] < whole["p95_ms"], plug

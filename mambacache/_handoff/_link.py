@@ -52,8 +52,8 @@ import torch
 from .._errors import InvalidArgumentError, TransferError, TransferRefusedError
 
 __all__ = [
-    "SPLIT_BYTES", "Batch", "Inbox", "NothingSent", "Outbox", "Shapes", "Withdrawn", "check_timeout", "fingerprint",
-    "message_sizes", "messages", "root_store",
+    "SPLIT_BYTES", "Batch", "Inbox", "NothingSent", "Outbox", "Shapes", "Withdrawn", "as_bytes", "check_timeout",
+    "fingerprint", "message_sizes", "messages", "root_store",
 ]  # fmt: skip
 
 MAGIC = 0x6D63_7847  # 7847: the pair's name ends with the receiver's token (a peer of 7846 refuses the header)
@@ -81,7 +81,19 @@ def messages(rows: list[torch.Tensor], split: bool) -> list[torch.Tensor]:
     parts = [layer for r in rows for layer in r.unbind(0)] if split else rows
     if not all(p.is_contiguous() for p in parts):
         raise InvalidArgumentError("a transfer's rows must be contiguous (per layer when split)")
-    return [p.reshape(-1).view(torch.uint8) for p in parts]
+    return [as_bytes(p) for p in parts]
+
+
+def as_bytes(part: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat ``uint8`` view of the same memory.
+
+    Not ``reshape(-1).view(torch.uint8)``: a tensor with a dimension of size 1
+    counts as contiguous whatever that dimension's stride, and keeps it, so one
+    state's row of a scalar-shaped tensor in a paged pool (stride: the page) is
+    a one-element view that ``view`` to a smaller dtype refuses. Contiguous,
+    its elements are ``numel`` consecutive ones from its offset: that view.
+    """
+    return part.as_strided((part.numel(),), (1,)).view(torch.uint8)
 
 
 def check_timeout(timeout: object) -> float:

@@ -45,6 +45,7 @@ from ._link import (
     Outbox,
     Shapes,
     Withdrawn,
+    as_bytes,
     check_timeout,
     fingerprint,
     messages,
@@ -156,7 +157,7 @@ def _views(sources: list[list[torch.Tensor]], slots: list[int]) -> list[torch.Te
     parts = [layer[first : first + len(slots)] for layers in sources for layer in layers]
     if not all(p.device.type == "cpu" and p.is_contiguous() for p in parts):
         return None
-    return [p.reshape(-1).view(torch.uint8) for p in parts]
+    return [as_bytes(p) for p in parts]  # not view(): a one-state row of a paged pool keeps the page's stride
 
 
 def write_pool(manager: CacheManager, slots: list[int], rows: list[torch.Tensor]) -> None:

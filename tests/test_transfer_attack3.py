@@ -98,3 +98,47 @@ def test_one_state_in_place_from_or_into_a_paged_pool_with_a_scalar_extra_goes_o
         mgr.flush_nowait()
         mgr.check_idle(host=True)
         peer.check_idle(host=True)
+
+
+def test_a_batch_that_could_not_be_read_before_its_header_is_not_in_doubt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A send that fails while it reads the batch's rows (growing the kept buffers ran out of memory, an
+    accelerator's event wait failed), before any header is posted, put nothing anywhere. It raised that error
+    bare (not a TransferError, as every failure of a send is documented to be) and counted the batch in doubt:
+    an export to no one was pinned to the peer that never saw a byte of it, and the transfer to another peer
+    never took it again."""
+    import mambacache._handoff._transfer as transfer
+
+    spec = quant_spec(2)
+    master = _store()
+    with (
+        mc.CacheManager(mc.StatePool(spec, 4), host_pool=mc.HostPool(spec, 2)) as mgr,
+        mc.CacheManager(mc.StatePool(spec, 4), host_pool=mc.HostPool(spec, 2)) as peer2,
+    ):
+        to1, to2 = _transfer(mgr, master, 0, 1, 2.0), _transfer(mgr, master, 0, 2, 2.0)
+        at2 = _transfer(peer2, master, 2, 0, 2.0)
+        (slot,) = mgr.alloc(1, "r", clear=False)
+        mgr.flush_nowait()
+        mgr.export(slot, "r")
+        mgr.flush_nowait()
+        read = transfer.export_rows
+
+        def out_of_memory(*args: Any) -> Any:
+            monkeypatch.setattr(transfer, "export_rows", read)  # once
+            raise MemoryError("the kept send buffers could not grow")
+
+        monkeypatch.setattr(transfer, "export_rows", out_of_memory)
+        with pytest.raises(mc.TransferError, match="nothing was sent") as caught:
+            to1.send()
+        assert isinstance(caught.value.__cause__, MemoryError)
+        assert [ev.request_id for ev in mgr.exports_ready(to=2)] == ["r"], "pinned to a peer that got nothing"
+        thread, sent = _in_thread(to2.send)
+        try:
+            assert at2.receive() == ["r"]
+        finally:
+            thread.join(10)
+        assert sent == [["r"]]
+        peer2.discard_arrived("r")
+        peer2.flush_nowait()
+        mgr.flush_nowait()
+        mgr.check_idle(host=True)
+        peer2.check_idle(host=True)

@@ -387,15 +387,22 @@ class StateTransfer:
         """One batch until acknowledged: sent straight from the staging rows (or, exported in place, the pool's)
         when they are one run of host memory and the batch is split (see ``_link``), else gathered into the kept
         buffers."""
-        staged = staged_event(self._mgr)
         try:
-            if staged is not None:
-                staged.synchronize()  # the rows are read from the staging (or pool) slots: their bytes must be final
-            split = self._split(len(ids))
-            raw = self._straight(ready) if split else None
-            if raw is None:
-                rows = export_rows(self._mgr, ready, self._send_bufs.rows(self._layers(), len(ids), self._shapes()))
-                raw = messages(rows, split)
+            try:
+                staged = staged_event(self._mgr)
+                if staged is not None:
+                    staged.synchronize()  # the rows are read from the staging (or pool) slots: their bytes are final
+                split = self._split(len(ids))
+                raw = self._straight(ready) if split else None
+                if raw is None:
+                    rows = export_rows(self._mgr, ready, self._send_bufs.rows(self._layers(), len(ids), self._shapes()))
+                    raw = messages(rows, split)
+            except Exception as exc:
+                # No header is posted yet, so the peer can never hold this try: not in doubt (a bare error was
+                # counted so, pinning an export to no one to a peer that got nothing), and a TransferError.
+                raise NothingSent(
+                    f"reading the batch failed before it was posted, nothing was sent: {exc!r}", ids
+                ) from exc
             self._out.send(ids, seq, fingerprint(self._layers(), self._shapes()), raw, split)
         except BaseException:
             self._send_bufs = _Buffers()

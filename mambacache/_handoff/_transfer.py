@@ -183,6 +183,37 @@ def run_of(slots: list[int]) -> int | None:
     return first if first is not None and slots == list(range(first, first + len(slots))) else None
 
 
+def _check_ids(what: str, request_ids: Any) -> None:
+    """A batch's request ids: a list of distinct str, at least one (a str is not taken for its characters)."""
+    if (
+        type(request_ids) is not list
+        or not request_ids
+        or not all(type(r) is str for r in request_ids)
+        or len(set(request_ids)) != len(request_ids)
+    ):
+        raise InvalidArgumentError(f"{what} takes a list of distinct request ids (str), got {request_ids!r}")
+
+
+def _check_shapes(shapes: Any) -> Shapes:
+    """``receive_rows``' per-slot ``(shape, dtype)`` of each pool tensor, as a :class:`StateSpec`'s ``shapes()``."""
+    ok = isinstance(shapes, (list, tuple)) and len(shapes) > 0
+    out: Shapes = []
+    for entry in shapes if ok else ():
+        if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not isinstance(entry[1], torch.dtype):
+            ok = False
+            break
+        shape = entry[0]
+        if not isinstance(shape, (list, tuple)) or not all(type(d) is int and d > 0 for d in shape):
+            ok = False
+            break
+        out.append((tuple(shape), entry[1]))
+    if not ok:
+        raise InvalidArgumentError(
+            f"shapes must be a non-empty list of (shape, torch.dtype) pairs, a StateSpec's shapes(), got {shapes!r}"
+        )
+    return out
+
+
 class Batches:
     """A sender's batch numbers and its batch in doubt.
 
@@ -434,7 +465,23 @@ class StateTransfer:
         :class:`TransferError` (failed: it may have landed) unless the peer
         acknowledged ``len(request_ids)`` states.
         """
-        layers = rows[0].shape[0] if rows else 0
+        _check_ids("send_rows", request_ids)
+        if type(seq) is not int:
+            raise InvalidArgumentError(f"send_rows' seq must be an int (the batch's number), got {seq!r}")
+        if (
+            not isinstance(rows, (list, tuple))
+            or not rows
+            or not all(isinstance(r, torch.Tensor) and r.dim() >= 2 for r in rows)
+            or len({(r.shape[0], r.shape[1]) for r in rows}) != 1
+            or rows[0].shape[1] != len(request_ids)
+        ):
+            # Checked here, not by the peer: a header of them would go out, to be refused (or to wait out the
+            # timeout with nobody there), and rows that are not tensors would fail bare.
+            raise InvalidArgumentError(
+                f"send_rows takes one [layers, n, *state] tensor per pool tensor, each of one layer count and of"
+                f" n = {len(request_ids)} states (one per request id)"
+            )
+        layers = rows[0].shape[0]
         fp = fingerprint(layers, [(tuple(r.shape[2:]), r.dtype) for r in rows])
         with self._send_lock:  # one batch at a time per direction, as send() takes turns
             self._out.send(list(request_ids), seq, fp, messages([r.contiguous() for r in rows], False), False)
@@ -532,7 +579,7 @@ class StateTransfer:
         tensors are the caller's (fresh each call, unlike :meth:`receive`'s kept
         buffers).
         """
-        shapes = self._shapes() if shapes is None else shapes
+        shapes = self._shapes() if shapes is None else _check_shapes(shapes)
         with self._receive_lock:
             self._check_answered()
             deadline = time.monotonic() + self._in.timeout
@@ -563,6 +610,10 @@ class StateTransfer:
 
         :class:`TransferError` when ``request_ids`` are not that batch's (nothing answered).
         """
+        _check_ids("acknowledge", request_ids)
+        if type(landed) is not bool or type(why) is not str:
+            # By its truth, landed="no" acknowledged a batch as landed: its sender freed the states' slots.
+            raise InvalidArgumentError(f"acknowledge takes landed a bool and why a str, got {landed!r}, {why!r}")
         self._in.answer(self._waiting(request_ids), landed, why or "the receiver did not land it")
 
     def _waiting(self, request_ids: list[str]) -> Batch:

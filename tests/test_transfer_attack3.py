@@ -237,3 +237,49 @@ def test_acknowledge_refuses_bad_input_typed_and_the_batch_still_awaits_its_answ
         finally:
             thread.join(10)
         assert isinstance(sent[0], mc.TransferRefusedError) and "kept by the test" in str(sent[0]), sent
+
+
+# -- the prefix cache beside a receiving thread --------------------------------------------------------------
+def test_a_prefix_eviction_whose_host_slot_a_landing_took_meanwhile_drops_the_checkpoint_instead() -> None:
+    """The prefix cache moves an evicted checkpoint to the host tier when ``host_pool.num_free`` says there is a
+    slot; a transfer's ``receive()`` in another thread (allowed beside the step loop) may land a state in that
+    very slot between the read and the offload. The offload then raised PoolExhaustedError out of ``insert``
+    (documented to return False when it cannot make room, never to raise for it), with a checkpoint that could
+    simply have been dropped. The eviction drops it then, as with a full host tier."""
+    from mambacache import _host
+
+    spec = quant_spec(2)
+    owner: list[mc.CacheManager] = []  # the manager the landing goes through, once made
+
+    class Landing(_host.HostPool):
+        """The receive thread's landing, made right after the cache's last read of ``num_free`` before its offload
+        (that interleaving, made deterministic): it takes the free host slot. ``race``: the reads until then."""
+
+        race = 0
+
+        @property
+        def num_free(self) -> int:
+            free = super().num_free
+            if self.race:
+                self.race -= 1
+                if not self.race:
+                    assert free
+                    owner[0].land(["arrived"])
+            return free
+
+    host = Landing(spec, 1)
+    with mc.CacheManager(mc.StatePool(spec, 4), host_pool=host) as mgr:
+        owner.append(mgr)
+        cache = mc.PrefixCache(mgr, max_checkpoints=1, host_checkpoints=1)
+        (slot,) = mgr.alloc(1, "req", clear=False)
+        mgr.flush_nowait()
+        assert cache.insert([1, 2], slot)
+        host.race = 2  # the eviction's check of the tier's room, then its check that a slot is free
+        assert cache.insert([3, 4], slot), "the second checkpoint was not made"
+        assert not host.race and mgr.landing_room() == 0
+        assert cache.match([1, 2]) is None and cache.match([3, 4]) is not None  # the first one dropped
+        cache.close()
+        mgr.discard_arrived("arrived")
+        mgr.release(slot, "req")
+        mgr.flush_nowait()
+        mgr.check_idle(host=True)

@@ -324,7 +324,12 @@ class PrefixCache:
             while (len(self._host) >= self.host_checkpoints or hp.num_free == 0) and self._drop_host_one(protect):
                 pass
             if len(self._host) < self.host_checkpoints and hp.num_free:
-                host = mgr.offload(victim.slot, request_id=self.tenant)
+                try:
+                    host = mgr.offload(victim.slot, request_id=self.tenant)
+                except PoolExhaustedError:
+                    # A transfer's landing in another thread took that host slot since the read: the checkpoint
+                    # is dropped, as with a full tier (nothing was queued; the cache is as before).
+                    host = 0
         slot = victim.slot
         mgr.release(slot, request_id=self.tenant)
         del self._device[victim]

@@ -32,18 +32,44 @@ class _Wire(StateTransfer):
 
 
 @pytest.mark.parametrize("which", ["send", "receive"])
-async def test_a_cancelled_transfer_still_completes_its_batch(which: str) -> None:
+async def test_a_cancelled_transfer_still_completes_its_batch_and_returns_its_ids(which: str) -> None:
+    """Cancelled while its batch is on the wire, the call finishes the batch and returns the ids that moved (the
+    states were delivered or arrived: raising instead would lose which); the cancellation comes at the caller's
+    next checkpoint."""
     wire = _Wire()
     call = wire.send_async if which == "send" else wire.receive_async
+    got: list[list[str]] = []
+    after: list[str] = []
+
+    async def caller() -> None:
+        got.append(await call())
+        after.append("returned")
+        await anyio.lowlevel.checkpoint()  # the cancellation is delivered here
+        after.append("not cancelled")
+
     with anyio.CancelScope() as scope:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(call)
+            tg.start_soon(caller)
             await anyio.to_thread.run_sync(wire.started.wait, 5)
             scope.cancel()  # cancelled while the batch is on the wire
             await anyio.sleep(0.01)
             assert wire.finished == []  # the shield keeps the thread's batch going
             wire.release.set()
     assert scope.cancelled_caught and wire.finished == [which]
+    assert got == [["a"] if which == "send" else ["b"]] and after == ["returned"]
+
+
+@pytest.mark.parametrize("which", ["send", "receive"])
+async def test_a_transfer_cancelled_before_it_starts_moves_nothing_and_raises(which: str) -> None:
+    wire = _Wire()
+    wire.release.set()
+    call = wire.send_async if which == "send" else wire.receive_async
+    returned = False
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await call()
+        returned = True
+    assert scope.cancelled_caught and not returned and wire.finished == [] and not wire.started.is_set()
 
 
 @pytest.mark.parametrize("which", ["send", "receive"])

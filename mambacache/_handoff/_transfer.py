@@ -627,21 +627,24 @@ class StateTransfer:
         """:meth:`send` in a worker thread, shielded: once started, a cancellation waits for the batch to finish.
 
         Why shielded: abandoning the thread mid-batch would leave the peer with
-        half a batch and this side unsure whether it was acknowledged; the
-        cancellation is delivered at the next checkpoint after it returns. A
-        call cancelled before it starts sends nothing (the shield would hide that
-        cancellation from the thread's start, so it is checked first).
+        half a batch and this side unsure whether it was acknowledged. A batch
+        that ran returns its ids even when the call was cancelled meanwhile: the
+        states were delivered (received, for :meth:`receive_async`), and raising
+        instead would lose which ones, so the cancellation is delivered at the
+        caller's next checkpoint. A call cancelled before it starts sends nothing
+        and raises it (the shield would hide that cancellation from the thread's
+        start, so it is checked first).
         """
-        await anyio.lowlevel.checkpoint_if_cancelled()
-        with anyio.CancelScope(shield=True):
-            ids = await anyio.to_thread.run_sync(self.send)
-        await anyio.lowlevel.checkpoint()
-        return ids
+        return await self._shielded(self.send)
 
     async def receive_async(self) -> list[str]:
-        """:meth:`receive` in a worker thread, shielded like :meth:`send_async` (cancelled before it starts: no-op)."""
+        """:meth:`receive` in a worker thread, shielded like :meth:`send_async`: cancelled before it starts, it
+        receives nothing; cancelled during the batch, it finishes it and returns the ids that arrived."""
+        return await self._shielded(self.receive)
+
+    @staticmethod
+    async def _shielded(call: Callable[[], list[str]]) -> list[str]:
         await anyio.lowlevel.checkpoint_if_cancelled()
         with anyio.CancelScope(shield=True):
-            ids = await anyio.to_thread.run_sync(self.receive)
-        await anyio.lowlevel.checkpoint()
-        return ids
+            ids = await anyio.to_thread.run_sync(call)
+        return ids  # no checkpoint first: it would raise a pending cancellation and drop the ids that moved

@@ -40,23 +40,26 @@ async def test_a_cancelled_transfer_still_completes_its_batch_and_returns_its_id
     call = wire.send_async if which == "send" else wire.receive_async
     got: list[list[str]] = []
     after: list[str] = []
+    scopes: list[anyio.CancelScope] = []
 
     async def caller() -> None:
-        got.append(await call())
-        after.append("returned")
-        await anyio.lowlevel.checkpoint()  # the cancellation is delivered here
-        after.append("not cancelled")
+        with anyio.CancelScope() as scope:  # the caller's alone: the test's own awaits stay uncancelled
+            scopes.append(scope)
+            got.append(await call())
+            after.append("returned")
+            await anyio.lowlevel.checkpoint()  # the cancellation is delivered here
+            after.append("not cancelled")
+        after.append("caught" if scope.cancelled_caught else "not caught")
 
-    with anyio.CancelScope() as scope:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(caller)
-            await anyio.to_thread.run_sync(wire.started.wait, 5)
-            scope.cancel()  # cancelled while the batch is on the wire
-            await anyio.sleep(0.01)
-            assert wire.finished == []  # the shield keeps the thread's batch going
-            wire.release.set()
-    assert scope.cancelled_caught and wire.finished == [which]
-    assert got == [["a"] if which == "send" else ["b"]] and after == ["returned"]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(caller)
+        await anyio.to_thread.run_sync(wire.started.wait, 5)
+        scopes[0].cancel()  # cancelled while the batch is on the wire
+        await anyio.sleep(0.05)
+        assert wire.finished == [] and got == []  # the shield keeps the thread's batch going
+        wire.release.set()
+    assert wire.finished == [which]
+    assert got == [["a"] if which == "send" else ["b"]] and after == ["returned", "caught"]
 
 
 @pytest.mark.parametrize("which", ["send", "receive"])

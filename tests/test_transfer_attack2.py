@@ -199,10 +199,10 @@ def test_a_receive_whose_trace_line_fails_lands_nothing_and_the_retry_lands_once
             peer.flush_nowait()
         with _FullDisk("transfer.receive") as disk:
             thread, sent = _in_thread(out.send)
-            with pytest.raises(OSError):
-                into.receive()
+            with pytest.raises(mc.TransferError, match="nothing landed") as caught:
+                into.receive()  # every failure of a receive is a TransferError, the tracer's cause chained
             thread.join(10)
-            assert disk.raised == 1
+            assert disk.raised == 1 and isinstance(caught.value.__cause__, OSError)
         assert isinstance(sent[0], mc.TransferRefusedError) and sent[0].reason == "failed", sent
         if in_place:
             assert peer.awaiting_import(2) == "r"

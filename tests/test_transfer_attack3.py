@@ -283,3 +283,52 @@ def test_a_prefix_eviction_whose_host_slot_a_landing_took_meanwhile_drops_the_ch
         mgr.release(slot, "req")
         mgr.flush_nowait()
         mgr.check_idle(host=True)
+
+
+def test_a_receive_that_fails_locally_raises_a_transfer_error_and_the_retry_lands_once() -> None:
+    """The receiver's own fault while it takes a batch (its kept buffers could not grow) is answered "failed" to
+    the sender, which keeps the states; the receiver raised it bare, where every failure of a transfer is a
+    TransferError. The sender's next send lands the batch once."""
+    from mambacache._handoff import _transfer as transfer
+
+    spec = quant_spec(2)
+    master = _store()
+    with (
+        mc.CacheManager(mc.StatePool(spec, 4), host_pool=mc.HostPool(spec, 2)) as src,
+        mc.CacheManager(mc.StatePool(spec, 4), host_pool=mc.HostPool(spec, 2)) as dst,
+    ):
+        out, into = _transfer(src, master, 0, 1, 2.0), _transfer(dst, master, 1, 0, 2.0)
+        (slot,) = src.alloc(1, "r", clear=False)
+        for t in src.pool.exec_tensors:
+            t[:, slot] = 7
+        src.flush_nowait()
+        src.export(slot, "r")
+        src.flush_nowait()
+
+        class Failing(transfer._Buffers):
+            def rows(self, *args: Any) -> Any:
+                raise MemoryError("the kept receive buffers could not grow")
+
+        into._bufs = Failing()  # the receiver's alone (the sender gathers into buffers of its own)
+        thread, sent = _in_thread(out.send)
+        try:
+            with pytest.raises(mc.TransferError, match="nothing landed") as caught:
+                into.receive()
+        finally:
+            thread.join(10)
+        assert isinstance(caught.value.__cause__, MemoryError) and caught.value.request_ids == ["r"]
+        assert len(sent) == 1 and isinstance(sent[0], mc.TransferRefusedError), sent  # the sender keeps it
+        thread, sent = _in_thread(out.send)
+        try:
+            assert into.receive() == ["r"]
+        finally:
+            thread.join(10)
+        assert sent == [["r"]]
+        (new,) = dst.alloc(1, "x", clear=False)
+        dst.release(new)
+        dst.import_into(new, "r")
+        dst.flush_nowait()
+        for t in dst.pool.exec_tensors:
+            assert bool((t[:, new] == 7).all())
+        src.flush_nowait()
+        src.check_idle(host=True)

@@ -32,6 +32,7 @@ from .. import _tracing
 from .._errors import (
     DistributedError,
     InvalidArgumentError,
+    MambaCacheError,
     PoolExhaustedError,
     TransferError,
     TransferRefusedError,
@@ -526,6 +527,12 @@ class StateTransfer:
                     self._bufs = _Buffers()
                     if self._in.waiting is batch:
                         self._in.answer(batch, False, str(exc))
+                    if isinstance(exc, Exception) and not isinstance(exc, MambaCacheError):
+                        # A local fault (the kept buffers could not grow, a copy out of them failed): a
+                        # TransferError, as every failure of a transfer, the cause chained.
+                        raise TransferError(
+                            f"receiving a batch from rank {self.peer} failed, nothing landed: {exc!r}", batch.ids
+                        ) from exc
                     raise
                 self._in.answer(batch, True)
                 return batch.ids

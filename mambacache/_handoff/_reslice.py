@@ -34,10 +34,16 @@ from typing import Any
 import torch
 
 from .. import _tracing
-from .._errors import DistributedError, InvalidArgumentError, PoolExhaustedError, TransferError
+from .._errors import (
+    DistributedError,
+    InvalidArgumentError,
+    PoolExhaustedError,
+    TransferError,
+    TransferRefusedError,
+)
 from .._events import Export
 from .._spec import StateSpec
-from ._link import check_timeout
+from ._link import NothingSent, check_timeout
 from ._surface import CacheManager
 from ._transfer import Batches, StateTransfer, export_rows, send_exports, staged_event, write_staging
 
@@ -339,5 +345,19 @@ class ReslicingSender:
                 raise exc
         for peer, err in failed:
             _tracing.tracer.transfer("transfer.failed", peer, ids, call="send", error=str(err))
-        if failed:
-            raise TransferError(f"{len(failed)} of {tp} ranks did not take their shards: {failed[0][1]}", ids)
+        if not failed:
+            return
+        what = f"{len(failed)} of {tp} ranks did not take their shards: {failed[0][1]}"
+        errors = [err for _, err in failed]
+        # No rank landed it (each refused it, or each withdrew it before its go): not in doubt, and refused for
+        # room everywhere it is cut to the least room, as a plain transfer's batch is. Else some rank may hold it:
+        # in doubt, sent again under the same number (a rank that landed it answers dup).
+        if len(errors) == tp and all(isinstance(e, TransferRefusedError) for e in errors):
+            refusals = [e for e in errors if isinstance(e, TransferRefusedError)]
+            rooms = [e.room for e in refusals if e.reason == "room" and e.room is not None]
+            if len(rooms) == tp:
+                raise TransferRefusedError(what, ids, "room", min(rooms))
+            raise TransferRefusedError(what, ids, next((e.reason for e in refusals if e.reason != "room"), "room"))
+        if len(errors) == tp and all(isinstance(e, NothingSent) for e in errors):
+            raise NothingSent(what, ids)
+        raise TransferError(what, ids)

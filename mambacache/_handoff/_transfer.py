@@ -245,8 +245,8 @@ class Batches:
         # Withdrawn before the peer's go, a first try is nowhere: not in doubt, and not kept for that peer (an
         # export to no one must stay free to go to another peer). A retry of a batch in doubt (its number went
         # out before) may have landed by an earlier try: still in doubt. A ship to several peers raises
-        # NothingSent only if no peer took the batch (the re-slicing ship raises a plain TransferError for any
-        # failed rank: in doubt).
+        # NothingSent only if every peer withdrew it (and TransferRefusedError only if every peer refused it):
+        # any other failure of one rank is a plain TransferError, in doubt.
         if isinstance(exc, NothingSent) and first:
             self.doubt = []
             manager.exports_returned(batch)

@@ -1,0 +1,165 @@
+"""Adversarial checks of the transfer between tensor-parallel sizes (``_handoff/_reslice.py``): each fails on the
+code before its fix.
+
+They run the real link in one process: ``StateTransfer`` built from clients of one ``TCPStore`` on 127.0.0.1
+(``store=``, ``rank=``), each side in its own thread, the gloo pairs between them built as between processes.
+A ``ReslicingSender`` needs an initialised process group to build its transfers; here it is built around
+such store-client transfers instead (:func:`_sender`), the rest of it unchanged.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+import mambacache as mc
+from mambacache._handoff._reslice import ReslicingSender, StateLayout
+from mambacache._handoff._transfer import Batches
+
+
+def _config(groups: int = 1) -> SimpleNamespace:
+    # Mamba2 with 4 heads: x split, B and C replicated (one group) or split (two groups).
+    return SimpleNamespace(
+        model_type="mamba2", num_hidden_layers=2, num_heads=4, head_dim=2, n_groups=groups,
+        state_size=3, expand=2, hidden_size=4, conv_kernel=4,
+    )  # fmt: skip
+
+
+def _layout(groups: int = 1) -> StateLayout:
+    cfg = _config(groups)
+    spec = mc.StateSpec.from_hf_config(cfg, extra_shapes={"scale": ((), torch.float32)})
+    return StateLayout.from_config(cfg, spec)
+
+
+def _store() -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+
+def _transfer(mgr: mc.CacheManager, master: Any, rank: int, peer: int, timeout: float) -> mc.StateTransfer:
+    import torch.distributed as dist
+
+    client = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=10))
+    return mc.StateTransfer(mgr, None, peer=peer, store=client, rank=rank, timeout=timeout)
+
+
+def _sender(mgr: mc.CacheManager, master: Any, layout: StateLayout, peers: list[int], timeout: float) -> Any:
+    """A ReslicingSender of rank 0 whose per-rank transfers are store clients (no process group in one process)."""
+    sender = ReslicingSender.__new__(ReslicingSender)
+    sender._mgr, sender._layout, sender._batches, sender.peers = mgr, layout, Batches(), list(peers)
+    sender._transfers = [_transfer(mgr, master, 0, p, timeout) for p in peers]
+    return sender
+
+
+def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(call())
+        except BaseException as exc:  # handed to the test's thread
+            out.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, out
+
+
+def _mgr(spec: mc.StateSpec, slots: int = 6, host: int = 4) -> mc.CacheManager:
+    return mc.CacheManager(mc.StatePool(spec, slots), host_pool=mc.HostPool(spec, host))
+
+
+def _fill(mgr: mc.CacheManager, slot: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for t in mgr.pool.tensors:
+        t[:, slot] = torch.randn(t[:, slot].shape, generator=g).to(t.dtype)
+
+
+def _export(mgr: mc.CacheManager, rid: str, seed: int) -> int:
+    (slot,) = mgr.alloc(1, rid, clear=False)
+    mgr.flush_nowait()
+    _fill(mgr, slot, seed)
+    mgr.export(slot, rid)
+    mgr.flush_nowait()
+    return slot
+
+
+def test_the_harness_delivers_each_rank_exactly_its_shard() -> None:
+    """The baseline the tests below build on: 1 -> 2 over the real link, each decode rank's slots byte for byte
+    its shard of the whole (x split, B and C replicated, a scalar extra replicated)."""
+    layout = _layout()
+    shard = layout.shard_spec(2)
+    master = _store()
+    with _mgr(layout.spec) as mgr, _mgr(shard) as d1, _mgr(shard) as d2:
+        sender = _sender(mgr, master, layout, [1, 2], 5.0)
+        into = [_transfer(d1, master, 1, 0, 5.0), _transfer(d2, master, 2, 0, 5.0)]
+        slots = [_export(mgr, "a", 1), _export(mgr, "b", 2)]
+        full = [t[:, slots].clone() for t in mgr.pool.tensors]
+        threads = [_in_thread(x.receive) for x in into]
+        assert sender.send() == ["a", "b"]
+        for th, got in threads:
+            th.join(10)
+            assert got == [["a", "b"]]
+        for k, d in enumerate((d1, d2)):
+            d.import_into(1, "a")
+            d.import_into(2, "b")
+            d.flush_nowait()
+            want = layout.slice(full, 2, k)
+            for got_t, w in zip(d.pool.tensors, want, strict=True):
+                assert torch.equal(got_t[:, 1:3].contiguous().view(torch.uint8), w.view(torch.uint8))
+
+
+def _receiving(x: mc.StateTransfer, tries: int = 3) -> tuple[threading.Thread, list[Any]]:
+    """``x.receive()`` in a thread until a batch lands (refusals and timeouts retried ``tries`` times in all)."""
+
+    def loop() -> list[str]:
+        for k in range(tries):
+            try:
+                return x.receive()
+            except mc.TransferError:
+                if k == tries - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    return _in_thread(loop)
+
+
+def test_a_batch_larger_than_every_ranks_room_is_cut_to_it() -> None:
+    """1 -> 2, three states ready and room for two on each decode rank: both ranks refuse the batch for room
+    before their go, so nothing landed anywhere. A plain StateTransfer cuts such a batch to the room and sends it
+    again at once; the re-slicing sender took any rank's failure for one after the bytes (a batch in doubt), so it
+    sent the same three under the same number on every later call, refused again each time: the states never
+    went, however often the engine retried."""
+    layout = _layout()
+    shard = layout.shard_spec(2)
+    master = _store()
+    with _mgr(layout.spec) as mgr, _mgr(shard, host=2) as d1, _mgr(shard, host=2) as d2:
+        sender = _sender(mgr, master, layout, [1, 2], 2.0)
+        into = [_transfer(d1, master, 1, 0, 2.0), _transfer(d2, master, 2, 0, 2.0)]
+        for k, rid in enumerate("abc"):
+            _export(mgr, rid, k)
+        threads = [_receiving(x) for x in into]
+        try:
+            sent = sender.send()
+        finally:
+            for th, _ in threads:
+                th.join(10)
+        assert sent == ["a", "b"], "a batch refused for room by every rank was not cut to the room"
+        assert [got for _, got in threads] == [[["a", "b"]], [["a", "b"]]]
+        for d in (d1, d2):
+            d.discard_arrived("a")
+            d.discard_arrived("b")
+            d.flush_nowait()
+        threads = [_receiving(x) for x in into]
+        assert sender.send() == ["c"]
+        for th, got in threads:
+            th.join(10)
+            assert got == [["c"]]
+        mgr.flush_nowait()
+        mgr.check_idle(host=True)

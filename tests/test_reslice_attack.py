@@ -3,8 +3,8 @@ code before its fix.
 
 They run the real link in one process: ``StateTransfer`` built from clients of one ``TCPStore`` on 127.0.0.1
 (``store=``, ``rank=``), each side in its own thread, the gloo pairs between them built as between processes.
-A ``ReslicingSender`` needs an initialised process group to build its transfers; here it is built around
-such store-client transfers instead (:func:`_sender`), the rest of it unchanged.
+A ``ReslicingSender`` needs an initialised process group to build its transfers; here its ``__init__`` runs
+with the group's calls stood in and store-client transfers (:func:`_sender`), the rest of it unchanged.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from collections.abc import Callable
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import torch
 
 import mambacache as mc
 from mambacache._handoff._reslice import ReslicingSender, StateLayout
-from mambacache._handoff._transfer import Batches
 
 
 def _config(groups: int = 1) -> SimpleNamespace:
@@ -50,11 +50,22 @@ def _transfer(mgr: mc.CacheManager, master: Any, rank: int, peer: int, timeout: 
 
 
 def _sender(mgr: mc.CacheManager, master: Any, layout: StateLayout, peers: list[int], timeout: float) -> Any:
-    """A ReslicingSender of rank 0 whose per-rank transfers are store clients (no process group in one process)."""
-    sender = ReslicingSender.__new__(ReslicingSender)
-    sender._mgr, sender._layout, sender._batches, sender.peers = mgr, layout, Batches(), list(peers)
-    sender._transfers = [_transfer(mgr, master, 0, p, timeout) for p in peers]
-    return sender
+    """A ReslicingSender of rank 0, built by its own ``__init__`` with the process group's calls stood in (one
+    process here) and each rank's transfer a store client's."""
+    import torch.distributed as dist
+
+    import mambacache._handoff._reslice as reslice_mod
+
+    def transfer(m: mc.CacheManager, group: Any, peer: int, *, timeout: float) -> mc.StateTransfer:
+        return _transfer(m, master, 0, peer, timeout)
+
+    with (
+        mock.patch.object(dist, "is_initialized", return_value=True),
+        mock.patch.object(dist, "get_process_group_ranks", return_value=[0, *peers]),
+        mock.patch.object(dist, "get_rank", return_value=0),
+        mock.patch.object(reslice_mod, "StateTransfer", transfer),
+    ):
+        return ReslicingSender(mgr, None, peers, layout, timeout=timeout)
 
 
 def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
@@ -163,3 +174,61 @@ def test_a_batch_larger_than_every_ranks_room_is_cut_to_it() -> None:
             assert got == [["c"]]
         mgr.flush_nowait()
         mgr.check_idle(host=True)
+
+
+def test_two_sends_at_once_keep_a_batch_in_doubt_until_it_is_settled() -> None:
+    """A StateTransfer's sends take turns (its send lock); a ReslicingSender's did not. Send A ships ``a``: rank 1
+    lands it, rank 2 is not receiving yet, so A fails in doubt (rank 1 holds ``a``). Send B, from another thread
+    meanwhile, ships ``b`` and succeeds once rank 2 comes back, and its success cleared the shared doubt: ``a``
+    then went again under a new number, which rank 1 could not tell from a new state (refused as arrived twice
+    while it awaits its import, landed a second time after it)."""
+    layout = _layout()
+    shard = layout.shard_spec(2)
+    master = _store()
+    with _mgr(layout.spec) as mgr, _mgr(shard) as d1, _mgr(shard) as d2:
+        sender = _sender(mgr, master, layout, [1, 2], 1.0)
+        into = [_transfer(d1, master, 1, 0, 1.0), _transfer(d2, master, 2, 0, 1.0)]
+        stop = threading.Event()
+        got: dict[int, list[str]] = {1: [], 2: []}
+        errors: list[BaseException] = []
+
+        def receiving(k: int) -> None:  # rank k takes every batch until told to stop
+            while not stop.is_set():
+                try:
+                    got[k] += into[k - 1].receive()
+                except mc.TransferRefusedError as exc:
+                    errors.append(exc)
+                except mc.TransferError:
+                    pass  # no batch within the timeout: wait again
+                except mc.SlotStateError as exc:  # a landing refused: an id arrived twice
+                    errors.append(exc)
+
+        _export(mgr, "a", 1)
+        first = _in_thread(sender.send)
+        rank1 = threading.Thread(target=receiving, args=(1,))
+        rank1.start()
+        try:
+            for _ in range(100):  # rank 1 lands a; rank 2 never answers this try
+                if got[1]:
+                    break
+                threading.Event().wait(0.02)
+            _export(mgr, "b", 2)
+            second = _in_thread(sender.send)
+            first[0].join(10)
+            assert isinstance(first[1][0], mc.TransferError), first[1]
+            rank2 = threading.Thread(target=receiving, args=(2,))
+            rank2.start()
+            second[0].join(10)
+            sent = second[1][0]
+            if not isinstance(sent, BaseException) and "a" not in sent:
+                sent = sent + sender.send()  # a, still in doubt, goes now (or: it went as a new batch)
+        finally:
+            stop.set()
+            rank1.join(10)
+            if "rank2" in locals():
+                rank2.join(10)
+        assert errors == [], f"a rank refused a state it held already: {errors}"
+        assert sorted(sent) == ["a", "b"] and sorted(got[1]) == ["a", "b"] and sorted(got[2]) == ["a", "b"], (
+            sent,
+            got,
+        )

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -307,6 +308,9 @@ class ReslicingSender:
         check_timeout(timeout)
         self._mgr, self._layout = manager, layout
         self._batches = Batches()
+        # Two sends take turns, as a StateTransfer's do: they share the batch numbers and the batch in doubt, and
+        # one that succeeded while another's batch was in doubt cleared that doubt (sent again as a new batch).
+        self._send_lock = threading.Lock()
         self.peers = list(peers)
         self._transfers = [StateTransfer(manager, group, p, timeout=timeout) for p in peers]
 
@@ -319,7 +323,8 @@ class ReslicingSender:
         and the retry carries the same batch number, so a rank that landed it
         already acknowledges it again without landing it twice.
         """
-        return send_exports(self._mgr, self._ship, self.peers, self._batches)
+        with self._send_lock:
+            return send_exports(self._mgr, self._ship, self.peers, self._batches)
 
     def _ship(self, ready: list[Export], ids: list[str], seq: int) -> None:
         """Each rank its shard of every staged state as batch ``seq``, all ranks at once; raises unless all

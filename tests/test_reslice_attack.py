@@ -16,10 +16,11 @@ from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
+import pytest
 import torch
 
 import mambacache as mc
-from mambacache._handoff._reslice import ReslicingSender, StateLayout
+from mambacache._handoff._reslice import ReslicingReceiver, ReslicingSender, StateLayout
 
 
 def _config(groups: int = 1) -> SimpleNamespace:
@@ -232,3 +233,42 @@ def test_two_sends_at_once_keep_a_batch_in_doubt_until_it_is_settled() -> None:
             sent,
             got,
         )
+
+
+def test_shards_that_are_not_one_batch_cost_no_gloo_pair() -> None:
+    """2 -> 1: prefill rank 1's flush of ``b`` has not run when both send, so rank 0 sends ``[a, b]`` and rank 1
+    ``[a]``: not one batch, and every rank hears that nothing landed (a normal event: both send again). The bytes
+    had arrived whole over healthy pairs, but the answer was the one for bytes that failed (``fail``): each sender
+    bumped its epoch and retired its pair, and the receiver retired its own at the next batch, two ProcessGroupGloo
+    per rank per such round, kept for the life of the process (a decode side ran out of file descriptors)."""
+    import mambacache._handoff._link as link
+
+    layout = _layout(2)
+    shard = layout.shard_spec(2)
+    master = _store()
+    with _mgr(shard) as p0, _mgr(shard) as p1, _mgr(layout.spec) as d:
+        senders = [_transfer(p0, master, 0, 2, 5.0), _transfer(p1, master, 1, 2, 5.0)]
+        receiver = ReslicingReceiver(d, [_transfer(d, master, 2, 0, 5.0), _transfer(d, master, 2, 1, 5.0)], layout)
+        retired = []
+        for k in range(3):
+            a, b = f"a{k}", f"b{k}"
+            for rid in (a, b):
+                _export(p0, rid, 1)
+            _export(p1, a, 1)
+            sends = [_in_thread(x.send) for x in senders]
+            with pytest.raises(mc.TransferError, match="not one batch"):
+                receiver.receive()
+            for th, sent in sends:
+                th.join(10)
+                assert isinstance(sent[0], mc.TransferRefusedError) and sent[0].reason == "failed", sent
+            _export(p1, b, 1)
+            sends = [_in_thread(x.send) for x in senders]
+            assert receiver.receive() == [a, b]
+            for th, sent in sends:
+                th.join(10)
+                assert sent == [[a, b]]
+            for rid in (a, b):
+                d.discard_arrived(rid)
+            d.flush_nowait()
+            retired.append(len(link._RETIRED))
+        assert retired[0] == retired[-1], f"gloo pairs retired after each round: {retired}"

@@ -14,7 +14,8 @@ the store (``docs/transfer.md`` has the whole protocol)::
                     or the sender's "withdrawn" (its wait for a decision timed out: nothing was sent)
     pair/{name}/..  the gloo pair's rendezvous, name "<tok>.<epoch>.<receiver's tok>" (the epoch: after a failure
                     of the bytes or the acknowledgement; a refused or withdrawn header keeps it)
-    ack/{m}         receiver: "ok:<n>" | "refuse:room:<room>:<why>" | "fail:<why>"
+    ack/{m}         receiver: "ok:<n>" | "refuse:room:<room>:<why>" | "refuse:failed::<why>" (the bytes arrived, none
+                    landed: the pair is kept) | "fail:<why>" (the bytes may not have arrived: a fresh pair next)
     taken           receiver: how many headers it has settled (a restarted receiver continues from it; a header
                     that is absent when its wait times out while a later one was posted is counted too: its
                     sender or its receiver died between two writes, see Inbox._lost)
@@ -280,6 +281,9 @@ class Outbox(_Direction):
         kind, _, why = ack.partition(":")
         if kind == "ok" and why == str(len(ids)):
             return
+        if kind == "refuse" and why.startswith("failed:"):  # every byte arrived, none landed: the pair is kept
+            text = why.split(":", 2)[-1]
+            raise TransferRefusedError(f"rank {self.dst} did not land the batch: {text}", ids, "failed")
         if kind == "refuse":
             raise self._refused(why, ids)
         if kind == "fail":  # the receiver says it landed none of it (else it would have answered "dup")
@@ -309,6 +313,7 @@ class Batch:
     split: bool
     sizes: list[int]  # of its messages, checked against this side's layout before it was accepted
     taken: bool = False  # "go" written: the sender sends the bytes
+    moved: bool = False  # every byte arrived: the pair is as good as before, whatever the landing does
 
 
 Shapes = list[tuple[tuple[int, ...], torch.dtype]]
@@ -430,6 +435,7 @@ class Inbox(_Direction):
         except TransferError:
             self.answer_raw(batch.number, "fail:the bytes did not arrive")
             raise
+        batch.moved = True
 
     def answer_raw(self, m: int, value: str) -> None:
         """Write the answer of header ``m`` and move past it."""
@@ -450,8 +456,13 @@ class Inbox(_Direction):
         elif landed:
             self._last = batch.key
             self.answer_raw(batch.number, f"ok:{len(batch.ids)}")
+        elif batch.moved or why.startswith("room:"):
+            # The bytes arrived whole and the landing failed (its write, a re-slicing receiver's other ranks): a
+            # refusal, so the sender keeps its pair. "fail" makes both ends replace it, one ProcessGroupGloo each
+            # kept for the process's life: only for bytes that may not have arrived.
+            self.answer_raw(batch.number, f"refuse:{refusal}")
         else:
-            self.answer_raw(batch.number, f"refuse:{why}" if why.startswith("room:") else f"fail:{why}")
+            self.answer_raw(batch.number, f"fail:{why}")
 
 
 def _judge(

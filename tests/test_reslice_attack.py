@@ -272,3 +272,22 @@ def test_shards_that_are_not_one_batch_cost_no_gloo_pair() -> None:
             d.flush_nowait()
             retired.append(len(link._RETIRED))
         assert retired[0] == retired[-1], f"gloo pairs retired after each round: {retired}"
+
+
+@pytest.mark.parametrize("wrong", ["a shard's spec", "other temporal heads", "two conv tensors"])
+def test_a_spec_that_is_not_the_configs_is_refused_by_the_layout(wrong: str) -> None:
+    """``StateLayout.from_config(config, spec)`` checked the spec's conv channels against a count it had derived
+    from those very channels (inner = channels - 2 * groups * state: always equal), and the temporal heads not at
+    all. A TP-2 rank's own spec (``mgr.pool.spec``, a shard) was taken for the full model's, and a spec of
+    another head count was cut at heads the config does not have: wrong shards, no error, and a sender or
+    receiver built over it passes its spec check. Now InvalidArgumentError, before any layout exists."""
+    cfg = _config(1)
+    full = mc.StateSpec.from_hf_config(cfg)
+    spec = {
+        "a shard's spec": _layout(1).shard_spec(2),
+        "other temporal heads": mc.StateSpec(2, full.conv_shapes, (6, *full.temporal_shape[1:])),
+        "two conv tensors": mc.StateSpec(2, [*full.conv_shapes, (4, 3)], full.temporal_shape),
+    }[wrong]
+    with pytest.raises(mc.InvalidArgumentError, match="not the config's"):
+        StateLayout.from_config(cfg, spec)
+    StateLayout.from_config(cfg, mc.StateSpec.from_hf_config(cfg, num_layers=1, temporal_dtype=torch.bfloat16))

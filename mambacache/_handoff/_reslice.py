@@ -147,7 +147,17 @@ class StateLayout:
         """The layout of the model ``config`` describes (its full spec: ``StateSpec.from_hf_config`` unless given)."""
         text = getattr(config, "text_config", None) or config  # multimodal Qwen3.5: the language model's
         kind = getattr(text, "model_type", None)
-        full = spec if spec is not None else StateSpec.from_hf_config(config)
+        derived = StateSpec.from_hf_config(config)
+        full = spec if spec is not None else derived
+        # The per-slot shapes must be the config's: the segments below are cut from the spec's channels, and a
+        # shard's spec (or another head count) would give a layout that passes every later check and cuts wrong.
+        shapes = (tuple(map(tuple, full.conv_shapes)), tuple(full.temporal_shape))
+        if shapes != (tuple(map(tuple, derived.conv_shapes)), tuple(derived.temporal_shape)):
+            raise InvalidArgumentError(
+                f"the spec's conv {list(map(tuple, full.conv_shapes))} and temporal {tuple(full.temporal_shape)}"
+                f" shapes are not the config's ({list(map(tuple, derived.conv_shapes))} and"
+                f" {tuple(derived.temporal_shape)}): a layout takes the whole model's spec (a shard's is shard_layout)"
+            )
         temporal = TensorLayout((_split(full.temporal_shape[0]),))
         if kind in ("mamba2", "nemotron_h"):
             state = text.state_size if kind == "mamba2" else text.ssm_state_size

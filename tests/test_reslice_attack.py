@@ -291,3 +291,41 @@ def test_a_spec_that_is_not_the_configs_is_refused_by_the_layout(wrong: str) -> 
     with pytest.raises(mc.InvalidArgumentError, match="not the config's"):
         StateLayout.from_config(cfg, spec)
     StateLayout.from_config(cfg, mc.StateSpec.from_hf_config(cfg, num_layers=1, temporal_dtype=torch.bfloat16))
+
+
+def test_an_acknowledgement_that_fails_on_one_rank_still_answers_the_others() -> None:
+    """2 -> 1: the state landed, and the acknowledgement to rank 0 failed (its store client's ``set`` raised:
+    a connection reset). The loop stopped there, so rank 1 was never answered: its sender waited out its
+    timeout, and this receiver's transfer from rank 1 kept the batch awaiting an answer that nothing could give
+    any more (the caller never saw its ids): every later receive refused ("awaits its answer"), for good."""
+    layout = _layout(2)
+    shard = layout.shard_spec(2)
+    master = _store()
+    with _mgr(shard) as p0, _mgr(shard) as p1, _mgr(layout.spec) as d:
+        senders = [_transfer(p0, master, 0, 2, 2.0), _transfer(p1, master, 1, 2, 2.0)]
+        receiver = ReslicingReceiver(d, [_transfer(d, master, 2, 0, 2.0), _transfer(d, master, 2, 1, 2.0)], layout)
+        inbox = receiver._transfers[0]._in
+        real = inbox.call
+
+        def reset_once(what: str, *args: Any) -> Any:  # the store client's one failure: the ack's write
+            if what == "set" and str(args[0]).startswith("ack/"):
+                inbox.call = real
+                raise mc.TransferError("the key-value store failed (set): connection reset")
+            return real(what, *args)
+
+        inbox.call = reset_once
+        for p in (p0, p1):
+            _export(p, "a", 1)
+        sends = [_in_thread(x.send) for x in senders]
+        with pytest.raises(mc.TransferError, match="connection reset"):
+            receiver.receive()
+        for th, _ in sends:
+            th.join(10)
+        assert sends[1][1] == [["a"]], f"rank 1 was not answered: {sends[1][1]}"
+        for p in (p0, p1):
+            _export(p, "b", 2)
+        sends = [_in_thread(x.send) for x in senders]
+        assert receiver.receive() == ["b"]  # rank 0's retry of a is acknowledged again (dup), not landed twice
+        for th, _ in sends:
+            th.join(10)
+        assert [sent for _, sent in sends] == [[["a", "b"]], [["b"]]]  # rank 0: a in doubt (dup) first, then b

@@ -252,7 +252,10 @@ class ReslicingReceiver:
     def receive(self) -> list[str]:
         """One batch from every peer rank, assembled and landed in staging host slots; returns the ids.
 
-        Each is then read by ``manager.import_into(slot, request_id=...)``.
+        Each is then read by ``manager.import_into(slot, request_id=...)``. An acknowledgement that fails
+        after the landing (a store failure) raises its TransferError once every rank was answered; the states
+        landed all the same, and a rank that missed its answer sends the batch again, acknowledged without
+        landing twice.
         """
         got: list[tuple[list[str], list[torch.Tensor]]] = []
         try:
@@ -279,8 +282,16 @@ class ReslicingReceiver:
                 with contextlib.suppress(TransferError):
                     x.acknowledge(shard_ids, landed=False, why=why)
             raise
+        # Every rank is answered even when one answer fails (its store client): a rank left unanswered keeps its
+        # batch awaiting an answer here that nothing could give any more, and every later receive is refused.
+        failures = []
         for x in self._transfers:
-            x.acknowledge(ids)
+            try:
+                x.acknowledge(ids)
+            except TransferError as exc:
+                failures.append(exc)
+        if failures:
+            raise failures[0]
         return ids
 
 

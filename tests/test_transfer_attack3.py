@@ -332,3 +332,58 @@ def test_a_receive_that_fails_locally_raises_a_transfer_error_and_the_retry_land
             assert bool((t[:, new] == 7).all())
         src.flush_nowait()
         src.check_idle(host=True)
+
+
+def test_a_batch_in_doubt_is_not_landed_twice_after_another_sender_of_the_direction_landed_one() -> None:
+    """Two transfers on rank 0 send to one receiver (supported: they take turns on the direction). S1's batch
+    lands but its acknowledgement is lost, so it is in doubt; S2's batch lands next. The receiver remembered only
+    the last batch landed, S2's, so S1's retry was not known for a retry: landed again (refused as "arrived twice"
+    while the first copy waited for its import, so S1 took back states the peer held; landed a second time once
+    it was imported). A retry of the last batch each sender landed is acknowledged again."""
+    spec = quant_spec(2)
+    master = _store()
+    with (
+        mc.CacheManager(mc.StatePool(spec, 4), host_pool=mc.HostPool(spec, 2)) as m1,
+        mc.CacheManager(mc.StatePool(spec, 4), host_pool=mc.HostPool(spec, 2)) as m2,
+        mc.CacheManager(mc.StatePool(spec, 4), host_pool=mc.HostPool(spec, 4)) as peer,
+    ):
+        s1, s2 = _transfer(m1, master, 0, 1, 2.0), _transfer(m2, master, 0, 1, 2.0)
+        into = _transfer(peer, master, 1, 0, 2.0)
+        for mgr, rid in ((m1, "a"), (m2, "b")):
+            (slot,) = mgr.alloc(1, rid, clear=False)
+            mgr.flush_nowait()
+            mgr.export(slot, rid)
+            mgr.flush_nowait()
+        outbox, lost = s1._out, []
+        real = outbox.wait_key
+
+        def lossy(key: str, seconds: float) -> str | None:
+            got = real(key, seconds)
+            if key.startswith("ack/") and not lost:
+                lost.append(got)
+                return None  # the answer was written, and this side never read it: as if it timed out
+            return got
+
+        outbox.wait_key = lossy  # type: ignore[method-assign]
+        thread, sent = _in_thread(s1.send)
+        assert into.receive() == ["a"]
+        thread.join(10)
+        assert lost == ["ok:1"] and isinstance(sent[0], mc.TransferError), sent  # in doubt
+        thread, sent = _in_thread(s2.send)
+        assert into.receive() == ["b"]
+        thread.join(10)
+        assert sent == [["b"]]
+        thread, sent = _in_thread(s1.send)  # the retry: acknowledged again, not landed again
+        try:
+            with pytest.raises(mc.TransferError, match="no batch"):
+                into.receive()  # nothing new arrives (the retry was answered "dup" inside the wait)
+        finally:
+            thread.join(10)
+        assert sent == [["a"]], sent
+        for rid in ("a", "b"):
+            assert peer.discard_arrived(rid) > 0  # each arrived once, and is here
+        peer.flush_nowait()
+        peer.check_idle(host=True)
+        for mgr in (m1, m2):
+            mgr.flush_nowait()
+            mgr.check_idle(host=True)

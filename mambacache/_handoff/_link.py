@@ -57,6 +57,9 @@ __all__ = [
     "fingerprint", "message_sizes", "messages", "root_store",
 ]  # fmt: skip
 
+# Senders whose last landed batch a receiver remembers (a retry of it is acknowledged, not landed again): far more
+# than take turns on one direction; a sender restarted takes a new token, so old ones only age out.
+_SENDERS_KEPT = 256
 MAGIC = 0x6D63_7847  # 7847: the pair's name ends with the receiver's token (a peer of 7846 refuses the header)
 # Far beyond any wait a deployment wants, and well inside what timedelta and c10d's millisecond counts take.
 MAX_TIMEOUT = 1e9
@@ -332,14 +335,17 @@ class Inbox(_Direction):
     is refused before anything is allocated when its fingerprint is not this
     side's or its size is impossible, ``go`` is answered only for a batch this
     side has room for already (the caller lands first: the bytes may arrive
-    straight into its staging slots), and the last batch landed is remembered
-    so that a retry of it is acknowledged again, never landed twice.
+    straight into its staging slots), and each sender's last batch landed is
+    remembered so that a retry of it is acknowledged again, never landed twice.
     """
 
     def __init__(self, store: Any, src: int, dst: int, timeout: float) -> None:
         super().__init__(store, src, dst, 1, timeout)
         self.token = uuid.uuid4().hex[:16]
-        self._last: tuple[str, int] | None = None
+        # Per sender token, the number of the last batch it landed here: a sender's batch in doubt is its last,
+        # and two senders may take turns on one direction, so one key for the whole direction forgot the first
+        # sender's batch as soon as the second's landed, and its retry landed again. Oldest tokens go first.
+        self._last: dict[str, int] = {}
         self.waiting: Batch | None = None  # accepted, not answered yet
 
     def _advance(self, m: int) -> None:
@@ -395,7 +401,7 @@ class Inbox(_Direction):
             )
             if refusal is None:
                 key = (str(header["tok"]), int(header["seq"]))
-                if key != self._last:
+                if self._last.get(key[0]) != key[1]:
                     self.waiting = Batch(m, list(header["ids"]), key, header["pair"], header["split"], header["bytes"])
                     return self.waiting
             if not self._decide(m, refusal or f"dup:{self.token}") or refusal is None:
@@ -454,7 +460,11 @@ class Inbox(_Direction):
             self.waiting = None
             self._decide(batch.number, f"refuse:{refusal}")
         elif landed:
-            self._last = batch.key
+            tok, seq = batch.key
+            self._last.pop(tok, None)  # re-inserted last: the dict's order is the senders' last landings
+            self._last[tok] = seq
+            if len(self._last) > _SENDERS_KEPT:
+                del self._last[next(iter(self._last))]
             self.answer_raw(batch.number, f"ok:{len(batch.ids)}")
         elif batch.moved or why.startswith("room:"):
             # The bytes arrived whole and the landing failed (its write, a re-slicing receiver's other ranks): a
@@ -471,13 +481,13 @@ def _judge(
     room_of: Callable[[list[str]], int],
     src: int,
     sizes: Callable[[int, bool], list[int]],
-    last: tuple[str, int] | None,
+    last: dict[str, int],
 ) -> tuple[str | None, dict[str, Any]]:
     """A header's refusal (``refuse:<kind>:<room>:<why>``), or None to take it; before anything is allocated.
 
-    ``sizes(n, split)``: the message sizes this side's layout gives a batch of ``n``. The retry of ``last``
-    (the batch landed last) is never refused for room: it lands nothing, and refused it would leave its sender
-    sure that it never landed, and send it again as a new batch."""
+    ``sizes(n, split)``: the message sizes this side's layout gives a batch of ``n``. The retry of a sender's
+    batch landed last (``last``: its number by the sender's token) is never refused for room: it lands nothing,
+    and refused it would leave its sender sure that it never landed, and send it again as a new batch."""
     try:
         header = json.loads(text)
         ids, sizes_given = header["ids"], header["bytes"]
@@ -502,7 +512,7 @@ def _judge(
     n = len(ids)
     if n < 1 or len(set(ids)) != n:
         return f"refuse:header::a batch of {n} states with {len(set(ids))} distinct ids", header
-    if (header["tok"], header["seq"]) == last:
+    if last.get(header["tok"]) == header["seq"]:
         return None, header  # acknowledged again (dup), whatever the room
     room = room_of(ids)
     if n > room:

@@ -195,6 +195,25 @@ def _check_ids(what: str, request_ids: Any) -> None:
         raise InvalidArgumentError(f"{what} takes a list of distinct request ids (str), got {request_ids!r}")
 
 
+def _check_batch(request_ids: Any, rows: Any, seq: Any) -> None:
+    """``send_rows``' arguments, checked here, not by the peer: a header of them would go out, to be refused (or
+    to wait out the timeout with nobody there), and rows that are not tensors would fail bare."""
+    _check_ids("send_rows", request_ids)
+    if type(seq) is not int:
+        raise InvalidArgumentError(f"send_rows' seq must be an int (the batch's number), got {seq!r}")
+    if (
+        not isinstance(rows, (list, tuple))
+        or not rows
+        or not all(isinstance(r, torch.Tensor) and r.dim() >= 2 for r in rows)
+        or len({(r.shape[0], r.shape[1]) for r in rows}) != 1
+        or rows[0].shape[1] != len(request_ids)
+    ):
+        raise InvalidArgumentError(
+            f"send_rows takes one [layers, n, *state] tensor per pool tensor, each of one layer count and of"
+            f" n = {len(request_ids)} states (one per request id)"
+        )
+
+
 def _check_shapes(shapes: Any) -> Shapes:
     """``receive_rows``' per-slot ``(shape, dtype)`` of each pool tensor, as a :class:`StateSpec`'s ``shapes()``."""
     ok = isinstance(shapes, (list, tuple)) and len(shapes) > 0
@@ -327,6 +346,27 @@ def send_exports(
             return delivered
 
 
+def _receive_line(peer: int, mgr: CacheManager, batch: Batch, where: str) -> Callable[[list[int]], None]:
+    """The ``arrived`` callback of a landing of ``batch`` from ``peer``: its ``transfer.receive`` line, naming the
+    staging host slots (``where`` ``"hosts"``) or the pool slots it landed in place in (``"slots"``)."""
+
+    def arrived(slots: list[int]) -> None:
+        _tracing.tracer.transfer(
+            "transfer.receive", peer, batch.ids, step=mgr.step, n=len(batch.ids), bytes=sum(batch.sizes),
+            **{where: slots},
+        )  # fmt: skip
+
+    return arrived
+
+
+def _landing_rows(mgr: CacheManager, in_place: bool) -> list[list[torch.Tensor]]:
+    """Per pool tensor, its ``[slots + 1, *state]`` rows of each layer: the pool's (``in_place``) or the host
+    pool's."""
+    host = mgr.host_pool
+    assert host is not None
+    return mgr.pool.layers if in_place else [list(t.unbind(0)) for t in host.tensors]
+
+
 class StateTransfer:
     """Sends a manager's exports to ``peer`` and receives the peer's into the manager's staging host slots.
 
@@ -445,7 +485,7 @@ class StateTransfer:
         one run whose rows of each layer are contiguous host memory."""
         in_place = ready[0].host is None
         slots = [ev.slot for ev in ready] if in_place else [h for ev in ready if (h := ev.host) is not None]
-        return _views(self._sources(in_place), slots)
+        return _views(_landing_rows(self._mgr, in_place), slots)
 
     def _split(self, n: int) -> bool:
         """Whether a batch of ``n`` states goes as one message per layer: large enough that a message costs less
@@ -466,22 +506,7 @@ class StateTransfer:
         :class:`TransferError` (failed: it may have landed) unless the peer
         acknowledged ``len(request_ids)`` states.
         """
-        _check_ids("send_rows", request_ids)
-        if type(seq) is not int:
-            raise InvalidArgumentError(f"send_rows' seq must be an int (the batch's number), got {seq!r}")
-        if (
-            not isinstance(rows, (list, tuple))
-            or not rows
-            or not all(isinstance(r, torch.Tensor) and r.dim() >= 2 for r in rows)
-            or len({(r.shape[0], r.shape[1]) for r in rows}) != 1
-            or rows[0].shape[1] != len(request_ids)
-        ):
-            # Checked here, not by the peer: a header of them would go out, to be refused (or to wait out the
-            # timeout with nobody there), and rows that are not tensors would fail bare.
-            raise InvalidArgumentError(
-                f"send_rows takes one [layers, n, *state] tensor per pool tensor, each of one layer count and of"
-                f" n = {len(request_ids)} states (one per request id)"
-            )
+        _check_batch(request_ids, rows, seq)
         layers = rows[0].shape[0]
         fp = fingerprint(layers, [(tuple(r.shape[2:]), r.dtype) for r in rows])
         with self._send_lock:  # one batch at a time per direction, as send() takes turns
@@ -511,7 +536,7 @@ class StateTransfer:
                     # count as arrived (importable) only once written, and the line is traced in that same
                     # hold of the lock (an import in another thread may follow at once: its line comes after).
                     # In place (expect_import) when every state awaits it in a settled pool slot, else staged.
-                    traced = partial(self._traced, batch)
+                    traced = partial(_receive_line, self.peer, mgr, batch)
                     slots = mgr.land_in_place(batch.ids, partial(self._take, batch, True), arrived=traced("slots"))
                     if slots is None:
                         mgr.land(batch.ids, partial(self._take, batch, False), arrived=traced("hosts"))
@@ -537,24 +562,12 @@ class StateTransfer:
                 self._in.answer(batch, True)
                 return batch.ids
 
-    def _traced(self, batch: Batch, where: str) -> Callable[[list[int]], None]:
-        """The ``arrived`` callback of a landing of ``batch``: its ``transfer.receive`` line, naming the staging host
-        slots (``where`` ``"hosts"``) or the pool slots it landed in place in (``"slots"``)."""
-
-        def arrived(slots: list[int]) -> None:
-            _tracing.tracer.transfer(
-                "transfer.receive", self.peer, batch.ids, step=self._mgr.step, n=len(batch.ids),
-                bytes=sum(batch.sizes), **{where: slots},
-            )  # fmt: skip
-
-        return arrived
-
     def _take(self, batch: Batch, in_place: bool, slots: list[int]) -> None:
         """Receive ``batch`` into staging host ``slots`` (``in_place``: the pool slots awaiting it): straight into
         their rows when they are one run of contiguous host memory and the batch is split, else into the kept
         buffers and copied over."""
         mgr = self._mgr
-        raw = _views(self._sources(in_place), slots) if batch.split else None
+        raw = _views(_landing_rows(self._mgr, in_place), slots) if batch.split else None
         if raw is not None:
             wait_for_restores(mgr)  # the bytes land in the slots themselves (write_staging and write_pool wait)
             self._in.take(batch, raw)
@@ -565,13 +578,6 @@ class StateTransfer:
             write_pool(mgr, slots, rows)
         else:
             write_staging(mgr, slots, rows)
-
-    def _sources(self, in_place: bool) -> list[list[torch.Tensor]]:
-        """Per pool tensor, its ``[slots + 1, *state]`` rows of each layer: the pool's (``in_place``) or the host
-        pool's."""
-        host = self._mgr.host_pool
-        assert host is not None
-        return self._mgr.pool.layers if in_place else [list(t.unbind(0)) for t in host.tensors]
 
     @_tracing.traces_failures
     def receive_rows(self, shapes: Shapes | None = None) -> tuple[list[str], list[torch.Tensor]]:

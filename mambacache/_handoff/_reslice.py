@@ -149,14 +149,16 @@ class StateLayout:
         kind = getattr(text, "model_type", None)
         derived = StateSpec.from_hf_config(config)
         full = spec if spec is not None else derived
-        # The per-slot shapes must be the config's: the segments below are cut from the spec's channels, and a
+        # What the layout cuts must be the config's: the segments below are cut from the spec's channels, and a
         # shard's spec (or another head count) would give a layout that passes every later check and cuts wrong.
-        shapes = (tuple(map(tuple, full.conv_shapes)), tuple(full.temporal_shape))
-        if shapes != (tuple(map(tuple, derived.conv_shapes)), tuple(derived.temporal_shape)):
+        # Only the first dimension is cut, so only it is compared: an engine's adopted pool keeps kernel - 1 conv
+        # columns (SGLang's, TensorRT-LLM's [conv_dim, d_conv - 1]) and passes its pool's spec.
+        cut = [c[0] for c in full.conv_shapes], full.temporal_shape[0]
+        if cut != ([c[0] for c in derived.conv_shapes], derived.temporal_shape[0]):
             raise InvalidArgumentError(
-                f"the spec's conv {list(map(tuple, full.conv_shapes))} and temporal {tuple(full.temporal_shape)}"
-                f" shapes are not the config's ({list(map(tuple, derived.conv_shapes))} and"
-                f" {tuple(derived.temporal_shape)}): a layout takes the whole model's spec (a shard's is shard_layout)"
+                f"the spec's conv channels {cut[0]} and temporal heads {cut[1]} are not the config's"
+                f" ({[c[0] for c in derived.conv_shapes]} and {derived.temporal_shape[0]}): a layout takes the whole"
+                " model's spec (a shard's is shard_layout)"
             )
         temporal = TensorLayout((_split(full.temporal_shape[0]),))
         if kind in ("mamba2", "nemotron_h"):

@@ -353,6 +353,7 @@ class ReslicingSender:
         """Each rank its shard of every staged state as batch ``seq``, all ranks at once; raises unless all
         acknowledged (a rank that acknowledged before acknowledges a retry of ``seq`` again, landing nothing)."""
         mgr, tp = self._mgr, len(self.peers)
+        retry = bool(self._batches.doubt)  # pick() keeps the doubt only when this is its batch, sent again
         staged = staged_event(mgr)
         if staged is not None:
             staged.synchronize()  # the shards are cut from the staging slots: their bytes must be final
@@ -377,13 +378,16 @@ class ReslicingSender:
             return
         what = f"{len(failed)} of {tp} ranks did not take their shards: {failed[0][1]}"
         errors = [err for _, err in failed]
-        # No rank landed it (each refused it, or each withdrew it before its go): not in doubt, and refused for
-        # room everywhere it is cut to the least room, as a plain transfer's batch is. Else some rank may hold it:
-        # in doubt, sent again under the same number (a rank that landed it answers dup).
-        if len(errors) == tp and all(isinstance(e, TransferRefusedError) for e in errors):
-            refusals = [e for e in errors if isinstance(e, TransferRefusedError)]
+        # No rank landed it: each refused it (a rank that landed an earlier try answers dup, never a refusal), or,
+        # on a first try, each refused it or withdrew it before its go (on a retry a withdrawn rank may hold an
+        # earlier try). Not in doubt then, and refused for room by every rank that refused, it is cut to the least
+        # room, as a plain transfer's batch is. Else some rank may hold it: in doubt, sent again under the same
+        # number (a rank that landed it answers dup).
+        refusals = [e for e in errors if isinstance(e, TransferRefusedError)]
+        withdrawn = [e for e in errors if isinstance(e, NothingSent)]
+        if refusals and len(errors) == tp and len(refusals) + (0 if retry else len(withdrawn)) == tp:
             rooms = [e.room for e in refusals if e.reason == "room" and e.room is not None]
-            if len(rooms) == tp:
+            if len(rooms) == len(refusals):
                 raise TransferRefusedError(what, ids, "room", min(rooms))
             raise TransferRefusedError(what, ids, next((e.reason for e in refusals if e.reason != "room"), "room"))
         if len(errors) == tp and all(isinstance(e, NothingSent) for e in errors):

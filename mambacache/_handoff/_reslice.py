@@ -347,7 +347,9 @@ class ReslicingSender:
         already acknowledges it again without landing it twice.
         """
         with self._send_lock:
-            return send_exports(self._mgr, self._ship, self.peers, self._batches)
+            # One transfer.send line per batch, naming every rank: a line per rank was counted as that many
+            # deliveries, and took a later export of the same request (to another rank) as delivered.
+            return send_exports(self._mgr, self._ship, self.peers, self._batches, lambda n: {"peers": self.peers})
 
     def _ship(self, ready: list[Export], ids: list[str], seq: int) -> None:
         """Each rank its shard of every staged state as batch ``seq``, all ranks at once; raises unless all

@@ -22,8 +22,10 @@ none on ``transfer.failed``) and, from :func:`configure`'s own pipeline,
 ``prefix.*``          debug  the prefix cache's hits, misses, inserts, evictions
 ``step.flush``        info   the StepReport figures, ``plan_us``, ``execute_us``
 ``step.error``        error  ``stage``, ``error``: an executor failed; work kept
-``transfer.send``     info   ``peer``, ``request_ids``, ``n``, ``bytes``: a batch acknowledged
-``transfer.receive``  info   ``peer``, ``request_ids``, ``n``, ``hosts`` (staging) or ``slots`` (in place), ``bytes``
+``transfer.send``     info   ``peer``, ``request_ids``, ``n``, ``bytes``: a batch acknowledged; ``peers`` (every
+                             rank, ``peer`` the first) from a re-slicing sender: one line per batch, not per rank
+``transfer.receive``  info   ``peer``, ``request_ids``, ``n``, ``hosts`` (staging) or ``slots`` (in place), ``bytes``;
+                             ``peers`` likewise from a re-slicing receiver
 ``transfer.failed``   error  ``peer``, ``request_ids``, ``call``, ``error`` (no ``step``)
 ``transfer.withdraw`` info   ``request_ids``, ``slots``: exports a release gave up (no peer)
 ``transfer.discard``  info   ``request_ids``: arrived states given up, never imported (no peer)

@@ -1,0 +1,131 @@
+"""Tracing the transfer between tensor-parallel sizes (``_handoff/_reslice.py``): each test fails on the code before
+its fix.
+
+The real link runs in one process, as in ``test_reslice_attack.py``: store-client transfers over gloo on
+127.0.0.1, each side in its own thread. The tracer is the process's, so the other side of each hand-off uses the
+calls that trace nothing of their own and touch no manager (``receive_rows`` with ``acknowledge``, ``send_rows``):
+what is captured is one engine's trace, as a real engine's file would be.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+import mambacache as mc
+from mambacache import tracing
+from mambacache._cli import main
+from mambacache.tracing import analyze, analyze_lines
+
+from .test_reslice_attack import _in_thread, _layout, _mgr, _sender, _store, _transfer
+
+
+@pytest.fixture(autouse=True)
+def _tracing_off() -> object:
+    yield
+    tracing.disable()
+
+
+def _export(mgr: mc.CacheManager, rid: str, seed: int, to: int | None = None) -> int:
+    """A cleared slot of ``rid`` filled with a state, exported (``to``: addressed to that rank) and flushed."""
+    (slot,) = mgr.alloc(1, rid)
+    mgr.flush_nowait()
+    g = torch.Generator().manual_seed(seed)
+    for t in mgr.pool.tensors:
+        t[:, slot] = torch.randn(t[:, slot].shape, generator=g).to(t.dtype)
+    mgr.export(slot, rid, to=to)
+    mgr.flush_nowait()
+    return slot
+
+
+def _taking(x: mc.StateTransfer, states: int, tries: int = 4) -> tuple[threading.Thread, list[Any]]:
+    """A decode rank that takes batches (``receive_rows``, acknowledged, landed nowhere) until ``states`` came;
+    a refusal for room is retried. Neither call traces a line unless it fails."""
+
+    def loop() -> list[str]:
+        got: list[str] = []
+        for _ in range(tries):
+            try:
+                ids, _ = x.receive_rows()
+            except mc.TransferRefusedError:
+                continue
+            x.acknowledge(ids)
+            got += ids
+            if len(got) >= states:
+                break
+        return got
+
+    return _in_thread(loop)
+
+
+def _one_to_two(path: Path, host: int = 4) -> tuple[list[dict[str, Any]], list[str]]:
+    """1 -> 2, ``a`` and ``b`` (and ``c`` with ``host`` 2: a batch refused for room, cut to it): the prefill
+    side's trace (written to ``path``, as an engine's) and the ids sent."""
+    layout = _layout()
+    shard = layout.shard_spec(2)
+    master = _store()
+    ids = ["a", "b", "c"] if host == 2 else ["a", "b"]
+    tracing.configure(path, level="debug")
+    with _mgr(layout.spec) as mgr, _mgr(shard, host=host) as d1, _mgr(shard, host=host) as d2:
+        sender = _sender(mgr, master, layout, [1, 2], 5.0)
+        into = [_transfer(d1, master, 1, 0, 5.0), _transfer(d2, master, 2, 0, 5.0)]
+        for k, rid in enumerate(ids):
+            _export(mgr, rid, k)
+        ranks = [_taking(x, len(ids)) for x in into]
+        sent = sender.send()
+        for th, got in ranks:
+            th.join(10)
+            assert got == [ids]
+        mgr.flush_nowait()
+        mgr.check_idle(host=True)
+    tracing.disable()
+    return [json.loads(text) for text in path.read_text().splitlines()], sent
+
+
+def _lines(logs: list[dict[str, Any]]) -> list[str]:
+    return [json.dumps(r) for r in logs]
+
+
+def test_a_resliced_send_is_one_delivery_in_the_trace(tmp_path: Path) -> None:
+    """1 -> 2: the sender wrote one ``transfer.send`` per decode rank, so the analyzer counted each state sent
+    twice (``states_sent`` 4 for 2 exports), and the second rank's line took a later export of the same request as
+    delivered: one addressed to rank 2 (which this sender never sends) showed ``sent`` to rank 2, and
+    ``--expect-idle`` did not report it undelivered. Now one line per batch: ``peer`` the first rank (the one its
+    exports are addressed to), ``peers`` every rank."""
+    path = tmp_path / "prefill.jsonl"
+    logs, sent = _one_to_two(path)
+    assert sent == ["a", "b"]
+    (line,) = [r for r in logs if r["event"] == "transfer.send"]
+    assert (line["peer"], line["peers"], line["request_ids"], line["n"]) == (1, [1, 2], ["a", "b"], 2)
+    analysis = analyze(path, expect_idle=True)
+    assert analysis.anomalies == []
+    assert (analysis.summary["exports"], analysis.summary["states_sent"]) == (2, 2)
+    assert main(["trace", str(path), "--expect-idle", "--strict"]) == 0
+
+    # The same request exported to rank 1 (the sender's) and to rank 2 (for another transfer): only the first goes.
+    layout = _layout()
+    master = _store()
+    tracing.configure(level="debug", use_structlog_config=True)
+    with (
+        capture_logs() as logs,
+        _mgr(layout.spec) as mgr,
+        _mgr(layout.shard_spec(2)) as d1,
+        _mgr(layout.shard_spec(2)) as d2,
+    ):
+        sender = _sender(mgr, master, layout, [1, 2], 5.0)
+        ranks = [_taking(_transfer(d, master, k, 0, 5.0), 1) for k, d in ((1, d1), (2, d2))]
+        mine, other = _export(mgr, "a", 1, to=1), _export(mgr, "a", 2, to=2)
+        assert sender.send() == ["a"]
+        for th, got in ranks:
+            th.join(10)
+            assert got == [["a"]]
+    idle = analyze_lines(_lines(logs), expect_idle=True)
+    assert sorted((a.kind, a.slot) for a in idle.anomalies) == [("export-undelivered", other), ("held-at-end", other)]
+    assert [e.peer for e in idle.timelines[mine] if e.action == "sent"] == [1]
+    assert [e.action for e in idle.timelines[other] if e.action == "sent"] == []

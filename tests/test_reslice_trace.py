@@ -21,6 +21,7 @@ from structlog.testing import capture_logs
 import mambacache as mc
 from mambacache import tracing
 from mambacache._cli import main
+from mambacache._handoff._reslice import ReslicingReceiver, StateLayout
 from mambacache.tracing import analyze, analyze_lines
 
 from .test_reslice_attack import _in_thread, _layout, _mgr, _sender, _store, _transfer
@@ -129,3 +130,74 @@ def test_a_resliced_send_is_one_delivery_in_the_trace(tmp_path: Path) -> None:
     assert sorted((a.kind, a.slot) for a in idle.anomalies) == [("export-undelivered", other), ("held-at-end", other)]
     assert [e.peer for e in idle.timelines[mine] if e.action == "sent"] == [1]
     assert [e.action for e in idle.timelines[other] if e.action == "sent"] == []
+
+
+def _states(layout: StateLayout, n: int, seed: int) -> list[torch.Tensor]:
+    """``n`` whole states, ``[layers, n, *state]`` per pool tensor."""
+    g = torch.Generator().manual_seed(seed)
+    layers = layout.spec.num_layers
+    return [torch.randn(layers, n, *shape, generator=g).to(dtype) for shape, dtype in layout.spec.shapes()]
+
+
+def _two_to_one(
+    d: mc.CacheManager, layout: StateLayout, batches: list[tuple[list[str], list[torch.Tensor]]]
+) -> tuple[list[str] | BaseException, list[list[Any]]]:
+    """2 -> 1 into ``d``: prefill rank ``k`` sends ``batches[k]`` (ids, its shard's rows) with ``send_rows``
+    (which traces nothing: the trace is the decode side's); what the receive returned or raised, and each rank's
+    outcome."""
+    master = _store()
+    shard = layout.shard_spec(2)
+    with _mgr(shard) as p0, _mgr(shard) as p1:
+        senders = [_transfer(p0, master, 0, 2, 5.0), _transfer(p1, master, 1, 2, 5.0)]
+        receiver = ReslicingReceiver(d, [_transfer(d, master, 2, 0, 5.0), _transfer(d, master, 2, 1, 5.0)], layout)
+        sends = [_in_thread(lambda x=x, b=b: x.send_rows(b[0], b[1], 1)) for x, b in zip(senders, batches, strict=True)]
+        try:
+            got: list[str] | BaseException = receiver.receive()
+        except mc.TransferError as exc:
+            got = exc
+        for th, _ in sends:
+            th.join(10)
+    return got, [out for _, out in sends]
+
+
+def test_a_resliced_receive_is_one_landing_with_its_bytes(tmp_path: Path) -> None:
+    """2 -> 1: one ``transfer.receive`` for the states every rank's shard of came (``peer`` the first rank,
+    ``peers`` both), counted once, and the decode side's trace clean under ``--expect-idle``. Its line had no
+    ``bytes`` (a plain receive's has): now the bytes that arrived from all the ranks."""
+    layout = _layout(2)
+    full = _states(layout, 2, 1)
+    path = tmp_path / "decode.jsonl"
+    tracing.configure(path, level="debug")
+    with _mgr(layout.spec) as d:
+        got, sent = _two_to_one(d, layout, [(["a", "b"], layout.slice(full, 2, k)) for k in range(2)])
+        assert got == ["a", "b"] and sent == [[None], [None]]
+        d.import_into(1, "a")
+        d.import_into(3, "b")
+        d.flush_nowait()
+        for slot, rid in ((1, "a"), (3, "b")):
+            assert torch.equal(d.pool.tensors[0][:, slot], full[0][:, "ab".index(rid)])
+            d.release(slot, rid)
+        d.flush_nowait()
+        d.check_idle(host=True)
+    tracing.disable()
+    records = [json.loads(text) for text in path.read_text().splitlines()]
+    (line,) = [r for r in records if r["event"].startswith("transfer.")]
+    assert (line["event"], line["peer"], line["peers"], line["request_ids"]) == (
+        "transfer.receive",
+        0,
+        [0, 1],
+        ["a", "b"],
+    )
+    assert line["bytes"] == 2 * 2 * layout.shard_spec(2).slot_bytes  # two states, a shard of each from two ranks
+    analysis = analyze(path, expect_idle=True)
+    assert analysis.anomalies == []
+    assert (analysis.summary["states_received"], analysis.summary["imports"]) == (2, 2)
+    assert main(["trace", str(path), "--expect-idle", "--strict"]) == 0
+
+
+def test_a_resliced_send_line_has_its_bytes(tmp_path: Path) -> None:
+    """1 -> 2: a plain ``transfer.send`` carries ``bytes``; the re-slicing sender's had none. Now the bytes sent
+    to all the ranks: each its shard of every state."""
+    logs, sent = _one_to_two(tmp_path / "prefill.jsonl")
+    (line,) = [r for r in logs if r["event"] == "transfer.send"]
+    assert (line["request_ids"], line["bytes"]) == (sent, 2 * 2 * _layout().shard_spec(2).slot_bytes)

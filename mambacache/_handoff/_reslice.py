@@ -271,10 +271,13 @@ class ReslicingReceiver:
             # Arrived only once written (a failed write frees the slots, and every rank hears it landed nothing).
             peers = [x.peer for x in self._transfers]  # the line names the first; `peers` lists every shard's rank
 
+            size = sum(r.numel() * r.element_size() for _, rows in got for r in rows)  # from every rank
+
             def arrived(slots: list[int]) -> None:  # in the hold that makes them arrived: before any import's line
                 _tracing.tracer.transfer(
-                    "transfer.receive", peers[0], ids, step=self._mgr.step, n=len(ids), hosts=slots, peers=peers
-                )
+                    "transfer.receive", peers[0], ids, step=self._mgr.step, n=len(ids), hosts=slots, bytes=size,
+                    peers=peers,
+                )  # fmt: skip
 
             self._mgr.land(ids, lambda hosts: write_staging(self._mgr, hosts, full), arrived=arrived)
         except BaseException as exc:
@@ -335,6 +338,7 @@ class ReslicingSender:
         # one that succeeded while another's batch was in doubt cleared that doubt (sent again as a new batch).
         self._send_lock = threading.Lock()
         self.peers = list(peers)
+        self._shard_bytes = layout.shard_spec(len(peers)).slot_bytes
         self._transfers = [StateTransfer(manager, group, p, timeout=timeout) for p in peers]
 
     def send(self) -> list[str]:
@@ -348,8 +352,12 @@ class ReslicingSender:
         """
         with self._send_lock:
             # One transfer.send line per batch, naming every rank: a line per rank was counted as that many
-            # deliveries, and took a later export of the same request (to another rank) as delivered.
-            return send_exports(self._mgr, self._ship, self.peers, self._batches, lambda n: {"peers": self.peers})
+            # deliveries, and took a later export of the same request (to another rank) as delivered. Its bytes:
+            # what went to all the ranks (each its shard of every state).
+            sent = len(self.peers) * self._shard_bytes
+            return send_exports(
+                self._mgr, self._ship, self.peers, self._batches, lambda n: {"bytes": n * sent, "peers": self.peers}
+            )
 
     def _ship(self, ready: list[Export], ids: list[str], seq: int) -> None:
         """Each rank its shard of every staged state as batch ``seq``, all ranks at once; raises unless all

@@ -23,7 +23,8 @@ none on ``transfer.failed``) and, from :func:`configure`'s own pipeline,
 ``step.flush``        info   the StepReport figures, ``plan_us``, ``execute_us``
 ``step.error``        error  ``stage``, ``error``: an executor failed; work kept
 ``transfer.send``     info   ``peer``, ``request_ids``, ``n``, ``bytes``: a batch acknowledged; ``peers`` (every
-                             rank, ``peer`` the first) from a re-slicing sender: one line per batch, not per rank
+                             rank, ``peer`` the first) from a re-slicing sender: one line per batch, not per rank,
+                             its ``bytes`` the sum over the ranks
 ``transfer.receive``  info   ``peer``, ``request_ids``, ``n``, ``hosts`` (staging) or ``slots`` (in place), ``bytes``;
                              ``peers`` likewise from a re-slicing receiver
 ``transfer.failed``   error  ``peer``, ``request_ids``, ``call``, ``error`` (no ``step``)

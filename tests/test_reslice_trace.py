@@ -201,3 +201,26 @@ def test_a_resliced_send_line_has_its_bytes(tmp_path: Path) -> None:
     logs, sent = _one_to_two(tmp_path / "prefill.jsonl")
     (line,) = [r for r in logs if r["event"] == "transfer.send"]
     assert (line["request_ids"], line["bytes"]) == (sent, 2 * 2 * _layout().shard_spec(2).slot_bytes)
+
+
+@pytest.mark.parametrize("wrong", ["not one batch", "replicated parts differ"])
+def test_a_resliced_receive_that_fails_on_its_own_check_is_traced(wrong: str) -> None:
+    """2 -> 1: the receiver's own refusals of what its ranks sent (their ids are not one batch; the parts every
+    rank holds whole differ) raised TransferError and wrote no ``transfer.failed`` (each rank's own receive
+    traces its failures, these checks are the receiver's): the decode trace showed nothing wrong. Now one line,
+    as a failed plain receive writes: ``peer`` the first rank, ``peers`` every rank, ``call`` ``receive``."""
+    layout = _layout(1)  # one group: B and C whole on every rank
+    one, other = _states(layout, 2, 1), _states(layout, 2, 2)
+    batches = [(["a", "b"], layout.slice(one, 2, 0))]
+    if wrong == "not one batch":
+        batches.append((["a"], [r[:, :1] for r in layout.slice(one, 2, 1)]))  # its flush of b ran later
+    else:
+        batches.append((["a", "b"], layout.slice(other, 2, 1)))  # a shard of other states
+    tracing.configure(level="debug", use_structlog_config=True)
+    with _mgr(layout.spec) as d, capture_logs() as logs:
+        got, sent = _two_to_one(d, layout, batches)
+    assert isinstance(got, mc.TransferError) and wrong.split()[-1] in str(got), got
+    assert all(isinstance(out[0], mc.TransferRefusedError) for out in sent), sent  # every rank keeps its slots
+    assert [(r["event"], r["peer"], r["peers"], r["request_ids"], r["call"], r["error"]) for r in logs] == [
+        ("transfer.failed", 0, [0, 1], ["a", "b"], "receive", str(got))
+    ]

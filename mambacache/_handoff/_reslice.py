@@ -264,12 +264,17 @@ class ReslicingReceiver:
             for x in self._transfers:
                 got.append(x.receive_rows(self._shapes))
             ids = got[0][0]
-            for k, (other, _) in enumerate(got[1:], 1):
-                if other != ids:
-                    raise TransferError(f"peer rank 0 sent {ids}, rank {k} sent {other}: not one batch", ids)
-            full = self._layout.gather([rows for _, rows in got], dim=2)
+            peers = [x.peer for x in self._transfers]  # a line names the first; `peers` lists every shard's rank
+            try:
+                for k, (other, _) in enumerate(got[1:], 1):
+                    if other != ids:
+                        raise TransferError(f"peer rank 0 sent {ids}, rank {k} sent {other}: not one batch", ids)
+                full = self._layout.gather([rows for _, rows in got], dim=2)
+            except TransferError as exc:
+                # These checks are this receiver's own: each rank's receive_rows traced only its own failures.
+                _tracing.tracer.transfer("transfer.failed", peers[0], ids, call="receive", error=str(exc), peers=peers)
+                raise
             # Arrived only once written (a failed write frees the slots, and every rank hears it landed nothing).
-            peers = [x.peer for x in self._transfers]  # the line names the first; `peers` lists every shard's rank
 
             size = sum(r.numel() * r.element_size() for _, rows in got for r in rows)  # from every rank
 

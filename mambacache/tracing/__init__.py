@@ -27,7 +27,8 @@ none on ``transfer.failed``) and, from :func:`configure`'s own pipeline,
                              its ``bytes`` the sum over the ranks
 ``transfer.receive``  info   ``peer``, ``request_ids``, ``n``, ``hosts`` (staging) or ``slots`` (in place), ``bytes``;
                              ``peers`` likewise from a re-slicing receiver
-``transfer.failed``   error  ``peer``, ``request_ids``, ``call``, ``error`` (no ``step``)
+``transfer.failed``   error  ``peer``, ``request_ids``, ``call``, ``error`` (no ``step``); ``peers`` from a
+                             re-slicing receiver's own checks (its ranks' shards not one state or batch)
 ``transfer.withdraw`` info   ``request_ids``, ``slots``: exports a release gave up (no peer)
 ``transfer.discard``  info   ``request_ids``: arrived states given up, never imported (no peer)
 ====================  =====  ==========================================================================

@@ -224,3 +224,30 @@ def test_a_resliced_receive_that_fails_on_its_own_check_is_traced(wrong: str) ->
     assert [(r["event"], r["peer"], r["peers"], r["request_ids"], r["call"], r["error"]) for r in logs] == [
         ("transfer.failed", 0, [0, 1], ["a", "b"], "receive", str(got))
     ]
+
+
+def test_a_refusal_the_send_recovers_from_is_no_failure_line(tmp_path: Path) -> None:
+    """1 -> 2, three states and room for two on each rank: both refuse the batch for room, it is cut to two and
+    sent again in the same call, which delivers all three. A plain StateTransfer writes ``transfer.failed`` only
+    for the TransferError its call raises (none here); the re-slicing sender wrote one per rank for the refusal,
+    counted as transfer failures of a send that failed nothing. A send that does raise still names each rank
+    that failed, and only those."""
+    logs, sent = _one_to_two(tmp_path / "prefill.jsonl", host=2)
+    assert sent == ["a", "b", "c"]
+    refused = [r for r in logs if r["event"] == "transfer.failed"]
+    assert {r["call"] for r in refused} == {"receive_rows"}, refused  # the decode ranks' refusals, theirs to trace
+    assert [r["n"] for r in logs if r["event"] == "transfer.send"] == [2, 1]
+
+    layout = _layout()
+    master = _store()
+    tracing.configure(level="debug", use_structlog_config=True)
+    with capture_logs() as logs, _mgr(layout.spec) as mgr, _mgr(layout.shard_spec(2)) as d1:
+        sender = _sender(mgr, master, layout, [1, 2], 1.0)
+        rank1 = _taking(_transfer(d1, master, 1, 0, 1.0), 1, tries=1)
+        _export(mgr, "a", 1)
+        with pytest.raises(mc.TransferError, match="1 of 2 ranks") as failed:
+            sender.send()  # rank 2 never receives
+        rank1[0].join(10)
+    (line,) = [r for r in logs if r["event"] == "transfer.failed"]
+    assert (line["peer"], line["request_ids"], line["call"]) == (2, ["a"], "send")
+    assert line["error"] in str(failed.value)

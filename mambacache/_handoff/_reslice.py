@@ -342,6 +342,8 @@ class ReslicingSender:
         # Two sends take turns, as a StateTransfer's do: they share the batch numbers and the batch in doubt, and
         # one that succeeded while another's batch was in doubt cleared that doubt (sent again as a new batch).
         self._send_lock = threading.Lock()
+        # The last ship's batch and the ranks it failed on, with their errors (traced by send() if it raises).
+        self._failed: tuple[list[str], list[tuple[int, TransferError]]] = ([], [])
         self.peers = list(peers)
         self._shard_bytes = layout.shard_spec(len(peers)).slot_bytes
         self._transfers = [StateTransfer(manager, group, p, timeout=timeout) for p in peers]
@@ -360,15 +362,27 @@ class ReslicingSender:
             # deliveries, and took a later export of the same request (to another rank) as delivered. Its bytes:
             # what went to all the ranks (each its shard of every state).
             sent = len(self.peers) * self._shard_bytes
-            return send_exports(
-                self._mgr, self._ship, self.peers, self._batches, lambda n: {"bytes": n * sent, "peers": self.peers}
-            )
+            try:
+                return send_exports(
+                    self._mgr, self._ship, self.peers, self._batches, lambda n: {"bytes": n * sent, "peers": self.peers}
+                )
+            except TransferError as exc:
+                # Traced only when the call raises, as a StateTransfer's send: a batch every rank refused for room
+                # is cut and sent again in the same call, and its refusals are no failure of it. Each rank whose
+                # shards failed in the last ship gets its line (none recorded: the first rank, for the call).
+                ids, failed = self._failed
+                for peer, err in failed or [(self.peers[0], exc)]:
+                    _tracing.tracer.transfer(
+                        "transfer.failed", peer, ids or exc.request_ids, call="send", error=str(err)
+                    )
+                raise
 
     def _ship(self, ready: list[Export], ids: list[str], seq: int) -> None:
         """Each rank its shard of every staged state as batch ``seq``, all ranks at once; raises unless all
         acknowledged (a rank that acknowledged before acknowledges a retry of ``seq`` again, landing nothing)."""
         mgr, tp = self._mgr, len(self.peers)
         retry = bool(self._batches.doubt)  # pick() keeps the doubt only when this is its batch, sent again
+        self._failed = [], []
         staged = staged_event(mgr)
         if staged is not None:
             staged.synchronize()  # the shards are cut from the staging slots: their bytes must be final
@@ -387,8 +401,7 @@ class ReslicingSender:
                 failed.append((x.peer, exc))
             elif exc is not None:
                 raise exc
-        for peer, err in failed:
-            _tracing.tracer.transfer("transfer.failed", peer, ids, call="send", error=str(err))
+        self._failed = ids, failed  # traced by send() if the call raises
         if not failed:
             return
         what = f"{len(failed)} of {tp} ranks did not take their shards: {failed[0][1]}"

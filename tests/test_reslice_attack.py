@@ -329,3 +329,52 @@ def test_an_acknowledgement_that_fails_on_one_rank_still_answers_the_others() ->
         for th, _ in sends:
             th.join(10)
         assert [sent for _, sent in sends] == [[["a", "b"]], [["b"]]]  # rank 0: a in doubt (dup) first, then b
+
+
+def test_a_cut_for_room_on_one_rank_does_not_split_the_ranks_batches_for_good() -> None:
+    """2 -> 1 (found by tests/test_reslice_soak.py, which hung): rank 0's header of ``[a, b]`` is refused for room
+    (room for one), so its sender cuts to one state and keeps that cut (``Batches.limit``) until a batch of it
+    succeeds. Meanwhile room comes back and rank 1's ``[a, b]`` is taken: rank 0 sent ``[a]``, not one batch,
+    refused as ``failed`` on both. The cut stayed: rank 0 sent ``[a]`` and rank 1 ``[a, b]`` on every later try,
+    with the decode side idle and room for both, for good (the soak: 115 s of "not one batch" until its
+    deadline)."""
+    layout = _layout(2)
+    shard = layout.shard_spec(2)
+    master = _store()
+    with _mgr(shard) as p0, _mgr(shard) as p1, _mgr(layout.spec) as d:
+        senders = [_transfer(p0, master, 0, 2, 5.0), _transfer(p1, master, 1, 2, 5.0)]
+        receiver = ReslicingReceiver(d, [_transfer(d, master, 2, 0, 5.0), _transfer(d, master, 2, 1, 5.0)], layout)
+        d.land(["x", "y", "z"])  # arrived, not imported yet: room for one
+        assert d.landing_room() == 1
+        for p in (p0, p1):
+            _export(p, "a", 1)
+            _export(p, "b", 2)
+        sends = [_in_thread(x.send) for x in senders]
+        with pytest.raises(mc.TransferRefusedError):
+            receiver.receive()  # rank 0's [a, b]: room for 1; its sender cuts to [a] and sends that at once
+        for rid in "xyz":
+            d.discard_arrived(rid)  # the step loop imported them: room for four
+        d.flush_nowait()
+        with pytest.raises(mc.TransferError, match="not one batch"):
+            receiver.receive()  # [a] from rank 0, [a, b] from rank 1: both hear that nothing landed
+        for th, sent in sends:
+            th.join(10)
+            assert isinstance(sent[0], mc.TransferRefusedError) and sent[0].reason == "failed", sent
+        landed: list[str] = []
+        for _ in range(3):  # both send again, as an engine's sender loop does
+            sends = [_in_thread(x.send) for x in senders]
+            try:
+                landed = receiver.receive()
+            except mc.TransferError as exc:
+                assert "not one batch" in str(exc), exc
+            for th, _ in sends:
+                th.join(10)
+            if landed:
+                break
+        assert landed == ["a", "b"], "the ranks' batches stayed apart: rank 0 kept its cut to the room it had"
+        for rid in landed:
+            d.discard_arrived(rid)
+        d.flush_nowait()
+        for p in (p0, p1):
+            p.flush_nowait()
+            p.check_idle(host=True)

@@ -260,6 +260,12 @@ class Batches:
             if exc.reason == "room" and exc.room and exc.room < len(batch):
                 self.limit = exc.room  # a batch the peer has room for, at once
                 return True
+            if exc.reason != "room":
+                # The cut is the room of the peer's last refusal for room, not a rule: a batch refused for another
+                # reason goes whole again (refused for room again if it still does not fit). Kept, it pinned a
+                # prefill rank of a TP engine to a cut its other ranks did not make: a re-slicing receiver then
+                # refused their batches as not one batch on every try, for good.
+                self.limit = None
             return False
         # Withdrawn before the peer's go, a first try is nowhere: not in doubt, and not kept for that peer (an
         # export to no one must stay free to go to another peer). A retry of a batch in doubt (its number went

@@ -299,7 +299,8 @@ def test_an_acknowledgement_that_fails_on_one_rank_still_answers_the_others() ->
     """2 -> 1: the state landed, and the acknowledgement to rank 0 failed (its store client's ``set`` raised:
     a connection reset). The loop stopped there, so rank 1 was never answered: its sender waited out its
     timeout, and this receiver's transfer from rank 1 kept the batch awaiting an answer that nothing could give
-    any more (the caller never saw its ids): every later receive refused ("awaits its answer"), for good."""
+    any more (the caller never saw its ids): every later receive refused ("awaits its answer"), for good. Every
+    rank is answered, and the landed ids are returned (raised, the error hid which states landed)."""
     layout = _layout(2)
     shard = layout.shard_spec(2)
     master = _store()
@@ -319,8 +320,7 @@ def test_an_acknowledgement_that_fails_on_one_rank_still_answers_the_others() ->
         for p in (p0, p1):
             _export(p, "a", 1)
         sends = [_in_thread(x.send) for x in senders]
-        with pytest.raises(mc.TransferError, match="connection reset"):
-            receiver.receive()
+        assert receiver.receive() == ["a"]  # landed: the failed answer is traced, not raised (the ids stay known)
         for th, _ in sends:
             th.join(10)
         assert sends[1][1] == [["a"]], f"rank 1 was not answered: {sends[1][1]}"

@@ -16,8 +16,10 @@ from typing import Any
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 import mambacache as mc
+from mambacache import tracing
 
 from .util import paged_pool, quant_spec
 
@@ -387,3 +389,60 @@ def test_a_batch_in_doubt_is_not_landed_twice_after_another_sender_of_the_direct
         for mgr in (m1, m2):
             mgr.flush_nowait()
             mgr.check_idle(host=True)
+
+
+def test_a_receive_whose_acknowledgement_fails_returns_the_ids_that_landed() -> None:
+    """The batch landed (arrived, importable), then the acknowledgement's write to the store failed (a connection
+    reset). receive() raised the store's TransferError, which carries no ids: the engine never learned which states
+    had arrived, so it could not import them (check_idle named them later). It returns them now, with a
+    transfer.failed line; the sender, unanswered, sends again and is acknowledged as a duplicate."""
+    spec = quant_spec(2)
+    master = _store()
+    with (
+        mc.CacheManager(mc.StatePool(spec, 4), host_pool=mc.HostPool(spec, 2)) as src,
+        mc.CacheManager(mc.StatePool(spec, 4), host_pool=mc.HostPool(spec, 2)) as dst,
+    ):
+        out, into = _transfer(src, master, 0, 1, 1.0), _transfer(dst, master, 1, 0, 1.0)
+        (slot,) = src.alloc(1, "r", clear=False)
+        for t in src.pool.exec_tensors:
+            t[:, slot] = 5
+        src.flush_nowait()
+        src.export(slot, "r")
+        src.flush_nowait()
+        inbox = into._in
+        real = inbox.call
+
+        def reset_once(what: str, *args: Any) -> Any:
+            if what == "set" and str(args[0]).startswith("ack/"):
+                inbox.call = real  # type: ignore[method-assign]
+                raise mc.TransferError("the key-value store failed (set): connection reset")
+            return real(what, *args)
+
+        inbox.call = reset_once  # type: ignore[method-assign]
+        thread, sent = _in_thread(out.send)
+        tracing.configure(level="info", use_structlog_config=True)
+        try:
+            with capture_logs() as logs:
+                got = into.receive()
+        finally:
+            tracing.disable()
+        thread.join(10)
+        assert got == ["r"]
+        assert [(e["event"], e.get("call")) for e in logs] == [
+            ("transfer.receive", None), ("transfer.failed", "acknowledge")
+        ], logs  # fmt: skip
+        assert isinstance(sent[0], mc.TransferError), sent  # unanswered: in doubt
+        thread, sent = _in_thread(out.send)  # the retry: acknowledged as a duplicate, not landed again
+        try:
+            with pytest.raises(mc.TransferError, match="no batch"):
+                into.receive()
+        finally:
+            thread.join(10)
+        assert sent == [["r"]], sent
+        (new,) = dst.alloc(1, "x", clear=False)
+        dst.release(new)
+        dst.import_into(new, "r")
+        dst.flush_nowait()
+        assert all(bool((t[:, new] == 5).all()) for t in dst.pool.exec_tensors)
+        src.flush_nowait()
+        src.check_idle(host=True)

@@ -365,6 +365,16 @@ def _receive_line(peer: int, mgr: CacheManager, batch: Batch, where: str) -> Cal
     return arrived
 
 
+def _acknowledge_landed(inbox: Inbox, peer: int, batch: Batch) -> None:
+    """Acknowledge ``batch``, landed. A failure of the answer (its write to the store) is traced, not raised: the
+    states arrived, and raising would hide which from the engine; the sender, unanswered, sends the batch again,
+    acknowledged as a duplicate."""
+    try:
+        inbox.answer(batch, True)
+    except TransferError as exc:
+        _tracing.tracer.transfer("transfer.failed", peer, batch.ids, call="acknowledge", error=str(exc))
+
+
 def _landing_rows(mgr: CacheManager, in_place: bool) -> list[list[torch.Tensor]]:
     """Per pool tensor, its ``[slots + 1, *state]`` rows of each layer: the pool's (``in_place``) or the host
     pool's."""
@@ -565,7 +575,7 @@ class StateTransfer:
                             f"receiving a batch from rank {self.peer} failed, nothing landed: {exc!r}", batch.ids
                         ) from exc
                     raise
-                self._in.answer(batch, True)
+                _acknowledge_landed(self._in, self.peer, batch)
                 return batch.ids
 
     def _take(self, batch: Batch, in_place: bool, slots: list[int]) -> None:

@@ -12,8 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Callable
-from datetime import timedelta
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 from unittest import mock
@@ -23,6 +22,10 @@ import torch
 
 import mambacache as mc
 from mambacache._handoff._reslice import ReslicingReceiver, ReslicingSender, StateLayout
+
+from .link import in_thread as _in_thread
+from .link import store as _store
+from .link import transfer as _transfer
 
 
 def _config(groups: int = 1) -> SimpleNamespace:
@@ -37,19 +40,6 @@ def _layout(groups: int = 1) -> StateLayout:
     cfg = _config(groups)
     spec = mc.StateSpec.from_hf_config(cfg, extra_shapes={"scale": ((), torch.float32)})
     return StateLayout.from_config(cfg, spec)
-
-
-def _store() -> Any:
-    import torch.distributed as dist
-
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-
-
-def _transfer(mgr: mc.CacheManager, master: Any, rank: int, peer: int, timeout: float) -> mc.StateTransfer:
-    import torch.distributed as dist
-
-    client = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=10))
-    return mc.StateTransfer(mgr, None, peer=peer, store=client, rank=rank, timeout=timeout)
 
 
 def _sender(mgr: mc.CacheManager, master: Any, layout: StateLayout, peers: list[int], timeout: float) -> Any:
@@ -71,18 +61,33 @@ def _sender(mgr: mc.CacheManager, master: Any, layout: StateLayout, peers: list[
         return ReslicingSender(mgr, None, peers, layout, timeout=timeout)
 
 
-def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
-    out: list[Any] = []
+@contextlib.contextmanager
+def _one_to_two(
+    timeout: float, host: tuple[int, int] = (4, 4)
+) -> Iterator[tuple[mc.CacheManager, mc.CacheManager, mc.CacheManager, Any, list[mc.StateTransfer]]]:
+    """1 -> 2 over the real link: the prefill manager, the two decode ranks' (host pools of ``host`` slots), the
+    re-slicing sender of rank 0 and the decode ranks' transfers from it."""
+    layout = _layout()
+    shard = layout.shard_spec(2)
+    master = _store()
+    with _mgr(layout.spec) as mgr, _mgr(shard, host=host[0]) as d1, _mgr(shard, host=host[1]) as d2:
+        sender = _sender(mgr, master, layout, [1, 2], timeout)
+        yield mgr, d1, d2, sender, [_transfer(d1, master, 1, 0, timeout), _transfer(d2, master, 2, 0, timeout)]
 
-    def run() -> None:
-        try:
-            out.append(call())
-        except BaseException as exc:  # handed to the test's thread
-            out.append(exc)
 
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, out
+@contextlib.contextmanager
+def _two_to_one(
+    timeout: float,
+) -> Iterator[tuple[mc.CacheManager, mc.CacheManager, mc.CacheManager, list[mc.StateTransfer], ReslicingReceiver]]:
+    """2 -> 1 over the real link: the two prefill ranks' managers (each its shard), the decode manager, the prefill
+    ranks' transfers to it and its re-slicing receiver (two groups: B and C split too)."""
+    layout = _layout(2)
+    shard = layout.shard_spec(2)
+    master = _store()
+    with _mgr(shard) as p0, _mgr(shard) as p1, _mgr(layout.spec) as d:
+        senders = [_transfer(p0, master, 0, 2, timeout), _transfer(p1, master, 1, 2, timeout)]
+        froms = [_transfer(d, master, 2, 0, timeout), _transfer(d, master, 2, 1, timeout)]
+        yield p0, p1, d, senders, ReslicingReceiver(d, froms, layout)
 
 
 def _mgr(spec: mc.StateSpec, slots: int = 6, host: int = 4) -> mc.CacheManager:
@@ -107,12 +112,8 @@ def _export(mgr: mc.CacheManager, rid: str, seed: int) -> int:
 def test_the_harness_delivers_each_rank_exactly_its_shard() -> None:
     """The baseline the tests below build on: 1 -> 2 over the real link, each decode rank's slots byte for byte
     its shard of the whole (x split, B and C replicated, a scalar extra replicated)."""
-    layout = _layout()
-    shard = layout.shard_spec(2)
-    master = _store()
-    with _mgr(layout.spec) as mgr, _mgr(shard) as d1, _mgr(shard) as d2:
-        sender = _sender(mgr, master, layout, [1, 2], 5.0)
-        into = [_transfer(d1, master, 1, 0, 5.0), _transfer(d2, master, 2, 0, 5.0)]
+    layout = _layout()  # equal to the sender's: a layout is its config's and spec's
+    with _one_to_two(5.0) as (mgr, d1, d2, sender, into):
         slots = [_export(mgr, "a", 1), _export(mgr, "b", 2)]
         full = [t[:, slots].clone() for t in mgr.pool.tensors]
         threads = [_in_thread(x.receive) for x in into]
@@ -150,12 +151,7 @@ def test_a_batch_larger_than_every_ranks_room_is_cut_to_it() -> None:
     again at once; the re-slicing sender took any rank's failure for one after the bytes (a batch in doubt), so it
     sent the same three under the same number on every later call, refused again each time: the states never
     went, however often the engine retried."""
-    layout = _layout()
-    shard = layout.shard_spec(2)
-    master = _store()
-    with _mgr(layout.spec) as mgr, _mgr(shard, host=2) as d1, _mgr(shard, host=2) as d2:
-        sender = _sender(mgr, master, layout, [1, 2], 2.0)
-        into = [_transfer(d1, master, 1, 0, 2.0), _transfer(d2, master, 2, 0, 2.0)]
+    with _one_to_two(2.0, host=(2, 2)) as (mgr, d1, d2, sender, into):
         for k, rid in enumerate("abc"):
             _export(mgr, rid, k)
         threads = [_receiving(x) for x in into]
@@ -185,12 +181,7 @@ def test_two_sends_at_once_keep_a_batch_in_doubt_until_it_is_settled() -> None:
     meanwhile, ships ``b`` and succeeds once rank 2 comes back, and its success cleared the shared doubt: ``a``
     then went again under a new number, which rank 1 could not tell from a new state (refused as arrived twice
     while it awaits its import, landed a second time after it)."""
-    layout = _layout()
-    shard = layout.shard_spec(2)
-    master = _store()
-    with _mgr(layout.spec) as mgr, _mgr(shard) as d1, _mgr(shard) as d2:
-        sender = _sender(mgr, master, layout, [1, 2], 1.0)
-        into = [_transfer(d1, master, 1, 0, 1.0), _transfer(d2, master, 2, 0, 1.0)]
+    with _one_to_two(1.0) as (mgr, d1, d2, sender, into):
         stop = threading.Event()
         got: dict[int, list[str]] = {1: [], 2: []}
         errors: list[BaseException] = []
@@ -245,12 +236,7 @@ def test_shards_that_are_not_one_batch_cost_no_gloo_pair() -> None:
     per rank per such round, kept for the life of the process (a decode side ran out of file descriptors)."""
     import mambacache._handoff._link as link
 
-    layout = _layout(2)
-    shard = layout.shard_spec(2)
-    master = _store()
-    with _mgr(shard) as p0, _mgr(shard) as p1, _mgr(layout.spec) as d:
-        senders = [_transfer(p0, master, 0, 2, 5.0), _transfer(p1, master, 1, 2, 5.0)]
-        receiver = ReslicingReceiver(d, [_transfer(d, master, 2, 0, 5.0), _transfer(d, master, 2, 1, 5.0)], layout)
+    with _two_to_one(5.0) as (p0, p1, d, senders, receiver):
         retired = []
         for k in range(3):
             a, b = f"a{k}", f"b{k}"
@@ -301,12 +287,7 @@ def test_an_acknowledgement_that_fails_on_one_rank_still_answers_the_others() ->
     timeout, and this receiver's transfer from rank 1 kept the batch awaiting an answer that nothing could give
     any more (the caller never saw its ids): every later receive refused ("awaits its answer"), for good. Every
     rank is answered, and the landed ids are returned (raised, the error hid which states landed)."""
-    layout = _layout(2)
-    shard = layout.shard_spec(2)
-    master = _store()
-    with _mgr(shard) as p0, _mgr(shard) as p1, _mgr(layout.spec) as d:
-        senders = [_transfer(p0, master, 0, 2, 2.0), _transfer(p1, master, 1, 2, 2.0)]
-        receiver = ReslicingReceiver(d, [_transfer(d, master, 2, 0, 2.0), _transfer(d, master, 2, 1, 2.0)], layout)
+    with _two_to_one(2.0) as (p0, p1, _, senders, receiver):
         inbox = receiver._transfers[0]._in
         real = inbox.call
 
@@ -340,12 +321,7 @@ def test_a_cut_for_room_on_one_rank_does_not_split_the_ranks_batches_for_good() 
     refused as ``failed`` on both. The cut stayed: rank 0 sent ``[a]`` and rank 1 ``[a, b]`` on every later try,
     with the decode side idle and room for both, for good (the soak: 115 s of "not one batch" until its
     deadline)."""
-    layout = _layout(2)
-    shard = layout.shard_spec(2)
-    master = _store()
-    with _mgr(shard) as p0, _mgr(shard) as p1, _mgr(layout.spec) as d:
-        senders = [_transfer(p0, master, 0, 2, 5.0), _transfer(p1, master, 1, 2, 5.0)]
-        receiver = ReslicingReceiver(d, [_transfer(d, master, 2, 0, 5.0), _transfer(d, master, 2, 1, 5.0)], layout)
+    with _two_to_one(5.0) as (p0, p1, d, senders, receiver):
         d.land(["x", "y", "z"])  # arrived, not imported yet: room for one
         assert d.landing_room() == 1
         for p in (p0, p1):
@@ -408,12 +384,7 @@ def test_a_first_try_one_rank_refused_for_room_and_another_never_took_is_cut_to_
     doubt: the same three under the same number on every later send, which rank 1, whose room can never be
     three, refused each time while rank 2 landed them: the states never went, however often the engine retried.
     Now a first try that no rank took is not in doubt, and a refusal for room cuts it: a and b go."""
-    layout = _layout()
-    shard = layout.shard_spec(2)
-    master = _store()
-    with _mgr(layout.spec) as mgr, _mgr(shard, host=2) as d1, _mgr(shard) as d2:
-        sender = _sender(mgr, master, layout, [1, 2], 1.0)
-        into = [_transfer(d1, master, 1, 0, 1.0), _transfer(d2, master, 2, 0, 1.0)]
+    with _one_to_two(1.0, host=(2, 4)) as (mgr, _, _, sender, into):
         for k, rid in enumerate("abc"):
             _export(mgr, rid, k)
         stop = threading.Event()

@@ -9,8 +9,6 @@ Others replace the wire by a ``ship`` callable, as ``test_transfer_attack``.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -18,6 +16,9 @@ import pytest
 import mambacache as mc
 from mambacache._handoff._transfer import Batches, send_exports
 
+from .link import in_thread as _in_thread
+from .link import store as _store
+from .link import transfer as _transfer
 from .util import small_spec
 
 SPEC = small_spec(2)
@@ -64,33 +65,7 @@ def test_a_send_that_delivered_a_batch_before_the_manager_closed_returns_it() ->
     assert a not in mgr.pool.allocated_slots(), "the delivered export's slot was kept"
 
 
-# -- the real link in one process ---------------------------------------------------------------------------
-def _store() -> Any:
-    import torch.distributed as dist
-
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
-
-
-def _transfer(mgr: mc.CacheManager, master: Any, rank: int, peer: int, timeout: float) -> mc.StateTransfer:
-    import torch.distributed as dist
-
-    client = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=10))
-    return mc.StateTransfer(mgr, None, peer=peer, store=client, rank=rank, timeout=timeout)
-
-
-def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
-    """``call`` in a thread; its result (or its exception) lands in the list."""
-    out: list[Any] = []
-
-    def run() -> None:
-        try:
-            out.append(call())
-        except BaseException as exc:  # handed to the test's thread
-            out.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, out
+# -- the real link in one process (tests/link.py) ----------------------------------------------------------
 
 
 def _deliver(out: mc.StateTransfer, into: mc.StateTransfer, rid: str, why: str = "") -> None:

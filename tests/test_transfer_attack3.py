@@ -9,8 +9,8 @@ between them built as between two processes.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
+import contextlib
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -21,36 +21,42 @@ from structlog.testing import capture_logs
 import mambacache as mc
 from mambacache import tracing
 
+from .link import in_thread as _in_thread
+from .link import store as _store
+from .link import transfer as _transfer
 from .util import paged_pool, quant_spec
 
 
-# -- the real link in one process (as tests/test_transfer_attack2.py; tests share helpers only through util) ------
-def _store() -> Any:
-    import torch.distributed as dist
+@contextlib.contextmanager
+def _one_export(
+    value: float, timeout: float
+) -> Iterator[tuple[mc.CacheManager, mc.CacheManager, mc.StateTransfer, mc.StateTransfer]]:
+    """A sender whose staged export ``r`` holds ``value`` everywhere, a receiver with room, and the link between:
+    ``(src, dst, out, into)``. On a clean exit the sender holds nothing (its export was delivered)."""
+    spec = quant_spec(2)
+    master = _store()
+    with (
+        mc.CacheManager(mc.StatePool(spec, 4), host_pool=mc.HostPool(spec, 2)) as src,
+        mc.CacheManager(mc.StatePool(spec, 4), host_pool=mc.HostPool(spec, 2)) as dst,
+    ):
+        (slot,) = src.alloc(1, "r", clear=False)
+        for t in src.pool.exec_tensors:
+            t[:, slot] = value
+        src.flush_nowait()
+        src.export(slot, "r")
+        src.flush_nowait()
+        yield src, dst, _transfer(src, master, 0, 1, timeout), _transfer(dst, master, 1, 0, timeout)
+        src.flush_nowait()
+        src.check_idle(host=True)
 
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
 
-
-def _transfer(mgr: mc.CacheManager, master: Any, rank: int, peer: int, timeout: float) -> mc.StateTransfer:
-    import torch.distributed as dist
-
-    client = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=10))
-    return mc.StateTransfer(mgr, None, peer=peer, store=client, rank=rank, timeout=timeout)
-
-
-def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
-    """``call`` in a thread; its result (or its exception) lands in the list."""
-    out: list[Any] = []
-
-    def run() -> None:
-        try:
-            out.append(call())
-        except BaseException as exc:  # handed to the test's thread
-            out.append(exc)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, out
+def _imports_once(dst: mc.CacheManager, value: float) -> None:
+    """``r`` arrived at ``dst`` (once: the import takes it) and holds ``value`` everywhere."""
+    (new,) = dst.alloc(1, "x", clear=False)
+    dst.release(new)
+    dst.import_into(new, "r")
+    dst.flush_nowait()
+    assert all(bool((t[:, new] == value).all()) for t in dst.pool.exec_tensors)
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -293,19 +299,7 @@ def test_a_receive_that_fails_locally_raises_a_transfer_error_and_the_retry_land
     TransferError. The sender's next send lands the batch once."""
     from mambacache._handoff import _transfer as transfer
 
-    spec = quant_spec(2)
-    master = _store()
-    with (
-        mc.CacheManager(mc.StatePool(spec, 4), host_pool=mc.HostPool(spec, 2)) as src,
-        mc.CacheManager(mc.StatePool(spec, 4), host_pool=mc.HostPool(spec, 2)) as dst,
-    ):
-        out, into = _transfer(src, master, 0, 1, 2.0), _transfer(dst, master, 1, 0, 2.0)
-        (slot,) = src.alloc(1, "r", clear=False)
-        for t in src.pool.exec_tensors:
-            t[:, slot] = 7
-        src.flush_nowait()
-        src.export(slot, "r")
-        src.flush_nowait()
+    with _one_export(7, 2.0) as (_, dst, out, into):
 
         class Failing(transfer._Buffers):
             def rows(self, *args: Any) -> Any:
@@ -326,14 +320,7 @@ def test_a_receive_that_fails_locally_raises_a_transfer_error_and_the_retry_land
         finally:
             thread.join(10)
         assert sent == [["r"]]
-        (new,) = dst.alloc(1, "x", clear=False)
-        dst.release(new)
-        dst.import_into(new, "r")
-        dst.flush_nowait()
-        for t in dst.pool.exec_tensors:
-            assert bool((t[:, new] == 7).all())
-        src.flush_nowait()
-        src.check_idle(host=True)
+        _imports_once(dst, 7)
 
 
 def test_a_batch_in_doubt_is_not_landed_twice_after_another_sender_of_the_direction_landed_one() -> None:
@@ -396,19 +383,7 @@ def test_a_receive_whose_acknowledgement_fails_returns_the_ids_that_landed() -> 
     reset). receive() raised the store's TransferError, which carries no ids: the engine never learned which states
     had arrived, so it could not import them (check_idle named them later). It returns them now, with a
     transfer.failed line; the sender, unanswered, sends again and is acknowledged as a duplicate."""
-    spec = quant_spec(2)
-    master = _store()
-    with (
-        mc.CacheManager(mc.StatePool(spec, 4), host_pool=mc.HostPool(spec, 2)) as src,
-        mc.CacheManager(mc.StatePool(spec, 4), host_pool=mc.HostPool(spec, 2)) as dst,
-    ):
-        out, into = _transfer(src, master, 0, 1, 1.0), _transfer(dst, master, 1, 0, 1.0)
-        (slot,) = src.alloc(1, "r", clear=False)
-        for t in src.pool.exec_tensors:
-            t[:, slot] = 5
-        src.flush_nowait()
-        src.export(slot, "r")
-        src.flush_nowait()
+    with _one_export(5, 1.0) as (_, dst, out, into):
         inbox = into._in
         real = inbox.call
 
@@ -439,10 +414,4 @@ def test_a_receive_whose_acknowledgement_fails_returns_the_ids_that_landed() -> 
         finally:
             thread.join(10)
         assert sent == [["r"]], sent
-        (new,) = dst.alloc(1, "x", clear=False)
-        dst.release(new)
-        dst.import_into(new, "r")
-        dst.flush_nowait()
-        assert all(bool((t[:, new] == 5).all()) for t in dst.pool.exec_tensors)
-        src.flush_nowait()
-        src.check_idle(host=True)
+        _imports_once(dst, 5)

@@ -1,0 +1,44 @@
+"""The real transfer link in one process: ``StateTransfer`` on clients of one ``TCPStore`` on 127.0.0.1.
+
+Each side runs in its own thread; the gloo pairs between them are built as between processes. Shared by the
+adversarial transfer tests (``test_transfer_attack*.py``, ``test_reslice_*.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import mambacache as mc
+
+
+def store() -> Any:
+    """A store's master on a free port of 127.0.0.1 (the clients of :func:`transfer` connect to it)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+
+def transfer(mgr: mc.CacheManager, master: Any, rank: int, peer: int, timeout: float) -> mc.StateTransfer:
+    """``mgr``'s transfer as ``rank`` to ``peer``, on a client of its own of ``master``."""
+    import torch.distributed as dist
+
+    client = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=10))
+    return mc.StateTransfer(mgr, None, peer=peer, store=client, rank=rank, timeout=timeout)
+
+
+def in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    """``call`` in a thread; its result (or its exception) lands in the list."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(call())
+        except BaseException as exc:  # handed to the test's thread
+            out.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, out

@@ -26,7 +26,6 @@ joined from both shards) and releases. Each process writes what it saw to
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import random
@@ -44,7 +43,7 @@ import torch.distributed as dist
 import mambacache as mc
 from mambacache._handoff._reslice import ReslicingReceiver, ReslicingSender, StateLayout
 
-from .util import flush_with_fault
+from .soak import Deadline, faulted_flush, import_each, write_stats
 
 TIMEOUT = 1.0
 DEADLINE = 120.0  # seconds: a thread still running after this is a hang
@@ -76,30 +75,10 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-def _faulted_flush(mgr: mc.CacheManager, rng: random.Random) -> None:
-    """A flush with a fault before a drawn op half the time (repaired at once), else a plain one; a sender or
-    receiver thread may queue releases and drops meanwhile (``alone=False``)."""
-    flush_with_fault(mgr, rng.randint(1, 40) if rng.random() < 0.5 else 0, MemoryError, alone=False)
-
-
 def _store() -> Any:
     from mambacache._handoff._link import root_store
 
     return root_store(dist.distributed_c10d._get_default_store())
-
-
-class _Deadline:
-    def __init__(self) -> None:
-        self.end = time.monotonic() + DEADLINE
-
-    def check(self, what: str) -> None:
-        if time.monotonic() > self.end:
-            raise AssertionError(f"{what}: still running after {DEADLINE:g}s (a hang)")
-
-
-def _free_slot(mgr: mc.CacheManager) -> int:
-    held = mgr.held()
-    return next(s for s in range(1, mgr.pool.num_slots + 1) if s not in held)
 
 
 def _debug(text: str) -> None:
@@ -108,16 +87,11 @@ def _debug(text: str) -> None:
         print(f"{time.monotonic():.2f} {text}", flush=True)
 
 
-def _write(out: str, name: str, stats: dict[str, Any]) -> None:
-    with open(os.path.join(out, f"{name}.json"), "w", encoding="utf-8") as f:
-        json.dump(stats, f)
-
-
 # -- a prefill rank -----------------------------------------------------------------------------------------
 def prefill(rank: int, tp: int, xfer: Any, mgr: mc.CacheManager, count: int, out: str, to: int, seed: int) -> None:
     """Rank ``rank`` of a prefill engine at ``tp``: the oracle's state (its shard) of ``count`` requests, exported
     and sent by ``xfer`` (a StateTransfer or a ReslicingSender) in a thread; ``to``: the first decode rank."""
-    rng, deadline = random.Random(seed * 1000 + 7 + rank), _Deadline()
+    rng, deadline = random.Random(seed * 1000 + 7 + rank), Deadline(DEADLINE)
     pool = mgr.pool
     lock = threading.Lock()  # the sender thread's counts vs. the step loop's
     stats: dict[str, Any] = {"batches": 0, "states": 0, "failed_sends": 0, "delivered": [], "rank": rank}
@@ -163,7 +137,7 @@ def prefill(rank: int, tp: int, xfer: Any, mgr: mc.CacheManager, count: int, out
         if todo and pool.num_free and host.num_free:
             rid = todo.pop(0)
             (slot,) = mgr.alloc(1, rid, clear=False)
-            _faulted_flush(mgr, rng)
+            faulted_flush(mgr, rng)
             for t, want in zip(pool.tensors, oracle(rid, tp, rank), strict=True):
                 t[:, slot] = want  # the forward over the prompt (this rank's shard of it)
             # Addressed to the first decode rank or to no one (a re-slicing sender takes both), in place or
@@ -172,7 +146,7 @@ def prefill(rank: int, tp: int, xfer: Any, mgr: mc.CacheManager, count: int, out
             engine = random.Random(zlib.crc32(rid.encode()))
             mgr.export(slot, rid, to=to if engine.random() < 0.5 else None, in_place=engine.random() < 0.5)
             exported.append(rid)
-        _faulted_flush(mgr, rng)
+        faulted_flush(mgr, rng)
         time.sleep(0.005)
     done.set()
     thread.join(DEADLINE)
@@ -180,7 +154,7 @@ def prefill(rank: int, tp: int, xfer: Any, mgr: mc.CacheManager, count: int, out
     mgr.check_idle(host=True)
     stats["exported"] = exported
     stats["refusals"] = dict(refusals)
-    _write(out, f"prefill{rank}", stats)
+    write_stats(out, f"prefill{rank}", stats)
 
 
 # -- a decode rank ------------------------------------------------------------------------------------------
@@ -200,7 +174,7 @@ def decode(
     each byte against the oracle and releases. ``expect``: keep two slots awaiting the next states
     (``expect_import``: a plain transfer lands in them in place, a re-slicing receiver in staging)."""
     rng, wire_rng = random.Random(seed * 1000 + 100 + rank), random.Random(seed * 1000 + 200 + rank)
-    deadline = _Deadline()
+    deadline = Deadline(DEADLINE)
     pool, store = mgr.pool, _store()
     stats: dict[str, Any] = {"verified": [], "failed_receives": 0, "delays": 0, "rank": rank}
     stats.update(expected=0, in_place=0)
@@ -232,48 +206,16 @@ def decode(
             for r in ids:
                 arrived.put(r)
 
-    thread = threading.Thread(target=receiver, daemon=True)
-    thread.start()
-    expected: dict[str, int] = {}  # request id -> the slot awaiting its state
-    upcoming = (f"r-{i}" for i in range(10**6))  # the ids in export order
-    while True:
-        deadline.check(f"the step loop of decode rank {rank}")
-        while expect and len(expected) < 2 and pool.num_free > 2:
-            rid = next(upcoming)
-            slot = _free_slot(mgr)
-            try:
-                mgr.expect_import(slot, rid)  # it may land in the receiver thread from here on
-            except mc.SlotStateError:
-                continue  # arrived in staging already: imported into a free slot below
-            expected[rid] = slot
-            stats["expected"] += 1
-        try:
-            rid = arrived.get(timeout=0.05)
-        except queue.Empty:
-            if not thread.is_alive():
-                break  # it ends only once every prefill rank is done: nothing more can come
-            _faulted_flush(mgr, rng)  # the expected slots settle: a landing in place may follow
-            continue
-        while not pool.num_free:
-            _faulted_flush(mgr, rng)
-        slot = expected.pop(rid, None) or _free_slot(mgr)
-        queued = len(mgr.queued())
-        mgr.import_into(slot, rid)
-        stats["in_place"] += len(mgr.queued()) == queued  # landed in the slot itself: nothing to copy
-        _faulted_flush(mgr, rng)
+    def check(rid: str, slot: int) -> None:
         for got, want in zip(pool.tensors, oracle(rid, tp, shard), strict=True):
             assert torch.equal(_raw(got[:, slot]), _raw(want)), f"decode rank {rank}: {rid} arrived with other bytes"
-        mgr.release(slot, rid)
-        _faulted_flush(mgr, rng)
-        stats["verified"].append(rid)
-    thread.join(DEADLINE)
-    assert not thread.is_alive(), f"the receiver of decode rank {rank} hung"
-    for rid, slot in expected.items():  # awaited states past the last one: never exported
-        mgr.release(slot, rid)
-    _faulted_flush(mgr, rng)
-    mgr.check_idle(host=True)
+
+    thread = threading.Thread(target=receiver, daemon=True, name=f"the receiver of decode rank {rank}")
+    thread.start()
+    upcoming = (f"r-{i}" for i in range(10**6))  # the ids in export order
+    import_each(mgr, arrived, thread, upcoming, check, rng, deadline, stats, expect=expect)
     stats["refusals"] = dict(refusals)
-    _write(out, f"decode{rank}", stats)
+    write_stats(out, f"decode{rank}", stats)
 
 
 # -- the processes ------------------------------------------------------------------------------------------

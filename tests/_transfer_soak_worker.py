@@ -21,7 +21,6 @@ deadline (no hang).
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import random
@@ -36,7 +35,7 @@ import torch.distributed as dist
 
 import mambacache as mc
 
-from .util import flush_with_fault
+from .soak import Deadline, faulted_flush, import_each, write_stats
 
 TIMEOUT = 1.0
 DEADLINE = 150.0  # seconds: a thread still running after this is a hang
@@ -55,12 +54,6 @@ def oracle(rid: str, pool: mc.StatePool) -> list[torch.Tensor]:
     return [torch.randn(t[:, 0].shape, generator=g).to(t.dtype) for t in pool.tensors]
 
 
-def _faulted_flush(mgr: mc.CacheManager, rng: random.Random) -> None:
-    """A flush with a fault before a drawn op half the time (repaired at once), else a plain one; a sender
-    thread's delivery may queue its releases meanwhile (``alone=False``)."""
-    flush_with_fault(mgr, rng.randint(1, 40) if rng.random() < 0.5 else 0, MemoryError, alone=False)
-
-
 def _store(port: int | None) -> Any:
     from mambacache._handoff._link import root_store
 
@@ -69,18 +62,9 @@ def _store(port: int | None) -> Any:
     return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
 
 
-class _Deadline:
-    def __init__(self) -> None:
-        self.end = time.monotonic() + DEADLINE
-
-    def check(self, what: str) -> None:
-        if time.monotonic() > self.end:
-            raise AssertionError(f"{what}: still running after {DEADLINE:g}s (a hang)")
-
-
 # -- the prefill engine -------------------------------------------------------------------------------------
 def prefill(peers: list[int], per_peer: int, out: str, seed: int, joiner: bool) -> None:
-    rng, deadline = random.Random(seed), _Deadline()
+    rng, deadline = random.Random(seed), Deadline(DEADLINE)
     pool = mc.StatePool(spec(), N)
     start = time.monotonic()
     with mc.CacheManager(pool, host_pool=mc.HostPool(spec(), PREFILL_HOST)) as mgr:
@@ -132,12 +116,12 @@ def prefill(peers: list[int], per_peer: int, out: str, seed: int, joiner: bool) 
             if todo and pool.num_free and host.num_free:
                 rid, p = todo.pop(0)
                 (slot,) = mgr.alloc(1, rid, clear=False)
-                _faulted_flush(mgr, rng)
+                faulted_flush(mgr, rng)
                 for t, want in zip(pool.tensors, oracle(rid, pool), strict=True):
                     t[:, slot] = want  # the forward over the prompt
                 mgr.export(slot, rid, to=p, in_place=rng.random() < 0.5)
                 exported[rid] = p
-            _faulted_flush(mgr, rng)
+            faulted_flush(mgr, rng)
             time.sleep(0.01)
         done.set()
         for t in threads:
@@ -146,14 +130,14 @@ def prefill(peers: list[int], per_peer: int, out: str, seed: int, joiner: bool) 
         mgr.check_idle(host=True)
     stats["exported"] = exported
     stats["wall_s"] = time.monotonic() - start
-    _write(out, "prefill", stats)
+    write_stats(out, "prefill", stats)
 
 
 # -- a decode engine ----------------------------------------------------------------------------------------
 def decode(rank: int, out: str, seed: int, *, store_port: int | None = None, stop_after: int = 0) -> None:
     """Receive and import until the prefill side says it is done; ``stop_after``: exit at a clean point after
     that many states (a killed engine); ``store_port``: join through the store (not in the group's world)."""
-    rng, wire_rng, deadline = random.Random(seed), random.Random(seed + 1), _Deadline()
+    rng, wire_rng, deadline = random.Random(seed), random.Random(seed + 1), Deadline(DEADLINE)
     pool = mc.StatePool(spec(), N)
     store = _store(store_port)
     name = f"decode{rank}" + ("-joined" if store_port else "")
@@ -183,62 +167,22 @@ def decode(rank: int, out: str, seed: int, *, store_port: int | None = None, sto
                 for r in ids:
                     arrived.put(r)
 
-        thread = threading.Thread(target=receiver, daemon=True)
-        thread.start()
-        expected: dict[str, int] = {}  # request id -> the slot awaiting its state
-        upcoming = (f"r{rank}-{i}" for i in range(10**6))  # this rank's ids, in export order
-        while True:
-            deadline.check(f"the step loop of {name}")
-            while len(expected) < 2 and pool.num_free > 2:
-                rid = next(upcoming)
-                slot = _free_slot(mgr)
-                try:
-                    mgr.expect_import(slot, rid)  # it may land in the receiver thread from here on
-                except mc.SlotStateError:
-                    continue  # arrived in staging already: imported into a free slot below
-                expected[rid] = slot
-                stats["expected"] += 1
-            try:
-                rid = arrived.get(timeout=0.05)
-            except queue.Empty:
-                if not thread.is_alive():
-                    break  # it only ends once the queue can get nothing more
-                _faulted_flush(mgr, rng)  # the expected slots settle: a landing in place may follow
-                continue
-            while not pool.num_free:
-                _faulted_flush(mgr, rng)
-            slot = expected.pop(rid, None) or _free_slot(mgr)
-            queued = len(mgr.queued())
-            mgr.import_into(slot, rid)  # a landing may run in the receiver thread during this flush
-            stats["in_place"] += len(mgr.queued()) == queued  # landed in the slot itself: nothing to copy
-            _faulted_flush(mgr, rng)
+        def check(rid: str, slot: int) -> None:
             for got, want in zip(pool.tensors, oracle(rid, pool), strict=True):
                 assert torch.equal(got[:, slot], want), f"{name}: {rid} arrived with other bytes"
-            mgr.release(slot, rid)
-            _faulted_flush(mgr, rng)
-            stats["verified"].append(rid)
-            if store_port is not None and len(stats["verified"]) == 3:
+
+        def verified(n: int) -> None:
+            if store_port is not None and n == 3:
                 store.set("soak/joiner-ok", "1")  # the prefill side may stop producing
-            if stop_after and len(stats["verified"]) >= stop_after:
+            if stop_after and n >= stop_after:
                 quit_.set()  # a clean point: the receiver ends after its current receive; what it got is checked
-        thread.join(DEADLINE)
-        assert not thread.is_alive(), "the receiver hung"
-        for rid, slot in expected.items():  # states that went to another engine of this rank, or never came
-            mgr.release(slot, rid)
-        _faulted_flush(mgr, rng)
-        mgr.check_idle(host=True)
+
+        thread = threading.Thread(target=receiver, daemon=True, name=f"the receiver of {name}")
+        thread.start()
+        upcoming = (f"r{rank}-{i}" for i in range(10**6))  # this rank's ids, in export order
+        import_each(mgr, arrived, thread, upcoming, check, rng, deadline, stats, verified=verified)
     stats["stopped_early"] = bool(stop_after)
-    _write(out, name, stats)
-
-
-def _free_slot(mgr: mc.CacheManager) -> int:
-    held = mgr.held()
-    return next(s for s in range(1, mgr.pool.num_slots + 1) if s not in held)
-
-
-def _write(out: str, name: str, stats: dict[str, Any]) -> None:
-    with open(os.path.join(out, f"{name}.json"), "w", encoding="utf-8") as f:
-        json.dump(stats, f)
+    write_stats(out, name, stats)
 
 
 def soak_worker(index: int, port: int, decoders: int, per_peer: int, out: str) -> None:

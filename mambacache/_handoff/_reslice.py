@@ -273,9 +273,8 @@ class ReslicingReceiver:
                 # These checks are this receiver's own: each rank's receive_rows traced only its own failures.
                 _tracing.tracer.transfer("transfer.failed", peers[0], ids, call="receive", error=str(exc), peers=peers)
                 raise
-            # Arrived only once written (a failed write frees the slots, and every rank hears it landed nothing).
-
             size = sum(r.numel() * r.element_size() for _, rows in got for r in rows)  # from every rank
+            # Arrived only once written (a failed write frees the slots, and every rank hears it landed nothing).
 
             def arrived(slots: list[int]) -> None:  # in the hold that makes them arrived: before any import's line
                 _tracing.tracer.transfer(

@@ -411,3 +411,47 @@ def test_a_first_try_one_rank_refused_for_room_and_another_never_took_is_cut_to_
             rank1.join(15)
         assert sent[:2] == ["a", "b"], sent
         assert got1 == ["a", "b"] and got2 == [["a", "b"]]  # each landed once (rank 1's retry: dup)
+
+
+def test_a_batch_the_sender_could_not_read_is_a_transfer_error_and_not_in_doubt(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """1 -> 2: reading the batch (the shards are cut from fresh host tensors: ``export_rows`` and the layout's
+    slices allocate) fails before any rank's header is posted, so no rank can hold this try. The re-slicing sender
+    raised the error bare (every failure of a send is documented a TransferError, and send() traces only those:
+    no transfer.failed line) and ``Batches.failed`` counted the batch in doubt, pinning the export to rank 1, a peer
+    that never saw it: a sender to other ranks never took it again. A StateTransfer's send makes the same failure
+    a NothingSent (tests/test_transfer_attack3.py); now this one does too, and the next send delivers it."""
+    import mambacache._handoff._reslice as reslice_mod
+
+    layout = _layout()
+    shard = layout.shard_spec(2)
+    master = _store()
+    with _mgr(layout.spec) as mgr, _mgr(shard) as d1, _mgr(shard) as d2:
+        sender = _sender(mgr, master, layout, [1, 2], 2.0)
+        into = [_transfer(d1, master, 1, 0, 2.0), _transfer(d2, master, 2, 0, 2.0)]
+        _export(mgr, "a", 1)
+        read = reslice_mod.export_rows
+
+        def out_of_memory(*args: Any) -> Any:
+            monkeypatch.setattr(reslice_mod, "export_rows", read)  # once
+            raise MemoryError("the shards' host tensors could not be allocated")
+
+        monkeypatch.setattr(reslice_mod, "export_rows", out_of_memory)
+        with pytest.raises(mc.TransferError, match="nothing was sent") as caught:
+            sender.send()
+        assert isinstance(caught.value.__cause__, MemoryError)
+        assert [ev.request_id for ev in mgr.exports_ready(to=5)] == ["a"], "pinned to a rank that got nothing"
+        threads = [_in_thread(x.receive) for x in into]
+        try:
+            assert sender.send() == ["a"]
+        finally:
+            for th, _ in threads:
+                th.join(10)
+        assert [got for _, got in threads] == [[["a"]], [["a"]]]
+        for d in (d1, d2):
+            d.discard_arrived("a")
+            d.flush_nowait()
+            d.check_idle(host=True)
+        mgr.flush_nowait()
+        mgr.check_idle(host=True)

@@ -415,3 +415,34 @@ def test_a_receive_whose_acknowledgement_fails_returns_the_ids_that_landed() -> 
             thread.join(10)
         assert sent == [["r"]], sent
         _imports_once(dst, 5)
+
+
+def test_an_interrupt_after_a_delivered_batch_is_raised_not_swallowed() -> None:
+    """A staged and an in-place export go in two batches; the first is delivered, and a KeyboardInterrupt comes
+    while the second is on the wire. A send that delivered something returns it rather than raise the next
+    batch's failure, and it swallowed the interrupt with it (``except BaseException``): Ctrl-C was lost. A
+    failure returns what went; an interrupt goes on up (the first batch stays delivered: its slots are free)."""
+    from mambacache._handoff._transfer import Batches, send_exports
+
+    spec = quant_spec(2)
+    with mc.CacheManager(mc.StatePool(spec, 4), host_pool=mc.HostPool(spec, 2)) as mgr:
+        (a,) = mgr.alloc(1, "a", clear=False)
+        (b,) = mgr.alloc(1, "b", clear=False)
+        mgr.flush_nowait()
+        mgr.export(a, "a")
+        mgr.export(b, "b", in_place=True)
+        mgr.flush_nowait()
+        shipped: list[list[str]] = []
+
+        def ship(batch: list[mc.Export], ids: list[str], seq: int) -> None:
+            shipped.append(ids)
+            if len(shipped) == 2:
+                raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            send_exports(mgr, ship, [1], Batches())
+        assert shipped == [["a"], ["b"]]
+        assert a not in mgr.pool.allocated_slots(), "the delivered export's slot was kept"
+        mgr.release(b, "b")  # withdraws the export the interrupt left
+        mgr.flush_nowait()
+        mgr.check_idle(host=True)

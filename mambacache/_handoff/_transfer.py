@@ -339,9 +339,9 @@ def send_exports(
         except BaseException as exc:
             if batches.failed(manager, batch, exc, seq != last, peers[0]):
                 continue
-            if delivered:
+            if delivered and isinstance(exc, Exception):
                 return delivered  # what went out is the caller's news; the rest fails again on the next call
-            raise
+            raise  # an interrupt or exit is never swallowed (what went out stays delivered: its slots are free)
         batches.doubt, batches.limit = [], None
         try:
             _tracing.tracer.transfer("transfer.send", peers[0], ids, step=manager.step, n=len(ids), **sizes(len(ids)))

@@ -46,7 +46,7 @@ from .._events import Export
 from .._spec import StateSpec
 from ._link import NothingSent, check_timeout
 from ._surface import CacheManager
-from ._transfer import Batches, StateTransfer, export_rows, send_exports, staged_event, write_staging
+from ._transfer import Batches, StateTransfer, export_rows, reading_batch, send_exports, write_staging
 
 __all__ = ["ReslicingReceiver", "ReslicingSender", "Segment", "StateLayout", "TensorLayout"]
 
@@ -378,18 +378,9 @@ class ReslicingSender:
         mgr, tp = self._mgr, len(self.peers)
         retry = bool(self._batches.doubt)  # pick() keeps the doubt only when this is its batch, sent again
         self._failed = [], []
-        try:
-            staged = staged_event(mgr)
-            if staged is not None:
-                staged.synchronize()  # the shards are cut from the staging slots: their bytes must be final
+        with reading_batch(mgr, ids):  # before any rank's header: a failure is NothingSent, not in doubt
             full = export_rows(mgr, ready)
             shards = [[s.contiguous() for s in self._layout.slice(full, tp, k)] for k in range(tp)]
-        except Exception as read_error:
-            # No rank's header is posted yet, so none can hold this try: not in doubt (a bare error was counted
-            # so, pinning an export to no one to peers[0]), and a TransferError, as a StateTransfer's send makes it.
-            raise NothingSent(
-                f"reading the batch failed before it was posted, nothing was sent: {read_error!r}", ids
-            ) from read_error
         # One thread per rank: each waits for its rank's decision and acknowledgement on its own store client,
         # so a dead rank costs one timeout, not one per rank after it.
         with ThreadPoolExecutor(tp) as threads:

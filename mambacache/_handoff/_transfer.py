@@ -21,7 +21,7 @@ import contextlib
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -113,6 +113,21 @@ def wait_for_restores(manager: CacheManager) -> None:
     staged = staged_event(manager)
     if staged is not None:
         staged.synchronize()
+
+
+@contextlib.contextmanager
+def reading_batch(manager: CacheManager, ids: list[str]) -> Iterator[None]:
+    """The read of a batch's rows for a send: after the staging copies (the rows are read from the staging or pool
+    slots: their bytes must be final), and before any header is posted, so a failure in it (an event wait, buffers
+    that could not grow) is :class:`NothingSent`, the cause chained: no peer can hold this try, so it is not in
+    doubt (a bare error was counted so, pinning an export to no one to a peer that got nothing)."""
+    try:
+        staged = staged_event(manager)
+        if staged is not None:
+            staged.synchronize()
+        yield
+    except Exception as exc:
+        raise NothingSent(f"reading the batch failed before it was posted, nothing was sent: {exc!r}", ids) from exc
 
 
 def export_rows(
@@ -476,21 +491,12 @@ class StateTransfer:
         when they are one run of host memory and the batch is split (see ``_link``), else gathered into the kept
         buffers."""
         try:
-            try:
-                staged = staged_event(self._mgr)
-                if staged is not None:
-                    staged.synchronize()  # the rows are read from the staging (or pool) slots: their bytes are final
+            with reading_batch(self._mgr, ids):
                 split = self._split(len(ids))
                 raw = self._straight(ready) if split else None
                 if raw is None:
                     rows = export_rows(self._mgr, ready, self._send_bufs.rows(self._layers(), len(ids), self._shapes()))
                     raw = messages(rows, split)
-            except Exception as exc:
-                # No header is posted yet, so the peer can never hold this try: not in doubt (a bare error was
-                # counted so, pinning an export to no one to a peer that got nothing), and a TransferError.
-                raise NothingSent(
-                    f"reading the batch failed before it was posted, nothing was sent: {exc!r}", ids
-                ) from exc
             self._out.send(ids, seq, fingerprint(self._layers(), self._shapes()), raw, split)
         except BaseException:
             self._send_bufs = _Buffers()

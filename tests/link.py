@@ -11,6 +11,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import pytest
+
 import mambacache as mc
 
 
@@ -42,3 +44,26 @@ def in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
     thread = threading.Thread(target=run)
     thread.start()
     return thread, out
+
+
+def fail_once(monkeypatch: pytest.MonkeyPatch, module: Any, name: str, error: BaseException) -> None:
+    """``module.name`` raises ``error`` at its next call, then is itself again."""
+    real = getattr(module, name)
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        monkeypatch.setattr(module, name, real)
+        raise error
+
+    monkeypatch.setattr(module, name, failing)
+
+
+def staged_and_in_place(mgr: mc.CacheManager) -> tuple[int, int]:
+    """Slots ``a`` and ``b`` held and exported, ``a`` staged and ``b`` in place (a send takes them in two batches:
+    a batch is read from one place), the flush that takes the exports run."""
+    (a,) = mgr.alloc(1, "a", clear=False)
+    (b,) = mgr.alloc(1, "b", clear=False)
+    mgr.flush_nowait()
+    mgr.export(a, "a")
+    mgr.export(b, "b", in_place=True)
+    mgr.flush_nowait()
+    return a, b

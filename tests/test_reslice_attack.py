@@ -23,6 +23,7 @@ import torch
 import mambacache as mc
 from mambacache._handoff._reslice import ReslicingReceiver, ReslicingSender, StateLayout
 
+from .link import fail_once
 from .link import in_thread as _in_thread
 from .link import store as _store
 from .link import transfer as _transfer
@@ -424,20 +425,9 @@ def test_a_batch_the_sender_could_not_read_is_a_transfer_error_and_not_in_doubt(
     a NothingSent (tests/test_transfer_attack3.py); now this one does too, and the next send delivers it."""
     import mambacache._handoff._reslice as reslice_mod
 
-    layout = _layout()
-    shard = layout.shard_spec(2)
-    master = _store()
-    with _mgr(layout.spec) as mgr, _mgr(shard) as d1, _mgr(shard) as d2:
-        sender = _sender(mgr, master, layout, [1, 2], 2.0)
-        into = [_transfer(d1, master, 1, 0, 2.0), _transfer(d2, master, 2, 0, 2.0)]
+    with _one_to_two(2.0) as (mgr, d1, d2, sender, into):
         _export(mgr, "a", 1)
-        read = reslice_mod.export_rows
-
-        def out_of_memory(*args: Any) -> Any:
-            monkeypatch.setattr(reslice_mod, "export_rows", read)  # once
-            raise MemoryError("the shards' host tensors could not be allocated")
-
-        monkeypatch.setattr(reslice_mod, "export_rows", out_of_memory)
+        fail_once(monkeypatch, reslice_mod, "export_rows", MemoryError("the shards' host tensors could not grow"))
         with pytest.raises(mc.TransferError, match="nothing was sent") as caught:
             sender.send()
         assert isinstance(caught.value.__cause__, MemoryError)

@@ -17,6 +17,7 @@ import mambacache as mc
 from mambacache._handoff._transfer import Batches, send_exports
 
 from .link import in_thread as _in_thread
+from .link import staged_and_in_place
 from .link import store as _store
 from .link import transfer as _transfer
 from .util import small_spec
@@ -45,12 +46,7 @@ def test_a_send_that_delivered_a_batch_before_the_manager_closed_returns_it() ->
     ``a``. A send in flight at the close is no failure: it returns what it delivered."""
     mgr = _mgr()
     mgr.__enter__()
-    (a,) = mgr.alloc(1, "a", clear=False)
-    (b,) = mgr.alloc(1, "b", clear=False)
-    mgr.flush_nowait()
-    mgr.export(a, "a")
-    mgr.export(b, "b", in_place=True)
-    mgr.flush_nowait()
+    a, _ = staged_and_in_place(mgr)
     shipped: list[list[str]] = []
 
     def ship(batch: list[mc.Export], ids: list[str], seq: int) -> None:

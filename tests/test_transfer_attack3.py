@@ -21,6 +21,7 @@ from structlog.testing import capture_logs
 import mambacache as mc
 from mambacache import tracing
 
+from .link import fail_once, staged_and_in_place
 from .link import in_thread as _in_thread
 from .link import store as _store
 from .link import transfer as _transfer
@@ -128,13 +129,7 @@ def test_a_batch_that_could_not_be_read_before_its_header_is_not_in_doubt(monkey
         mgr.flush_nowait()
         mgr.export(slot, "r")
         mgr.flush_nowait()
-        read = transfer.export_rows
-
-        def out_of_memory(*args: Any) -> Any:
-            monkeypatch.setattr(transfer, "export_rows", read)  # once
-            raise MemoryError("the kept send buffers could not grow")
-
-        monkeypatch.setattr(transfer, "export_rows", out_of_memory)
+        fail_once(monkeypatch, transfer, "export_rows", MemoryError("the kept send buffers could not grow"))
         with pytest.raises(mc.TransferError, match="nothing was sent") as caught:
             to1.send()
         assert isinstance(caught.value.__cause__, MemoryError)
@@ -426,12 +421,7 @@ def test_an_interrupt_after_a_delivered_batch_is_raised_not_swallowed() -> None:
 
     spec = quant_spec(2)
     with mc.CacheManager(mc.StatePool(spec, 4), host_pool=mc.HostPool(spec, 2)) as mgr:
-        (a,) = mgr.alloc(1, "a", clear=False)
-        (b,) = mgr.alloc(1, "b", clear=False)
-        mgr.flush_nowait()
-        mgr.export(a, "a")
-        mgr.export(b, "b", in_place=True)
-        mgr.flush_nowait()
+        a, b = staged_and_in_place(mgr)
         shipped: list[list[str]] = []
 
         def ship(batch: list[mc.Export], ids: list[str], seq: int) -> None:

@@ -40,6 +40,14 @@ def free_slot(mgr: mc.CacheManager) -> int:
     return next(s for s in range(1, mgr.pool.num_slots + 1) if s not in held)
 
 
+def report(line: str) -> None:
+    """A soak's summary: printed (``pytest -s``), and appended to ``$MAMBACACHE_SOAK_LOG`` when it is set."""
+    print(line)
+    if os.environ.get("MAMBACACHE_SOAK_LOG"):
+        with open(os.environ["MAMBACACHE_SOAK_LOG"], "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+
 def write_stats(out: str, name: str, stats: dict[str, Any]) -> None:
     with open(os.path.join(out, f"{name}.json"), "w", encoding="utf-8") as f:
         json.dump(stats, f)

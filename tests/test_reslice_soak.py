@@ -23,6 +23,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from ._reslice_soak_worker import reslice_soak_worker
+from .soak import report
 from .test_distributed import free_port
 
 pytestmark = pytest.mark.slow
@@ -69,7 +70,4 @@ def test_a_reslicing_soak_loses_nothing_and_never_hangs(mode: str, count: int, t
         f" there), every byte of every {'shard' if mode == '1to2' else 'joined state'} exact, 0 lost, 0 twice,"
         f" 0 hangs, {wall:.1f}s wall"
     )
-    print(line)
-    if os.environ.get("MAMBACACHE_SOAK_LOG"):
-        with open(os.environ["MAMBACACHE_SOAK_LOG"], "a", encoding="utf-8") as f:
-            f.write(line + "\n")
+    report(line)

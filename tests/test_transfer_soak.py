@@ -12,7 +12,6 @@ holding nothing at the end. The figures are printed (``pytest -s``).
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from ._transfer_soak_worker import soak_worker
+from .soak import report
 from .test_distributed import free_port
 
 pytestmark = pytest.mark.slow
@@ -54,7 +54,4 @@ def test_a_soak_loses_nothing_and_never_hangs(decoders: int, per_peer: int, tmp_
         f" ({sum(s['in_place'] for s in seen.values())} landed there), 0 lost, 0 hangs,"
         f" every state at the rank it was exported to, {wall:.1f}s wall"
     )
-    print(line)
-    if os.environ.get("MAMBACACHE_SOAK_LOG"):
-        with open(os.environ["MAMBACACHE_SOAK_LOG"], "a", encoding="utf-8") as f:
-            f.write(line + "\n")
+    report(line)

@@ -445,3 +445,23 @@ def test_a_batch_the_sender_could_not_read_is_a_transfer_error_and_not_in_doubt(
             d.check_idle(host=True)
         mgr.flush_nowait()
         mgr.check_idle(host=True)
+
+
+def test_a_stop_iteration_while_the_shards_are_cut_is_nothing_sent_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """1 -> 2: ``reading_batch`` (a generator context manager) let a StopIteration raised while the batch was read
+    out bare, not as NothingSent (contextlib takes a RuntimeError caused by it for PEP 479's conversion, and
+    NothingSent is one): the batch, read before any rank's header, was counted in doubt and pinned to rank 1."""
+    import mambacache._handoff._reslice as reslice_mod
+
+    with _one_to_two(2.0) as (mgr, d1, d2, sender, _):
+        slot = _export(mgr, "a", 1)
+        fail_once(monkeypatch, reslice_mod, "export_rows", StopIteration("an iterator ran dry"))
+        with pytest.raises(mc.TransferError, match="nothing was sent") as caught:
+            sender.send()
+        assert isinstance(caught.value.__cause__, StopIteration)
+        assert [ev.request_id for ev in mgr.exports_ready(to=5)] == ["a"], "pinned to a rank that got nothing"
+        mgr.release(slot, "a")
+        mgr.flush_nowait()
+        mgr.check_idle(host=True)
+        for d in (d1, d2):
+            d.check_idle(host=True)

@@ -436,3 +436,29 @@ def test_an_interrupt_after_a_delivered_batch_is_raised_not_swallowed() -> None:
         mgr.release(b, "b")  # withdraws the export the interrupt left
         mgr.flush_nowait()
         mgr.check_idle(host=True)
+
+
+def test_a_stop_iteration_while_the_batch_is_read_is_nothing_sent_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``reading_batch`` is a generator context manager and NothingSent a RuntimeError: a StopIteration raised in
+    its body, wrapped as NothingSent ``from`` it, looks to contextlib like PEP 479's conversion of a StopIteration
+    the generator let out, and contextlib re-raised the bare StopIteration instead. The batch, read before any
+    header, was then counted in doubt and pinned to a peer that never saw it (before reading_batch, the inline
+    ``except Exception`` made it a NothingSent as any other failure of the read)."""
+    import mambacache._handoff._transfer as transfer
+
+    spec = quant_spec(2)
+    master = _store()
+    with mc.CacheManager(mc.StatePool(spec, 4), host_pool=mc.HostPool(spec, 2)) as mgr:
+        to1 = _transfer(mgr, master, 0, 1, 2.0)
+        (slot,) = mgr.alloc(1, "r", clear=False)
+        mgr.flush_nowait()
+        mgr.export(slot, "r")
+        mgr.flush_nowait()
+        fail_once(monkeypatch, transfer, "export_rows", StopIteration("an iterator ran dry"))
+        with pytest.raises(mc.TransferError, match="nothing was sent") as caught:
+            to1.send()
+        assert isinstance(caught.value.__cause__, StopIteration)
+        assert [ev.request_id for ev in mgr.exports_ready(to=2)] == ["r"], "pinned to a peer that got nothing"
+        mgr.release(slot, "r")
+        mgr.flush_nowait()
+        mgr.check_idle(host=True)

@@ -21,7 +21,7 @@ import contextlib
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -115,19 +115,38 @@ def wait_for_restores(manager: CacheManager) -> None:
         staged.synchronize()
 
 
-@contextlib.contextmanager
-def reading_batch(manager: CacheManager, ids: list[str]) -> Iterator[None]:
+def reading_batch(manager: CacheManager, ids: list[str]) -> _ReadingBatch:
     """The read of a batch's rows for a send: after the staging copies (the rows are read from the staging or pool
     slots: their bytes must be final), and before any header is posted, so a failure in it (an event wait, buffers
     that could not grow) is :class:`NothingSent`, the cause chained: no peer can hold this try, so it is not in
     doubt (a bare error was counted so, pinning an export to no one to a peer that got nothing)."""
-    try:
-        staged = staged_event(manager)
-        if staged is not None:
-            staged.synchronize()
-        yield
-    except Exception as exc:
-        raise NothingSent(f"reading the batch failed before it was posted, nothing was sent: {exc!r}", ids) from exc
+    return _ReadingBatch(manager, ids)
+
+
+class _ReadingBatch:
+    """:func:`reading_batch`'s context manager. A class, not ``contextlib.contextmanager``: NothingSent is a
+    RuntimeError, and one raised ``from`` a StopIteration of the body looks to contextlib like PEP 479's conversion
+    of a StopIteration the generator let out, so it re-raised the bare StopIteration (counted in doubt)."""
+
+    __slots__ = ("_ids", "_manager")
+
+    def __init__(self, manager: CacheManager, ids: list[str]) -> None:
+        self._manager, self._ids = manager, ids
+
+    def __enter__(self) -> None:
+        try:
+            staged = staged_event(self._manager)
+            if staged is not None:
+                staged.synchronize()
+        except Exception as exc:
+            raise self._nothing_sent(exc) from exc
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if isinstance(exc, Exception):  # an interrupt or exit goes on up as it is
+            raise self._nothing_sent(exc) from exc
+
+    def _nothing_sent(self, exc: Exception) -> NothingSent:
+        return NothingSent(f"reading the batch failed before it was posted, nothing was sent: {exc!r}", self._ids)
 
 
 def export_rows(

@@ -448,7 +448,7 @@ def test_a_batch_the_sender_could_not_read_is_a_transfer_error_and_not_in_doubt(
 
 
 def test_a_stop_iteration_while_the_shards_are_cut_is_nothing_sent_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    """1 -> 2: ``reading_batch`` (a generator context manager) let a StopIteration raised while the batch was read
+    """1 -> 2: ``ReadingBatch``, first a generator context manager, let a StopIteration raised while the batch was read
     out bare, not as NothingSent (contextlib takes a RuntimeError caused by it for PEP 479's conversion, and
     NothingSent is one): the batch, read before any rank's header, was counted in doubt and pinned to rank 1."""
     import mambacache._handoff._reslice as reslice_mod

@@ -439,11 +439,11 @@ def test_an_interrupt_after_a_delivered_batch_is_raised_not_swallowed() -> None:
 
 
 def test_a_stop_iteration_while_the_batch_is_read_is_nothing_sent_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``reading_batch`` is a generator context manager and NothingSent a RuntimeError: a StopIteration raised in
-    its body, wrapped as NothingSent ``from`` it, looks to contextlib like PEP 479's conversion of a StopIteration
-    the generator let out, and contextlib re-raised the bare StopIteration instead. The batch, read before any
-    header, was then counted in doubt and pinned to a peer that never saw it (before reading_batch, the inline
-    ``except Exception`` made it a NothingSent as any other failure of the read)."""
+    """``ReadingBatch`` was first a generator context manager, and NothingSent is a RuntimeError: a StopIteration
+    raised in its body, wrapped as NothingSent ``from`` it, looks to contextlib like PEP 479's conversion of a
+    StopIteration the generator let out, and contextlib re-raised the bare StopIteration instead. The batch, read
+    before any header, was then counted in doubt and pinned to a peer that never saw it (the inline ``except
+    Exception`` before it made it a NothingSent as any other failure of the read)."""
     import mambacache._handoff._transfer as transfer
 
     spec = quant_spec(2)

@@ -46,7 +46,7 @@ from .._events import Export
 from .._spec import StateSpec
 from ._link import NothingSent, check_timeout
 from ._surface import CacheManager
-from ._transfer import Batches, StateTransfer, export_rows, reading_batch, send_exports, write_staging
+from ._transfer import Batches, ReadingBatch, StateTransfer, export_rows, send_exports, write_staging
 
 __all__ = ["ReslicingReceiver", "ReslicingSender", "Segment", "StateLayout", "TensorLayout"]
 
@@ -378,7 +378,7 @@ class ReslicingSender:
         mgr, tp = self._mgr, len(self.peers)
         retry = bool(self._batches.doubt)  # pick() keeps the doubt only when this is its batch, sent again
         self._failed = [], []
-        with reading_batch(mgr, ids):  # before any rank's header: a failure is NothingSent, not in doubt
+        with ReadingBatch(mgr, ids):  # before any rank's header: a failure is NothingSent, not in doubt
             full = export_rows(mgr, ready)
             shards = [[s.contiguous() for s in self._layout.slice(full, tp, k)] for k in range(tp)]
         # One thread per rank: each waits for its rank's decision and acknowledgement on its own store client,

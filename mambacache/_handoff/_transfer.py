@@ -115,18 +115,15 @@ def wait_for_restores(manager: CacheManager) -> None:
         staged.synchronize()
 
 
-def reading_batch(manager: CacheManager, ids: list[str]) -> _ReadingBatch:
+class ReadingBatch:
     """The read of a batch's rows for a send: after the staging copies (the rows are read from the staging or pool
     slots: their bytes must be final), and before any header is posted, so a failure in it (an event wait, buffers
     that could not grow) is :class:`NothingSent`, the cause chained: no peer can hold this try, so it is not in
-    doubt (a bare error was counted so, pinning an export to no one to a peer that got nothing)."""
-    return _ReadingBatch(manager, ids)
+    doubt (a bare error was counted so, pinning an export to no one to a peer that got nothing).
 
-
-class _ReadingBatch:
-    """:func:`reading_batch`'s context manager. A class, not ``contextlib.contextmanager``: NothingSent is a
-    RuntimeError, and one raised ``from`` a StopIteration of the body looks to contextlib like PEP 479's conversion
-    of a StopIteration the generator let out, so it re-raised the bare StopIteration (counted in doubt)."""
+    A class, not ``contextlib.contextmanager``: NothingSent is a RuntimeError, and one raised ``from`` a
+    StopIteration of the body looks to contextlib like PEP 479's conversion of a StopIteration the generator let
+    out, so it re-raised the bare StopIteration (counted in doubt)."""
 
     __slots__ = ("_ids", "_manager")
 
@@ -510,7 +507,7 @@ class StateTransfer:
         when they are one run of host memory and the batch is split (see ``_link``), else gathered into the kept
         buffers."""
         try:
-            with reading_batch(self._mgr, ids):
+            with ReadingBatch(self._mgr, ids):
                 split = self._split(len(ids))
                 raw = self._straight(ready) if split else None
                 if raw is None:

@@ -22,6 +22,7 @@ from ._errors import StaleHitError as StaleHitError
 from ._errors import TraceError as TraceError
 from ._errors import TransferError as TransferError
 from ._errors import TransferRefusedError as TransferRefusedError
+from ._errors import TransportUnavailableError as TransportUnavailableError
 from ._errors import UnknownExecutorError as UnknownExecutorError
 from ._errors import UnsupportedDtypeError as UnsupportedDtypeError
 from ._events import Alloc as Alloc
@@ -112,6 +113,7 @@ __all__ = [
     "TraceError",
     "TransferError",
     "TransferRefusedError",
+    "TransportUnavailableError",
     "UnknownExecutorError",
     "UnsupportedDtypeError",
     "known_executors",

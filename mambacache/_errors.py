@@ -96,6 +96,15 @@ class TransferRefusedError(TransferError):
         self.reason, self.room = reason, room
 
 
+class TransportUnavailableError(MambaCacheError, ImportError):
+    """A state transfer's transport whose package is not installed; ``extra``: mambacache's extra that installs it
+    (``pip install 'mambacache[<extra>]'``), ``transport`` its name."""
+
+    def __init__(self, message: str, transport: str = "", extra: str = "") -> None:
+        super().__init__(message)
+        self.transport, self.extra = transport, extra
+
+
 class SlotLeakError(MambaCacheError, RuntimeError):
     """Slots are still held where none should be (``CacheManager.check_idle``).
 

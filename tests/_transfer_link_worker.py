@@ -12,6 +12,7 @@ between the steps of a case.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -24,6 +25,7 @@ import mambacache as mc
 from mambacache._handoff._link import MAGIC, fingerprint, root_store
 
 from ._transfer_worker import HOST, prefill_pool, spec
+from .link import TRANSPORT_ENV
 
 TIMEOUT = 2.0
 
@@ -303,9 +305,10 @@ def _direction(src: int, dst: int) -> Any:
 
 def silent_sender(me: Side) -> None:
     """Posts a valid header and dies (never builds the pair): the receiver's error is typed, within its timeout."""
-    _post_raw(
-        {"magic": MAGIC, "tok": "gone", "seq": 1, "fp": _fp(), "pair": "gone.0", "ids": ["g"], "bytes": _sizes(1)}
-    )
+    header = {"magic": MAGIC, "tok": "gone", "seq": 1, "fp": _fp(), "pair": "gone.0", "ids": ["g"], "bytes": _sizes(1)}
+    if os.environ.get(TRANSPORT_ENV, "gloo") != "gloo":  # a pulled wire's header names where its rows lie
+        header["src"] = {"agent": "gone", "md": 1, "mem": "DRAM", "descs": [[0, b, 0] for b in _sizes(1)]}
+    _post_raw(header)
     dist.barrier()
     ids = me.stage(["after"], [1], 18)
     assert me.xfer.send() == ids

@@ -24,3 +24,41 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
+
+
+# The transfer suite (every test of the transfer, the re-slicing and the soaks) runs over each transport. One
+# whose package is missing is skipped, unless MAMBACACHE_REQUIRE_TRANSPORTS=1 (the transports' venv in .ci/run):
+# then it fails.
+TRANSFER_MODULES = ("test_transfer", "test_reslice")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    from .link import TRANSPORTS
+
+    if metafunc.module.__name__.rpartition(".")[2].startswith(TRANSFER_MODULES):
+        metafunc.parametrize("transport", TRANSPORTS, indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The transport of the test's transfers (gloo outside the transfer suite)."""
+    import importlib.util
+
+    from mambacache._handoff._transports._pick import EXTRAS
+
+    from .link import TRANSPORT_ENV, default_transport
+
+    name = str(getattr(request, "param", "gloo"))
+    module, extra = EXTRAS[name]
+    if extra and importlib.util.find_spec(module) is None:
+        if os.environ.get("MAMBACACHE_REQUIRE_TRANSPORTS") == "1":
+            pytest.fail(f"MAMBACACHE_REQUIRE_TRANSPORTS=1 but {module} is missing: pip install -e '.[{extra}]'")
+        pytest.skip(f"the {name} transport's package {module} is not installed (pip install -e '.[{extra}]')")
+    if name != "gloo":
+        default_transport(name, monkeypatch.setitem)
+        monkeypatch.setenv(TRANSPORT_ENV, name)
+        # UCX over TCP on 127.0.0.1; without its InfiniBand module: that module's libnl copy crashes the process at
+        # exit beside the system's (libibverbs1's), docs/transfer.md.
+        monkeypatch.setenv("UCX_TLS", os.environ.get("UCX_TLS", "tcp,self"))
+        monkeypatch.setenv("UCX_MODULES", os.environ.get("UCX_MODULES", "^ib"))
+    return name

@@ -67,3 +67,23 @@ def staged_and_in_place(mgr: mc.CacheManager) -> tuple[int, int]:
     mgr.export(b, "b", in_place=True)
     mgr.flush_nowait()
     return a, b
+
+
+TRANSPORTS = ("gloo", "nixl", "mooncake")
+# The transport every StateTransfer and ReslicingSender of a test takes unless it names one: set by the transport
+# fixture (tests/conftest.py) in the test's process, and through this variable in the processes it spawns.
+TRANSPORT_ENV = "MAMBACACHE_TEST_TRANSPORT"
+
+
+def default_transport(name: str, setitem: Callable[[dict[str, Any], str, Any], None] | None = None) -> None:
+    """Make ``name`` the transport of every StateTransfer and ReslicingSender made without one (``setitem``: a
+    monkeypatch's, undone after the test; None: for the process's life, in a spawned rank)."""
+    from mambacache._handoff._reslice import ReslicingSender
+
+    for init in (mc.StateTransfer.__init__, ReslicingSender.__init__):
+        defaults = init.__kwdefaults__
+        assert defaults is not None and "transport" in defaults
+        if setitem is None:
+            defaults["transport"] = name
+        else:
+            setitem(defaults, "transport", name)

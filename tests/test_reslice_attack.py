@@ -50,8 +50,8 @@ def _sender(mgr: mc.CacheManager, master: Any, layout: StateLayout, peers: list[
 
     import mambacache._handoff._reslice as reslice_mod
 
-    def transfer(m: mc.CacheManager, group: Any, peer: int, *, timeout: float) -> mc.StateTransfer:
-        return _transfer(m, master, 0, peer, timeout)
+    def transfer(m: mc.CacheManager, group: Any, peer: int, *, timeout: float, transport: str) -> mc.StateTransfer:
+        return _transfer(m, master, 0, peer, timeout)  # the test's transport (its fixture's default)
 
     with (
         mock.patch.object(dist, "is_initialized", return_value=True),

@@ -51,6 +51,9 @@ from typing import Any
 import torch
 
 from .._errors import InvalidArgumentError, TransferError, TransferRefusedError
+from ._transports._base import Transport
+from ._transports._gloo import RETIRED as _RETIRED  # noqa: F401 -- the gloo pairs retired, as tests count them
+from ._transports._gloo import GlooTransport
 
 __all__ = [
     "SPLIT_BYTES", "Batch", "Inbox", "NothingSent", "Outbox", "Shapes", "Withdrawn", "as_bytes", "check_timeout",
@@ -63,7 +66,6 @@ _SENDERS_KEPT = 256
 MAGIC = 0x6D63_7847  # 7847: the pair's name ends with the receiver's token (a peer of 7846 refuses the header)
 # Far beyond any wait a deployment wants, and well inside what timedelta and c10d's millisecond counts take.
 MAX_TIMEOUT = 1e9
-_RETIRED: list[Any] = []  # gloo pairs replaced after a failure (see _Direction.drop_pair)
 # A message costs about 40 us of gloo overhead here, a copy pass of 1 MiB about 300 us, and a split saves up to
 # two (the gather and the landing copy); measured, a split at 0.26 MiB a layer was no faster than one message
 # per tensor, at 2 MiB 0.66 of its time: below this many bytes of a batch per layer, one message per tensor.
@@ -124,7 +126,7 @@ def root_store(store: Any) -> Any:
 class _Direction:
     """The keys and the gloo pair of one direction; ``me`` is 0 on the sending side, 1 on the receiving one."""
 
-    def __init__(self, store: Any, src: int, dst: int, me: int, timeout: float) -> None:
+    def __init__(self, store: Any, src: int, dst: int, me: int, timeout: float, transport: Transport | None) -> None:
         import torch.distributed as dist
 
         self._dist = dist
@@ -136,8 +138,7 @@ class _Direction:
         self.store = dist.distributed_c10d.PrefixStore(f"mambacache/xfer/{src}>{dst}/", clone)
         self.src, self.dst, self.me = src, dst, me
         self.timeout = timeout
-        # Per token of the other end (a receiver's, or a sender's), the name of the pair with it and the group.
-        self._pairs: dict[str, tuple[str, Any]] = {}
+        self.wire = (transport or GlooTransport()).wire(self.store, src, dst, me, timeout)
 
     def wait_key(self, key: str, seconds: float) -> str | None:
         """The value of ``key`` once it is set, or None after ``seconds`` (a store wait: retryable)."""
@@ -159,57 +160,10 @@ class _Direction:
         except Exception as exc:
             raise TransferError(f"the key-value store failed ({what}): {exc}") from exc
 
-    def pair(self, name: str, peer: str) -> Any:
-        """The gloo pair called ``name`` with the other end whose token is ``peer``, built (both peers build it,
-        nobody else) unless it is the one kept for that peer.
-
-        One kept per peer, not one in all: two transfers that take turns on one
-        direction (two senders of one rank, or two receivers) would otherwise each retire the
-        other's pair, and the next batch rebuild a name its other end still
-        holds the old group of (stale rendezvous keys: the bytes time out).
-        """
-        kept = self._pairs.get(peer)
-        if kept is None or kept[0] != name:
-            self.drop_pair(peer)
-            prefix = self._dist.distributed_c10d.PrefixStore(f"pair/{name}/", self.store)
-            pg = self._dist.ProcessGroupGloo(prefix, self.me, 2, timedelta(seconds=self.timeout))
-            self._pairs[peer] = kept = (name, pg)
-        return kept[1]
-
     def drop_pair(self, peer: str | None = None) -> None:
-        """After a failure the pair with ``peer`` (None: every pair) may be closed (gloo closes it on a timeout):
-        the next batch builds another.
-
-        The old one is kept, never destroyed while the process runs: destroying a
-        gloo group whose peer died can abort the process inside gloo. A pair is
-        only replaced after a failure of its bytes or acknowledgement, so these are
-        few (a header withdrawn or refused before the receiver's ``go`` keeps it:
-        nothing went over it; a receiver that took the rank since, or another
-        sender, gets a pair of its own beside it).
-        """
-        for key in list(self._pairs) if peer is None else [peer]:  # None: every peer's
-            kept = self._pairs.pop(key, None)
-            if kept is not None:
-                _RETIRED.append(kept[1])
-
-    def move(self, tensors: list[torch.Tensor], send: bool, name: str, peer: str, ids: list[str]) -> None:
-        """Every tensor over pair ``name`` with ``peer`` (posted together, one tag each), all within one timeout."""
-        start = time.monotonic()
-        try:
-            pg = self.pair(name, peer)
-            other = 1 - self.me
-            works = [
-                pg.send([t], other, i) if send else pg.recv([t], other, i) for i, t in enumerate(tensors) if t.numel()
-            ]
-            for w in works:
-                w.wait(timedelta(seconds=max(self.timeout - (time.monotonic() - start), 1e-3)))
-        except Exception as exc:  # gloo: a dead peer, a timeout, a closed pair, all RuntimeError
-            self.drop_pair(peer)
-            raise TransferError(
-                f"the states' bytes {'to' if send else 'from'} rank {self.dst if send else self.src} failed or"
-                f" timed out after {self.timeout:g}s: {exc}",
-                ids,
-            ) from exc
+        """After a failure of the bytes or the acknowledgement: the wire's connection with ``peer`` (None: every
+        one) is replaced at the next batch."""
+        self.wire.drop(peer)
 
 
 class Outbox(_Direction):
@@ -221,13 +175,13 @@ class Outbox(_Direction):
     receiver that comes later skips it.
     """
 
-    def __init__(self, store: Any, src: int, dst: int, timeout: float) -> None:
-        super().__init__(store, src, dst, 0, timeout)
+    def __init__(self, store: Any, src: int, dst: int, timeout: float, transport: Transport | None = None) -> None:
+        super().__init__(store, src, dst, 0, timeout, transport)
         self.token = uuid.uuid4().hex[:16]
         self._epoch = 0
 
     def _cleanup(self, m: int) -> None:
-        for key in (f"hdr/{m}", f"state/{m}", f"ack/{m}"):
+        for key in (f"hdr/{m}", f"state/{m}", f"ack/{m}", f"read/{m}"):
             with contextlib.suppress(Exception):  # best effort: a leftover key is only a few bytes in the store
                 self.store.delete_key(key)
 
@@ -242,6 +196,9 @@ class Outbox(_Direction):
         pair = f"{self.token}.{self._epoch}"
         header = {"magic": MAGIC, "tok": self.token, "seq": seq, "ids": ids, "fp": fp, "pair": pair, "split": split}
         header["bytes"] = [t.numel() for t in raw]
+        source = self.wire.source(raw)
+        if source is not None:
+            header["src"] = source
         m = int(self.call("add", "posted", 1))
         self.call("set", f"hdr/{m}", json.dumps(header))
         try:
@@ -277,9 +234,10 @@ class Outbox(_Direction):
         # The pair is named by both ends: this side's token and epoch (the header's), and the token of the
         # receiver that answered go. A receiver that joined the rank since builds a fresh pair, never one whose
         # other end was its predecessor, whether or not a failure bumped the epoch.
-        self.move(raw, True, f"{pair}.{why}", why, ids)
+        self.wire.push(raw, f"{pair}.{why}", why, ids)
         ack = self.wait_key(f"ack/{m}", self.timeout)
         if ack is None:
+            self._abandon(m)
             raise TransferError(f"rank {self.dst} did not acknowledge: timed out after {self.timeout:g}s", ids)
         kind, _, why = ack.partition(":")
         if kind == "ok" and why == str(len(ids)):
@@ -294,6 +252,15 @@ class Outbox(_Direction):
             self.drop_pair()
             raise TransferRefusedError(f"rank {self.dst} did not land the batch: {why}", ids, "failed")
         raise TransferError(f"rank {self.dst} did not land the batch: {ack}", ids)
+
+    def _abandon(self, m: int) -> None:
+        """On a pulled wire, after the wait for the acknowledgement of header ``m`` timed out: settle the read
+        (first writer wins), so that a receiver still reading lands nothing, and this side's memory is free to
+        change (the batch's rows are read from it until then). A receiver that finished reading first keeps
+        the batch: either way it is in doubt here, and its retry goes under the same number."""
+        if self.wire.pulls:
+            with contextlib.suppress(TransferError):  # the store gone: the receiver cannot settle either
+                self.call("compare_set", f"read/{m}", "", "abandoned")
 
     def _refused(self, why: str, ids: list[str]) -> TransferRefusedError:
         """The error of a refusal ``<reason>:<room>:<text>`` (room: how many states the receiver could take)."""
@@ -315,6 +282,7 @@ class Batch:
     pair: str
     split: bool
     sizes: list[int]  # of its messages, checked against this side's layout before it was accepted
+    source: dict[str, Any] | None = None  # on a pulled wire, where the sender's messages lie (the header's)
     taken: bool = False  # "go" written: the sender sends the bytes
     moved: bool = False  # every byte arrived: the pair is as good as before, whatever the landing does
 
@@ -339,8 +307,8 @@ class Inbox(_Direction):
     remembered so that a retry of it is acknowledged again, never landed twice.
     """
 
-    def __init__(self, store: Any, src: int, dst: int, timeout: float) -> None:
-        super().__init__(store, src, dst, 1, timeout)
+    def __init__(self, store: Any, src: int, dst: int, timeout: float, transport: Transport | None = None) -> None:
+        super().__init__(store, src, dst, 1, timeout, transport)
         self.token = uuid.uuid4().hex[:16]
         # Per sender token, the number of the last batch it landed here: a sender's batch in doubt is its last,
         # and two senders may take turns on one direction, so one key for the whole direction forgot the first
@@ -402,7 +370,9 @@ class Inbox(_Direction):
             if refusal is None:
                 key = (str(header["tok"]), int(header["seq"]))
                 if self._last.get(key[0]) != key[1]:
-                    self.waiting = Batch(m, list(header["ids"]), key, header["pair"], header["split"], header["bytes"])
+                    self.waiting = Batch(
+                        m, list(header["ids"]), key, header["pair"], header["split"], header["bytes"], header["src"]
+                    )
                     return self.waiting
             if not self._decide(m, refusal or f"dup:{self.token}") or refusal is None:
                 continue  # withdrawn or settled elsewhere, or a duplicate acknowledged again
@@ -437,11 +407,22 @@ class Inbox(_Direction):
             raise Withdrawn(batch.ids)
         batch.taken = True
         try:
-            self.move(raw, False, f"{batch.pair}.{self.token}", batch.key[0], batch.ids)  # both ends' (_settle)
+            self.wire.pull(raw, batch.source, f"{batch.pair}.{self.token}", batch.key[0], batch.ids)  # (_settle)
+            self._claim_read(batch)
         except TransferError:
             self.answer_raw(batch.number, "fail:the bytes did not arrive")
             raise
         batch.moved = True
+
+    def _claim_read(self, batch: Batch) -> None:
+        """On a pulled wire, once every byte is read: settle the read (first writer wins) against the sender's
+        giving up (``Outbox._abandon``). Lost, the sender may have changed its rows while they were read: the
+        bytes are not the batch's, and nothing lands."""
+        if self.wire.pulls and self.call("compare_set", f"read/{batch.number}", "", "read") != b"read":
+            raise TransferError(
+                f"rank {self.src} gave up waiting for the acknowledgement while its rows were read: nothing lands",
+                batch.ids,
+            )
 
     def answer_raw(self, m: int, value: str) -> None:
         """Write the answer of header ``m`` and move past it."""
@@ -492,6 +473,7 @@ def _judge(
         header = json.loads(text)
         ids, sizes_given = header["ids"], header["bytes"]
         header.setdefault("split", False)  # absent: one message per pool tensor
+        header.setdefault("src", None)  # absent: the bytes are pushed
         ok = (
             header["magic"] == MAGIC
             and isinstance(ids, list)
@@ -502,6 +484,7 @@ def _judge(
             and isinstance(header["tok"], str)
             and isinstance(header["pair"], str)
             and type(header["split"]) is bool
+            and (header["src"] is None or isinstance(header["src"], dict))
         )
     except (ValueError, KeyError, TypeError, AttributeError):
         ok, header = False, {}

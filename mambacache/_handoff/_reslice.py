@@ -47,6 +47,7 @@ from .._spec import StateSpec
 from ._link import NothingSent, check_timeout
 from ._surface import CacheManager
 from ._transfer import Batches, ReadingBatch, StateTransfer, export_rows, send_exports, write_staging
+from ._transports._pick import check_transport
 
 __all__ = ["ReslicingReceiver", "ReslicingSender", "Segment", "StateLayout", "TensorLayout"]
 
@@ -317,7 +318,14 @@ class ReslicingSender:
     """
 
     def __init__(
-        self, manager: CacheManager, group: Any, peers: Sequence[int], layout: StateLayout, *, timeout: float = 60.0
+        self,
+        manager: CacheManager,
+        group: Any,
+        peers: Sequence[int],
+        layout: StateLayout,
+        *,
+        timeout: float = 60.0,
+        transport: str = "gloo",
     ) -> None:
         import torch.distributed as dist
 
@@ -326,6 +334,7 @@ class ReslicingSender:
         if not peers:
             raise InvalidArgumentError("a reslicing sender needs the peer's ranks, one per shard")
         layout.check(len(peers))
+        check_transport(transport)
         if not dist.is_initialized():
             raise DistributedError("torch.distributed is not initialized: call init_process_group first")
         members, me = dist.get_process_group_ranks(group), dist.get_rank()
@@ -341,7 +350,7 @@ class ReslicingSender:
         self._failed: tuple[list[str], list[tuple[int, TransferError]]] = ([], [])
         self.peers = list(peers)
         self._shard_bytes = layout.shard_spec(len(peers)).slot_bytes
-        self._transfers = [StateTransfer(manager, group, p, timeout=timeout) for p in peers]
+        self._transfers = [StateTransfer(manager, group, p, timeout=timeout, transport=transport) for p in peers]
 
     def send(self) -> list[str]:
         """Ship every export whose flush has run, rank ``k`` its shard ``k``; once all acknowledged, free the slots.

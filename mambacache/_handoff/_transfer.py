@@ -50,8 +50,11 @@ from ._link import (
     check_timeout,
     fingerprint,
     messages,
+    root_store,
 )
 from ._surface import CacheManager
+from ._transports._pick import check_transport
+from ._transports._pick import make as make_transport
 
 __all__ = ["StateTransfer"]
 
@@ -446,6 +449,7 @@ class StateTransfer:
         timeout: float = 60.0,
         store: Any = None,
         rank: int | None = None,
+        transport: str = "gloo",
     ) -> None:
         import torch.distributed as dist
 
@@ -456,6 +460,7 @@ class StateTransfer:
                 "a transfer stages in the manager's host pool: CacheManager(pool, host_pool=...)"
             )
         seconds = check_timeout(timeout)
+        check_transport(transport)
         if store is None:
             if not dist.is_initialized():
                 raise DistributedError("torch.distributed is not initialized: call init_process_group first")
@@ -468,7 +473,11 @@ class StateTransfer:
         elif not isinstance(store, dist.distributed_c10d.Store):
             raise InvalidArgumentError(f"store must be a torch.distributed.Store (a TCPStore client), got {store!r}")
         self._mgr, self.peer, self.rank = manager, peer, rank
-        self._out, self._in = Outbox(store, rank, peer, seconds), Inbox(store, peer, rank, seconds)
+        wires = make_transport(transport, root_store(store), rank, peer, seconds)
+        # Registered once, here: a batch's rows are read from and written into these (or the kept buffers).
+        wires.register([v for views in manager.pool.layers for v in views] + manager.host_pool.tensors)
+        self.transport = transport
+        self._out, self._in = Outbox(store, rank, peer, seconds, wires), Inbox(store, peer, rank, seconds, wires)
         self._batches = Batches()
         self._bufs, self._send_bufs = _Buffers(), _Buffers()
         self._send_lock, self._receive_lock = threading.Lock(), threading.Lock()

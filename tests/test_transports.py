@@ -40,3 +40,24 @@ def test_a_transport_whose_package_is_missing_names_the_extra_to_install(
     assert isinstance(got.value, ImportError) and got.value.extra == name and got.value.transport == name
     assert f"pip install 'mambacache[{name}]'" in str(got.value)
     assert master.num_keys() == 0  # nothing was made: no key of a direction, an agent or a pair
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["simulate", "--scenario", "pd", "--model", "toy", "--transport"],
+        ["bench", "--transfer", "--quick", "--transport"],
+    ],
+    ids=["simulate", "bench"],
+)
+@pytest.mark.parametrize(("name", "module"), [("nixl", "nixl_cu12"), ("mooncake", "mooncake")])
+def test_a_command_over_a_transport_whose_package_is_missing_is_one_line_and_exit_2(
+    args: list[str], name: str, module: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mambacache._cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m == module else real(m, *a))
+    assert main([*args, name]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and f"pip install 'mambacache[{name}]'" in err, err

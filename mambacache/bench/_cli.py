@@ -97,6 +97,13 @@ def _add_single_rows(p: argparse.ArgumentParser) -> None:
         " two gloo processes on 127.0.0.1 (CPU; default preset qwen3-next-80b-a3b-tp8, --quick: small)",
     )
     p.add_argument(
+        "--transport",
+        choices=["gloo", "nixl", "mooncake"],
+        default="gloo",
+        help="--transfer: the transport of the transfer and of its plain baseline, a raw transfer of the same bytes"
+        " (nixl, mooncake: their extra installed; default gloo)",
+    )
+    p.add_argument(
         "--contended",
         action="store_true",
         help="only clear, copy, offload and restore, quiet and then with a competing 2-thread torch process that the"
@@ -148,11 +155,27 @@ def _check_args(args: argparse.Namespace) -> torch.device:
             "--transfer runs on CPU over gloo and has no --plot or --tp (pick a sharded --preset);"
             " examples/transfer_gpu_check.py is the GPU check"
         )
+    if args.transport != "gloo":
+        _check_transport(args)
     if args.contended and (device.type != "cpu" or args.plot or args.transfer):
         raise UsageError("--contended times CPU stages under CPU contention: --device cpu, no --plot or --transfer")
     if args.plot:
         need_matplotlib("--plot")
     return device
+
+
+def _check_transport(args: argparse.Namespace) -> None:
+    from .._errors import TransportUnavailableError
+    from .._handoff._transports._pick import check_transport, one_host_ucx
+
+    if not args.transfer:
+        raise UsageError(f"--transport {args.transport} is the transport of --transfer: give --transfer")
+    try:
+        check_transport(args.transport)
+    except TransportUnavailableError as exc:
+        raise UsageError(f"--transport {args.transport}: {exc}") from None
+    if args.transport == "nixl":
+        one_host_ucx()
 
 
 def machine(device: torch.device) -> dict[str, Any]:
@@ -252,6 +275,10 @@ def _bulk_table(rows: list[dict[str, float]]) -> str:
     )
 
 
+def _plain(transport: str) -> str:
+    return "dist.send/recv" if transport == "gloo" else f"a raw {transport} read"
+
+
 def _transfer_table(rows: list[dict[str, Any]]) -> str:
     return "\n\n".join(
         table(["slots", "MiB", "transfer ms", "send ms", "x send", "best x", "stage ms", "wire ms", "land ms",
@@ -260,9 +287,9 @@ def _transfer_table(rows: list[dict[str, Any]]) -> str:
                 r["stage_ms"], r["wire_ms"], r["land_ms"], r["in_place_ms"], r["in_place_ratio"],
                 r["in_place_spread_ms"], r["in_place_spread_ratio"]]
                for r in rows if r["preset"] == preset],
-              title=f"{preset}: {rows[0]['layers']} layers; StateTransfer vs dist.send/recv of the same bytes (gloo,"
-                    " 127.0.0.1), interleaved; x send = transfer / send (medians); in place: export(...,"
-                    " in_place=True) of one run of slots, spread: of the transfer's spread slots")
+              title=f"{preset}: {rows[0]['layers']} layers; StateTransfer vs {_plain(rows[0]['transport'])} of the"
+                    f" same bytes ({rows[0]['transport']}, 127.0.0.1), interleaved; x send = transfer / send (medians);"
+                    " in place: export(..., in_place=True) of one run of slots, spread: of the transfer's spread slots")
         for preset in dict.fromkeys(r["preset"] for r in rows)
     )  # fmt: skip
 
@@ -274,7 +301,8 @@ def run_transfer(args: argparse.Namespace, device: torch.device) -> int:
     presets = args.preset or (["small"] if args.quick else ["qwen3-next-80b-a3b-tp8"])
     sizes, repeats = args.sizes or [1, 8, 64], args.repeats or (5 if args.quick else 15)
     try:
-        rows = [r for p in presets for r in transfer_vs_send(p, sizes, repeats, int(args.budget_gb * 2**30))]
+        budget = int(args.budget_gb * 2**30)
+        rows = [r for p in presets for r in transfer_vs_send(p, sizes, repeats, budget, transport=args.transport)]
     except Exception as exc:  # a rank's error as the spawn reports it: wrong bytes, a dead peer, a timeout
         last = str(exc).strip().splitlines()[-1:] or [type(exc).__name__]
         sys.stderr.write(f"mambacache bench --transfer: a rank failed: {last[0]}\n")

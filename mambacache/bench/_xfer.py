@@ -16,7 +16,10 @@ round), so a slow spell of a shared machine hits both alike:
   ``in_place_spread``: the same from the spread slots (the send gathers them:
   one copy);
 * ``send``: one ``dist.send`` / ``dist.recv`` of a ready contiguous buffer of the
-  same bytes, the bound of this group and link.
+  same bytes, the bound of this group and link; over ``transport="nixl"`` or
+  ``"mooncake"``, one raw read of that buffer by the receiver over the same
+  transport (its wire, the buffer registered once), started by a one-word
+  message: the bound of that transport here.
 
 Both are timed on the sender from the start to the receiver's one-word "done",
 so each includes one small message's latency. The first transfer round of each
@@ -37,8 +40,11 @@ from typing import Any
 
 import torch
 
+from .._handoff._link import root_store
 from .._handoff._surface import CacheManager
 from .._handoff._transfer import StateTransfer
+from .._handoff._transports._base import Transport, Wire
+from .._handoff._transports._pick import make as make_transport
 from .._host import HostPool
 from .._pool import StatePool
 from .._spec import StateSpec
@@ -68,7 +74,7 @@ def _fill(pool: StatePool, seed: int) -> None:
 
 
 def transfer_vs_send(
-    preset: str, sizes: list[int], repeats: int, budget_bytes: int, *, timeout: float = 60.0
+    preset: str, sizes: list[int], repeats: int, budget_bytes: int, *, timeout: float = 60.0, transport: str = "gloo"
 ) -> list[dict[str, Any]]:
     """One row per size: the transfer's and the plain send's median and best milliseconds, and their ratio.
 
@@ -82,7 +88,7 @@ def transfer_vs_send(
 
     spec = fit_layers(lookup(preset).spec, COPIES * max(sizes), budget_bytes)
     with tempfile.TemporaryDirectory() as tmp:
-        args = (_free_port(), spec, sizes, repeats, timeout, tmp)
+        args = (_free_port(), spec, sizes, repeats, timeout, tmp, transport)
         mp.spawn(_worker, args=args, nprocs=2, join=True)  # type: ignore[attr-defined,no-untyped-call]
         with open(os.path.join(tmp, "0.json"), encoding="utf-8") as f:
             sender = json.load(f)
@@ -91,7 +97,10 @@ def transfer_vs_send(
     rows = []
     for n in sizes:
         t, land = sender[str(n)], receiver[str(n)]
-        row: dict[str, Any] = {"preset": preset, "layers": spec.num_layers, "slots": n, "bytes": n * spec.slot_bytes}
+        row: dict[str, Any] = {
+            "preset": preset, "transport": transport, "layers": spec.num_layers, "slots": n,
+            "bytes": n * spec.slot_bytes,
+        }  # fmt: skip
         for path in PATHS:
             row[f"{path}_ms"] = statistics.median(t[path]) * 1e3
             row[f"{path}_min_ms"] = min(t[path]) * 1e3
@@ -110,7 +119,9 @@ def transfer_vs_send(
     return rows
 
 
-def _worker(rank: int, port: int, spec: StateSpec, sizes: list[int], repeats: int, timeout: float, out: str) -> None:
+def _worker(
+    rank: int, port: int, spec: StateSpec, sizes: list[int], repeats: int, timeout: float, out: str, transport: str
+) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -121,8 +132,8 @@ def _worker(rank: int, port: int, spec: StateSpec, sizes: list[int], repeats: in
         pool, host = StatePool(spec, max(sizes)), HostPool(spec, max(sizes))
         _fill(pool, 1234 + rank)
         with CacheManager(pool, host_pool=host) as mgr:
-            xfer = StateTransfer(mgr, dist.group.WORLD, peer=1 - rank, timeout=timeout)
-            side = _Sender(mgr, xfer) if rank == 0 else _Receiver(mgr, xfer)
+            xfer = StateTransfer(mgr, dist.group.WORLD, peer=1 - rank, timeout=timeout, transport=transport)
+            side = (_Sender if rank == 0 else _Receiver)(mgr, xfer, _raw_wire(transport, rank, timeout))
             times = {str(n): side.size(n, repeats) for n in sizes}
         with open(os.path.join(out, f"{rank}.json"), "w", encoding="utf-8") as f:
             json.dump(times, f)
@@ -130,18 +141,36 @@ def _worker(rank: int, port: int, spec: StateSpec, sizes: list[int], repeats: in
         dist.destroy_process_group()
 
 
+def _raw_wire(transport: str, rank: int, timeout: float) -> tuple[Transport, Wire] | None:
+    """The plain path's own transport and its wire ``0 > 1`` (None over gloo: ``dist.send`` is its bound)."""
+    import torch.distributed as dist
+
+    if transport == "gloo":
+        return None
+    store = root_store(dist.distributed_c10d._get_default_store())
+    raw = make_transport(transport, store, rank, 1 - rank, timeout)
+    keys = dist.distributed_c10d.PrefixStore("mambacache/bench/raw/", store)
+    return raw, raw.wire(keys, 0, 1, rank, timeout)
+
+
 class _Side:
     """What both ranks do around a round: the plain buffer and the rounds' order."""
 
-    def __init__(self, mgr: CacheManager, xfer: StateTransfer) -> None:
+    def __init__(self, mgr: CacheManager, xfer: StateTransfer, raw: tuple[Transport, Wire] | None) -> None:
         import torch.distributed as dist
 
-        self.dist, self.mgr, self.xfer = dist, mgr, xfer
+        self.dist, self.mgr, self.xfer, self.raw = dist, mgr, xfer, raw
         self.done = torch.zeros(1, dtype=torch.int64)
+        self.source: dict[str, Any] | None = None
 
     def size(self, n: int, repeats: int) -> Any:
         """Times of ``n`` slots: two warm-up rounds, then ``repeats`` rounds, the paths alternating."""
         buf = torch.empty(n * self.mgr.pool.spec.slot_bytes, dtype=torch.uint8)
+        if self.raw is not None:  # registered once per size, its place told to the reader once (untimed)
+            self.raw[0].register([buf])
+            box = [self.raw[1].source([buf]) if self.dist.get_rank() == 0 else None]
+            self.dist.broadcast_object_list(box, src=0)
+            self.source = box[0]
         self.setup(n)
         for r in range(repeats + 2):
             for path in PATHS if r % 2 else PATHS[::-1]:
@@ -184,9 +213,10 @@ class _Sender(_Side):
         self.samples["send"] = []
 
     def plain(self, buf: torch.Tensor, keep: bool) -> None:
-        """Send the bytes, wait for the receiver's word."""
+        """Send the bytes (over a pulled transport: the word that starts the receiver's read), wait for the
+        receiver's word."""
         t0 = time.perf_counter()
-        self.dist.send(buf, 1)
+        self.dist.send(self.done if self.raw is not None else buf, 1)
         self.dist.recv(self.done, 1)
         if keep:
             self.samples["send"].append(time.perf_counter() - t0)
@@ -229,8 +259,12 @@ class _Receiver(_Side):
         self.land: dict[str, list[float]] = {path: [] for path in TRANSFERS}
 
     def plain(self, buf: torch.Tensor, keep: bool) -> None:
-        """Receive the bytes, say done."""
-        self.dist.recv(buf, 0)
+        """Receive the bytes (over a pulled transport: read them once the sender's word came), say done."""
+        if self.raw is None:
+            self.dist.recv(buf, 0)
+        else:
+            self.dist.recv(self.done, 0)
+            self.raw[1].pull([buf], self.source, "raw", "raw", [])
         self.dist.send(self.done, 0)
 
     def prepare(self, path: str, n: int) -> None:

@@ -116,6 +116,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="--scenario pd: seconds one batch of a transfer may take (default 10)",
     )
     p.add_argument(
+        "--transport",
+        choices=["gloo", "nixl", "mooncake"],
+        default="gloo",
+        help="--scenario pd: the transfers' transport (nixl, mooncake: their extra installed; default gloo)",
+    )
+    p.add_argument(
         "--block-size", type=int_at_least(1), default=None, help="prefill chunk and prefix block (default 4)"
     )
     p.add_argument("--max-checkpoints", type=int_at_least(0), default=None, help="prefix checkpoints kept in the pool")

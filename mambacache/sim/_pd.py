@@ -74,6 +74,7 @@ class PdConfig:
     timeout: float = 10.0  # seconds one batch of a transfer may take (the receiver: once its header came)
     verify: bool = True
     state_dtype: str = "float32"
+    transport: str = "gloo"  # the transfers' transport: gloo, nixl or mooncake
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +93,7 @@ class PdReport:
     fault: str
     mismatched_requests: tuple[str, ...] = ()
     error: str | None = None
+    transport: str = "gloo"
 
 
 def layout_of(model: SimModel) -> StateLayout:
@@ -163,6 +165,7 @@ def simulate_pd(cfg: PdConfig) -> PdReport:
         fault=cfg.fault,
         mismatched_requests=tuple(decode.get("mismatched", ())),
         error="; ".join(errors) or None,
+        transport=cfg.transport,
     )
 
 
@@ -213,10 +216,14 @@ def _sender(rank: int, cfg: PdConfig, layout: StateLayout, mgr: CacheManager) ->
     a, b = cfg.tp_prefill, cfg.tp_decode
     if a >= b:
         peer = a + rank // (a // b)
-        return StateTransfer(mgr, dist.group.WORLD, peer=peer, timeout=cfg.timeout), mgr.pool.spec.memory_bytes
+        return StateTransfer(
+            mgr, dist.group.WORLD, peer=peer, timeout=cfg.timeout, transport=cfg.transport
+        ), mgr.pool.spec.memory_bytes
     m = b // a
     peers = [a + rank * m + i for i in range(m)]
-    sender = ReslicingSender(mgr, dist.group.WORLD, peers, layout.shard_layout(a), timeout=cfg.timeout)
+    sender = ReslicingSender(
+        mgr, dist.group.WORLD, peers, layout.shard_layout(a), timeout=cfg.timeout, transport=cfg.transport
+    )
     return sender, m * layout.shard_spec(b).memory_bytes
 
 
@@ -316,9 +323,12 @@ def _receiver(rank: int, cfg: PdConfig, layout: StateLayout, mgr: CacheManager) 
 
     a, b = cfg.tp_prefill, cfg.tp_decode
     if a <= b:
-        return StateTransfer(mgr, dist.group.WORLD, peer=rank // (b // a), timeout=cfg.timeout)
+        return StateTransfer(mgr, dist.group.WORLD, peer=rank // (b // a), timeout=cfg.timeout, transport=cfg.transport)
     m = a // b
-    xfers = [StateTransfer(mgr, dist.group.WORLD, peer=rank * m + i, timeout=cfg.timeout) for i in range(m)]
+    xfers = [
+        StateTransfer(mgr, dist.group.WORLD, peer=rank * m + i, timeout=cfg.timeout, transport=cfg.transport)
+        for i in range(m)
+    ]
     return ReslicingReceiver(mgr, xfers, layout.shard_layout(b))
 
 
@@ -399,11 +409,18 @@ def run_cli(args: Any, models: list[str]) -> int:
     never passes (the run must end nonzero with the TransferError, and quickly).
     """
     from .._console import UsageError, table, write_json
-    from .._errors import InvalidArgumentError
+    from .._errors import InvalidArgumentError, TransportUnavailableError
+    from .._handoff._transports._pick import check_transport, one_host_ucx
 
     a, b = args.tp_prefill, args.tp_decode
+    try:
+        check_transport(args.transport)
+    except TransportUnavailableError as exc:
+        raise UsageError(f"--transport {args.transport}: {exc}") from None
     if max(a, b) % min(a, b):
         raise UsageError(f"--tp-prefill {a} and --tp-decode {b}: one must divide the other")
+    if args.transport == "nixl":
+        one_host_ucx()
     for name in models:  # refuse a TP size the state does not divide by before any process starts
         for flag, tp in (("--tp-prefill", a), ("--tp-decode", b)):
             try:
@@ -422,6 +439,7 @@ def run_cli(args: Any, models: list[str]) -> int:
                 timeout=args.transfer_timeout,
                 verify=not args.no_verify,
                 state_dtype=args.state_dtype,
+                transport=args.transport,
             )
         )
         for name in models
@@ -433,7 +451,7 @@ def run_cli(args: Any, models: list[str]) -> int:
             for r in reports
         ]  # fmt: skip
         title = (
-            f"mambacache simulate: scenario pd (prefill and decode in separate processes over gloo),"
+            f"mambacache simulate: scenario pd (prefill and decode in separate processes over {args.transport}),"
             f" {args.requests} requests, fault {args.fault}"
         )
         headers = ["model", "done", "mismatch", "tp", "batches", "bytes sent", "s", "error"]

@@ -7,7 +7,7 @@ from typing import Any
 from ..._errors import InvalidArgumentError, TransportUnavailableError
 from ._base import Transport
 
-__all__ = ["EXTRAS", "TRANSPORTS", "check_transport", "make"]
+__all__ = ["EXTRAS", "TRANSPORTS", "check_transport", "make", "one_host_ucx"]
 
 # Each transport's package and the extra of mambacache that installs it.
 EXTRAS = {"gloo": ("torch.distributed", ""), "nixl": ("nixl_cu12", "nixl"), "mooncake": ("mooncake", "mooncake")}
@@ -45,3 +45,17 @@ def make(transport: str, store: Any, rank: int, peer: int, timeout: float) -> Tr
     from ._gloo import GlooTransport
 
     return GlooTransport()
+
+
+def one_host_ucx() -> None:
+    """For the processes of a run on one host (``simulate --scenario pd``, ``bench --transfer``) over NIXL: UCX over
+    TCP, shared memory and loopback, and without its InfiniBand module, unless the environment says otherwise.
+
+    Why without it: the NIXL wheel's UCX brings a copy of libnl of its own, and
+    its InfiniBand module loads the system's libibverbs, which loads the
+    system's libnl; the two copies crash the process as it exits (a SIGSEGV in
+    ``rtnl_tc_unregister``). Set in the environment, so the processes spawned inherit it."""
+    import os
+
+    os.environ.setdefault("UCX_TLS", "tcp,sm,self")
+    os.environ.setdefault("UCX_MODULES", "^ib")

@@ -1,0 +1,141 @@
+"""The Mooncake wire: a Mooncake Transfer Engine per transfer (TCP, P2P handshake), the receiver reads.
+
+The engine listens on the address this process reaches the group's store from
+(the store on 127.0.0.1: 127.0.0.1), its segment named ``host:port`` (its RPC
+port); the pools' memory is registered once, other rows per batch (a read
+from memory registered after the peer's first read works without a new
+handshake). A sender's header names its segment and one ``(address, bytes)``
+per message; the receiver reads them all in one ``batch_transfer_sync_read``.
+The engine's read cannot be aborted and takes no timeout: it runs in a thread
+of its own, and a read not done within the timeout fails the batch (a
+:class:`~mambacache.TransferError`) while its thread is left to finish. Not
+aborted, such a read may still write into the rows it was reading into after
+the failure (NIXL's reads are cancelled; docs/transfer.md). A dead peer shows
+as a return code of -1 at once: a TransferError too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+from ..._errors import TransferError
+from ._base import Transport, Wire
+from ._regions import Regions, span
+
+__all__ = ["MooncakeTransport", "MooncakeWire"]
+
+
+def _local_address(store: Any) -> str:
+    """The address this process reaches ``store``'s host from (its own address on that network)."""
+    host = str(getattr(store, "host", "127.0.0.1"))
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((socket.gethostbyname(host), 9))  # no packet: a UDP connect only picks the route
+            return str(probe.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+def _close(engine: list[Any], regions: Regions) -> None:
+    regions.close()
+    engine.clear()
+
+
+class MooncakeTransport(Transport):
+    """One Transfer Engine for both directions of a transfer; ``store`` the group's (its root)."""
+
+    name = "mooncake"
+
+    def __init__(self, store: Any, rank: int, peer: int, timeout: float) -> None:
+        from mooncake.engine import TransferEngine
+
+        engine = TransferEngine()
+        host = _local_address(store)
+        if engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
+            raise TransferError(f"the Mooncake Transfer Engine could not start on {host}")
+        self.segment = f"{host}:{engine.get_rpc_port()}"
+        self._box = [engine]
+        self.lock = threading.Lock()
+        self.regions = Regions(self._add, self._remove)
+        weakref.finalize(self, _close, self._box, self.regions)
+
+    @property
+    def engine(self) -> Any:
+        """The Transfer Engine (gone once the transport is finalized)."""
+        if not self._box:
+            raise TransferError("the Mooncake Transfer Engine is closed (the process exits)")
+        return self._box[0]
+
+    def _add(self, base: int, size: int, t: torch.Tensor) -> Any:
+        with self.lock:
+            if self.engine.register_memory(base, size) != 0:
+                raise TransferError(f"Mooncake could not register {size} bytes at {base:#x}")
+        return base
+
+    def _remove(self, handle: Any) -> None:
+        with self.lock, contextlib.suppress(Exception):
+            self.engine.unregister_memory(handle)
+
+    def register(self, tensors: Any) -> None:
+        self.regions.keep(tensors)
+
+    def wire(self, store: Any, src: int, dst: int, me: int, timeout: float) -> Wire:
+        return MooncakeWire(self, src, timeout)
+
+
+class MooncakeWire(Wire):
+    """One direction's reads over the transfer's engine."""
+
+    pulls = True
+
+    def __init__(self, transport: MooncakeTransport, src: int, timeout: float) -> None:
+        self.transport, self.src, self.timeout = transport, src, timeout
+
+    def source(self, raw: list[torch.Tensor]) -> dict[str, Any]:
+        self.transport.regions.cover(raw, self)
+        return {"agent": self.transport.segment, "md": 0, "mem": "DRAM", "descs": [list(span(t)) for t in raw]}
+
+    def push(self, raw: list[torch.Tensor], name: str, peer: str, ids: list[str]) -> None:
+        return  # the receiver reads
+
+    def pull(
+        self, raw: list[torch.Tensor], source: dict[str, Any] | None, name: str, peer: str, ids: list[str]
+    ) -> None:
+        try:
+            segment, descs = str(source["agent"]), source["descs"]  # type: ignore[index]
+            if len(descs) != len(raw) or any(int(d[1]) != t.numel() for d, t in zip(descs, raw, strict=True)):
+                raise ValueError("its descriptors are not the batch's messages")
+        except (TypeError, KeyError, ValueError) as exc:
+            raise TransferError(f"rank {self.src} sent no Mooncake source for its rows: {exc}", ids) from exc
+        pairs = [(t, d) for t, d in zip(raw, descs, strict=True) if t.numel()]
+        if not pairs:
+            return
+        x = self.transport
+        x.regions.cover(raw, self)
+        local = [t.data_ptr() for t, _ in pairs]
+        remote = [int(d[0]) for _, d in pairs]
+        sizes = [int(d[1]) for _, d in pairs]
+        out: list[Any] = []
+        reader = threading.Thread(
+            target=lambda: out.append(_read(x.engine, segment, local, remote, sizes)), daemon=True
+        )
+        reader.start()
+        reader.join(self.timeout)
+        if reader.is_alive():
+            what = f"timed out after {self.timeout:g}s (the read is not aborted)"
+            raise TransferError(f"reading the states' bytes from rank {self.src} {what}", ids)
+        if out != [0]:
+            raise TransferError(f"reading the states' bytes from rank {self.src} failed ({out[0]!r})", ids)
+
+
+def _read(engine: Any, segment: str, local: list[int], remote: list[int], sizes: list[int]) -> Any:
+    try:
+        return engine.batch_transfer_sync_read(segment, local, remote, sizes)
+    except Exception as exc:  # a return code in the common case; an exception handed to the waiting thread
+        return exc

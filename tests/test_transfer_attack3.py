@@ -352,7 +352,7 @@ def test_a_batch_in_doubt_is_not_landed_twice_after_another_sender_of_the_direct
         thread, sent = _in_thread(s1.send)
         assert into.receive() == ["a"]
         thread.join(10)
-        assert lost == ["ok:1"] and isinstance(sent[0], mc.TransferError), sent  # in doubt
+        assert lost == [b"ok:1"] and isinstance(sent[0], mc.TransferError), sent  # in doubt
         thread, sent = _in_thread(s2.send)
         assert into.receive() == ["b"]
         thread.join(10)

@@ -1,0 +1,199 @@
+"""The transfer against a broken or hostile peer: whatever a peer writes into the store is parsed typed.
+
+A receiver refuses a malformed header with reason ``"header"`` (its decision written, so the next honest batch
+gets through); a sender takes a malformed decision or acknowledgement as a failed batch (a TransferError, the pair
+replaced). The real link in one process (``tests/link.py``): clients of one TCPStore on 127.0.0.1, the gloo pair
+between two threads.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+import mambacache as mc
+from mambacache._handoff import _link
+from mambacache._handoff._control import MAGIC
+from mambacache._handoff._link import fingerprint
+
+from .link import in_thread, store, transfer
+from .util import quant_spec
+
+SPEC = quant_spec(2)
+
+
+def _mgr(host: int = 2) -> mc.CacheManager:
+    return mc.CacheManager(mc.StatePool(SPEC, 4), host_pool=mc.HostPool(SPEC, host))
+
+
+def _direction(master: Any, src: int, dst: int) -> Any:
+    """A raw client of direction ``src > dst``'s keys: what a broken or forged peer writes with."""
+    import torch.distributed as dist
+
+    client = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=10))
+    return dist.PrefixStore(f"mambacache/xfer/{src}>{dst}/", client)
+
+
+def _export(mgr: mc.CacheManager, rid: str) -> int:
+    (slot,) = mgr.alloc(1, rid, clear=False)
+    mgr.flush_nowait()
+    mgr.export(slot, rid)
+    mgr.flush_nowait()
+    return slot
+
+
+def _honest_header() -> dict[str, Any]:
+    fp = fingerprint(SPEC.num_layers, SPEC.shapes())
+    sizes = _link.message_sizes(SPEC.num_layers, SPEC.shapes(), 1, False)
+    return {"magic": MAGIC, "tok": "x", "seq": 1, "ids": ["x"], "fp": fp, "pair": "x.0", "split": False, "bytes": sizes}
+
+
+def _without(key: str) -> bytes:
+    header = _honest_header()
+    del header[key]
+    return json.dumps(header).encode()
+
+
+def _with(**fields: Any) -> bytes:
+    return json.dumps({**_honest_header(), **fields}).encode()
+
+
+MALFORMED_HEADERS = {
+    "no fp": _without("fp"),
+    "no ids": _without("ids"),
+    "not UTF-8": b"\xff\xfe{}",
+    "nested too deep": b"[" * 200_000 + b"]" * 200_000,
+    "a deep fp": _with(fp=json.loads("[" * 500 + "]" * 500)),
+    "a list": b"[1, 2]",
+    "a negative seq": _with(seq=-1),
+    "a huge seq": _with(seq=2**70),
+    "a bool seq": _with(seq=True),
+    "a float magic": _with(magic=float(MAGIC)),
+    "a token with a slash": _with(tok="../x"),
+    "a pair without an epoch": _with(pair="x"),
+    "a negative byte size": _with(bytes=[-1] * len(SPEC.shapes())),
+    "ids not str": _with(ids=[1]),
+    "a string split": _with(split="yes"),
+    "a huge number": b'{"seq": 1' + b"0" * 5000 + b"}",
+}
+
+
+@pytest.mark.parametrize("raw", MALFORMED_HEADERS.values(), ids=MALFORMED_HEADERS.keys())
+def test_a_malformed_header_is_refused_and_the_next_honest_batch_gets_through(raw: bytes) -> None:
+    """A header with no ``fp`` raised a bare KeyError from ``receive()``, one that is not UTF-8 a
+    UnicodeDecodeError, JSON nested too deep a RecursionError: no decision was written, so every later
+    ``receive()`` met the same header and an honest sender's batch never got through."""
+    master = store()
+    with _mgr() as src, _mgr() as dst:
+        out, into = transfer(src, master, 0, 1, 2.0), transfer(dst, master, 1, 0, 2.0)
+        forged = _direction(master, 0, 1)
+        forged.set(f"hdr/{forged.add('posted', 1)}", raw)
+        with pytest.raises(mc.TransferRefusedError) as caught:
+            into.receive()
+        assert caught.value.reason == "header", caught.value
+        assert forged.get("state/1").startswith(b"refuse:header:"), "no decision was written"
+        _export(src, "r")
+        thread, sent = in_thread(out.send)
+        try:
+            assert into.receive() == ["r"]
+        finally:
+            thread.join(10)
+        assert sent == [["r"]], sent
+        dst.discard_arrived("r")
+        dst.flush_nowait()
+        dst.check_idle(host=True)
+        src.flush_nowait()
+        src.check_idle(host=True)
+
+
+MALFORMED_DECISIONS = {
+    "a superscript room": "refuse:room:\u00b2:x".encode(),
+    "not UTF-8": b"\xff\xfe",
+    "an unknown reason": b"refuse:tired::x",
+    "an unknown kind": b"maybe",
+    "go with a token that names other keys": b"go:../../x",
+    "go without a token": b"go:",
+}
+
+
+@pytest.mark.parametrize("raw", MALFORMED_DECISIONS.values(), ids=MALFORMED_DECISIONS.keys())
+def test_a_malformed_decision_is_a_transfer_error_the_pair_replaced(raw: bytes) -> None:
+    """A receiver's decision ``refuse:room:²:x`` made ``send()`` raise a bare ValueError (``"²".isdigit()``
+    holds, ``int("²")`` fails), one not UTF-8 a UnicodeDecodeError; the batch was then in doubt over a pair
+    that was not replaced. A TransferError, the pair replaced, as any failed batch; the retry lands once."""
+    master = store()
+    with _mgr() as src, _mgr() as dst:
+        out, into = transfer(src, master, 0, 1, 2.0), transfer(dst, master, 1, 0, 2.0)
+        forged = _direction(master, 0, 1)
+        _export(src, "r")
+        thread, sent = in_thread(out.send)
+        forged.wait(["hdr/1"], timedelta(seconds=10))
+        forged.set("state/1", raw)
+        forged.add("taken", 1)  # the forged receiver settled header 1
+        thread.join(10)
+        assert len(sent) == 1 and type(sent[0]) is mc.TransferError, sent
+        assert sent[0].request_ids == ["r"] and "malformed decision" in str(sent[0])
+        assert out._out._epoch == 1, "the pair was not replaced"  # type: ignore[attr-defined]
+        thread, sent = in_thread(out.send)
+        try:
+            assert into.receive() == ["r"]
+        finally:
+            thread.join(10)
+        assert sent == [["r"]], sent
+        dst.discard_arrived("r")
+        dst.flush_nowait()
+        src.flush_nowait()
+        src.check_idle(host=True)
+
+
+MALFORMED_ACKS = {
+    "a superscript room": "refuse:room:\u00b2:x".encode(),
+    "not UTF-8": b"\xff",
+    "ok with a superscript count": "ok:\u00b9".encode(),
+    "an unknown kind": b"fine",
+}
+
+
+@pytest.mark.parametrize("raw", MALFORMED_ACKS.values(), ids=MALFORMED_ACKS.keys())
+def test_a_malformed_acknowledgement_is_a_transfer_error_and_the_retry_lands_once(raw: bytes) -> None:
+    """The receiver landed the batch and wrote an acknowledgement of no known form: ``send()`` raised it bare
+    (ValueError, UnicodeDecodeError), in doubt over a pair not replaced. A TransferError (in doubt: it may have
+    landed), a fresh pair, and the retry is acknowledged as a duplicate, landed once."""
+    master = store()
+    with _mgr() as src, _mgr() as dst:
+        out, into = transfer(src, master, 0, 1, 2.0), transfer(dst, master, 1, 0, 2.0)
+        inbox = into._in  # type: ignore[attr-defined]
+        real = inbox.call
+
+        def forge_once(what: str, *args: Any) -> Any:
+            if what == "set" and str(args[0]).startswith("ack/"):
+                inbox.call = real
+                return real(what, args[0], raw)
+            return real(what, *args)
+
+        inbox.call = forge_once
+        retired = len(_link._RETIRED)
+        _export(src, "r")
+        thread, sent = in_thread(out.send)
+        try:
+            assert into.receive() == ["r"]
+        finally:
+            thread.join(10)
+        assert len(sent) == 1 and type(sent[0]) is mc.TransferError, sent
+        assert sent[0].request_ids == ["r"]
+        assert len(_link._RETIRED) == retired + 1, "the pair the batch went over was kept"
+        thread, sent = in_thread(out.send)  # the retry: acknowledged again, not landed again
+        try:
+            with pytest.raises(mc.TransferError, match="no batch"):
+                into.receive()
+        finally:
+            thread.join(10)
+        assert sent == [["r"]], sent
+        assert dst.discard_arrived("r") > 0
+        dst.flush_nowait()
+        dst.check_idle(host=True)
+        src.flush_nowait()
+        src.check_idle(host=True)

@@ -9,6 +9,7 @@ between two threads.
 from __future__ import annotations
 
 import json
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -197,3 +198,46 @@ def test_a_malformed_acknowledgement_is_a_transfer_error_and_the_retry_lands_onc
         dst.check_idle(host=True)
         src.flush_nowait()
         src.check_idle(host=True)
+
+
+# -- bad arguments -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", ["x", None, 3, SPEC.shapes()])
+def test_a_layout_of_something_else_than_a_spec_is_a_typed_error(spec: Any) -> None:
+    """``StateLayout.synthetic("x")`` raised a bare AttributeError (``'str' object has no attribute 'conv_shapes'``)."""
+    from mambacache._handoff._reslice import StateLayout
+
+    with pytest.raises(mc.InvalidArgumentError, match="StateSpec"):
+        StateLayout.synthetic(spec)
+
+
+def _posted(master: Any) -> int:
+    return int(_direction(master, 0, 1).add("posted", 0))
+
+
+@pytest.mark.parametrize("kind", ["sparse", "sparse_csr", "meta"])
+def test_send_rows_of_a_sparse_or_device_tensor_is_a_typed_error_before_anything_is_posted(kind: str) -> None:
+    """A sparse tensor's rows raised a bare RuntimeError (a sparse tensor has no strides to send its bytes from);
+    rows that are not host memory cannot go over gloo either. Refused before a header is posted."""
+    import torch
+
+    dense = torch.zeros(2, 1, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: "Sparse CSR tensor support is in beta state"
+        rows = dense.to_sparse() if kind == "sparse" else dense.to("meta") if kind == "meta" else dense.to_sparse_csr(1)
+    master = store()
+    with _mgr() as mgr:
+        out = transfer(mgr, master, 0, 1, 0.3)
+        with pytest.raises(mc.InvalidArgumentError, match="strided, on the CPU"):
+            out.send_rows(["a"], [rows], 1)
+        assert _posted(master) == 0, "a header went out for a call that was refused"
+
+
+@pytest.mark.parametrize(("rank", "peer"), [(0, 2**70), (2**70, 0), (0, 2**31), (True, 0), (0, -1)])
+def test_a_rank_no_process_can_have_is_refused(rank: Any, peer: Any) -> None:
+    """``StateTransfer(peer=2**70, store=...)`` was accepted: a direction no process could ever answer on."""
+    import torch.distributed as dist
+
+    master = store()
+    client = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=10))
+    with _mgr() as mgr, pytest.raises(mc.InvalidArgumentError, match="two distinct ranks"):
+        mc.StateTransfer(mgr, None, peer=peer, store=client, rank=rank, timeout=1.0)

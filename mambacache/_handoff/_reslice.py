@@ -145,6 +145,8 @@ class StateLayout:
     @classmethod
     def from_config(cls, config: Any, spec: StateSpec | None = None) -> StateLayout:
         """The layout of the model ``config`` describes (its full spec: ``StateSpec.from_hf_config`` unless given)."""
+        if spec is not None and not isinstance(spec, StateSpec):
+            raise InvalidArgumentError(f"StateLayout.from_config's spec must be a StateSpec or None, got {spec!r}")
         text = getattr(config, "text_config", None) or config  # multimodal Qwen3.5: the language model's
         kind = getattr(text, "model_type", None)
         derived = StateSpec.from_hf_config(config)
@@ -183,6 +185,8 @@ class StateLayout:
     def synthetic(cls, spec: StateSpec) -> StateLayout:
         """A spec without a config: the first dimension of each conv and of the temporal state split, extras
         replicated (the synthetic presets' rule)."""
+        if not isinstance(spec, StateSpec):
+            raise InvalidArgumentError(f"StateLayout.synthetic takes a StateSpec, got {spec!r}")
         conv = [TensorLayout((_split(c[0]),)) for c in spec.conv_shapes]
         temporal = TensorLayout((_split(spec.temporal_shape[0]),))
         return cls(spec, (*conv, temporal, *(TensorLayout(()) for _ in spec.extra_shapes)))

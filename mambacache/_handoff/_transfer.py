@@ -235,14 +235,25 @@ def _check_batch(request_ids: Any, rows: Any, seq: Any) -> None:
     if (
         not isinstance(rows, (list, tuple))
         or not rows
-        or not all(isinstance(r, torch.Tensor) and r.dim() >= 2 for r in rows)
+        or not all(isinstance(r, torch.Tensor) and _host_rows(r) for r in rows)
         or len({(r.shape[0], r.shape[1]) for r in rows}) != 1
         or rows[0].shape[1] != len(request_ids)
     ):
         raise InvalidArgumentError(
-            f"send_rows takes one [layers, n, *state] tensor per pool tensor, each of one layer count and of"
-            f" n = {len(request_ids)} states (one per request id)"
+            f"send_rows takes one [layers, n, *state] host tensor (strided, on the CPU) per pool tensor, each of one"
+            f" layer count and of n = {len(request_ids)} states (one per request id)"
         )
+
+
+def _host_rows(rows: torch.Tensor) -> bool:
+    """Whether ``rows`` can go over the gloo pair as raw bytes: a strided CPU tensor of at least two dimensions (a
+    sparse or accelerator tensor fails inside the wire, after its header was posted)."""
+    return rows.layout == torch.strided and rows.device.type == "cpu" and rows.dim() >= 2
+
+
+def _rank(value: Any) -> bool:
+    """Whether ``value`` is a rank: an int (not a bool) in ``[0, 2**31)``, c10d's 32-bit rank."""
+    return type(value) is int and 0 <= value < 2**31
 
 
 def _check_shapes(shapes: Any) -> Shapes:
@@ -463,8 +474,11 @@ class StateTransfer:
             if type(peer) is not int or peer == dist.get_rank() or peer not in members:
                 raise InvalidArgumentError(f"peer must be another rank of the group, got {peer!r}")
             rank, store = dist.get_rank(), dist.distributed_c10d._get_default_store()
-        elif group is not None or type(rank) is not int or type(peer) is not int or peer == rank or min(rank, peer) < 0:
-            raise InvalidArgumentError("with a store: group=None, and rank and peer two distinct ranks (ints >= 0)")
+        elif group is not None or not _rank(rank) or not _rank(peer) or peer == rank:
+            raise InvalidArgumentError(
+                f"with a store: group=None, and rank and peer two distinct ranks (ints in [0, 2**31)), got {rank!r}"
+                f" and {peer!r}"
+            )
         elif not isinstance(store, dist.distributed_c10d.Store):
             raise InvalidArgumentError(f"store must be a torch.distributed.Store (a TCPStore client), got {store!r}")
         self._mgr, self.peer, self.rank = manager, peer, rank

@@ -424,7 +424,7 @@ def test_an_interrupt_after_a_delivered_batch_is_raised_not_swallowed() -> None:
         a, b = staged_and_in_place(mgr)
         shipped: list[list[str]] = []
 
-        def ship(batch: list[mc.Export], ids: list[str], seq: int) -> None:
+        def ship(batch: list[mc.Export], ids: list[str], ident: tuple[str, int], retry: bool) -> None:
             shipped.append(ids)
             if len(shipped) == 2:
                 raise KeyboardInterrupt

@@ -241,3 +241,66 @@ def test_a_rank_no_process_can_have_is_refused(rank: Any, peer: Any) -> None:
     client = dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=10))
     with _mgr() as mgr, pytest.raises(mc.InvalidArgumentError, match="two distinct ranks"):
         mc.StateTransfer(mgr, None, peer=peer, store=client, rank=rank, timeout=1.0)
+
+
+# -- a second sender of the manager --------------------------------------------------------------------------------
+@pytest.mark.parametrize("first", ["kept", "dropped"])
+def test_a_state_in_doubt_is_recognised_whichever_transfer_of_the_manager_sends_it_again(
+    first: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Transfer A's batch landed, but its acknowledgement came after A's timeout: in doubt. The engine then sent
+    through a second StateTransfer of the same manager to the same peer (a second sender on the rank, or a fresh
+    one built after the failure, A ``dropped``): B shipped the state as a new batch under its own token, and the
+    peer, which remembers what it landed per sender token, took it for a new state (refused as arrived twice
+    while the first copy waited, landed twice once it was imported). The doubt is the manager's book's: B sends
+    it again under A's batch, and the peer acknowledges it without landing it twice."""
+    import gc
+
+    import mambacache._handoff._transfer as transfer_mod
+
+    real = transfer_mod._acknowledge_landed
+
+    def late(*args: Any) -> None:
+        import time
+
+        time.sleep(1.5)  # past the sender's 1 s wait for the acknowledgement
+        real(*args)
+
+    master = store()
+    with _mgr() as src, _mgr() as dst:
+        a, into = transfer(src, master, 0, 1, 1.0), transfer(dst, master, 1, 0, 2.0)
+        _export(src, "r")
+        monkeypatch.setattr(transfer_mod, "_acknowledge_landed", late)
+        thread, sent = in_thread(a.send)
+        try:
+            assert into.receive() == ["r"]
+        finally:
+            thread.join(10)
+        monkeypatch.setattr(transfer_mod, "_acknowledge_landed", real)
+        assert type(sent[0]) is mc.TransferError and "did not acknowledge" in str(sent[0]), sent  # in doubt
+        if first == "dropped":
+            del a, thread, sent
+            gc.collect()
+        b = transfer(src, master, 0, 1, 2.0)
+        thread, sent = in_thread(b.send)
+        try:
+            with pytest.raises(mc.TransferError, match="no batch"):
+                into.receive()  # nothing new lands: the retry was answered "dup" inside the wait
+        finally:
+            thread.join(10)
+        assert sent == [["r"]], sent
+        assert dst.discard_arrived("r") > 0  # arrived once, and is here
+        dst.flush_nowait()
+        dst.check_idle(host=True)
+        # A new export after the doubt goes as a new batch, through either transfer.
+        _export(src, "s")
+        thread, sent = in_thread(b.send if first == "dropped" else a.send)
+        try:
+            assert into.receive() == ["s"]
+        finally:
+            thread.join(10)
+        assert sent == [["s"]], sent
+        dst.discard_arrived("s")
+        dst.flush_nowait()
+        src.flush_nowait()
+        src.check_idle(host=True)

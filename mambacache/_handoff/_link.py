@@ -9,7 +9,7 @@ closed pair never poisons a later batch. Per direction ``src > dst``, under ``ma
 the store (``docs/transfer.md`` has the whole protocol)::
 
     posted          sender: store.add -> m, the batch's header number
-    hdr/{m}         sender: JSON header (token, seq, ids, fingerprint, pair, split, byte sizes of its messages)
+    hdr/{m}         sender: JSON header (batch token, seq, ids, fingerprint, pair, split, byte sizes of its messages)
     state/{m}       compare_set, first writer wins: receiver "go:<tok>" | "dup:<tok>" | "refuse:<kind>:<room>:<why>",
                     or the sender's "withdrawn" (its wait for a decision timed out: nothing was sent)
     pair/{name}/..  the gloo pair's rendezvous, name "<tok>.<epoch>.<receiver's tok>" (the epoch: after a failure
@@ -20,9 +20,13 @@ the store (``docs/transfer.md`` has the whole protocol)::
                     that is absent when its wait times out while a later one was posted is counted too: its
                     sender or its receiver died between two writes, see Inbox._lost)
 
-A batch is ``(token, seq)``: a retry of a batch in doubt carries the same pair,
-and a receiver that landed it already answers ``dup`` (an acknowledgement) and
-lands nothing. No torch in the control path; the pair carries raw bytes.
+A batch is ``(token, seq)``: a retry of a batch in doubt carries the same pair
+of them, whichever link of the sending manager sends it (the pair's name is the
+link's own token), and a receiver that landed it already answers ``dup`` (an
+acknowledgement) and lands nothing. Every value read from the store is parsed by
+``_control.py`` (untrusted input: a malformed header is refused as ``header``, a
+malformed decision or acknowledgement fails the batch). No torch in the control
+path; the pair carries raw bytes.
 
 The bytes of a batch of n states, per pool tensor ``[layers, slots + 1, *state]``::
 

@@ -8,15 +8,18 @@ between two threads.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
 from datetime import timedelta
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import mambacache as mc
-from mambacache._handoff import _link
+from mambacache._handoff import _control, _link
 from mambacache._handoff._control import MAGIC
 from mambacache._handoff._link import fingerprint
 
@@ -108,6 +111,44 @@ def test_a_malformed_header_is_refused_and_the_next_honest_batch_gets_through(ra
         dst.check_idle(host=True)
         src.flush_nowait()
         src.check_idle(host=True)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=20,
+)
+_FIELDS = st.sampled_from(["magic", "tok", "seq", "ids", "fp", "pair", "split", "bytes"])
+
+
+@given(st.dictionaries(_FIELDS, _JSON, max_size=8), st.booleans())
+def test_any_json_in_place_of_a_header_parses_or_is_malformed(fields: dict[str, Any], over: bool) -> None:
+    """Fields of any JSON value, over an honest header or alone: a Header whose fields have the honest types, or
+    Malformed (a TransferError); never another exception."""
+    raw = json.dumps({**_honest_header(), **fields} if over else fields).encode()
+    try:
+        header = _control.header(raw)
+    except _control.Malformed:
+        return
+    assert type(header.seq) is int and 0 <= header.seq < 2**63 and all(type(r) is str for r in header.ids)
+    assert all(type(b) is int and b >= 0 for b in header.sizes) and type(header.split) is bool
+
+
+@given(st.binary(max_size=64) | st.text(max_size=24).map(str.encode))
+def test_any_bytes_in_place_of_a_control_value_parse_or_are_malformed(raw: bytes) -> None:
+    """Any bytes as a header, a decision or an acknowledgement: parsed, or Malformed; never another exception."""
+    for parse in (_control.header, _control.decision, _control.ack):
+        with contextlib.suppress(_control.Malformed):
+            parse(raw)
+
+
+@given(st.text(max_size=30))
+def test_a_receivers_answer_round_trips_through_the_parser(why: str) -> None:
+    """Whatever ``why`` an engine passes to ``acknowledge(landed=False)``, the refusal written parses back to the
+    same refusal (the sender never meets a malformed answer from an honest receiver)."""
+    refusal = _control.Refusal.of_answer(why)
+    assert _control.ack(refusal.encode().encode()).refusal == refusal
+    assert _control.decision(refusal.encode().encode()).refusal == refusal
 
 
 MALFORMED_DECISIONS = {

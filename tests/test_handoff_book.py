@@ -246,7 +246,7 @@ class ExportLife(RuleBasedStateMachine):
             self.taken.append((got, to))
 
     @precondition(lambda self: self.taken)
-    @rule(how=st.sampled_from(["delivered", "returned", "in doubt"]))
+    @rule(how=st.sampled_from(["delivered", "returned", "in doubt", "refused"]))
     def settle(self, how: str) -> None:
         batch, to = self.taken.pop(0)
         if how == "delivered":
@@ -257,18 +257,21 @@ class ExportLife(RuleBasedStateMachine):
                 self.pin.pop(ev.slot, None)
                 self.doubt.pop(ev.slot, None)
             return
-        doubt = how == "in doubt" and to is not None
-        ident = ("t", self.n)
-        self.mgr.exports_returned(batch, peer=to if doubt else None, batch=ident if doubt else None)
+        # "returned": sent nowhere (no peer): each record stays; "refused" by ``to`` (a retry): in doubt under no
+        # batch, still ``to``'s; "in doubt" with ``to``: under a batch of its own.
+        peer = None if how == "returned" else to
+        ident = ("t", self.n) if how == "in doubt" and peer is not None else None
+        self.mgr.exports_returned(batch, peer=peer, batch=ident)
         for ev in batch:
             self.model[ev.slot] = "ready"
-            if doubt:
-                assert to is not None
-                self.doubt[ev.slot] = ident
-                if ev.to is None:
-                    self.pin[ev.slot] = to
-            else:
+            if peer is None:
+                continue
+            if ev.to is None:
+                self.pin[ev.slot] = peer
+            if ident is None:
                 self.doubt.pop(ev.slot, None)
+            else:
+                self.doubt[ev.slot] = ident
 
     @invariant()
     def the_book_names_each_batch_in_doubt(self) -> None:

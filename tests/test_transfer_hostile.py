@@ -345,3 +345,58 @@ def test_a_state_in_doubt_is_recognised_whichever_transfer_of_the_manager_sends_
         dst.flush_nowait()
         src.flush_nowait()
         src.check_idle(host=True)
+
+
+class _Peer:
+    """A receiver behind a fake wire that keeps the link's promise: it remembers the last batch it landed per
+    token (``Inbox``'s memory), lands a batch it does not remember, and counts every landing of each id."""
+
+    def __init__(self, mgr: mc.CacheManager) -> None:
+        self.mgr = mgr
+        self.last: dict[str, int] = {}
+        self.landings: dict[str, int] = {}
+        self.lose: set[str] = set()  # ids whose next acknowledgement is lost (the batch lands: in doubt)
+        self.during: list[Any] = []  # calls made while the next batch is on the wire (another sender's send)
+
+    def ship(self, batch: list[mc.Export], ids: list[str], ident: tuple[str, int], retry: bool) -> None:
+        tok, seq = ident
+        if self.last.get(tok) != seq:
+            for rid in ids:
+                self.landings[rid] = self.landings.get(rid, 0) + 1
+            self.last[tok] = seq
+        if self.during:
+            self.during.pop(0)()
+        if self.lose & set(ids):
+            self.lose -= set(ids)
+            raise mc.TransferError("the acknowledgement timed out", ids)
+
+
+def test_two_batches_in_doubt_with_one_peer_are_each_retried_under_their_own_batch() -> None:
+    """Sender B retries A's batch in doubt (``a``) while A sends a new export (``b``) under a fresh token; both
+    acknowledgements are lost, so two batches are in doubt with the peer at once. The next send retries each
+    under its own batch: neither lands twice (putting back the exports a retry leaves for later must not forget
+    their doubt)."""
+    from mambacache._handoff._transfer import Batches, send_exports
+
+    with _mgr(host=4) as mgr:
+        peer, a, b = _Peer(mgr), Batches(), Batches()
+        _export(mgr, "a")
+        peer.lose = {"a"}
+        with pytest.raises(mc.TransferError):
+            send_exports(mgr, peer.ship, [1], a)
+        _export(mgr, "b")
+
+        def a_sends_b() -> None:
+            peer.lose.add("b")
+            with pytest.raises(mc.TransferError):
+                send_exports(mgr, peer.ship, [1], a)  # takes only "b": "a" is being sent by B
+
+        peer.during = [a_sends_b]
+        peer.lose = {"a"}
+        with pytest.raises(mc.TransferError):
+            send_exports(mgr, peer.ship, [1], b)  # the retry of a's batch, lost again
+        assert peer.landings == {"a": 1, "b": 1}
+        assert sorted(send_exports(mgr, peer.ship, [1], b)) == ["a", "b"]
+        assert peer.landings == {"a": 1, "b": 1}, "a state in doubt landed twice"
+        mgr.flush_nowait()
+        mgr.check_idle(host=True)

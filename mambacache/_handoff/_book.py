@@ -218,8 +218,10 @@ class HandOffBook:
         ``peer``: the send to ``peer`` failed after it may have landed them (in
         doubt): those addressed to no one are taken for ``peer`` only from now
         on, so a transfer to another peer never delivers a state ``peer`` may hold.
-        ``batch``: the batch they may have landed under (:meth:`in_doubt` names
-        it to every later sender); None, or no ``peer``: not in doubt under any.
+        ``batch``: the batch they may have landed under there (:meth:`in_doubt`
+        names it to every later sender); None with ``peer``: under none (a retry
+        the peer refused: it never landed that batch). Without ``peer`` (sent
+        nowhere, or refused on a first try) the record of each stays as it is.
 
         On a closed manager no send can follow: their slots and staging slots
         are freed at once (:meth:`_settle_closed`), nothing is kept for the next
@@ -237,7 +239,7 @@ class HandOffBook:
                     self.pinned[ev.slot] = peer
                 if peer is not None and batch is not None:
                     self.doubt[ev.slot] = batch
-                else:
+                elif peer is not None:
                     self.doubt.pop(ev.slot, None)
 
     def in_doubt(self, exports: Sequence[Export]) -> list[Hashable]:

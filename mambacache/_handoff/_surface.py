@@ -186,7 +186,8 @@ class HandOff:
         one in particular are from now on taken only for ``peer``, never delivered to a second peer. ``batch``
         (with ``peer``): the batch they may have landed under, which :meth:`exports_in_doubt` names to every
         later sender to ``peer``, so that whichever sends them again sends that batch (the peer acknowledges it
-        without landing it twice); without it, or without ``peer``, they are in doubt under no batch."""
+        without landing it twice); ``peer`` without it: under no batch (a retry the peer refused). Without
+        ``peer`` (sent nowhere, or refused on a first try) each export's record stays as it was."""
         dest = _check_to(peer)
         if batch is not None and (dest is None or not isinstance(batch, Hashable)):
             raise InvalidArgumentError(f"exports_returned's batch needs a peer and must be hashable, got {batch!r}")

@@ -311,7 +311,9 @@ class Batches:
         """Give a batch ``ident`` whose ship raised ``exc`` back to ``manager``, in doubt or not; True when it goes
         again at once (refused for room: cut to the room the peer has). ``retry``: it was in doubt before."""
         if isinstance(exc, TransferRefusedError):  # nothing landed: not in doubt
-            manager.exports_returned(batch)
+            # A refused retry: the peer never landed that batch (it acknowledges the batch it landed last whatever
+            # its room), so it is in doubt under none now, and goes as a new batch; still that peer's alone.
+            manager.exports_returned(batch, peer=peer if retry else None)
             if exc.reason == "room" and exc.room and exc.room < len(batch):
                 self.limit = exc.room  # a batch the peer has room for, at once
                 return True

@@ -29,7 +29,7 @@ from .._errors import TransferError
 
 __all__ = [
     "MAGIC", "REASONS", "Ack", "Decision", "Header", "Malformed", "Reason", "Refusal", "ack", "decision",
-    "encode_header", "header", "text",
+    "encode_header", "header", "shown", "text",
 ]  # fmt: skip
 
 MAGIC = 0x6D63_7847  # 7847: the pair's name ends with the receiver's token (a peer of 7846 refuses the header)
@@ -51,10 +51,10 @@ def text(raw: bytes) -> str:
     try:
         return raw.decode()
     except UnicodeDecodeError as exc:
-        raise Malformed(f"a control value that is not UTF-8: {_short(raw)}") from exc
+        raise Malformed(f"a control value that is not UTF-8: {shown(raw)}") from exc
 
 
-def _short(value: object) -> str:
+def shown(value: object) -> str:
     """A peer's value in a message: its repr, cut (a forged value may be megabytes long)."""
     shown = repr(value)
     return shown if len(shown) <= 200 else f"{shown[:200]}... ({len(shown)} characters)"
@@ -63,13 +63,13 @@ def _short(value: object) -> str:
 def _count(field: str, value: Any) -> int:
     """A non-negative int (not a bool) a 64-bit peer can write."""
     if type(value) is not int or not 0 <= value <= _MAX_INT:
-        raise Malformed(f"{field} must be an int in [0, 2**63), got {_short(value)}")
+        raise Malformed(f"{field} must be an int in [0, 2**63), got {shown(value)}")
     return value
 
 
 def _token(field: str, value: Any) -> str:
     if type(value) is not str or not _TOKEN.fullmatch(value):
-        raise Malformed(f"{field} must be a token (1-64 letters, digits, '_' or '-'), got {_short(value)}")
+        raise Malformed(f"{field} must be a token (1-64 letters, digits, '_' or '-'), got {shown(value)}")
     return value
 
 
@@ -106,23 +106,23 @@ def header(raw: bytes) -> Header:
     except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested deeper than the interpreter's stack
         raise Malformed(f"a header that is not JSON: {type(exc).__name__}") from None
     if type(value) is not dict:
-        raise Malformed(f"a header that is not a JSON object: {_short(value)}")
+        raise Malformed(f"a header that is not a JSON object: {shown(value)}")
     missing = {"magic", "tok", "seq", "ids", "fp", "pair", "bytes"} - value.keys()
     if missing:
         raise Malformed(f"a header without {sorted(missing)}")
     if value["magic"] != MAGIC or type(value["magic"]) is not int:
-        raise Malformed(f"a header of another version (magic {_short(value['magic'])})")
+        raise Malformed(f"a header of another version (magic {shown(value['magic'])})")
     ids, sizes, split = value["ids"], value["bytes"], value.get("split", False)
     if type(ids) is not list or not all(type(r) is str for r in ids):
-        raise Malformed(f"a header whose ids are not a list of str: {_short(ids)}")
+        raise Malformed(f"a header whose ids are not a list of str: {shown(ids)}")
     if type(sizes) is not list:
-        raise Malformed(f"a header whose byte sizes are not a list: {_short(sizes)}")
+        raise Malformed(f"a header whose byte sizes are not a list: {shown(sizes)}")
     if type(split) is not bool:
-        raise Malformed(f"a header whose split is not a bool: {_short(split)}")
+        raise Malformed(f"a header whose split is not a bool: {shown(split)}")
     pair = value["pair"]
     sender, dot, epoch = pair.rpartition(".") if type(pair) is str else ("", "", "")
     if not dot or not _DIGITS.fullmatch(epoch):
-        raise Malformed(f"a header whose pair is not <token>.<epoch>: {_short(pair)}")
+        raise Malformed(f"a header whose pair is not <token>.<epoch>: {shown(pair)}")
     return Header(
         _token("tok", value["tok"]), _count("seq", value["seq"]), ids, _fingerprint(value["fp"]), pair,
         _token("the pair's token", sender), split, [_count("a byte size", b) for b in sizes],
@@ -143,7 +143,7 @@ def _fingerprint(fp: Any) -> list[Any]:
         if not ok:
             break
     if not ok:
-        raise Malformed(f"a header whose fingerprint is not [layers, [[shape, dtype], ...]]: {_short(fp)}")
+        raise Malformed(f"a header whose fingerprint is not [layers, [[shape, dtype], ...]]: {shown(fp)}")
     return fp  # type: ignore[no-any-return]
 
 
@@ -174,7 +174,7 @@ def _refusal(rest: str) -> Refusal:
     reason, _, rest = rest.partition(":")
     room, _, said = rest.partition(":")
     if reason not in REASONS or not (room == "" or _DIGITS.fullmatch(room)):
-        raise Malformed(f"a refusal of unknown form: {_short('refuse:' + reason + ':' + room)}")
+        raise Malformed(f"a refusal of unknown form: {shown('refuse:' + reason + ':' + room)}")
     return Refusal(reason, int(room) if room else None, said)  # type: ignore[arg-type]
 
 
@@ -198,7 +198,7 @@ def decision(raw: bytes) -> Decision:
         return Decision(kind, _token("the receiver's token", rest))  # type: ignore[arg-type]
     if kind == "refuse":
         return Decision("refuse", refusal=_refusal(rest))
-    raise Malformed(f"a decision of unknown form: {_short(value)}")
+    raise Malformed(f"a decision of unknown form: {shown(value)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,4 +222,4 @@ def ack(raw: bytes) -> Ack:
         return Ack("fail", why=rest)
     if kind == "refuse":
         return Ack("refuse", refusal=_refusal(rest))
-    raise Malformed(f"an acknowledgement of unknown form: {_short(value)}")
+    raise Malformed(f"an acknowledgement of unknown form: {shown(value)}")

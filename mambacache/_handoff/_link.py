@@ -503,7 +503,8 @@ def _judge(
     except control.Malformed as exc:
         return control.Refusal("header", None, f"rank {src} sent something that is not a transfer header: {exc}"), None
     if header.fp != fp:
-        return control.Refusal("spec", None, f"rank {src} sends states of {header.fp}, this side holds {fp}"), header
+        why = f"rank {src} sends states of {control.shown(header.fp)}, this side holds {fp}"
+        return control.Refusal("spec", None, why), header
     ids = header.ids
     n = len(ids)
     if n < 1 or len(set(ids)) != n:

@@ -454,10 +454,11 @@ class StateTransfer:
     order, and releases their pool and staging slots only after the peer's
     acknowledgement (a failed send keeps them all: call :meth:`send` again once
     the peer can take them, or release); a batch that may have landed is sent
-    again under its own number, and the peer acknowledges it without landing it
-    twice; a receive lands every state of a batch or none and acknowledges only
-    what landed. Nothing of one batch outlives its failure: the next batch goes
-    over a fresh gloo pair.
+    again under its own token and number by whichever transfer of the manager
+    sends to that peer next (the doubt is the manager's hand-off book's), and
+    the peer acknowledges it without landing it twice; a receive lands every
+    state of a batch or none and acknowledges only what landed. Nothing of one
+    batch outlives its failure: the next batch goes over a fresh gloo pair.
 
     ``send`` and ``receive`` may run in two threads at once (each direction has
     its own store client and pair); two sends, or two receives, take turns.

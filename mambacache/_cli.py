@@ -9,6 +9,14 @@ from typing import NoReturn
 
 from . import __version__
 
+# Each subcommand's one-line help, here rather than in its module: `mambacache --help` and `--version` list
+# them without importing the modules (and torch, seconds on a loaded machine).
+COMMANDS = {
+    "simulate": "run a continuous-batching workload on real models and check outputs against isolated generation",
+    "bench": "clear/copy speed, workspace and host overhead against the bandwidth bound and the seed path",
+    "trace": "analyse a JSON-lines lifecycle trace",
+}
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse, with a usage error as one line (and --help for the rest), exit 2."""
@@ -17,18 +25,31 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _top() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction[argparse.ArgumentParser]]:
+    parser = _Parser(
+        prog="mambacache", description="Manage, simulate and benchmark hybrid models' recurrent state caches."
+    )
+    parser.add_argument("--version", action="version", version=f"mambacache {__version__}")
+    return parser, parser.add_subparsers(dest="command", required=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .bench import _cli as bench_cli
     from .sim import _cli as sim_cli
     from .tracing import _report as trace_cli
 
-    parser = _Parser(
-        prog="mambacache", description="Manage, simulate and benchmark hybrid models' recurrent state caches."
-    )
-    parser.add_argument("--version", action="version", version=f"mambacache {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for module in (sim_cli, bench_cli, trace_cli):
-        module.add_parser(sub)
+    parser, sub = _top()
+    for name, module in (("simulate", sim_cli), ("bench", bench_cli), ("trace", trace_cli)):
+        module.add_parser(sub, COMMANDS[name])
+    return parser
+
+
+def _light_parser() -> argparse.ArgumentParser:
+    """The top level alone, each subcommand a name that takes anything: ``--version``, ``--help`` and a missing
+    or unknown subcommand are answered by it, before the subcommands' modules are imported."""
+    parser, sub = _top()
+    for name, text in COMMANDS.items():
+        sub.add_parser(name, help=text, add_help=False)
     return parser
 
 
@@ -38,9 +59,19 @@ def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Exit codes: 0 success, 1 a finding (anomalies, mismatches), 2 bad input or usage, 130 interrupted."""
+    """Exit codes: 0 success, 1 a finding (anomalies, mismatches) or a report that could not be written, 2 bad
+    input or usage, 130 interrupted (at any moment, torch's import included)."""
+    try:
+        return _run(sys.argv[1:] if argv is None else list(argv))
+    except KeyboardInterrupt:
+        sys.stderr.write("mambacache: interrupted\n")
+        return 130
+
+
+def _run(argv: list[str]) -> int:
     from ._console import UsageError
 
+    _light_parser().parse_known_args(argv)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # the subcommand's error, naming it: "mambacache simulate: error: unrecognized arguments: ..."
@@ -50,9 +81,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         sys.stderr.write(f"mambacache {args.command}: {exc}\n")
         return 2
-    except KeyboardInterrupt:
-        sys.stderr.write("interrupted\n")
-        return 130
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -283,3 +284,45 @@ def test_bench_reports_progress_off_a_terminal() -> None:
     run = run_cli("bench", "--quick", "--sizes", "1", "--repeats", "1", timeout=300)
     assert run.returncode == 0, run.stderr
     assert "bench: small done" in run.stderr
+
+
+@pytest.mark.parametrize("flag", ["--version", "--help"])
+def test_version_and_help_import_no_torch(flag: str) -> None:
+    code = (
+        "import sys\nfrom mambacache._cli import main\n"
+        f"try:\n    main([{flag!r}])\nexcept SystemExit as exit_:\n    assert exit_.code == 0\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert run.returncode == 0 and run.stdout.startswith(("mambacache ", "usage: mambacache")), run
+
+
+def _started(proc: subprocess.Popen[str], module: str) -> list[str]:
+    """``-X importtime`` lines the child wrote on stderr up to and including ``module``'s import."""
+    assert proc.stderr is not None
+    seen: list[str] = []
+    for text in proc.stderr:
+        seen.append(text)
+        if text.rstrip().endswith(f"| {module}") or text.rstrip().endswith(f"|   {module}"):
+            return seen
+    raise AssertionError(f"{module} never imported: {seen[-5:]}")
+
+
+@pytest.mark.parametrize("args", [("simulate", "--model", "toy", "--requests", "200"), ("bench", "--quick")])
+def test_an_interrupt_during_start_up_is_one_line_and_exit_130(args: tuple[str, ...]) -> None:
+    """SIGINT as torch is being imported (after the command's own module, before any work): one line, 130."""
+    proc = subprocess.Popen(
+        [sys.executable, "-X", "importtime", "-m", "mambacache", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _started(proc, "mambacache._cli")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    said = [t for t in err.splitlines() if not t.startswith("import time:")]
+    assert proc.returncode == 130 and said == ["mambacache: interrupted"], (proc.returncode, said[-10:])
+    assert out == ""

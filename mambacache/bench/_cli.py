@@ -40,11 +40,11 @@ from ._run import (
 __all__ = ["add_parser", "run"]
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], summary: str) -> None:
     """Add the ``bench`` command to the ``mambacache`` command line."""
     p = sub.add_parser(
         "bench",
-        help="clear/copy speed, workspace and host overhead against the bandwidth bound and the seed path",
+        help=summary,
         description="Medians of repeated runs after warm-up; ratios are measured in the same run.",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda or npu (default cpu)")

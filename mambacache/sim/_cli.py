@@ -31,11 +31,11 @@ _D = SimConfig()
 DEFAULT_MODELS = ("toy", "mamba2", "qwen3-next")
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], summary: str) -> None:
     """The ``simulate`` subcommand. One function because it is one flat list of options, read top to bottom."""
     p = sub.add_parser(
         "simulate",
-        help="run a continuous-batching workload on real models and check outputs against isolated generation",
+        help=summary,
         description=(
             "Requests arrive (Poisson), share prefixes, fork cached prefix states, reuse dirty slots; every"
             " request is then run alone with greedy generate and the tokens compared. Exits 1 when the check"

@@ -13,10 +13,10 @@ from ._analyze import Entry, TraceAnalysis, analyze
 __all__ = ["add_parser", "render_text"]
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], summary: str) -> None:
     p = sub.add_parser(
         "trace",
-        help="analyse a JSON-lines lifecycle trace",
+        help=summary,
         description="Per-slot timelines of tenants, clears, forks and releases, slots held at the end, anomalies."
         " Exit codes: 0 clean, 1 anomalies found, 2 unusable input or a usage error.",
     )

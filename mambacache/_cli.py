@@ -69,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(argv: list[str]) -> int:
-    from ._console import UsageError
+    from ._console import OutputError, UsageError
 
     _light_parser().parse_known_args(argv)
     parser = build_parser()
@@ -81,6 +81,9 @@ def _run(argv: list[str]) -> int:
     except UsageError as exc:
         sys.stderr.write(f"mambacache {args.command}: {exc}\n")
         return 2
+    except OutputError as exc:
+        sys.stderr.write(f"mambacache {args.command}: {exc}\n")
+        return 1
 
 
 if __name__ == "__main__":

@@ -16,6 +16,14 @@ class UsageError(Exception):
     """Bad input to a command: reported as one line, exit 2, before any work starts."""
 
 
+class OutputError(Exception):
+    """A report the command made could not be written (a full disk, a quota): one line naming the path and the
+    cause, exit 1, for the work ran; a path that can be seen to be unwritable is a :class:`UsageError` first."""
+
+    def __init__(self, path: str | Path, exc: OSError) -> None:
+        super().__init__(f"cannot write {path}: {exc.strerror or exc}")
+
+
 def unwritable(path: str | Path) -> str | None:
     """Why ``path`` cannot be written as an output file (None: it can), found by opening it for appending (and
     removing it again when it was not there): a folder, a missing or read-only folder, ``/proc``, a full quota
@@ -24,6 +32,9 @@ def unwritable(path: str | Path) -> str | None:
     if p.is_dir():
         return f"{p} is a folder; give a file path"
     if not p.parent.is_dir():
+        above = next((a for a in p.parents if a.exists()), None)
+        if above is not None and not above.is_dir():
+            return f"{p}: {above} is a file, not a folder"
         return f"{p}: folder {p.parent} does not exist"
     existed = p.exists()
     try:
@@ -58,6 +69,36 @@ def output_path(*, stdout: bool = False) -> Any:
         return text
 
     parse.__name__ = "path"
+    return parse
+
+
+def plot_path() -> Any:
+    """An argparse type for ``--plot``: :func:`output_path`'s check, after the name's: an extension matplotlib
+    writes (checked when matplotlib is there; without it the command refuses ``--plot`` anyway), and none is
+    ``.png``, added to the path returned, as matplotlib adds it when saving, so the file said is the file
+    written."""
+
+    def parse(text: str) -> str:
+        suffix = Path(text).suffix.lower().lstrip(".")
+        if not suffix:
+            text += ".png"
+        else:
+            try:
+                from matplotlib.backend_bases import FigureCanvasBase
+            except ImportError:
+                pass
+            else:
+                kinds = FigureCanvasBase.get_supported_filetypes()
+                if suffix not in kinds:
+                    raise argparse.ArgumentTypeError(
+                        f"{text}: matplotlib writes no .{suffix} files; use .png, .svg, .pdf (or {', '.join(kinds)})"
+                    )
+        reason = unwritable(text)
+        if reason is not None:
+            raise argparse.ArgumentTypeError(reason)
+        return text
+
+    parse.__name__ = "plot path"
     return parse
 
 
@@ -153,8 +194,31 @@ def write_json(path: str | Path, data: Any) -> None:
     text = json.dumps(data, indent=2, sort_keys=False)
     if str(path) == "-":
         sys.stdout.write(text + "\n")
-    else:
+        return
+    try:
         Path(path).write_text(text + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise OutputError(path, exc) from None
+
+
+def say_written(what: str, path: str, json_path: str | None) -> None:
+    """One line naming a file the command wrote: on stdout, or on stderr when stdout carries the JSON
+    (``json_path`` is ``-``); nothing for the JSON on stdout itself."""
+    if path != "-":
+        (sys.stderr if json_path == "-" else sys.stdout).write(f"{what}: {path}\n")
+
+
+def save_figure(fig: Any, path: str, dpi: int = 120) -> None:
+    """``fig`` saved to ``path`` (see :func:`plot_path`) and closed, saved or not; :class:`OutputError` when the
+    file cannot be written."""
+    import matplotlib.pyplot as plt
+
+    try:
+        fig.savefig(path, dpi=dpi)
+    except OSError as exc:
+        raise OutputError(path, exc) from None
+    finally:
+        plt.close(fig)
 
 
 def int_at_least(low: int) -> Any:

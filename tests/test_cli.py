@@ -66,6 +66,9 @@ BAD = [
     ("bench", "--plot", "/proc/b.png"),
     ("bench", "--quick", "--json", "/"),
     ("bench", "--transfer", "--tp", "2"),
+    # A plot matplotlib cannot write, refused before the bench or the trace's analysis runs.
+    ("bench", "--quick", "--plot", "b.txt"),
+    ("simulate", "--json", "/etc/passwd/x.json"),  # a path under a file
     ("trace",),
     ("trace", "/no/such/file.jsonl"),
     ("nope",),
@@ -119,7 +122,14 @@ def _trace_file(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize(
-    "bad", [("--json", "/proc/a.json"), ("--plot", "/proc/occ.png"), ("--json", "{tmp}"), ("--plot", "{tmp}/no/o.png")]
+    "bad",
+    [
+        ("--json", "/proc/a.json"),
+        ("--plot", "/proc/occ.png"),
+        ("--json", "{tmp}"),
+        ("--plot", "{tmp}/no/o.png"),
+        ("--plot", "{tmp}/x.txt"),  # matplotlib writes no .txt
+    ],
 )
 def test_trace_refuses_an_unwritable_output_before_reading_the_trace(
     bad: tuple[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
@@ -136,6 +146,7 @@ def test_trace_refuses_an_unwritable_output_before_reading_the_trace(
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(f"mambacache trace: error: argument {flag}:") and err.count("\n") == 1, err
+    assert list(tmp_path.iterdir()) == [tmp_path / "t.jsonl"]
 
 
 def test_an_output_check_leaves_no_file_behind(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -326,3 +337,41 @@ def test_an_interrupt_during_start_up_is_one_line_and_exit_130(args: tuple[str, 
     said = [t for t in err.splitlines() if not t.startswith("import time:")]
     assert proc.returncode == 130 and said == ["mambacache: interrupted"], (proc.returncode, said[-10:])
     assert out == ""
+
+
+def test_a_path_under_a_file_is_named_as_such(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = _trace_file(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["trace", str(trace), "--json", str(trace / "x.json")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{trace} is a file, not a folder" in err, err
+
+
+def test_a_plot_name_without_extension_is_the_png_written_and_said(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    trace = _trace_file(tmp_path)
+    assert main(["trace", str(trace), "--plot", str(tmp_path / "noext")]) == 0
+    assert (tmp_path / "noext.png").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "noext").exists()
+    assert f"occupancy plot of 1 slot(s): {tmp_path / 'noext.png'}\n" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", [["trace", "{trace}"], ["simulate", "--model", "toy", "--requests", "2"]])
+def test_a_report_on_a_full_disk_is_one_line_and_exit_1(
+    command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full")
+    args = [a.format(trace=_trace_file(tmp_path)) for a in command]
+    assert main([*args, "--json", "/dev/full"]) == 1
+    captured = capsys.readouterr()
+    assert captured.err == f"mambacache {args[0]}: cannot write /dev/full: No space left on device\n"
+    assert captured.out  # the work ran and was shown: only the report is missing
+
+
+def test_bench_says_where_it_wrote_its_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "layers.json"
+    assert main(["bench", "--layers", "--quick", "--repeats", "1", "--json", str(out)]) == 0
+    assert f"JSON: {out}\n" in capsys.readouterr().out and json.loads(out.read_text())["layer_overhead"]

@@ -19,6 +19,9 @@ from .._console import (
     int_at_least,
     need_matplotlib,
     output_path,
+    plot_path,
+    save_figure,
+    say_written,
     table,
     write_json,
 )
@@ -79,7 +82,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], summary
     )
     p.add_argument("--quick", action="store_true", help="the small preset, sizes 1,8,64: under a minute")
     p.add_argument(
-        "--plot", metavar="PNG", type=output_path(), help="ratio to the bandwidth bound per path and size (matplotlib)"
+        "--plot", metavar="PNG", type=plot_path(), help="ratio to the bandwidth bound per path and size (matplotlib)"
     )
     p.add_argument(
         "--json", metavar="PATH", type=output_path(stdout=True), help="write every figure as JSON ('-' for stdout)"
@@ -239,8 +242,7 @@ def plot(results: list[Result], out: str) -> None:
             ax.set_ylabel("fraction of bandwidth bound")
             ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_figure(fig, out, dpi=110)
 
 
 def _bulk_table(rows: list[dict[str, float]]) -> str:
@@ -284,6 +286,7 @@ def run_transfer(args: argparse.Namespace, device: torch.device) -> int:
         sys.stdout.write(f"machine: {info}\n\n{_transfer_table(rows)}\n")
     if args.json:
         write_json(args.json, {"machine": info, "transfer": rows})
+        say_written("JSON", args.json, args.json)
     return 0
 
 
@@ -313,6 +316,7 @@ def run_contended(args: argparse.Namespace, device: torch.device) -> int:
         sys.stdout.write(f"machine: {info}\n\n{_contended_table(rows)}\n")
     if args.json:
         write_json(args.json, {"machine": info, "contended": rows})
+        say_written("JSON", args.json, args.json)
     return 0
 
 
@@ -388,6 +392,8 @@ def run(args: argparse.Namespace) -> int:
                                "tracing_overhead": trace, "embedding_overhead": embed, "bulk_vs_loop": bulk,
                                "host_tier_overhead": tier, "planner_scaling": planning,
                                "decode_flush": decode, "layer_overhead": layered})  # fmt: skip
+        say_written("JSON", args.json, args.json)
     if args.plot:
         plot(results, args.plot)
+        say_written("plot", args.plot, args.json)
     return 0

@@ -18,6 +18,7 @@ from .._console import (
     float_in,
     int_at_least,
     output_path,
+    say_written,
     table,
     write_json,
 )
@@ -234,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.write(f"trace of {name}: {path}\n")
     if args.json:
         write_json(args.json, [{**dataclasses.asdict(r), "verified": not args.no_verify} for r in reports])
+        say_written("JSON", args.json, args.json)
     bad = [r for r in reports if (r.mismatches > 0) == (args.fault == "none")]
     if args.no_verify:
         return 0

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .._console import output_path, table, write_json
+from .._console import output_path, plot_path, save_figure, say_written, table, write_json
 from .._errors import TraceError
 from ._analyze import Entry, TraceAnalysis, analyze
 
@@ -36,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], summary
     p.add_argument(
         "--plot",
         metavar="PNG",
-        type=output_path(),
+        type=plot_path(),
         help="draw the selected slots' occupancy over steps (needs matplotlib)",
     )
     p.add_argument("--max-entries", type=_positive, default=50, help="timeline lines shown per slot (default 50)")
@@ -163,8 +163,7 @@ def plot(analysis: TraceAnalysis, path: str, slots: list[int] | None = None) -> 
     ax.set_title("slot occupancy (colour: tenant, grey: checkpoints; > fork in; x clear; red o anomaly)")
     ax.set_xlim(0, last)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _bar(ax: object, colours: dict[str | None, int], row: int, start: tuple[int, str | None], end: int) -> None:
@@ -188,10 +187,11 @@ def run(args: argparse.Namespace) -> int:
         asked = [f"--slot {s}" for s in args.slot or []] + [f"--request {r}" for r in args.request or []]
         sys.stderr.write(f"mambacache trace: no slot in {args.file} matches {' '.join(asked)}\n")
         return 2
-    if args.json:
-        write_json(args.json, analysis.to_json(slots))
     if args.json != "-":
         sys.stdout.write(render_text(analysis, slots, args.max_entries) + "\n")
+    if args.json:
+        write_json(args.json, analysis.to_json(slots))
+        say_written("JSON", args.json, args.json)
     if args.plot:
         plot(analysis, args.plot, slots)
         where = sys.stderr if args.json == "-" else sys.stdout  # stdout is the JSON's then

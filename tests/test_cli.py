@@ -375,3 +375,44 @@ def test_bench_says_where_it_wrote_its_files(tmp_path: Path, capsys: pytest.Capt
     out = tmp_path / "layers.json"
     assert main(["bench", "--layers", "--quick", "--repeats", "1", "--json", str(out)]) == 0
     assert f"JSON: {out}\n" in capsys.readouterr().out and json.loads(out.read_text())["layer_overhead"]
+
+
+@pytest.mark.parametrize("append", [False, True])
+def test_an_interrupted_simulate_leaves_the_traces_as_they_were(
+    append: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mambacache._console import Progress
+
+    toy = tmp_path / "sim.toy.jsonl"
+    before = "\n".join(CLEAN) + "\n"
+    if append:
+        toy.write_text(before)
+    real_advance = Progress.advance
+
+    def interrupt_on_the_sixth(self: Progress, n: int = 1, note: str = "") -> None:
+        real_advance(self, n, note)
+        if self.done == 6:  # toy's four requests done, mamba2's second
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Progress, "advance", interrupt_on_the_sixth)
+    args = [
+        "simulate",
+        "--model",
+        "toy",
+        "--model",
+        "mamba2",
+        "--requests",
+        "4",
+        "--trace",
+        str(tmp_path / "sim.jsonl"),
+    ]
+    args += ["--append"] if append else []
+    assert main(args) == 130
+    assert capsys.readouterr().err.endswith("mambacache: interrupted\n")
+    assert [p.name for p in tmp_path.iterdir()] == (["sim.toy.jsonl"] if append else [])  # nothing half-written
+    assert not append or toy.read_text() == before
+    monkeypatch.undo()
+    assert main(args) == 0  # the rerun is not refused
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sim.mamba2.jsonl", "sim.toy.jsonl"]
+    assert toy.read_text().startswith(before) == append
+    assert analyze(tmp_path / "sim.mamba2.jsonl", expect_idle=False).anomalies == []

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -321,7 +323,45 @@ def _load_transformers(models: list[str]) -> None:
 def _simulate_all(
     args: argparse.Namespace, models: list[str], scenario: dict[str, Any], traces: dict[str, str | None]
 ) -> list[SimReport]:
-    """One simulation per model, in order, under one progress bar over all their requests."""
+    """One simulation per model, in order, under one progress bar over all their requests; each trace is written
+    under a temporary name beside its own and put in place (or appended, with ``--append``) once every run has
+    ended, so an interrupted or failed run leaves the trace files as they were."""
+    partial = {name: _partial(path) for name, path in traces.items()}
+    try:
+        reports = _run_models(args, models, scenario, partial)
+    except BaseException:
+        for path in partial.values():
+            if path is not None:
+                Path(path).unlink(missing_ok=True)
+        raise
+    for name, path in partial.items():
+        if path is not None:
+            _put_in_place(path, str(traces[name]), append=args.append)
+    return reports
+
+
+def _partial(path: str | None) -> str | None:
+    """A hidden name beside ``path`` for the trace while it is written (one folder, so the move is a rename)."""
+    if path is None:
+        return None
+    p = Path(path)
+    return str(p.with_name(f".{p.name}.{os.getpid()}.partial"))
+
+
+def _put_in_place(partial: str, path: str, append: bool) -> None:
+    """The finished trace at ``path``: renamed over it, or appended to it with ``append``."""
+    if not append or not Path(path).exists():
+        os.replace(partial, path)
+        return
+    with open(path, "ab") as out, open(partial, "rb") as written:
+        shutil.copyfileobj(written, out)
+    Path(partial).unlink()
+
+
+def _run_models(
+    args: argparse.Namespace, models: list[str], scenario: dict[str, Any], traces: dict[str, str | None]
+) -> list[SimReport]:
+    """The simulations themselves, each writing its trace to ``traces``."""
     progress = Progress(args.requests * len(models), "simulate")
     reports: list[SimReport] = []
     for name in models:

@@ -126,26 +126,47 @@ def need_matplotlib(flag: str) -> None:
 
 
 class Progress:
-    """A one-line progress bar on a terminal; off a terminal, :meth:`line` still reports milestones."""
+    """Progress of ``total`` units of work: on a terminal a one-line bar, redrawn at most every 0.1 s; off one (a
+    log, CI) a line every ``every`` seconds and one at the end, as pip and pytest report. Both show the phase
+    (``note``) and an estimate of the time left, from the rate so far. A context manager: the bar's line ends
+    however the block does, so an interrupt's message starts on its own line."""
 
-    def __init__(self, total: int, label: str, stream: IO[str] | None = None, width: int = 30) -> None:
-        self.total, self.label, self.width = max(total, 1), label, width
+    def __init__(
+        self, total: int, label: str, stream: IO[str] | None = None, width: int = 30, every: float = 5.0
+    ) -> None:
+        self.total, self.label, self.width, self.every = max(total, 1), label, width, every
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = self.stream.isatty()
         self.done = 0
         self._start = time.perf_counter()
-        self._last = 0.0
+        self._last = self._start if not self.enabled else 0.0
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def advance(self, n: int = 1, note: str = "") -> None:
         self.done += n
         now = time.perf_counter()
-        if self.enabled and (now - self._last > 0.1 or self.done >= self.total):
+        finished = self.done >= self.total
+        if self.enabled and (now - self._last > 0.1 or finished):
             self._last = now
             filled = int(self.width * min(self.done, self.total) / self.total)
             bar = "#" * filled + "-" * (self.width - filled)
-            elapsed = now - self._start
-            self.stream.write(f"\r{self.label} [{bar}] {self.done}/{self.total} {elapsed:5.1f}s {note}\033[K")
+            self.stream.write(f"\r{self.label} [{bar}] {self._figures(now)} {note}\033[K")
             self.stream.flush()
+        elif not self.enabled and (now - self._last >= self.every or finished):
+            self._last = now
+            self.stream.write(f"{self.label}: {self._figures(now)} {note}".rstrip() + "\n")
+            self.stream.flush()
+
+    def _figures(self, now: float) -> str:
+        """``done/total``, the time so far and, until the end, an estimate of the time left."""
+        elapsed = now - self._start
+        left = elapsed / self.done * (self.total - self.done) if 0 < self.done < self.total else None
+        return f"{self.done}/{self.total} {elapsed:5.1f}s" + (f", about {left:.0f}s left" if left is not None else "")
 
     def line(self, text: str) -> None:
         """A milestone line for logs (not a terminal), where a bar would be noise."""
@@ -155,9 +176,10 @@ class Progress:
             self.stream.flush()
 
     def close(self) -> None:
-        if self.enabled:
+        if self.enabled and self.done:
             self.stream.write("\n")
             self.stream.flush()
+            self.done = 0  # a second close writes nothing
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> str:

@@ -416,3 +416,63 @@ def test_an_interrupted_simulate_leaves_the_traces_as_they_were(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sim.mamba2.jsonl", "sim.toy.jsonl"]
     assert toy.read_text().startswith(before) == append
     assert analyze(tmp_path / "sim.mamba2.jsonl", expect_idle=False).anomalies == []
+
+
+class _Clock:
+    """time.perf_counter for _console, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_progress_off_a_terminal_is_a_line_every_few_seconds_with_the_time_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import io
+
+    from mambacache import _console
+
+    clock = _Clock()
+    monkeypatch.setattr(_console.time, "perf_counter", clock)
+    stream = io.StringIO()
+    with _console.Progress(10, "simulate", stream=stream, every=5.0) as progress:
+        for i in range(10):
+            clock.now += 1.5
+            progress.advance(1, "toy: running" if i < 5 else "toy: verifying")
+    lines = stream.getvalue().splitlines()
+    # A line once 5 s have passed since the last (at 6 s and 12 s), and the end's.
+    assert lines == [
+        "simulate: 4/10   6.0s, about 9s left toy: running",
+        "simulate: 8/10  12.0s, about 3s left toy: verifying",
+        "simulate: 10/10  15.0s toy: verifying",
+    ]
+
+
+def test_progress_on_a_terminal_shows_the_phase_and_the_time_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from mambacache import _console
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    clock = _Clock()
+    monkeypatch.setattr(_console.time, "perf_counter", clock)
+    stream = Terminal()
+    with _console.Progress(4, "simulate", stream=stream) as progress:
+        clock.now += 2.0
+        progress.advance(1, "toy: running")
+        clock.now += 2.0
+        progress.advance(1, "toy: verifying")
+    frames = stream.getvalue().split("\r")
+    assert "2/4   4.0s, about 4s left toy: verifying" in frames[-1] and stream.getvalue().endswith("\n")
+
+
+def test_simulate_off_a_terminal_reports_the_run_and_the_verification(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--model", "toy", "--requests", "3"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("simulate: ") and err.endswith(" toy: verifying\n") and "6/6" in err, err

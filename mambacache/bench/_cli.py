@@ -340,14 +340,13 @@ def run(args: argparse.Namespace) -> int:
     executors = args.executor or ["torch", "torch-direct", "npu", "reference"]
     started = time.perf_counter()
     results: list[Result] = []
-    progress = Progress(len(presets) * len(sizes) * 5 * (len(executors) + 2), "bench")
-    for preset in presets:
-        for r in run_preset(preset, sizes, executors, device, repeats, int(args.budget_gb * POOL_SHARE * 2**30),
-                            int(args.workspace_mb * 2**20)):  # fmt: skip
-            results.append(r)
-            progress.advance(1, f"{preset} {r.op} {r.path} n={r.slots}")
-        progress.line(f"{preset} done")
-    progress.close()
+    with Progress(len(presets) * len(sizes) * 5 * (len(executors) + 2), "bench") as progress:
+        for preset in presets:
+            for r in run_preset(preset, sizes, executors, device, repeats, int(args.budget_gb * POOL_SHARE * 2**30),
+                                int(args.workspace_mb * 2**20)):  # fmt: skip
+                results.append(r)
+                progress.advance(1, f"{preset} {r.op} {r.path} n={r.slots}")
+            progress.line(f"{preset} done")
     host = host_overhead([10, 100, 1000], repeats)
     trace = tracing_overhead(1000, repeats)
     embed = embedding_overhead(repeats)

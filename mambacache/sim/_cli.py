@@ -361,30 +361,40 @@ def _put_in_place(partial: str, path: str, append: bool) -> None:
 def _run_models(
     args: argparse.Namespace, models: list[str], scenario: dict[str, Any], traces: dict[str, str | None]
 ) -> list[SimReport]:
-    """The simulations themselves, each writing its trace to ``traces``."""
-    progress = Progress(args.requests * len(models), "simulate")
-    reports: list[SimReport] = []
-    for name in models:
-        cfg = SimConfig(
-            model=name,
-            requests=args.requests,
-            seed=args.seed,
-            arrival_rate=args.arrival_rate,
-            fault=args.fault,
-            executor=args.executor,
-            verify=not args.no_verify,
-            trace=traces[name],
-            speculative=args.speculative,
-            draft_accuracy=args.draft_accuracy,
-            state_dtype=args.state_dtype,
-            checkpoint=args.checkpoint,
-            adapters=args.adapters,
-            **scenario,
-        )
-        model = build_model(name, args.seed, args.state_dtype)
-        reports.append(anyio.run(simulate, cfg, model, lambda _r, n=name: progress.advance(1, n)))
-    progress.close()
-    return reports
+    """The simulations themselves, each writing its trace to ``traces``, under one progress bar over their
+    requests, run and then verified."""
+    phases = 1 if args.no_verify else 2
+    with Progress(args.requests * len(models) * phases, "simulate") as progress:
+        return [_run_model(args, name, scenario, traces[name], progress) for name in models]
+
+
+def _run_model(
+    args: argparse.Namespace, name: str, scenario: dict[str, Any], trace: str | None, progress: Progress
+) -> SimReport:
+    cfg = SimConfig(
+        model=name,
+        requests=args.requests,
+        seed=args.seed,
+        arrival_rate=args.arrival_rate,
+        fault=args.fault,
+        executor=args.executor,
+        verify=not args.no_verify,
+        trace=trace,
+        speculative=args.speculative,
+        draft_accuracy=args.draft_accuracy,
+        state_dtype=args.state_dtype,
+        checkpoint=args.checkpoint,
+        adapters=args.adapters,
+        **scenario,
+    )
+    model = build_model(name, args.seed, args.state_dtype)
+    return anyio.run(
+        simulate,
+        cfg,
+        model,
+        lambda _r: progress.advance(1, f"{name}: running"),
+        lambda: progress.advance(1, f"{name}: verifying"),
+    )
 
 
 def _table(args: argparse.Namespace, scenario: dict[str, Any], reports: list[SimReport]) -> str:

@@ -386,9 +386,13 @@ class _Scheduler:
 
 
 async def simulate(
-    cfg: SimConfig, model: SimModel | None = None, on_done: Callable[[_Request], None] | None = None
+    cfg: SimConfig,
+    model: SimModel | None = None,
+    on_done: Callable[[_Request], None] | None = None,
+    on_checked: Callable[[], None] | None = None,
 ) -> SimReport:
-    """Run the workload through a CacheManager; with ``verify``, compare every request to ``generate``."""
+    """Run the workload through a CacheManager; with ``verify``, compare every request to ``generate``.
+    ``on_done`` is called as each request completes, ``on_checked`` as each is verified after the run."""
     _check_config(cfg)
     model = model if model is not None else build_model(cfg.model, cfg.seed, cfg.state_dtype)
     workload = make_workload(cfg, model.vocab_size)
@@ -420,7 +424,8 @@ async def simulate(
         if cfg.trace:
             tracing.disable()
     seconds = time.perf_counter() - t0
-    return _report(cfg, model, done, sched, cache, num_slots, steps, seconds)
+    mismatched = _verify(cfg, model, done, on_checked)
+    return _report(cfg, model, done, mismatched, sched, cache, num_slots, steps, seconds)
 
 
 def _check_config(cfg: SimConfig) -> None:
@@ -477,24 +482,33 @@ def _pools(cfg: SimConfig, model: SimModel) -> tuple[int, int, StatePool, HostPo
     return num_slots, max_checkpoints, pool, host
 
 
+def _verify(
+    cfg: SimConfig, model: SimModel, done: list[_Request], on_checked: Callable[[], None] | None
+) -> tuple[str, ...]:
+    """The ids of the requests whose outputs differ from their isolated generation (none without ``verify``)."""
+    mismatched = []
+    for r in done:
+        del r.out[r.n_new :]  # a speculative step may overshoot the last one
+        if cfg.verify:
+            if r.out != (r.reference[: r.n_new] if cfg.speculative else model.generate(r.inputs, r.n_new)):
+                mismatched.append(r.rid)
+            if on_checked is not None:
+                on_checked()
+    return tuple(mismatched)
+
+
 def _report(
     cfg: SimConfig,
     model: SimModel,
     done: list[_Request],
+    mismatched: tuple[str, ...],
     sched: _Scheduler,
     cache: PrefixCache,
     num_slots: int,
     steps: int,
     seconds: float,
 ) -> SimReport:
-    """The finished run's report; with ``verify``, each request checked against its isolated generation."""
-    for r in done:
-        del r.out[r.n_new :]  # a speculative step may overshoot the last one
-    mismatched = tuple(
-        r.rid
-        for r in done
-        if cfg.verify and r.out != (r.reference[: r.n_new] if cfg.speculative else model.generate(r.inputs, r.n_new))
-    )
+    """The finished run's report."""
     tokens = sum(len(r.out) for r in done)
     return SimReport(
         model=model.name,

@@ -51,6 +51,7 @@ BAD = [
     ("simulate", "--executor", "bogus"),
     ("simulate", "--append"),
     ("simulate", "--bogus"),
+    ("simulate", "--scenario", "pd", "--slots", "8"),  # pd sizes its own pools
     ("bench", "--device", "cuda"),
     ("bench", "--device", "npu"),
     ("bench", "--device", "foo"),
@@ -476,3 +477,38 @@ def test_simulate_off_a_terminal_reports_the_run_and_the_verification(capsys: py
     assert main(["simulate", "--model", "toy", "--requests", "3"]) == 0
     err = capsys.readouterr().err
     assert err.startswith("simulate: ") and err.endswith(" toy: verifying\n") and "6/6" in err, err
+
+
+def test_every_option_has_help() -> None:
+    bare = [
+        f"mambacache {name} {max(a.option_strings, key=len)}"
+        for name, parser in subcommands(build_parser()).items()
+        for a in parser._actions
+        if a.option_strings and not a.help
+    ]
+    assert not bare, bare
+
+
+def test_simulate_slots_help_gives_each_scenarios_own() -> None:
+    from mambacache.sim._scheduler import SCENARIOS
+
+    parser = subcommands(build_parser())["simulate"]
+    text = next(a.help for a in parser._actions if "--slots" in a.option_strings)
+    assert text is not None
+    for name, fields in SCENARIOS.items():
+        if "slots" in fields:
+            assert f"{name} {fields['slots']}" in text, (name, text)
+
+
+def test_max_running_beyond_the_scenarios_slots_names_the_scenario_not_slots_never_given(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from mambacache.sim._scheduler import SCENARIOS
+
+    slots = SCENARIOS["prefix"]["slots"]
+    assert main(["simulate", "--max-running", str(slots)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"mambacache simulate: --scenario prefix has {slots} slots, too few for --max-running {slots} without"
+        f" --preempt (at least max-running + max(1, reserved) = {slots + 1}): give --slots {slots + 1} or more\n"
+    )

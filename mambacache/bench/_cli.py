@@ -69,7 +69,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], summary
         "--tp", type=int_at_least(1), default=1, help="shard every preset N ways (heads and conv channels / N)"
     )
     p.add_argument("--sizes", type=_sizes, default=None, help="slots per step, comma-separated (default 1,8,64,256)")
-    p.add_argument("--repeats", type=int_at_least(1), default=None)
+    p.add_argument(
+        "--repeats",
+        type=int_at_least(1),
+        default=None,
+        help="timed rounds per figure, after a warm-up; the median is reported (default 9, --quick 5; --transfer 15,"
+        " --contended 7)",
+    )
     p.add_argument(
         "--budget-gb",
         type=float_in(0, low_open=True),
@@ -80,7 +86,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], summary
     p.add_argument(
         "--workspace-mb", type=float_in(0, low_open=True), default=64.0, help="copy workspace bound of the npu executor"
     )
-    p.add_argument("--quick", action="store_true", help="the small preset, sizes 1,8,64: under a minute")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="the small preset, sizes 1,8,64, 5 repeats: from 15 s to over a minute on a 2-core machine, with its load",
+    )
     p.add_argument(
         "--plot", metavar="PNG", type=plot_path(), help="ratio to the bandwidth bound per path and size (matplotlib)"
     )

@@ -58,7 +58,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], summary
         default=None,
         help=f"share of prompts with a common prefix (default: the scenario's, else {_D.prefix_share})",
     )
-    p.add_argument("--slots", type=int_at_least(2), default=None, help="pool slots (default: max-running * 1.5)")
+    given = ", ".join(f"{name} {fields['slots']}" for name, fields in SCENARIOS.items() if "slots" in fields)
+    p.add_argument(
+        "--slots",
+        type=int_at_least(2),
+        default=None,
+        help=f"pool slots (default: the scenario's: {given}; pd takes none)",
+    )
     p.add_argument(
         "--seed",
         type=int_at_least(0),
@@ -257,8 +263,8 @@ def _pd(args: argparse.Namespace, models: list[str]) -> int:
         raise UsageError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --scenario pd")
     if args.fault not in PD_FAULTS:
         raise UsageError(f"--scenario pd takes --fault {', '.join(PD_FAULTS)}")
-    if args.speculative or args.trace or args.preempt or args.adapters:
-        raise UsageError("--scenario pd takes none of --speculative, --trace, --preempt, --adapters")
+    if args.speculative or args.trace or args.preempt or args.adapters or args.slots is not None:
+        raise UsageError("--scenario pd takes none of --speculative, --trace, --preempt, --adapters, --slots")
     args.tp_prefill = args.tp_prefill or 1
     args.tp_decode = args.tp_decode or 1
     _load_transformers(models)
@@ -280,6 +286,12 @@ def _scenario(args: argparse.Namespace) -> dict[str, Any]:
     preempting = scenario.get("preempt", "none") != "none"
     slots, reserved = scenario.get("slots"), scenario.get("reserved", 0)
     if slots is not None and slots < scenario["max_running"] + max(1, reserved) and not preempting:
+        if args.slots is None:
+            need = scenario["max_running"] + max(1, reserved)
+            raise UsageError(
+                f"--scenario {args.scenario} has {slots} slots, too few for --max-running {scenario['max_running']}"
+                f" without --preempt (at least max-running + max(1, reserved) = {need}): give --slots {need} or more"
+            )
         raise UsageError(
             f"--slots ({slots}) must be at least --max-running ({scenario['max_running']}) + max(1, --reserved"
             f" ({reserved})) without --preempt"

@@ -512,3 +512,45 @@ def test_max_running_beyond_the_scenarios_slots_names_the_scenario_not_slots_nev
         f"mambacache simulate: --scenario prefix has {slots} slots, too few for --max-running {slots} without"
         f" --preempt (at least max-running + max(1, reserved) = {slots + 1}): give --slots {slots + 1} or more\n"
     )
+
+
+def test_a_ratio_to_an_unsteady_baseline_is_flagged_not_drawn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A memset timed through a neighbour's load (its rounds 1 ms and 100 ms by turns) makes a 'ratio' of many
+    times the bound: the row says '?', the table says why, and the plot draws no point for it."""
+    matplotlib = pytest.importorskip("matplotlib")
+    import torch
+
+    from mambacache.bench import _cli as bench_cli
+    from mambacache.bench import _run
+
+    def memset() -> None: ...
+
+    def path() -> None: ...
+
+    rounds = {memset: iter([1e-3, 0.1] * 200), path: iter([1e-3] * 400)}  # memset: 1 ms and 100 ms by turns
+
+    def fake_time(fn: object, device: object) -> float:
+        return next(rounds[fn])  # type: ignore[index]
+
+    monkeypatch.setattr(_run, "_time_once", fake_time)
+    timings = _run.measure({"memset": memset, "torch": path}, torch.device("cpu"), 6, warmup=0)
+    assert timings["memset"][3] > _run.BOUND_SPREAD and timings["torch"][3] <= _run.BOUND_SPREAD
+    fields = dict(preset="small", layers=8, op="clear", min_s=1e-3, max_s=1e-3, bytes=1, gb_s=1.0, vs_seed=1.0)
+    steady = _run.Result(slots=1, path="torch", median_s=1e-3, vs_bound=0.9, **fields)  # type: ignore[arg-type]
+    unsteady = _run.Result(slots=8, path="torch", median_s=1e-3, vs_bound=225.0, bound_spread=3.0, **fields)  # type: ignore[arg-type]
+    assert steady.bound_steady and not unsteady.bound_steady and unsteady.to_json()["bound_steady"] is False
+    text = bench_cli.render([steady, unsteady])
+    assert " 225.00? " in text and " 0.90 " in text and text.endswith(bench_cli.UNSTEADY_NOTE)
+    assert "?" not in bench_cli.render([steady])
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures: list[object] = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    bench_cli.plot([steady, unsteady], "/dev/null.png")
+    ax = figures[0].axes[0]  # type: ignore[attr-defined]
+    drawn = [tuple(x) for line_ in ax.get_lines() for x in line_.get_xydata() if line_.get_label() == "torch"]
+    assert drawn == [(1.0, 0.9)]  # the 225x is no point on the line
+    assert any(c.get_label() == "baseline unsteady: no ratio" for c in ax.collections)
+    monkeypatch.undo()
+    plt.close(figures[0])  # type: ignore[arg-type]

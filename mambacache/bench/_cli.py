@@ -30,6 +30,7 @@ from ._decode import decode_flush
 from ._presets import PRESETS, lookup, shard
 from ._run import (
     BENCH_EXECUTORS,
+    BOUND_SPREAD,
     Result,
     bulk_vs_loop,
     embedding_overhead,
@@ -200,7 +201,7 @@ def render(results: list[Result]) -> str:
     out = []
     for preset in dict.fromkeys(r.preset for r in results):
         rows = [
-            [r.slots, r.op, r.path, _ms(r.median_s), f"{_ms(r.min_s)}-{_ms(r.max_s)}", r.gb_s, f"{r.vs_bound:.2f}",
+            [r.slots, r.op, r.path, _ms(r.median_s), f"{_ms(r.min_s)}-{_ms(r.max_s)}", r.gb_s, _vs_bound(r),
              f"{r.vs_seed:.2f}", _bytes(r.peak_temp_bytes), _bytes(r.noncontiguous_input_bytes),
              "-" if r.host_syncs is None else r.host_syncs, "-" if r.ops is None else r.ops,
              "-" if r.launches is None else r.launches]
@@ -226,7 +227,19 @@ def render(results: list[Result]) -> str:
             "launches",
         ]
         out.append(table(headers, rows, title=title))
+    if not all(r.bound_steady for r in results):
+        out.append(UNSTEADY_NOTE)
     return "\n\n".join(out)
+
+
+UNSTEADY_NOTE = (
+    f"?: the memset/memcpy baseline moved between rounds (the middle half of its rounds spans more than"
+    f" {BOUND_SPREAD:.0%} of its median): that x bound is not a result; rerun on a quieter machine"
+)
+
+
+def _vs_bound(r: Result) -> str:
+    return f"{r.vs_bound:.2f}" + ("" if r.bound_steady else "?")
 
 
 def plot(results: list[Result], out: str) -> None:
@@ -243,14 +256,19 @@ def plot(results: list[Result], out: str) -> None:
             ax = axes[row][col]
             sel = [r for r in results if r.preset == preset and r.op == op and r.path not in ("memset", "memcpy")]
             for name in dict.fromkeys(r.path for r in sel):
-                pts = [(r.slots, r.vs_bound) for r in sel if r.path == name]
+                pts = [(r.slots, r.vs_bound) for r in sel if r.path == name and r.bound_steady]
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+            unsteady = [r for r in sel if not r.bound_steady]
+            if unsteady:  # a flag along the top at each size, not a point: no ratio is drawn for them
+                ax.scatter([r.slots for r in unsteady], [0.95] * len(unsteady), marker="$?$", color="grey", s=60,
+                           transform=ax.get_xaxis_transform(), label="baseline unsteady: no ratio")  # fmt: skip
             ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
             ax.set_xscale("log", base=2)
             ax.set_title(f"{preset}: {op} (1.0 = {'memset' if op == 'clear' else 'memcpy'})", fontsize=9)
             ax.set_xlabel("slots per step")
             ax.set_ylabel("fraction of bandwidth bound")
-            ax.legend(fontsize=7)
+            if ax.get_legend_handles_labels()[0]:  # an op this run did not time has none
+                ax.legend(fontsize=7)
     fig.tight_layout()
     save_figure(fig, out, dpi=110)
 

@@ -52,6 +52,7 @@ BAD = [
     ("simulate", "--append"),
     ("simulate", "--bogus"),
     ("simulate", "--scenario", "pd", "--slots", "8"),  # pd sizes its own pools
+    ("simulate", "--scenario", "pd", "--fault", "kill-peer", "--requests", "4"),  # one batch: the fault never fires
     ("bench", "--device", "cuda"),
     ("bench", "--device", "npu"),
     ("bench", "--device", "foo"),

@@ -402,6 +402,12 @@ def run_cli(args: Any, models: list[str]) -> int:
     from .._errors import InvalidArgumentError
 
     a, b = args.tp_prefill, args.tp_decode
+    batch = PdConfig().batch
+    if args.fault == "kill-peer" and args.requests <= batch:
+        raise UsageError(
+            f"--fault kill-peer kills a decode rank after its first batch of {batch} requests, so it never fires"
+            f" with --requests {args.requests} (one batch): give --requests {batch + 1} or more"
+        )
     if max(a, b) % min(a, b):
         raise UsageError(f"--tp-prefill {a} and --tp-decode {b}: one must divide the other")
     for name in models:  # refuse a TP size the state does not divide by before any process starts

@@ -555,3 +555,78 @@ def test_a_ratio_to_an_unsteady_baseline_is_flagged_not_drawn(monkeypatch: pytes
     assert any(c.get_label() == "baseline unsteady: no ratio" for c in ax.collections)
     monkeypatch.undo()
     plt.close(figures[0])  # type: ignore[arg-type]
+
+
+def _drawn(monkeypatch: pytest.MonkeyPatch, lines: list[str], slots: list[int] | None = None) -> object:
+    """The occupancy figure of ``lines`` (kept from plt.close to be read; the caller closes it)."""
+    matplotlib = pytest.importorskip("matplotlib")
+    from mambacache.tracing import analyze_lines
+    from mambacache.tracing._report import plot
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures: list[object] = []
+    with monkeypatch.context() as m:
+        m.setattr(plt, "close", figures.append)
+        plot(analyze_lines(lines, expect_idle=False), "/dev/null.png", slots)
+    return figures[0]
+
+
+def _bar_colours(fig: object) -> dict[tuple[int, float], tuple[float, ...]]:
+    """Each bar's face colour by (row, start step)."""
+    out = {}
+    for coll in fig.axes[0].collections:  # type: ignore[attr-defined]
+        (x, _), y = coll.get_paths()[0].vertices[0], coll.get_paths()[0].vertices[:, 1].min()
+        out[(round(y + 0.4), float(x))] = tuple(coll.get_facecolors()[0])
+    return out
+
+
+def test_the_occupancy_plot_colours_a_request_alike_everywhere_and_splits_checkpoints(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import matplotlib.pyplot as plt
+
+    lines = [
+        line("slot.alloc", 0, slot=1, request_id="other", cleared=True),
+        line("slot.alloc", 0, slot=2, request_id="r9", cleared=True),
+        line("slot.release", 2, slot=2, request_id="r9"),
+        line("slot.alloc", 3, slot=3, request_id="r9", cleared=True),  # the same request, another slot
+        line("slot.alloc", 0, slot=4, request_id="prefix-cache", cleared=True),
+        line("slot.release", 2, slot=4, request_id="prefix-cache"),
+        line("slot.alloc", 2, slot=4, request_id="prefix-cache", cleared=True),  # a second checkpoint, at once
+        line("step.flush", 3, events=7, elided=0),
+    ]
+    everything = _drawn(monkeypatch, lines)
+    bars = _bar_colours(everything)
+    assert bars[(1, 0.0)] == bars[(2, 3.0)]  # r9 in slots 2 and 3 (rows 1, 2)
+    assert bars[(3, 0.0)] != bars[(3, 2.0)]  # two checkpoints back to back are two bars that read as two
+    alone = _bar_colours(_drawn(monkeypatch, lines, slots=[3]))
+    assert alone[(0, 3.0)] == bars[(2, 3.0)]  # r9's colour does not depend on what else is drawn
+    texts = [t.get_text() for t in everything.axes[0].texts]  # type: ignore[attr-defined]
+    assert "r9" in texts and "other" in texts
+    plt.close("all")
+
+
+def test_the_occupancy_legend_lists_what_was_drawn(monkeypatch: pytest.MonkeyPatch) -> None:
+    import matplotlib.pyplot as plt
+
+    forked = [
+        line("slot.alloc", 0, slot=1, request_id="prefix-cache", cleared=True),
+        line("slot.alloc", 0, slot=2, request_id="a", cleared=True),
+        line("slot.cow", 1, src=1, dst=2, request_id="a"),
+        line("step.flush", 1, events=3, elided=0),
+    ]
+    fig = _drawn(monkeypatch, forked)
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]  # type: ignore[attr-defined]
+    assert legend == [
+        "prefix-cache checkpoint",
+        "request: a colour per request id, named on its bar",
+        "state forked in (copy-on-write)",
+    ]
+    assert "x" not in fig.axes[0].get_title().split()  # type: ignore[attr-defined]  # no clear mark it cannot draw
+    cleared = [*forked[:3], line("slot.clear", 1, slot=2, request_id="a"), forked[3]]
+    fig = _drawn(monkeypatch, cleared)
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]  # type: ignore[attr-defined]
+    assert any(text.startswith("cleared") for text in legend)
+    plt.close("all")

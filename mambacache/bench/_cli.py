@@ -257,13 +257,16 @@ def plot(results: list[Result], out: str) -> None:
             sel = [r for r in results if r.preset == preset and r.op == op and r.path not in ("memset", "memcpy")]
             for name in dict.fromkeys(r.path for r in sel):
                 pts = [(r.slots, r.vs_bound) for r in sel if r.path == name and r.bound_steady]
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
             unsteady = [r for r in sel if not r.bound_steady]
             if unsteady:  # a flag along the top at each size, not a point: no ratio is drawn for them
                 ax.scatter([r.slots for r in unsteady], [0.95] * len(unsteady), marker="$?$", color="grey", s=60,
                            transform=ax.get_xaxis_transform(), label="baseline unsteady: no ratio")  # fmt: skip
             ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
             ax.set_xscale("log", base=2)
+            if sel:  # the sizes timed, drawn or flagged (a flag alone sets no data limits)
+                ax.set_xlim(min(r.slots for r in sel) / 1.5, max(r.slots for r in sel) * 1.5)
             ax.set_title(f"{preset}: {op} (1.0 = {'memset' if op == 'clear' else 'memcpy'})", fontsize=9)
             ax.set_xlabel("slots per step")
             ax.set_ylabel("fraction of bandwidth bound")

@@ -25,7 +25,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _top() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction[argparse.ArgumentParser]]:
+def _top() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction[_Parser]]:
     parser = _Parser(
         prog="mambacache", description="Manage, simulate and benchmark hybrid models' recurrent state caches."
     )

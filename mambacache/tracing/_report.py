@@ -200,6 +200,7 @@ def _bars(ax: Any, row: int, spans: list[tuple[int, int, str | None]], last: int
     from matplotlib.patches import Patch
 
     checkpoints = 0
+    colour: tuple[float, ...]
     for start, end, tenant in spans:
         if _is_checkpoint(tenant):
             colour = _CHECKPOINT_GREYS[checkpoints % 2]

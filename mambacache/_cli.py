@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from . import __version__
 
@@ -61,11 +63,24 @@ def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit codes: 0 success, 1 a finding (anomalies, mismatches) or a report that could not be written, 2 bad
     input or usage, 130 interrupted (at any moment, torch's import included)."""
+    previous = None
     try:
+        previous = _raise_on_interrupt()
         return _run(sys.argv[1:] if argv is None else list(argv))
     except KeyboardInterrupt:
         sys.stderr.write("mambacache: interrupted\n")
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _raise_on_interrupt() -> Any:
+    """Ctrl-C as KeyboardInterrupt while the command works, so that its clean-up runs (a partial trace removed, a
+    competing process stopped): the handler it replaces (None off the main thread, where it stays)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _run(argv: list[str]) -> int:

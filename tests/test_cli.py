@@ -339,11 +339,23 @@ def _started(proc: subprocess.Popen[str], module: str) -> list[str]:
     raise AssertionError(f"{module} never imported: {seen[-5:]}")
 
 
+def _console_script() -> list[str]:
+    """The ``mambacache`` command as pyproject.toml's [project.scripts] names it, run by this Python."""
+    text = (README.parent / "pyproject.toml").read_text(encoding="utf-8")
+    target = re.search(r'^mambacache = "([\w.]+):(\w+)"$', text, re.MULTILINE)
+    assert target is not None
+    module, function = target.groups()
+    return ["-c", f"import sys; from {module} import {function}; sys.argv[0] = 'mambacache'; sys.exit({function}())"]
+
+
+@pytest.mark.parametrize("entry", ["python -m", "script"])
 @pytest.mark.parametrize("args", [("simulate", "--model", "toy", "--requests", "200"), ("bench", "--quick")])
-def test_an_interrupt_during_start_up_is_one_line_and_exit_130(args: tuple[str, ...]) -> None:
-    """SIGINT as torch is being imported (after the command's own module, before any work): one line, 130."""
+def test_an_interrupt_during_start_up_is_one_line_and_exit_130(entry: str, args: tuple[str, ...]) -> None:
+    """SIGINT as the command starts (its module just imported, torch not yet): one line, 130, whichever moment
+    of the start-up it lands in."""
+    how = ["-m", "mambacache"] if entry == "python -m" else _console_script()
     proc = subprocess.Popen(
-        [sys.executable, "-X", "importtime", "-m", "mambacache", *args],
+        [sys.executable, "-X", "importtime", *how, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -387,8 +399,20 @@ def test_a_report_on_a_full_disk_is_one_line_and_exit_1(
     args = [a.format(trace=_trace_file(tmp_path)) for a in command]
     assert main([*args, "--json", "/dev/full"]) == 1
     captured = capsys.readouterr()
-    assert captured.err == f"mambacache {args[0]}: cannot write /dev/full: No space left on device\n"
+    said = [t for t in captured.err.splitlines() if not t.startswith(f"{args[0]}: ")]  # progress lines aside
+    assert said == [f"mambacache {args[0]}: cannot write /dev/full: No space left on device"], captured.err
     assert captured.out  # the work ran and was shown: only the report is missing
+
+
+def test_a_trace_on_a_full_disk_is_one_line_and_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full")
+    args = ["simulate", "--model", "toy", "--requests", "2", "--trace", "/dev/full", "--append"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    said = [t for t in err.splitlines() if not t.startswith("simulate: ")]  # progress lines aside
+    assert said == ["mambacache simulate: cannot write /dev/full: No space left on device"], err
+    assert not list(Path("/dev").glob(".full.*.partial"))
 
 
 def test_bench_says_where_it_wrote_its_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import anyio
 
 from .._console import (
+    OutputError,
     Progress,
     UsageError,
     check_output_path,
@@ -361,13 +362,19 @@ def _partial(path: str | None) -> str | None:
 
 
 def _put_in_place(partial: str, path: str, append: bool) -> None:
-    """The finished trace at ``path``: renamed over it, or appended to it with ``append``."""
-    if not append or not Path(path).exists():
-        os.replace(partial, path)
-        return
-    with open(path, "ab") as out, open(partial, "rb") as written:
-        shutil.copyfileobj(written, out)
-    Path(partial).unlink()
+    """The finished trace at ``path``: renamed to it (it did not exist: an existing one is refused without
+    ``append``), or appended to it; :class:`OutputError` when that cannot be written (the partial trace is
+    removed: the run is reported, its trace is not)."""
+    try:
+        if not append or not Path(path).exists():
+            os.replace(partial, path)
+            return
+        with open(path, "ab") as out, open(partial, "rb") as written:
+            shutil.copyfileobj(written, out)
+    except OSError as exc:
+        raise OutputError(path, exc) from None
+    finally:
+        Path(partial).unlink(missing_ok=True)
 
 
 def _run_models(

@@ -392,13 +392,9 @@ def _decode(rank: int, cfg: PdConfig, model: SimModel) -> dict[str, Any]:
     return {"completed": completed, "mismatches": len(mismatched), "mismatched": mismatched, "batches": batches}
 
 
-def run_cli(args: Any, models: list[str]) -> int:
-    """``simulate --scenario pd``: one run per model; exit 1 unless the check passes (see ``docs/transfer-tp.md``).
-
-    Passing means: no fault and 0 mismatches; ``skip-import`` and some; ``kill-peer``
-    never passes (the run must end nonzero with the TransferError, and quickly).
-    """
-    from .._console import UsageError, table, write_json
+def _check_cli(args: Any, models: list[str]) -> None:
+    """UsageError, before any process starts, for a run that cannot be what was asked."""
+    from .._console import UsageError
     from .._errors import InvalidArgumentError
 
     a, b = args.tp_prefill, args.tp_decode
@@ -416,6 +412,18 @@ def run_cli(args: Any, models: list[str]) -> int:
                 layout_of(build_model(name, args.seed, args.state_dtype)).check(tp)
             except InvalidArgumentError as exc:
                 raise UsageError(f"{flag} {tp}: {exc}") from None
+
+
+def run_cli(args: Any, models: list[str]) -> int:
+    """``simulate --scenario pd``: one run per model; exit 1 unless the check passes (see ``docs/transfer-tp.md``).
+
+    Passing means: no fault and 0 mismatches; ``skip-import`` and some; ``kill-peer``
+    never passes (the run must end nonzero with the TransferError, and quickly).
+    """
+    from .._console import table, write_json
+
+    _check_cli(args, models)
+    a, b = args.tp_prefill, args.tp_decode
     reports = [
         simulate_pd(
             PdConfig(

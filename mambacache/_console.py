@@ -140,6 +140,7 @@ class Progress:
         self.done = 0
         self._start = time.perf_counter()
         self._last = self._start if not self.enabled else 0.0
+        self._bar_drawn = False  # a bar line is open on the terminal: close() ends it
 
     def __enter__(self) -> Progress:
         return self
@@ -157,6 +158,7 @@ class Progress:
             bar = "#" * filled + "-" * (self.width - filled)
             self.stream.write(f"\r{self.label} [{bar}] {self._figures(now)} {note}\033[K")
             self.stream.flush()
+            self._bar_drawn = True
         elif not self.enabled and (now - self._last >= self.every or finished):
             self._last = now
             self.stream.write(f"{self.label}: {self._figures(now)} {note}".rstrip() + "\n")
@@ -176,10 +178,10 @@ class Progress:
             self.stream.flush()
 
     def close(self) -> None:
-        if self.enabled and self.done:
+        if self._bar_drawn:
             self.stream.write("\n")
             self.stream.flush()
-            self.done = 0  # a second close writes nothing
+            self._bar_drawn = False
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> str:

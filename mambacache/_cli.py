@@ -35,23 +35,21 @@ def _top() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction[_Parser]
     return parser, parser.add_subparsers(dest="command", required=True)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from .bench import _cli as bench_cli
-    from .sim import _cli as sim_cli
-    from .tracing import _report as trace_cli
-
-    parser, sub = _top()
-    for name, module in (("simulate", sim_cli), ("bench", bench_cli), ("trace", trace_cli)):
-        module.add_parser(sub, COMMANDS[name])
-    return parser
+# The module that adds each subcommand's parser (simulate's and bench's import torch; trace's does not).
+_MODULES = {"simulate": "mambacache.sim._cli", "bench": "mambacache.bench._cli", "trace": "mambacache.tracing._report"}
 
 
-def _light_parser() -> argparse.ArgumentParser:
-    """The top level alone, each subcommand a name that takes anything: ``--version``, ``--help`` and a missing
-    or unknown subcommand are answered by it, before the subcommands' modules are imported."""
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The command line: every subcommand's parser, or ``only``'s with the others as names that take anything
+    (their modules not imported)."""
+    import importlib
+
     parser, sub = _top()
     for name, text in COMMANDS.items():
-        sub.add_parser(name, help=text, add_help=False)
+        if only is None or name == only:
+            importlib.import_module(_MODULES[name]).add_parser(sub, text)
+        else:
+            sub.add_parser(name, help=text, add_help=False)
     return parser
 
 
@@ -86,8 +84,10 @@ def _raise_on_interrupt() -> Any:
 def _run(argv: list[str]) -> int:
     from ._console import OutputError, UsageError
 
-    _light_parser().parse_known_args(argv)
-    parser = build_parser()
+    # --version, --help and a missing or unknown subcommand are answered here, before any subcommand's module
+    # (and torch) is imported; then only the named subcommand's.
+    command = build_parser(only="").parse_known_args(argv)[0].command
+    parser = build_parser(only=command)
     args, extra = parser.parse_known_args(argv)
     if extra:  # the subcommand's error, naming it: "mambacache simulate: error: unrecognized arguments: ..."
         subcommands(parser)[args.command].error(f"unrecognized arguments: {' '.join(extra)}")

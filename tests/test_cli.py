@@ -317,15 +317,16 @@ def test_simulate_no_verify_does_not_claim_zero_mismatches(tmp_path: Path, capsy
     assert json.loads(out_json.read_text())[0]["verified"] is False
 
 
-@pytest.mark.parametrize("flag", ["--version", "--help"])
-def test_version_and_help_import_no_torch(flag: str) -> None:
+@pytest.mark.parametrize("args", [["--version"], ["--help"], ["trace", "--help"], ["trace", "{trace}"]])
+def test_version_help_and_trace_import_no_torch(args: list[str], tmp_path: Path) -> None:
+    args = [a.format(trace=_trace_file(tmp_path)) for a in args]
     code = (
         "import sys\nfrom mambacache._cli import main\n"
-        f"try:\n    main([{flag!r}])\nexcept SystemExit as exit_:\n    assert exit_.code == 0\n"
-        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        f"try:\n    code = main({args!r})\nexcept SystemExit as exit_:\n    code = exit_.code\n"
+        "assert code == 0, code\nassert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
-    assert run.returncode == 0 and run.stdout.startswith(("mambacache ", "usage: mambacache")), run
+    assert run.returncode == 0 and run.stdout.startswith(("mambacache ", "usage: mambacache", "slot 1")), run
 
 
 def _started(proc: subprocess.Popen[str], module: str) -> list[str]:

@@ -317,7 +317,9 @@ def test_simulate_no_verify_does_not_claim_zero_mismatches(tmp_path: Path, capsy
     assert json.loads(out_json.read_text())[0]["verified"] is False
 
 
-@pytest.mark.parametrize("args", [["--version"], ["--help"], ["trace", "--help"], ["trace", "{trace}"]])
+@pytest.mark.parametrize(
+    "args", [["--version"], ["--help"], ["simulate", "--help"], ["trace", "--help"], ["trace", "{trace}"]]
+)
 def test_version_help_and_trace_import_no_torch(args: list[str], tmp_path: Path) -> None:
     args = [a.format(trace=_trace_file(tmp_path)) for a in args]
     code = (

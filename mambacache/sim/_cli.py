@@ -8,7 +8,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -25,9 +25,10 @@ from .._console import (
     table,
     write_json,
 )
-from ._models import MODELS, STATE_DTYPES, build_model
-from ._pd import PD_FAULTS
-from ._scheduler import CHECKPOINTS, FAULTS, PREEMPT, SCENARIOS, SimConfig, SimReport, pool_sizes, simulate
+from ._config import CHECKPOINTS, FAULTS, MODELS, PD_FAULTS, PREEMPT, SCENARIOS, STATE_DTYPE_NAMES, SimConfig
+
+if TYPE_CHECKING:
+    from ._scheduler import SimReport
 
 __all__ = ["add_parser", "run"]
 
@@ -179,7 +180,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--state-dtype",
-        choices=list(STATE_DTYPES),
+        choices=list(STATE_DTYPE_NAMES),
         default="float32",
         help="how the toy model stores its states: int8 or fp8 keep a float32 scale per slot and layer as extra"
         " pool tensors, which must move with the slot for outputs to stay exact (default float32)",
@@ -297,6 +298,8 @@ def _scenario(args: argparse.Namespace) -> dict[str, Any]:
             f"--slots ({slots}) must be at least --max-running ({scenario['max_running']}) + max(1, --reserved"
             f" ({reserved})) without --preempt"
         )
+    from ._scheduler import pool_sizes
+
     try:
         pool_sizes(SimConfig(**scenario))
     except ValueError as exc:
@@ -406,6 +409,9 @@ def _run_model(
         adapters=args.adapters,
         **scenario,
     )
+    from ._models import build_model
+    from ._scheduler import simulate
+
     model = build_model(name, args.seed, args.state_dtype)
     return anyio.run(
         simulate,

@@ -53,11 +53,10 @@ from .._handoff._surface import CacheManager
 from .._handoff._transfer import StateTransfer
 from .._host import HostPool
 from .._pool import StatePool
+from ._config import PD_FAULTS
 from ._models import HFModel, SimModel, build_model
 
 __all__ = ["PD_FAULTS", "PdConfig", "PdReport", "layout_of", "run_cli", "simulate_pd"]
-
-PD_FAULTS = ("none", "skip-import", "kill-peer")
 
 
 @dataclass(frozen=True, slots=True)

@@ -209,7 +209,10 @@ def test_pd_cli_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert main(["simulate", "--scenario", "pd", "--model", "toy", "--requests", "4", "--json", str(out)]) == 0
     (report,) = json.loads(out.read_text())
     assert (report["model"], report["completed"], report["mismatches"], report["tp_prefill"]) == ("toy", 4, 0, 1)
-    assert "scenario pd" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "scenario pd" in captured.out
+    last = captured.err.splitlines()[-1]  # progress off a terminal: a line as each model's run ends
+    assert last.startswith("simulate: 1/1 ") and last.endswith(" toy: done"), captured.err
 
 
 @pytest.mark.parametrize(

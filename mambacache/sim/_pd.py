@@ -419,13 +419,14 @@ def run_cli(args: Any, models: list[str]) -> int:
     Passing means: no fault and 0 mismatches; ``skip-import`` and some; ``kill-peer``
     never passes (the run must end nonzero with the TransferError, and quickly).
     """
-    from .._console import table, write_json
+    from .._console import Progress, table, write_json
 
     _check_cli(args, models)
     a, b = args.tp_prefill, args.tp_decode
-    reports = [
-        simulate_pd(
-            PdConfig(
+    reports = []
+    with Progress(len(models), "simulate") as progress:  # a pd run is seconds per model, in other processes
+        for name in models:
+            cfg = PdConfig(
                 model=name,
                 requests=args.requests,
                 seed=args.seed,
@@ -436,9 +437,8 @@ def run_cli(args: Any, models: list[str]) -> int:
                 verify=not args.no_verify,
                 state_dtype=args.state_dtype,
             )
-        )
-        for name in models
-    ]
+            reports.append(simulate_pd(cfg))
+            progress.advance(1, f"{name}: done")
     if args.json != "-":
         rows = [
             [r.model, r.completed, "-" if args.no_verify else r.mismatches, f"{r.tp_prefill} -> {r.tp_decode}",

@@ -22,6 +22,7 @@ CUDA graphs are captured up to batch 32 only).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -85,14 +86,32 @@ def serve(model: str, mode: str, out: str, trace: str) -> None:
     Path(out).write_text(json.dumps({"outputs": outputs, "serial_s": serial_s, "batch_s": batch_s}))
 
 
+def missing() -> str | None:
+    """What this machine lacks for the check (None: nothing)."""
+    if importlib.util.find_spec("sglang") is None:
+        return "SGLang (pip install sglang, in a venv with mambacache)"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "a CUDA GPU (SGLang's CPU engine needs sgl-kernel built from source)"
+    return None
+
+
 def main() -> int:
+    lack = missing()
+    if lack is not None:
+        sys.stderr.write(f"sglang_gpu_check.py needs {lack}\n")
+        return 2
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "model"
         build_model(model)
         results = {}
         for mode in ("plain", "plugin"):
             out, trace = Path(tmp) / f"{mode}.json", Path(tmp) / "trace.jsonl"
-            subprocess.run([sys.executable, __file__, "serve", str(model), mode, str(out), str(trace)], check=True)
+            served = subprocess.run([sys.executable, __file__, "serve", str(model), mode, str(out), str(trace)])
+            if served.returncode != 0:
+                sys.stderr.write(f"sglang_gpu_check.py: the {mode} engine failed (exit {served.returncode}; above)\n")
+                return 1
             results[mode] = json.loads(out.read_text())
         exact = results["plain"]["outputs"] == results["plugin"]["outputs"]
         from mambacache import tracing

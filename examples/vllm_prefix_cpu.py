@@ -34,6 +34,7 @@ when the fault shows as mismatches), 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -320,6 +321,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
+    if importlib.util.find_spec("vllm") is None:
+        sys.stderr.write(
+            "vllm_prefix_cpu.py needs vLLM's CPU build: make the README's .venv-vllm (pip install -e '.[vllm]')"
+            " and run this with its python\n"
+        )
+        return 2
     if args.trace is not None:
         args.trace.unlink(missing_ok=True)  # the tracer appends
     with tempfile.TemporaryDirectory() as tmp:

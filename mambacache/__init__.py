@@ -1,9 +1,8 @@
 """mambacache: an event-driven asynchronous manager for hybrid models' recurrent state."""
 
+from typing import TYPE_CHECKING
 from typing import Any as _Any
 
-from ._channel import Channel as Channel
-from ._channel import LoopbackChannel as LoopbackChannel
 from ._errors import BindingError as BindingError
 from ._errors import DistributedError as DistributedError
 from ._errors import ExecutorError as ExecutorError
@@ -25,49 +24,87 @@ from ._errors import TransferRefusedError as TransferRefusedError
 from ._errors import TransportUnavailableError as TransportUnavailableError
 from ._errors import UnknownExecutorError as UnknownExecutorError
 from ._errors import UnsupportedDtypeError as UnsupportedDtypeError
-from ._events import Alloc as Alloc
-from ._events import Clear as Clear
-from ._events import CommitDraft as CommitDraft
-from ._events import CopyOnWrite as CopyOnWrite
-from ._events import DropHost as DropHost
-from ._events import Export as Export
-from ._events import Import as Import
-from ._events import Offload as Offload
-from ._events import Release as Release
-from ._events import Restore as Restore
-from ._events import StepReport as StepReport
-from ._executors import Executor as Executor
-from ._executors import known_executors as known_executors
-from ._executors import register_executor as register_executor
-from ._handoff._surface import CacheManager as CacheManager
-from ._handoff._transfer import StateTransfer as StateTransfer
-from ._host import HostPool as HostPool
-from ._indices import StateIndices as StateIndices
-from ._planner import Plan as Plan
-from ._planner import plan_step as plan_step
-from ._pool import StatePool as StatePool
-from ._spec import StateSpec as StateSpec
-from ._tiers._prefix import PrefixCache as PrefixCache
-from ._tiers._prefix import PrefixHit as PrefixHit
-from ._tiers._prefix import PrefixStats as PrefixStats
+
+if TYPE_CHECKING:
+    from ._channel import Channel as Channel
+    from ._channel import LoopbackChannel as LoopbackChannel
+    from ._events import Alloc as Alloc
+    from ._events import Clear as Clear
+    from ._events import CommitDraft as CommitDraft
+    from ._events import CopyOnWrite as CopyOnWrite
+    from ._events import DropHost as DropHost
+    from ._events import Export as Export
+    from ._events import Import as Import
+    from ._events import Offload as Offload
+    from ._events import Release as Release
+    from ._events import Restore as Restore
+    from ._events import StepReport as StepReport
+    from ._executors import Executor as Executor
+    from ._executors import known_executors as known_executors
+    from ._executors import register_executor as register_executor
+    from ._handoff._surface import CacheManager as CacheManager
+    from ._handoff._transfer import StateTransfer as StateTransfer
+    from ._host import HostPool as HostPool
+    from ._indices import StateIndices as StateIndices
+    from ._planner import Plan as Plan
+    from ._planner import plan_step as plan_step
+    from ._pool import StatePool as StatePool
+    from ._spec import StateSpec as StateSpec
+    from ._tiers._prefix import PrefixCache as PrefixCache
+    from ._tiers._prefix import PrefixHit as PrefixHit
+    from ._tiers._prefix import PrefixStats as PrefixStats
 
 __version__ = "0.1.0"
 
-# Public submodules, imported on first use (as `mc.tracing.configure(...)`), so that
-# `import mambacache` stays light: the tools pull in argparse, matplotlib, transformers.
+# The rest of the surface is imported on first use, so that `import mambacache` (and the `mambacache` command's
+# --version and --help) stay free of torch until something needs it: the module that defines each name.
+_LAZY = {
+    **dict.fromkeys(("Channel", "LoopbackChannel"), "_channel"),
+    **dict.fromkeys(
+        (
+            "Alloc",
+            "Clear",
+            "CommitDraft",
+            "CopyOnWrite",
+            "DropHost",
+            "Export",
+            "Import",
+            "Offload",
+            "Release",
+            "Restore",
+            "StepReport",
+        ),
+        "_events",
+    ),
+    **dict.fromkeys(("Executor", "known_executors", "register_executor"), "_executors"),
+    **dict.fromkeys(("CacheManager",), "_handoff._surface"),
+    **dict.fromkeys(("StateTransfer",), "_handoff._transfer"),
+    **dict.fromkeys(("HostPool",), "_host"),
+    **dict.fromkeys(("StateIndices",), "_indices"),
+    **dict.fromkeys(("Plan", "plan_step"), "_planner"),
+    **dict.fromkeys(("StatePool",), "_pool"),
+    **dict.fromkeys(("StateSpec",), "_spec"),
+    **dict.fromkeys(("PrefixCache", "PrefixHit", "PrefixStats"), "_tiers._prefix"),
+}
+# Public submodules, imported on first use (as `mc.tracing.configure(...)`): the tools pull in argparse,
+# matplotlib, transformers.
 _SUBMODULES = frozenset({"audit", "bench", "hf", "sim", "tracing"})
 
 
 def __getattr__(name: str) -> _Any:
-    if name in _SUBMODULES:
-        import importlib
+    import importlib
 
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value  # found in the module's namespace from now on, without this call
+        return value
+    if name in _SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_SUBMODULES})
+    return sorted({*globals(), *_LAZY, *_SUBMODULES})
 
 
 __all__ = [

@@ -16,6 +16,14 @@ class UsageError(Exception):
     """Bad input to a command: reported as one line, exit 2, before any work starts."""
 
 
+class OutputError(Exception):
+    """A report the command made could not be written (a full disk, a quota): one line naming the path and the
+    cause, exit 1, for the work ran; a path that can be seen to be unwritable is a :class:`UsageError` first."""
+
+    def __init__(self, path: str | Path, exc: OSError) -> None:
+        super().__init__(f"cannot write {path}: {exc.strerror or exc}")
+
+
 def unwritable(path: str | Path) -> str | None:
     """Why ``path`` cannot be written as an output file (None: it can), found by opening it for appending (and
     removing it again when it was not there): a folder, a missing or read-only folder, ``/proc``, a full quota
@@ -24,6 +32,9 @@ def unwritable(path: str | Path) -> str | None:
     if p.is_dir():
         return f"{p} is a folder; give a file path"
     if not p.parent.is_dir():
+        above = next((a for a in p.parents if a.exists()), None)
+        if above is not None and not above.is_dir():
+            return f"{p}: {above} is a file, not a folder"
         return f"{p}: folder {p.parent} does not exist"
     existed = p.exists()
     try:
@@ -61,6 +72,36 @@ def output_path(*, stdout: bool = False) -> Any:
     return parse
 
 
+def plot_path() -> Any:
+    """An argparse type for ``--plot``: :func:`output_path`'s check, after the name's: an extension matplotlib
+    writes (checked when matplotlib is there; without it the command refuses ``--plot`` anyway), and none is
+    ``.png``, added to the path returned, as matplotlib adds it when saving, so the file said is the file
+    written."""
+
+    def parse(text: str) -> str:
+        suffix = Path(text).suffix.lower().lstrip(".")
+        if not suffix:
+            text += ".png"
+        else:
+            try:
+                from matplotlib.backend_bases import FigureCanvasBase
+            except ImportError:
+                pass
+            else:
+                kinds = FigureCanvasBase.get_supported_filetypes()
+                if suffix not in kinds:
+                    raise argparse.ArgumentTypeError(
+                        f"{text}: matplotlib writes no .{suffix} files; use .png, .svg, .pdf (or {', '.join(kinds)})"
+                    )
+        reason = unwritable(text)
+        if reason is not None:
+            raise argparse.ArgumentTypeError(reason)
+        return text
+
+    parse.__name__ = "plot path"
+    return parse
+
+
 def executor_name(*extra: str) -> Any:
     """An argparse type: a registered executor's name (or one of ``extra``), else argparse's one-line error."""
 
@@ -85,26 +126,49 @@ def need_matplotlib(flag: str) -> None:
 
 
 class Progress:
-    """A one-line progress bar on a terminal; off a terminal, :meth:`line` still reports milestones."""
+    """Progress of ``total`` units of work: on a terminal a one-line bar, redrawn at most every 0.1 s; off one (a
+    log, CI) a line every ``every`` seconds and one at the end, as pip and pytest report. Both show the phase
+    (``note``) and an estimate of the time left, from the rate so far. A context manager: the bar's line ends
+    however the block does, so an interrupt's message starts on its own line."""
 
-    def __init__(self, total: int, label: str, stream: IO[str] | None = None, width: int = 30) -> None:
-        self.total, self.label, self.width = max(total, 1), label, width
+    def __init__(
+        self, total: int, label: str, stream: IO[str] | None = None, width: int = 30, every: float = 5.0
+    ) -> None:
+        self.total, self.label, self.width, self.every = max(total, 1), label, width, every
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = self.stream.isatty()
         self.done = 0
         self._start = time.perf_counter()
-        self._last = 0.0
+        self._last = self._start if not self.enabled else 0.0
+        self._bar_drawn = False  # a bar line is open on the terminal: close() ends it
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def advance(self, n: int = 1, note: str = "") -> None:
         self.done += n
         now = time.perf_counter()
-        if self.enabled and (now - self._last > 0.1 or self.done >= self.total):
+        finished = self.done >= self.total
+        if self.enabled and (now - self._last > 0.1 or finished):
             self._last = now
             filled = int(self.width * min(self.done, self.total) / self.total)
             bar = "#" * filled + "-" * (self.width - filled)
-            elapsed = now - self._start
-            self.stream.write(f"\r{self.label} [{bar}] {self.done}/{self.total} {elapsed:5.1f}s {note}\033[K")
+            self.stream.write(f"\r{self.label} [{bar}] {self._figures(now)} {note}\033[K")
             self.stream.flush()
+            self._bar_drawn = True
+        elif not self.enabled and (now - self._last >= self.every or finished):
+            self._last = now
+            self.stream.write(f"{self.label}: {self._figures(now)} {note}".rstrip() + "\n")
+            self.stream.flush()
+
+    def _figures(self, now: float) -> str:
+        """``done/total``, the time so far and, until the end, an estimate of the time left."""
+        elapsed = now - self._start
+        left = elapsed / self.done * (self.total - self.done) if 0 < self.done < self.total else None
+        return f"{self.done}/{self.total} {elapsed:5.1f}s" + (f", about {left:.0f}s left" if left is not None else "")
 
     def line(self, text: str) -> None:
         """A milestone line for logs (not a terminal), where a bar would be noise."""
@@ -114,9 +178,10 @@ class Progress:
             self.stream.flush()
 
     def close(self) -> None:
-        if self.enabled:
+        if self._bar_drawn:
             self.stream.write("\n")
             self.stream.flush()
+            self._bar_drawn = False
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> str:
@@ -153,8 +218,31 @@ def write_json(path: str | Path, data: Any) -> None:
     text = json.dumps(data, indent=2, sort_keys=False)
     if str(path) == "-":
         sys.stdout.write(text + "\n")
-    else:
+        return
+    try:
         Path(path).write_text(text + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise OutputError(path, exc) from None
+
+
+def say_written(what: str, path: str, json_path: str | None) -> None:
+    """One line naming a file the command wrote: on stdout, or on stderr when stdout carries the JSON
+    (``json_path`` is ``-``); nothing for the JSON on stdout itself."""
+    if path != "-":
+        (sys.stderr if json_path == "-" else sys.stdout).write(f"{what}: {path}\n")
+
+
+def save_figure(fig: Any, path: str, dpi: int = 120) -> None:
+    """``fig`` saved to ``path`` (see :func:`plot_path`) and closed, saved or not; :class:`OutputError` when the
+    file cannot be written."""
+    import matplotlib.pyplot as plt
+
+    try:
+        fig.savefig(path, dpi=dpi)
+    except OSError as exc:
+        raise OutputError(path, exc) from None
+    finally:
+        plt.close(fig)
 
 
 def int_at_least(low: int) -> Any:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import time
 from datetime import timedelta
 
 import anyio
@@ -90,12 +89,10 @@ def worker(rank: int, world: int, port: int, seed: int, mode: str) -> None:
         anyio.run(main)
         dist.destroy_process_group()
         return
-    t0 = time.monotonic()
     try:
         anyio.run(main)
     except mc.DistributedError as exc:
         assert "failed or timed out" in str(exc) or "failed earlier" in str(exc), exc
-        assert time.monotonic() - t0 < 25
         os._exit(0)  # skip a teardown that would wait on the dead peer
     raise AssertionError(f"rank {rank}: no DistributedError after the peer died")
 

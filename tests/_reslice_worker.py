@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -58,11 +57,12 @@ def _prefill(rank: int, seed: int, mode: str) -> None:
         assert sender.send() == []  # nothing flushed yet: nothing sent
         mgr.flush_nowait()
         if mode.startswith("kill-decode"):
-            start = time.monotonic()
             try:
                 sender.send()
             except mc.TransferError as exc:
-                assert time.monotonic() - start < 20, "the dead rank was waited on past the timeout"
+                # Ended by the sender's own 5 s timeout, not the process group's 30 s one (nor a hang, which
+                # pytest's timeout ends).
+                assert "rank 1 took no batch: timed out after 5s" in str(exc), exc
                 assert exc.request_ids == ["a", "b"], exc.request_ids
                 assert mgr.held() == {2: "a", 5: "b"}, mgr.held()  # kept: send again or release
                 assert mgr.host_pool is not None and mgr.host_pool.num_held == 2

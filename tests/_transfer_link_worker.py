@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 import mambacache as mc
-from mambacache._handoff._link import MAGIC, fingerprint, root_store
+from mambacache._handoff._control import MAGIC
+from mambacache._handoff._link import fingerprint, root_store
 
 from ._transfer_worker import HOST, prefill_pool, spec
 from .link import TRANSPORT_ENV

@@ -40,7 +40,7 @@ class Waits:
     def __enter__(self) -> Waits:
         real, begun = self._real, self.begun
 
-        def wait_key(inbox: Inbox, key: str, seconds: float) -> str | None:
+        def wait_key(inbox: Inbox, key: str, seconds: float) -> bytes | None:
             if key.startswith("hdr/"):
                 begun.set()
             return real(inbox, key, seconds)

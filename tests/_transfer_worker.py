@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from datetime import timedelta
 
 import torch
@@ -71,11 +70,12 @@ def _decode(seed: int, mode: str) -> None:
         dist.barrier()
         (old,) = mgr.alloc_slots([3], "old", clear=False)
         if mode == "kill-prefill":
-            start = time.monotonic()
             try:
                 xfer.receive()
             except mc.TransferError as exc:
-                assert time.monotonic() - start < 20, "the dead peer was waited on past the timeout"
+                # Noticed by the transfer itself: the store's connection to the dead rank, or its own 5 s timeout,
+                # not the process group's 30 s one (nor a hang, which pytest's timeout ends).
+                assert "store failed" in str(exc) or "timed out after 5s" in str(exc), exc
                 assert mgr.held() == {3: "old"} and mgr.host_pool is not None and mgr.host_pool.num_held == 0, exc
                 return
             raise AssertionError("a dead peer went unnoticed")

@@ -17,7 +17,10 @@ def test_bench_quick_emits_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     assert main(["bench", "--quick", "--sizes", "1,8", "--repeats", "2", "--json", str(out), "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
+    assert "bench: small done" in captured.err  # progress off a terminal (capsys is none)
+    assert text.endswith(f"JSON: {out}\nplot: {png}\n")
     assert "x bound" in text and "host overhead" in text and "tracing off" in text
     data = json.loads(out.read_text())
     assert {"machine", "results", "host_overhead", "tracing_overhead", "host_tier_overhead"} <= set(data)

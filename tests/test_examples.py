@@ -51,3 +51,20 @@ def test_transfer_gpu_check_runs_its_gloo_parts_on_cpu() -> None:
     )  # fmt: skip
     assert "pools on CPU (--cpu), backend" in out.stdout and "CPU pools" not in out.stdout, out.stdout
     assert "transfer check: bytes exact" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "needs"),
+    [("vllm_prefix_cpu.py", ["vllm"]), ("sglang_gpu_check.py", ["sglang", "cuda"])],
+)
+def test_an_engine_example_without_its_engine_says_what_is_missing(name: str, needs: list[str]) -> None:
+    import importlib.util
+
+    import torch
+
+    have = [n for n in needs if (torch.cuda.is_available() if n == "cuda" else importlib.util.find_spec(n))]
+    if have == needs:
+        pytest.skip(f"this machine has {' and '.join(needs)}")
+    run = subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stdout == "", run
+    assert run.stderr.startswith(f"{name} needs ") and run.stderr.count("\n") == 1, run.stderr

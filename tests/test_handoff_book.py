@@ -161,7 +161,9 @@ PEERS = (None, 1, 2)
 class ExportLife(RuleBasedStateMachine):
     """The sender's export lifecycle against a model: slot -> "queued" | "ready" | "sending", each export with its
     destination. A flush may fail (a fault in its first op): its exports stay unready until a flush succeeds (the
-    repair), since readiness is work done, not a step number."""
+    repair), since readiness is work done, not a step number. A send may fail in doubt with its peer: the book
+    then names the batch it may have landed under to every later sender, and an unaddressed export goes to that
+    peer only, until it is delivered or withdrawn (or returned not in doubt)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -170,7 +172,9 @@ class ExportLife(RuleBasedStateMachine):
         self.model: dict[int, str] = {}
         self.to: dict[int, int | None] = {}
         self.held: dict[int, str] = {}
-        self.taken: list[list[mc.Export]] = []
+        self.taken: list[tuple[list[mc.Export], int | None]] = []
+        self.pin: dict[int, int] = {}  # slot -> the peer its unaddressed export may be at (in doubt)
+        self.doubt: dict[int, tuple[str, int]] = {}  # slot -> the batch it may have landed under
         self.n = 0
 
     def teardown(self) -> None:
@@ -221,9 +225,15 @@ class ExportLife(RuleBasedStateMachine):
             return
         self.mgr.release(s, self.held.pop(s))
         self.model.pop(s, None)
+        self.pin.pop(s, None)
+        self.doubt.pop(s, None)
 
     def _for(self, to: int | None) -> list[int]:
-        return sorted(s for s, v in self.model.items() if v == "ready" and (to is None or self.to[s] in (None, to)))
+        return sorted(
+            s
+            for s, v in self.model.items()
+            if v == "ready" and (to is None or self.to[s] == to or (self.to[s] is None and self.pin.get(s, to) == to))
+        )
 
     @rule(to=st.sampled_from(PEERS))
     def take(self, to: int | None) -> None:
@@ -233,21 +243,40 @@ class ExportLife(RuleBasedStateMachine):
         for ev in got:
             self.model[ev.slot] = "sending"
         if got:
-            self.taken.append(got)
+            self.taken.append((got, to))
 
     @precondition(lambda self: self.taken)
-    @rule(ok=st.booleans())
-    def settle(self, ok: bool) -> None:
-        batch = self.taken.pop(0)
-        if ok:
+    @rule(how=st.sampled_from(["delivered", "returned", "in doubt", "refused"]))
+    def settle(self, how: str) -> None:
+        batch, to = self.taken.pop(0)
+        if how == "delivered":
             self.mgr.exports_delivered(batch)
             for ev in batch:
                 del self.model[ev.slot]
                 del self.held[ev.slot]
-        else:
-            self.mgr.exports_returned(batch)
-            for ev in batch:
-                self.model[ev.slot] = "ready"
+                self.pin.pop(ev.slot, None)
+                self.doubt.pop(ev.slot, None)
+            return
+        # "returned": sent nowhere (no peer): each record stays; "refused" by ``to`` (a retry): in doubt under no
+        # batch, still ``to``'s; "in doubt" with ``to``: under a batch of its own.
+        peer = None if how == "returned" else to
+        ident = ("t", self.n) if how == "in doubt" and peer is not None else None
+        self.mgr.exports_returned(batch, peer=peer, batch=ident)
+        for ev in batch:
+            self.model[ev.slot] = "ready"
+            if peer is None:
+                continue
+            if ev.to is None:
+                self.pin[ev.slot] = peer
+            if ident is None:
+                self.doubt.pop(ev.slot, None)
+            else:
+                self.doubt[ev.slot] = ident
+
+    @invariant()
+    def the_book_names_each_batch_in_doubt(self) -> None:
+        ready = self.mgr.exports_ready()
+        assert self.mgr.exports_in_doubt(ready) == [self.doubt.get(ev.slot) for ev in ready]
 
     @invariant()
     def agrees(self) -> None:
@@ -264,7 +293,7 @@ class ExportLife(RuleBasedStateMachine):
         assert len(host.held()) - dropped <= len(self.model) <= len(host.held())
 
 
-ExportLife.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+ExportLife.TestCase.settings = settings(max_examples=60, stateful_step_count=50, deadline=None)
 test_export_life = ExportLife.TestCase
 
 

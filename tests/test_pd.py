@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -197,12 +196,11 @@ def test_pd_skip_import_is_caught() -> None:
 
 @pytest.mark.slow
 def test_pd_a_killed_peer_is_a_transfer_error_quickly(capsys: pytest.CaptureFixture[str]) -> None:
-    start = time.monotonic()
     args = ["simulate", "--scenario", "pd", "--model", "toy", "--requests", "6", "--tp-prefill", "2"]
     assert main([*args, "--fault", "kill-peer", "--transfer-timeout", "3"]) == 1
-    assert time.monotonic() - start < 60
     err = capsys.readouterr().err
-    assert "TransferError" in err and "died" in err
+    # Quickly: the prefill side's own TransferError on the dead peer, not the run's deadline killing it.
+    assert "TransferError" in err and "died" in err and "did not finish" not in err, err
 
 
 @pytest.mark.slow
@@ -211,7 +209,10 @@ def test_pd_cli_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     assert main(["simulate", "--scenario", "pd", "--model", "toy", "--requests", "4", "--json", str(out)]) == 0
     (report,) = json.loads(out.read_text())
     assert (report["model"], report["completed"], report["mismatches"], report["tp_prefill"]) == ("toy", 4, 0, 1)
-    assert "scenario pd" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "scenario pd" in captured.out
+    last = captured.err.splitlines()[-1]  # progress off a terminal: a line as each model's run ends
+    assert last.startswith("simulate: 1/1 ") and last.endswith(" toy: done"), captured.err
 
 
 @pytest.mark.parametrize(

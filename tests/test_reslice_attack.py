@@ -203,9 +203,7 @@ def test_two_sends_at_once_keep_a_batch_in_doubt_until_it_is_settled() -> None:
         rank1 = threading.Thread(target=receiving, args=(1,))
         rank1.start()
         try:
-            for _ in range(100):  # rank 1 lands a; rank 2 never answers this try
-                if got[1]:
-                    break
+            while not got[1] and first[0].is_alive():  # rank 1 lands a; rank 2 never answers this try
                 threading.Event().wait(0.02)
             _export(mgr, "b", 2)
             second = _in_thread(sender.send)

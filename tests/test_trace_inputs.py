@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -100,12 +98,11 @@ def test_a_file_without_lifecycle_events_is_exit_2_with_the_reason(
     assert "no anomalies" not in captured.out
 
 
-def test_missing_files_and_directories_are_one_line_exit_2(tmp_path: Path) -> None:
+def test_missing_files_and_directories_are_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for target, reason in ((tmp_path / "nope.jsonl", "no such file"), (tmp_path, "is a directory")):
-        run = subprocess.run(
-            [sys.executable, "-m", "mambacache", "trace", str(target)], capture_output=True, text=True, timeout=60
-        )
-        assert run.returncode == 2 and reason in run.stderr and run.stderr.count("\n") == 1, run.stderr
+        assert main(["trace", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert reason in err and err.count("\n") == 1, err
 
 
 def test_held_slots_are_listed_and_expect_idle_makes_them_anomalies(

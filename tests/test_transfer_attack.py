@@ -29,24 +29,24 @@ def _mgr(slots: int = 4, host: int = 2) -> mc.CacheManager:
 
 
 class Wire:
-    """A receiver behind a fake wire: lands each batch's rows by ``seq`` (a repeated ``seq`` lands nothing);
+    """A receiver behind a fake wire: lands each batch's rows by its ``(token, seq)`` (a repeated one lands nothing);
     ``lose_ack``: the next batch lands but its acknowledgement is lost (the sender sees a TransferError)."""
 
     def __init__(self, sender: mc.CacheManager, peer: int = 1) -> None:
         self.sender, self.peer = sender, peer
         self.landed: dict[str, list[torch.Tensor]] = {}
         self.seqs: list[int] = []
-        self.last: int | None = None
+        self.last: tuple[str, int] | None = None
         self.lose_ack = False
 
-    def ship(self, batch: list[mc.Export], ids: list[str], seq: int) -> None:
+    def ship(self, batch: list[mc.Export], ids: list[str], ident: tuple[str, int], retry: bool) -> None:
         host = self.sender.host_pool
         assert host is not None
-        self.seqs.append(seq)
-        if seq != self.last:  # "go": the bytes land
+        self.seqs.append(ident[1])
+        if ident != self.last:  # "go": the bytes land
             for ev, rid in zip(batch, ids, strict=True):
                 self.landed[rid] = [t[:, ev.host].clone() for t in host.tensors]
-            self.last = seq
+            self.last = ident
         if self.lose_ack:
             self.lose_ack = False
             raise mc.TransferError("the acknowledgement timed out", ids)

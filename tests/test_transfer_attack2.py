@@ -49,7 +49,7 @@ def test_a_send_that_delivered_a_batch_before_the_manager_closed_returns_it() ->
     a, _ = staged_and_in_place(mgr)
     shipped: list[list[str]] = []
 
-    def ship(batch: list[mc.Export], ids: list[str], seq: int) -> None:
+    def ship(batch: list[mc.Export], ids: list[str], ident: tuple[str, int], retry: bool) -> None:
         shipped.append(ids)
         if len(shipped) == 1:  # the engine shuts down while this batch awaits its ack
             closing = threading.Thread(target=mgr.__exit__, args=(None, None, None))
@@ -111,8 +111,8 @@ def test_a_retry_in_doubt_that_is_withdrawn_stays_with_its_peer() -> None:
     with _mgr() as mgr:
         seqs: list[int] = []
 
-        def ship(batch: list[mc.Export], ids: list[str], seq: int) -> None:
-            seqs.append(seq)
+        def ship(batch: list[mc.Export], ids: list[str], ident: tuple[str, int], retry: bool) -> None:
+            seqs.append(ident[1])
             if len(seqs) == 1:
                 raise mc.TransferError("the acknowledgement timed out", ids)
             if len(seqs) == 2:

@@ -352,7 +352,7 @@ def test_a_batch_in_doubt_is_not_landed_twice_after_another_sender_of_the_direct
         thread, sent = _in_thread(s1.send)
         assert into.receive() == ["a"]
         thread.join(10)
-        assert lost == ["ok:1"] and isinstance(sent[0], mc.TransferError), sent  # in doubt
+        assert lost == [b"ok:1"] and isinstance(sent[0], mc.TransferError), sent  # in doubt
         thread, sent = _in_thread(s2.send)
         assert into.receive() == ["b"]
         thread.join(10)
@@ -424,7 +424,7 @@ def test_an_interrupt_after_a_delivered_batch_is_raised_not_swallowed() -> None:
         a, b = staged_and_in_place(mgr)
         shipped: list[list[str]] = []
 
-        def ship(batch: list[mc.Export], ids: list[str], seq: int) -> None:
+        def ship(batch: list[mc.Export], ids: list[str], ident: tuple[str, int], retry: bool) -> None:
             shipped.append(ids)
             if len(shipped) == 2:
                 raise KeyboardInterrupt

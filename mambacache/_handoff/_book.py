@@ -29,7 +29,7 @@ before it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .. import _tracing
@@ -53,6 +53,11 @@ class HandOffBook:
     is there its tenant does not change; ``sending`` and ``pinned`` are subsets of
     ``exports``' slots, and an export in ``pinned`` is taken for that peer
     only (its batch to that peer is in doubt: it may have landed there);
+    ``doubt`` (a subset of ``exports``' slots, addressed or not) names the batch
+    under which an export's send to its peer may have landed, for every sender
+    of the manager to that peer (another transfer object, or one built after
+    the failure) to send it again under that batch, which the peer recognises
+    and acknowledges without landing it twice;
     ``ids`` counts the exports of each request id in ``exports``, and no two
     of them may go in one batch (a peer imports one state per id: both would
     be refused, every batch with them, for good), so they go to two peers;
@@ -64,7 +69,8 @@ class HandOffBook:
     """
 
     __slots__ = (
-        "_backlog", "_host", "_ledger", "_queue", "arrivals", "awaited", "exports", "hosts", "ids", "pinned", "sending",
+        "_backlog", "_host", "_ledger", "_queue", "arrivals", "awaited", "doubt", "exports", "hosts", "ids", "pinned",
+        "sending",
     )  # fmt: skip
 
     def __init__(self, queue: QueueSide, ledger: SlotLedger, host: SlotLedger, backlog: Backlog) -> None:
@@ -72,6 +78,7 @@ class HandOffBook:
         self.exports: dict[int, tuple[int, Export]] = {}  # pool slot -> (ticket, export)
         self.sending: set[int] = set()  # pool slots whose export a send has taken and not settled
         self.pinned: dict[int, int] = {}  # pool slot -> the peer that may hold its unaddressed export (in doubt)
+        self.doubt: dict[int, Hashable] = {}  # pool slot -> the batch its export may have landed under (in doubt)
         self.hosts: dict[int, str] = {}  # staging host slot of an export -> "exporting"
         self.ids: dict[str, int] = {}  # request id -> how many exports of it are in ``exports``
         self.arrivals = Arrivals(queue, ledger, host, backlog)
@@ -205,12 +212,16 @@ class HandOffBook:
         """Those of ``exports`` still in the book (a repeated ack, or an export withdrawn since, is not)."""
         return [ev for ev in exports if self.exports.get(ev.slot, (0, None))[1] is ev]
 
-    def returned(self, exports: Sequence[Export], peer: int | None = None) -> None:
+    def returned(self, exports: Sequence[Export], peer: int | None = None, batch: Hashable = None) -> None:
         """A send of ``exports`` failed: they wait for the next send, and a release may withdraw them again.
 
         ``peer``: the send to ``peer`` failed after it may have landed them (in
         doubt): those addressed to no one are taken for ``peer`` only from now
         on, so a transfer to another peer never delivers a state ``peer`` may hold.
+        ``batch``: the batch they may have landed under there (:meth:`in_doubt`
+        names it to every later sender); None with ``peer``: under none (a retry
+        the peer refused: it never landed that batch). Without ``peer`` (sent
+        nowhere, or refused on a first try) the record of each stays as it is.
 
         On a closed manager no send can follow: their slots and staging slots
         are freed at once (:meth:`_settle_closed`), nothing is kept for the next
@@ -226,6 +237,17 @@ class HandOffBook:
                 self.sending.discard(ev.slot)
                 if peer is not None and ev.to is None:
                     self.pinned[ev.slot] = peer
+                if peer is not None and batch is not None:
+                    self.doubt[ev.slot] = batch
+                elif peer is not None:
+                    self.doubt.pop(ev.slot, None)
+
+    def in_doubt(self, exports: Sequence[Export]) -> list[Hashable]:
+        """Per export, the batch under which its send may have landed at its peer (:meth:`returned`'s ``batch``),
+        None where there is none (not in doubt, or no longer in the book)."""
+        with self._queue.lock:
+            mine = {id(ev) for ev in self._mine(exports)}
+            return [self.doubt.get(ev.slot) if id(ev) in mine else None for ev in exports]
 
     def delivered(self, exports: Sequence[Export]) -> None:
         """The peer acknowledged ``exports``: queue the release of each pool slot and the drop of each staging slot.
@@ -265,6 +287,7 @@ class HandOffBook:
                 self._forget_id(ev)
                 self.sending.discard(ev.slot)
                 self.pinned.pop(ev.slot, None)
+                self.doubt.pop(ev.slot, None)
                 if ev.host is not None:
                     del self.hosts[ev.host]
                 gone.append(ev)
@@ -303,6 +326,7 @@ class HandOffBook:
             self._forget_id(ev)
             self.sending.discard(ev.slot)
             self.pinned.pop(ev.slot, None)
+            self.doubt.pop(ev.slot, None)
         for h in staged:
             del self.hosts[h]
         self._ledger.give_back([ev.slot for ev in exports])

@@ -9,7 +9,7 @@ closed pair never poisons a later batch. Per direction ``src > dst``, under ``ma
 the store (``docs/transfer.md`` has the whole protocol)::
 
     posted          sender: store.add -> m, the batch's header number
-    hdr/{m}         sender: JSON header (token, seq, ids, fingerprint, pair, split, byte sizes of its messages)
+    hdr/{m}         sender: JSON header (batch token, seq, ids, fingerprint, pair, split, byte sizes of its messages)
     state/{m}       compare_set, first writer wins: receiver "go:<tok>" | "dup:<tok>" | "refuse:<kind>:<room>:<why>",
                     or the sender's "withdrawn" (its wait for a decision timed out: nothing was sent)
     pair/{name}/..  the gloo pair's rendezvous, name "<tok>.<epoch>.<receiver's tok>" (the epoch: after a failure
@@ -20,9 +20,13 @@ the store (``docs/transfer.md`` has the whole protocol)::
                     that is absent when its wait times out while a later one was posted is counted too: its
                     sender or its receiver died between two writes, see Inbox._lost)
 
-A batch is ``(token, seq)``: a retry of a batch in doubt carries the same pair,
-and a receiver that landed it already answers ``dup`` (an acknowledgement) and
-lands nothing. No torch in the control path; the pair carries raw bytes.
+A batch is ``(token, seq)``: a retry of a batch in doubt carries the same pair
+of them, whichever link of the sending manager sends it (the pair's name is the
+link's own token), and a receiver that landed it already answers ``dup`` (an
+acknowledgement) and lands nothing. Every value read from the store is parsed by
+``_control.py`` (untrusted input: a malformed header is refused as ``header``, a
+malformed decision or acknowledgement fails the batch). No torch in the control
+path; the pair carries raw bytes.
 
 The bytes of a batch of n states, per pool tensor ``[layers, slots + 1, *state]``::
 
@@ -39,7 +43,6 @@ arrive straight into them.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import time
 import uuid
@@ -51,6 +54,7 @@ from typing import Any
 import torch
 
 from .._errors import InvalidArgumentError, TransferError, TransferRefusedError
+from . import _control as control
 from ._transports._base import Transport
 from ._transports._gloo import RETIRED as _RETIRED  # noqa: F401 -- the gloo pairs retired, as tests count them
 from ._transports._gloo import GlooTransport
@@ -63,7 +67,6 @@ __all__ = [
 # Senders whose last landed batch a receiver remembers (a retry of it is acknowledged, not landed again): far more
 # than take turns on one direction; a sender restarted takes a new token, so old ones only age out.
 _SENDERS_KEPT = 256
-MAGIC = 0x6D63_7847  # 7847: the pair's name ends with the receiver's token (a peer of 7846 refuses the header)
 # Far beyond any wait a deployment wants, and well inside what timedelta and c10d's millisecond counts take.
 MAX_TIMEOUT = 1e9
 # A message costs about 40 us of gloo overhead here, a copy pass of 1 MiB about 300 us, and a split saves up to
@@ -140,8 +143,9 @@ class _Direction:
         self.timeout = timeout
         self.wire = (transport or GlooTransport()).wire(self.store, src, dst, me, timeout)
 
-    def wait_key(self, key: str, seconds: float) -> str | None:
-        """The value of ``key`` once it is set, or None after ``seconds`` (a store wait: retryable)."""
+    def wait_key(self, key: str, seconds: float) -> bytes | None:
+        """The raw value of ``key`` once it is set (the peer's: parse it with ``_control``), or None after
+        ``seconds`` (a store wait: retryable)."""
         try:
             self.store.wait([key], timedelta(seconds=max(seconds, 1e-3)))
         except self._dist.DistStoreError:
@@ -150,8 +154,8 @@ class _Direction:
             raise TransferError(f"the key-value store failed: {exc}") from exc
         return self.value(key)
 
-    def value(self, key: str) -> str:
-        return bytes(self.call("get", key)).decode()
+    def value(self, key: str) -> bytes:
+        return bytes(self.call("get", key))
 
     def call(self, what: str, *args: Any) -> Any:
         """A store call, its failures a TransferError."""
@@ -185,22 +189,22 @@ class Outbox(_Direction):
             with contextlib.suppress(Exception):  # best effort: a leftover key is only a few bytes in the store
                 self.store.delete_key(key)
 
-    def send(self, ids: list[str], seq: int, fp: list[Any], raw: list[torch.Tensor], split: bool) -> None:
-        """One batch of messages ``raw`` (:func:`messages` of its rows, ``split`` or not, or views of the same
-        bytes): header, the receiver's decision, the bytes, its acknowledgement.
+    def send(
+        self, ids: list[str], seq: int, fp: list[Any], raw: list[torch.Tensor], split: bool, tok: str | None = None
+    ) -> None:
+        """One batch ``(tok, seq)`` of messages ``raw`` (:func:`messages` of its rows, ``split`` or not, or views
+        of the same bytes): header, the receiver's decision, the bytes, its acknowledgement. ``tok``: the batch's
+        token (default this link's own); the receiver remembers the last batch it landed per token.
 
         Raises :class:`TransferRefusedError` when the receiver refused it (nothing
         landed), :class:`TransferError` on any other failure (the batch may have
-        landed: retry it with the same ``seq``).
+        landed: retry it with the same ``(tok, seq)``).
         """
         pair = f"{self.token}.{self._epoch}"
-        header = {"magic": MAGIC, "tok": self.token, "seq": seq, "ids": ids, "fp": fp, "pair": pair, "split": split}
-        header["bytes"] = [t.numel() for t in raw]
-        source = self.wire.source(raw)
-        if source is not None:
-            header["src"] = source
+        sizes = [t.numel() for t in raw]
+        header = control.encode_header(tok or self.token, seq, ids, fp, pair, split, sizes, self.wire.source(raw))
         m = int(self.call("add", "posted", 1))
-        self.call("set", f"hdr/{m}", json.dumps(header))
+        self.call("set", f"hdr/{m}", header)
         try:
             self._settle(m, ids, raw, pair)
         except TransferRefusedError:
@@ -217,41 +221,40 @@ class Outbox(_Direction):
         self._cleanup(m)
 
     def _settle(self, m: int, ids: list[str], raw: list[torch.Tensor], pair: str) -> None:
-        decision = self.wait_key(f"state/{m}", self.timeout)
-        if decision is None:
-            decision = bytes(self.call("compare_set", f"state/{m}", "", "withdrawn")).decode()
-            if decision == "withdrawn":
-                raise NothingSent(
-                    f"rank {self.dst} took no batch: timed out after {self.timeout:g}s (not receiving?);"
-                    " nothing was sent",
-                    ids,
-                )
-        kind, _, why = decision.partition(":")
-        if kind == "dup":
+        """Header ``m``'s decision, then (on ``go``) the bytes and the acknowledgement. What the receiver wrote is
+        parsed by ``_control``: a value of no known form is a :class:`TransferError` (``send`` replaces the pair,
+        and the batch is in doubt, as after any failure of the receiver's answers)."""
+        raw_decision = self.wait_key(f"state/{m}", self.timeout)
+        if raw_decision is None:
+            raw_decision = bytes(self.call("compare_set", f"state/{m}", "", "withdrawn"))
+        decision = self._parsed(control.decision, raw_decision, "decision", ids)
+        if decision.kind == "withdrawn":
+            raise NothingSent(
+                f"rank {self.dst} took no batch: timed out after {self.timeout:g}s (not receiving?); nothing was sent",
+                ids,
+            )
+        if decision.kind == "dup":
             return  # landed by an earlier try whose acknowledgement was lost
-        if kind == "refuse":
-            raise self._refused(why, ids)
+        if decision.refusal is not None:
+            raise self._refused(decision.refusal, ids, "refused the batch")
         # The pair is named by both ends: this side's token and epoch (the header's), and the token of the
         # receiver that answered go. A receiver that joined the rank since builds a fresh pair, never one whose
         # other end was its predecessor, whether or not a failure bumped the epoch.
-        self.wire.push(raw, f"{pair}.{why}", why, ids)
-        ack = self.wait_key(f"ack/{m}", self.timeout)
-        if ack is None:
+        self.wire.push(raw, f"{pair}.{decision.token}", decision.token, ids)
+        raw_ack = self.wait_key(f"ack/{m}", self.timeout)
+        if raw_ack is None:
             self._abandon(m)
             raise TransferError(f"rank {self.dst} did not acknowledge: timed out after {self.timeout:g}s", ids)
-        kind, _, why = ack.partition(":")
-        if kind == "ok" and why == str(len(ids)):
+        ack = self._parsed(control.ack, raw_ack, "acknowledgement", ids)
+        if ack.kind == "ok" and ack.landed == len(ids):
             return
-        if kind == "refuse" and why.startswith("failed:"):  # every byte arrived, none landed: the pair is kept
-            text = why.split(":", 2)[-1]
-            raise TransferRefusedError(f"rank {self.dst} did not land the batch: {text}", ids, "failed")
-        if kind == "refuse":
-            raise self._refused(why, ids)
-        if kind == "fail":  # the receiver says it landed none of it (else it would have answered "dup")
+        if ack.refusal is not None:  # every byte arrived, none landed: the pair is kept
+            raise self._refused(ack.refusal, ids, "did not land the batch")
+        if ack.kind == "fail":  # the receiver says it landed none of it (else it would have answered "dup")
             self._epoch += 1  # after the bytes: the receiver may have dropped its end of the pair
             self.drop_pair()
-            raise TransferRefusedError(f"rank {self.dst} did not land the batch: {why}", ids, "failed")
-        raise TransferError(f"rank {self.dst} did not land the batch: {ack}", ids)
+            raise TransferRefusedError(f"rank {self.dst} did not land the batch: {ack.why}", ids, "failed")
+        raise TransferError(f"rank {self.dst} acknowledged {ack.landed} states of a batch of {len(ids)}", ids)
 
     def _abandon(self, m: int) -> None:
         """On a pulled wire, after the wait for the acknowledgement of header ``m`` timed out: settle the read
@@ -262,13 +265,16 @@ class Outbox(_Direction):
             with contextlib.suppress(TransferError):  # the store gone: the receiver cannot settle either
                 self.call("compare_set", f"read/{m}", "", "abandoned")
 
-    def _refused(self, why: str, ids: list[str]) -> TransferRefusedError:
-        """The error of a refusal ``<reason>:<room>:<text>`` (room: how many states the receiver could take)."""
-        reason, _, rest = why.partition(":")
-        room, _, text = rest.partition(":")
-        return TransferRefusedError(
-            f"rank {self.dst} refused the batch: {text}", ids, reason, int(room) if room.isdigit() else None
-        )
+    def _parsed(self, parse: Callable[[bytes], Any], raw: bytes, what: str, ids: list[str]) -> Any:
+        """``parse(raw)``, its :class:`~._control.Malformed` a TransferError naming the batch's ids."""
+        try:
+            return parse(raw)
+        except control.Malformed as exc:
+            raise TransferError(f"rank {self.dst} answered with a malformed {what}: {exc}", ids) from exc
+
+    def _refused(self, refusal: control.Refusal, ids: list[str], what: str) -> TransferRefusedError:
+        """The error of a refusal (``room``: how many states the receiver could take)."""
+        return TransferRefusedError(f"rank {self.dst} {what}: {refusal.text}", ids, refusal.reason, refusal.room)
 
 
 @dataclass(slots=True)
@@ -324,14 +330,14 @@ class Inbox(_Direction):
     def _decide(self, m: int, decision: str) -> bool:
         """Write header ``m``'s decision (first writer wins) and move past it unless it is ``go``; False when the
         sender had withdrawn it (or another receiver settled it) first."""
-        got = bytes(self.call("compare_set", f"state/{m}", "", decision)).decode()
-        if got == decision and decision.startswith("go:"):
+        got = bytes(self.call("compare_set", f"state/{m}", "", decision))  # compared, never parsed: any bytes
+        if got == decision.encode() and decision.startswith("go:"):
             return True
         self._advance(m)
-        if got == "withdrawn":  # its sender has moved on: nobody reads these any more
+        if got == b"withdrawn":  # its sender has moved on: nobody reads these any more
             with contextlib.suppress(Exception):
                 self.store.delete_key(f"state/{m}")
-        return got == decision
+        return got == decision.encode()
 
     def _lost(self, m: int) -> bool:
         """Count header ``m`` settled, and say so, when it will never be there: absent while a later one was
@@ -359,27 +365,24 @@ class Inbox(_Direction):
         fp = fingerprint(layers, shapes)
         while True:
             m = int(self.call("add", "taken", 0)) + 1
-            text = self.wait_key(f"hdr/{m}", deadline - time.monotonic())
-            if text is None:
+            raw = self.wait_key(f"hdr/{m}", deadline - time.monotonic())
+            if raw is None:
                 if self._lost(m):
                     continue
                 raise TransferError(f"no batch from rank {self.src}: timed out after {self.timeout:g}s")
             refusal, header = _judge(
-                text, fp, room, self.src, lambda n, split: message_sizes(layers, shapes, n, split), self._last
+                raw, fp, room, self.src, lambda n, split: message_sizes(layers, shapes, n, split), self._last
             )
             if refusal is None:
-                key = (str(header["tok"]), int(header["seq"]))
+                assert header is not None
+                key = (header.tok, header.seq)
                 if self._last.get(key[0]) != key[1]:
-                    self.waiting = Batch(
-                        m, list(header["ids"]), key, header["pair"], header["split"], header["bytes"], header["src"]
-                    )
+                    self.waiting = Batch(m, header.ids, key, header.pair, header.split, header.sizes, header.source)
                     return self.waiting
-            if not self._decide(m, refusal or f"dup:{self.token}") or refusal is None:
+            if not self._decide(m, f"dup:{self.token}" if refusal is None else refusal.encode()) or refusal is None:
                 continue  # withdrawn or settled elsewhere, or a duplicate acknowledged again
-            reason, _, rest = refusal.removeprefix("refuse:").partition(":")
-            had, _, text = rest.partition(":")
             raise TransferRefusedError(
-                f"refused a batch from rank {self.src}: {text}", [], reason, int(had) if had.isdigit() else None
+                f"refused a batch from rank {self.src}: {refusal.text}", [], refusal.reason, refusal.room
             )
 
     def check_left(self, deadline: float) -> None:
@@ -406,8 +409,11 @@ class Inbox(_Direction):
             self.waiting = None
             raise Withdrawn(batch.ids)
         batch.taken = True
+        # Both ends' name (_settle); kept per sending link (the pair's token), not per batch token: a batch in doubt
+        # may be retried by another link of the sending manager, under its first token, over that link's own pair.
+        sender = batch.pair.rpartition(".")[0]
         try:
-            self.wire.pull(raw, batch.source, f"{batch.pair}.{self.token}", batch.key[0], batch.ids)  # (_settle)
+            self.wire.pull(raw, batch.source, f"{batch.pair}.{self.token}", sender, batch.ids)
             self._claim_read(batch)
         except TransferError:
             self.answer_raw(batch.number, "fail:the bytes did not arrive")
@@ -436,10 +442,10 @@ class Inbox(_Direction):
         """Acknowledge ``batch`` (``landed``) or tell its sender it did not land (``why``: ``room:<room>:<text>``
         refuses it for room, ``<room>`` the states that could land); a batch never taken is refused, as a
         decision, and its sender sends nothing."""
-        refusal = why if why.startswith("room:") else f"failed::{why}"
+        refusal = control.Refusal.of_answer(why)
         if not batch.taken:
             self.waiting = None
-            self._decide(batch.number, f"refuse:{refusal}")
+            self._decide(batch.number, refusal.encode())
         elif landed:
             tok, seq = batch.key
             self._last.pop(tok, None)  # re-inserted last: the dict's order is the senders' last landings
@@ -447,59 +453,45 @@ class Inbox(_Direction):
             if len(self._last) > _SENDERS_KEPT:
                 del self._last[next(iter(self._last))]
             self.answer_raw(batch.number, f"ok:{len(batch.ids)}")
-        elif batch.moved or why.startswith("room:"):
+        elif batch.moved or refusal.reason == "room":
             # The bytes arrived whole and the landing failed (its write, a re-slicing receiver's other ranks): a
             # refusal, so the sender keeps its pair. "fail" makes both ends replace it, one ProcessGroupGloo each
             # kept for the process's life: only for bytes that may not have arrived.
-            self.answer_raw(batch.number, f"refuse:{refusal}")
+            self.answer_raw(batch.number, refusal.encode())
         else:
             self.answer_raw(batch.number, f"fail:{why}")
 
 
 def _judge(
-    text: str,
+    raw: bytes,
     fp: list[Any],
     room_of: Callable[[list[str]], int],
     src: int,
     sizes: Callable[[int, bool], list[int]],
     last: dict[str, int],
-) -> tuple[str | None, dict[str, Any]]:
-    """A header's refusal (``refuse:<kind>:<room>:<why>``), or None to take it; before anything is allocated.
+) -> tuple[control.Refusal | None, control.Header | None]:
+    """A header's refusal, or None to take it (with the header parsed); before anything is allocated.
 
     ``sizes(n, split)``: the message sizes this side's layout gives a batch of ``n``. The retry of a sender's
-    batch landed last (``last``: its number by the sender's token) is never refused for room: it lands nothing,
+    batch landed last (``last``: its number by the batch's token) is never refused for room: it lands nothing,
     and refused it would leave its sender sure that it never landed, and send it again as a new batch."""
     try:
-        header = json.loads(text)
-        ids, sizes_given = header["ids"], header["bytes"]
-        header.setdefault("split", False)  # absent: one message per pool tensor
-        header.setdefault("src", None)  # absent: the bytes are pushed
-        ok = (
-            header["magic"] == MAGIC
-            and isinstance(ids, list)
-            and all(type(r) is str for r in ids)
-            and isinstance(sizes_given, list)
-            and all(type(b) is int and b >= 0 for b in sizes_given)
-            and type(header["seq"]) is int
-            and isinstance(header["tok"], str)
-            and isinstance(header["pair"], str)
-            and type(header["split"]) is bool
-            and (header["src"] is None or isinstance(header["src"], dict))
-        )
-    except (ValueError, KeyError, TypeError, AttributeError):
-        ok, header = False, {}
-    if not ok:
-        return f"refuse:header::rank {src} sent something that is not a transfer header", header
-    if header["fp"] != fp:
-        return f"refuse:spec::rank {src} sends states of {header['fp']}, this side holds {fp}", header
+        header = control.header(raw)
+    except control.Malformed as exc:
+        return control.Refusal("header", None, f"rank {src} sent something that is not a transfer header: {exc}"), None
+    if header.fp != fp:
+        why = f"rank {src} sends states of {control.shown(header.fp)}, this side holds {fp}"
+        return control.Refusal("spec", None, why), header
+    ids = header.ids
     n = len(ids)
     if n < 1 or len(set(ids)) != n:
-        return f"refuse:header::a batch of {n} states with {len(set(ids))} distinct ids", header
-    if last.get(header["tok"]) == header["seq"]:
+        return control.Refusal("header", None, f"a batch of {n} states with {len(set(ids))} distinct ids"), header
+    if last.get(header.tok) == header.seq:
         return None, header  # acknowledged again (dup), whatever the room
     room = room_of(ids)
     if n > room:
-        return f"refuse:room:{room}:{n} states arrived, room for {room} here (free host slots, then retry)", header
-    if sizes_given != sizes(n, header["split"]):
-        return f"refuse:header::rank {src} announced byte sizes its fingerprint does not give", header
+        why = f"{n} states arrived, room for {room} here (free host slots, then retry)"
+        return control.Refusal("room", room, why), header
+    if header.sizes != sizes(n, header.split):
+        return control.Refusal("header", None, f"rank {src} announced byte sizes its fingerprint does not give"), header
     return None, header

@@ -46,7 +46,16 @@ from .._events import Export
 from .._spec import StateSpec
 from ._link import NothingSent, check_timeout
 from ._surface import CacheManager
-from ._transfer import Batches, ReadingBatch, StateTransfer, export_rows, send_exports, write_staging
+from ._transfer import (
+    Batches,
+    BatchId,
+    ReadingBatch,
+    StateTransfer,
+    export_rows,
+    send_exports,
+    ship_rows,
+    write_staging,
+)
 from ._transports._pick import check_transport
 
 __all__ = ["ReslicingReceiver", "ReslicingSender", "Segment", "StateLayout", "TensorLayout"]
@@ -146,6 +155,8 @@ class StateLayout:
     @classmethod
     def from_config(cls, config: Any, spec: StateSpec | None = None) -> StateLayout:
         """The layout of the model ``config`` describes (its full spec: ``StateSpec.from_hf_config`` unless given)."""
+        if spec is not None and not isinstance(spec, StateSpec):
+            raise InvalidArgumentError(f"StateLayout.from_config's spec must be a StateSpec or None, got {spec!r}")
         text = getattr(config, "text_config", None) or config  # multimodal Qwen3.5: the language model's
         kind = getattr(text, "model_type", None)
         derived = StateSpec.from_hf_config(config)
@@ -184,6 +195,8 @@ class StateLayout:
     def synthetic(cls, spec: StateSpec) -> StateLayout:
         """A spec without a config: the first dimension of each conv and of the temporal state split, extras
         replicated (the synthetic presets' rule)."""
+        if not isinstance(spec, StateSpec):
+            raise InvalidArgumentError(f"StateLayout.synthetic takes a StateSpec, got {spec!r}")
         conv = [TensorLayout((_split(c[0]),)) for c in spec.conv_shapes]
         temporal = TensorLayout((_split(spec.temporal_shape[0]),))
         return cls(spec, (*conv, temporal, *(TensorLayout(()) for _ in spec.extra_shapes)))
@@ -343,8 +356,8 @@ class ReslicingSender:
         check_timeout(timeout)
         self._mgr, self._layout = manager, layout
         self._batches = Batches()
-        # Two sends take turns, as a StateTransfer's do: they share the batch numbers and the batch in doubt, and
-        # one that succeeded while another's batch was in doubt cleared that doubt (sent again as a new batch).
+        # Two sends take turns, as a StateTransfer's do: they share the batch numbers and token (a batch in doubt
+        # is the manager's book's, whichever sender retries it).
         self._send_lock = threading.Lock()
         # The last ship's batch and the ranks it failed on, with their errors (traced by send() if it raises).
         self._failed: tuple[list[str], list[tuple[int, TransferError]]] = ([], [])
@@ -381,11 +394,11 @@ class ReslicingSender:
                     )
                 raise
 
-    def _ship(self, ready: list[Export], ids: list[str], seq: int) -> None:
-        """Each rank its shard of every staged state as batch ``seq``, all ranks at once; raises unless all
-        acknowledged (a rank that acknowledged before acknowledges a retry of ``seq`` again, landing nothing)."""
+    def _ship(self, ready: list[Export], ids: list[str], ident: BatchId, retry: bool) -> None:
+        """Each rank its shard of every staged state as batch ``ident``, all ranks at once; raises unless all
+        acknowledged (a rank that acknowledged before acknowledges a retry of ``ident`` again, landing nothing).
+        ``retry``: the batch is in doubt, sent again."""
         mgr, tp = self._mgr, len(self.peers)
-        retry = bool(self._batches.doubt)  # pick() keeps the doubt only when this is its batch, sent again
         self._failed = [], []
         with ReadingBatch(mgr, ids):  # before any rank's header: a failure is NothingSent, not in doubt
             full = export_rows(mgr, ready)
@@ -394,7 +407,7 @@ class ReslicingSender:
         # so a dead rank costs one timeout, not one per rank after it.
         with ThreadPoolExecutor(tp) as threads:
             outcomes = [
-                threads.submit(x.send_rows, ids, rows, seq) for x, rows in zip(self._transfers, shards, strict=True)
+                threads.submit(ship_rows, x, ids, rows, ident) for x, rows in zip(self._transfers, shards, strict=True)
             ]
         failed: list[tuple[int, TransferError]] = []
         for x, outcome in zip(self._transfers, outcomes, strict=True):

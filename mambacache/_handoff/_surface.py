@@ -14,7 +14,7 @@ engines.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from .._errors import InvalidArgumentError
@@ -179,13 +179,25 @@ class HandOff:
         dest = _check_to(to)
         return self._book("take_exports").ready(dest, take=True)
 
-    def exports_returned(self, exports: list[Export], *, peer: int | None = None) -> None:
+    def exports_returned(self, exports: list[Export], *, peer: int | None = None, batch: Hashable = None) -> None:
         """The send of ``exports`` failed: they wait for the next send, and releasing a slot withdraws its export.
 
         ``peer``: the send to that rank failed after it may have landed them (in doubt): those exported to no
-        one in particular are from now on taken only for ``peer``, never delivered to a second peer."""
+        one in particular are from now on taken only for ``peer``, never delivered to a second peer. ``batch``
+        (with ``peer``): the batch they may have landed under, which :meth:`exports_in_doubt` names to every
+        later sender to ``peer``, so that whichever sends them again sends that batch (the peer acknowledges it
+        without landing it twice); ``peer`` without it: under no batch (a retry the peer refused). Without
+        ``peer`` (sent nowhere, or refused on a first try) each export's record stays as it was."""
         dest = _check_to(peer)
-        self._book("exports_returned").returned(check_exports("exports_returned", exports), dest)
+        if batch is not None and (dest is None or not isinstance(batch, Hashable)):
+            raise InvalidArgumentError(f"exports_returned's batch needs a peer and must be hashable, got {batch!r}")
+        self._book("exports_returned").returned(check_exports("exports_returned", exports), dest, batch)
+
+    def exports_in_doubt(self, exports: list[Export]) -> list[Hashable]:
+        """Per export (as :meth:`take_exports` gave it), the batch under which its send may have landed at its
+        peer (:meth:`exports_returned`'s ``batch``): send it again as that batch; None where it is in doubt under
+        none. The record is the manager's, not a transfer's: any transfer of the manager to that peer finds it."""
+        return self._book("exports_in_doubt").in_doubt(check_exports("exports_in_doubt", exports))
 
     def exports_delivered(self, exports: list[Export]) -> None:
         """The peer acknowledged ``exports``: release their pool slots and drop their staging slots (all or none).

@@ -21,6 +21,7 @@ import contextlib
 import math
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -238,14 +239,25 @@ def _check_batch(request_ids: Any, rows: Any, seq: Any) -> None:
     if (
         not isinstance(rows, (list, tuple))
         or not rows
-        or not all(isinstance(r, torch.Tensor) and r.dim() >= 2 for r in rows)
+        or not all(isinstance(r, torch.Tensor) and _host_rows(r) for r in rows)
         or len({(r.shape[0], r.shape[1]) for r in rows}) != 1
         or rows[0].shape[1] != len(request_ids)
     ):
         raise InvalidArgumentError(
-            f"send_rows takes one [layers, n, *state] tensor per pool tensor, each of one layer count and of"
-            f" n = {len(request_ids)} states (one per request id)"
+            f"send_rows takes one [layers, n, *state] host tensor (strided, on the CPU) per pool tensor, each of one"
+            f" layer count and of n = {len(request_ids)} states (one per request id)"
         )
+
+
+def _host_rows(rows: torch.Tensor) -> bool:
+    """Whether ``rows`` can go over the gloo pair as raw bytes: a strided CPU tensor of at least two dimensions (a
+    sparse or accelerator tensor fails inside the wire, after its header was posted)."""
+    return rows.layout == torch.strided and rows.device.type == "cpu" and rows.dim() >= 2
+
+
+def _ranks(rank: int, peer: int) -> bool:
+    """Whether ``rank`` and ``peer`` are two distinct ranks in ``[0, 2**31)`` (c10d's ranks are 32-bit)."""
+    return rank != peer and min(rank, peer) >= 0 and max(rank, peer) < 2**31
 
 
 def _check_shapes(shapes: Any) -> Shapes:
@@ -268,29 +280,43 @@ def _check_shapes(shapes: Any) -> Shapes:
     return out
 
 
-class Batches:
-    """A sender's batch numbers and its batch in doubt.
+BatchId = tuple[str, int]  # (token, seq): the receiver remembers the last batch it landed per token
 
-    Invariant: a batch that failed after the peer may have landed it (no
-    acknowledgement seen) is the next one sent, with the same number and no
-    other export in it, so the peer re-acknowledges it instead of landing it
-    twice; exports withdrawn meanwhile leave it (matched by identity, never
-    by equality), and once none is left the doubt is gone.
+
+class Batches:
+    """A sender's batch identities: a token and increasing numbers, and the room the peer last reported.
+
+    A batch in doubt (it failed after the peer may have landed it: no
+    acknowledgement seen) is not recorded here but in the manager's hand-off
+    book (``exports_returned(..., batch=)``), per export and peer, so that any
+    sender of the manager to that peer (this one, a second one, one built after
+    the failure) finds it (``exports_in_doubt``) and sends it next, alone, under
+    its identity: the peer acknowledges it again instead of landing it twice.
+    Exports withdrawn meanwhile leave it, and a re-export of the same request
+    is a new export of the book, never taken for the retry.
+
+    Invariant: once a batch of a token is in doubt, no new batch goes under that
+    token (this sender takes a fresh one). The peer remembers only the last batch
+    it landed per token, so a later batch of the token landing first would make
+    the retry look new, whichever sender retries it.
     """
 
-    __slots__ = ("doubt", "limit", "seq")
+    __slots__ = ("limit", "seq", "token")
 
     def __init__(self) -> None:
+        self.token = uuid.uuid4().hex[:16]
         self.seq = 0
-        self.doubt: list[Export] = []
         self.limit: int | None = None  # the room the peer last had when it refused a batch for room
 
-    def failed(self, manager: CacheManager, batch: list[Export], exc: BaseException, first: bool, peer: int) -> bool:
-        """Give a batch whose ship raised ``exc`` back to ``manager``, in doubt or not; True when it goes again at
-        once (refused for room: cut to the room the peer has). ``first``: this was the batch's first try."""
+    def failed(
+        self, manager: CacheManager, batch: list[Export], exc: BaseException, ident: BatchId, retry: bool, peer: int
+    ) -> bool:
+        """Give a batch ``ident`` whose ship raised ``exc`` back to ``manager``, in doubt or not; True when it goes
+        again at once (refused for room: cut to the room the peer has). ``retry``: it was in doubt before."""
         if isinstance(exc, TransferRefusedError):  # nothing landed: not in doubt
-            self.doubt = []
-            manager.exports_returned(batch)
+            # A refused retry: the peer never landed that batch (it acknowledges the batch it landed last whatever
+            # its room), so it is in doubt under none now, and goes as a new batch; still that peer's alone.
+            manager.exports_returned(batch, peer=peer if retry else None)
             if exc.reason == "room" and exc.room and exc.room < len(batch):
                 self.limit = exc.room  # a batch the peer has room for, at once
                 return True
@@ -302,45 +328,42 @@ class Batches:
                 self.limit = None
             return False
         # Withdrawn before the peer's go, a first try is nowhere: not in doubt, and not kept for that peer (an
-        # export to no one must stay free to go to another peer). A retry of a batch in doubt (its number went
-        # out before) may have landed by an earlier try: still in doubt. A ship to several peers raises
+        # export to no one must stay free to go to another peer). A retry of a batch in doubt (it went out
+        # before) may have landed by an earlier try: still in doubt. A ship to several peers raises
         # NothingSent only if every peer withdrew it (and TransferRefusedError only if every peer refused it):
         # any other failure of one rank is a plain TransferError, in doubt.
-        if isinstance(exc, NothingSent) and first:
-            self.doubt = []
+        if isinstance(exc, NothingSent) and not retry:
             manager.exports_returned(batch)
-        else:
-            self.doubt = batch
-            manager.exports_returned(batch, peer=peer)  # it may have landed there: nowhere else
+            return False
+        if ident[0] == self.token:
+            self.token = uuid.uuid4().hex[:16]  # nothing new under a token in doubt (the class's invariant)
+        manager.exports_returned(batch, peer=peer, batch=ident)  # it may have landed there: nowhere else
         return False
 
-    def pick(self, ready: list[Export]) -> tuple[list[Export], int]:
-        """The batch to send out of ``ready`` (the first ``limit`` of them after a refusal for room), with its
-        number."""
-        if self.doubt:
-            # By identity: a release withdraws an export, and the same request exported again from the same
-            # slot into the same staging slot is an *equal* Export, but a new state that must not go as the
-            # retry of the old one (the peer would acknowledge it as a duplicate and land nothing).
-            doubt = {id(ev) for ev in self.doubt}
-            batch = [ev for ev in ready if id(ev) in doubt]
-            if batch:
-                return batch, self.seq
-            self.doubt = []
+    def pick(self, manager: CacheManager, ready: list[Export]) -> tuple[list[Export], BatchId, bool]:
+        """The batch to send out of ``ready``, its identity, and whether it is the retry of a batch in doubt: the
+        exports in doubt under the first such batch of the book, else a new batch (the first ``limit`` of them
+        after a refusal for room)."""
+        doubts = manager.exports_in_doubt(ready)
+        ident = next((d for d in doubts if d is not None), None)
+        if ident is not None:
+            return [ev for ev, d in zip(ready, doubts, strict=True) if d == ident], ident, True  # type: ignore[return-value]
         self.seq += 1
-        return ready[: self.limit] if self.limit else ready, self.seq
+        return ready[: self.limit] if self.limit else ready, (self.token, self.seq), False
 
 
 def send_exports(
     manager: CacheManager,
-    ship: Callable[[list[Export], list[str], int], None],
+    ship: Callable[[list[Export], list[str], BatchId, bool], None],
     peers: list[int],
     batches: Batches,
     sizes: Callable[[int], dict[str, Any]] = lambda n: {},
 ) -> list[str]:
-    """The sender's side of an export's life around ``ship`` (the wire, which raises unless every peer acknowledged
-    batch ``seq``): take the exports ready for ``peers[0]``, ship them, then deliver them (slots released, staging
-    dropped), or on any failure give them back to the manager (retry, or release, which withdraws them). A batch in
-    doubt (:class:`Batches`) goes alone first, then the rest in a batch of its own; a batch refused for room goes
+    """The sender's side of an export's life around ``ship(batch, ids, ident, retry)`` (the wire, which raises
+    unless every peer acknowledged batch ``ident``; ``retry``: it is a batch in doubt sent again): take the
+    exports ready for ``peers[0]``, ship them, then deliver them (slots released, staging dropped), or on any
+    failure give them back to the manager (retry, or release, which withdraws them). A batch in doubt (the
+    book's, :class:`Batches`) goes alone first, then the rest in a batch of its own; a batch refused for room goes
     again at once cut to the room the peer has (none: the refusal is raised). Returns the ids delivered; raises
     only when none was (a failure after a part of the call's exports went out returns that part).
 
@@ -360,8 +383,7 @@ def send_exports(
             raise
         if not ready:
             return delivered
-        last = batches.seq
-        batch, seq = batches.pick(ready)
+        batch, ident, retry = batches.pick(manager, ready)
         in_place = batch[0].host is None  # a batch is read from one place: the staging rows, or the pool
         batch = [ev for ev in batch if (ev.host is None) is in_place]
         rest = [ev for ev in ready if ev not in batch]
@@ -369,14 +391,14 @@ def send_exports(
             manager.exports_returned(rest)  # taken again below, once the batch in doubt is settled
         ids = [ev.request_id or "" for ev in batch]
         try:
-            ship(batch, ids, seq)
+            ship(batch, ids, ident, retry)
         except BaseException as exc:
-            if batches.failed(manager, batch, exc, seq != last, peers[0]):
+            if batches.failed(manager, batch, exc, ident, retry, peers[0]):
                 continue
             if delivered and isinstance(exc, Exception):
                 return delivered  # what went out is the caller's news; the rest fails again on the next call
             raise  # an interrupt or exit is never swallowed (what went out stays delivered: its slots are free)
-        batches.doubt, batches.limit = [], None
+        batches.limit = None
         try:
             _tracing.tracer.transfer("transfer.send", peers[0], ids, step=manager.step, n=len(ids), **sizes(len(ids)))
         finally:  # acknowledged: taken even if the tracer raises (a full disk), else they stayed sending for good
@@ -384,6 +406,17 @@ def send_exports(
         delivered += ids
         if not rest:
             return delivered
+
+
+def ship_rows(xfer: StateTransfer, request_ids: list[str], rows: list[torch.Tensor], ident: BatchId) -> None:
+    """:meth:`StateTransfer.send_rows` of batch ``ident``, a token other than the transfer's own included (a
+    re-slicing sender's batches are its own, and a batch in doubt keeps the token it first went under)."""
+    _check_batch(request_ids, rows, ident[1])
+    layers = rows[0].shape[0]
+    fp = fingerprint(layers, [(tuple(r.shape[2:]), r.dtype) for r in rows])
+    raw = messages([r.contiguous() for r in rows], False)
+    with xfer._send_lock:  # one batch at a time per direction, as send() takes turns
+        xfer._out.send(list(request_ids), ident[1], fp, raw, False, ident[0])
 
 
 def _receive_line(peer: int, mgr: CacheManager, batch: Batch, where: str) -> Callable[[list[int]], None]:
@@ -424,10 +457,11 @@ class StateTransfer:
     order, and releases their pool and staging slots only after the peer's
     acknowledgement (a failed send keeps them all: call :meth:`send` again once
     the peer can take them, or release); a batch that may have landed is sent
-    again under its own number, and the peer acknowledges it without landing it
-    twice; a receive lands every state of a batch or none and acknowledges only
-    what landed. Nothing of one batch outlives its failure: the next batch goes
-    over a fresh gloo pair.
+    again under its own token and number by whichever transfer of the manager
+    sends to that peer next (the doubt is the manager's hand-off book's), and
+    the peer acknowledges it without landing it twice; a receive lands every
+    state of a batch or none and acknowledges only what landed. Nothing of one
+    batch outlives its failure: the next batch goes over a fresh gloo pair.
 
     ``send`` and ``receive`` may run in two threads at once (each direction has
     its own store client and pair); two sends, or two receives, take turns.
@@ -468,8 +502,11 @@ class StateTransfer:
             if type(peer) is not int or peer == dist.get_rank() or peer not in members:
                 raise InvalidArgumentError(f"peer must be another rank of the group, got {peer!r}")
             rank, store = dist.get_rank(), dist.distributed_c10d._get_default_store()
-        elif group is not None or type(rank) is not int or type(peer) is not int or peer == rank or min(rank, peer) < 0:
-            raise InvalidArgumentError("with a store: group=None, and rank and peer two distinct ranks (ints >= 0)")
+        elif group is not None or type(rank) is not int or type(peer) is not int or not _ranks(rank, peer):
+            raise InvalidArgumentError(
+                f"with a store: group=None, and rank and peer two distinct ranks (ints in [0, 2**31)), got {rank!r}"
+                f" and {peer!r}"
+            )
         elif not isinstance(store, dist.distributed_c10d.Store):
             raise InvalidArgumentError(f"store must be a torch.distributed.Store (a TCPStore client), got {store!r}")
         self._mgr, self.peer, self.rank = manager, peer, rank
@@ -511,8 +548,8 @@ class StateTransfer:
                 mgr, self._ship, [self.peer], self._batches, lambda n: {"bytes": n * mgr.pool.spec.slot_bytes}
             )
 
-    def _ship(self, ready: list[Export], ids: list[str], seq: int) -> None:
-        """One batch until acknowledged: sent straight from the staging rows (or, exported in place, the pool's)
+    def _ship(self, ready: list[Export], ids: list[str], ident: BatchId, retry: bool) -> None:
+        """Batch ``ident`` until acknowledged: sent straight from the staging rows (or, exported in place, the pool's)
         when they are one run of host memory and the batch is split (see ``_link``), else gathered into the kept
         buffers."""
         try:
@@ -522,7 +559,7 @@ class StateTransfer:
                 if raw is None:
                     rows = export_rows(self._mgr, ready, self._send_bufs.rows(self._layers(), len(ids), self._shapes()))
                     raw = messages(rows, split)
-            self._out.send(ids, seq, fingerprint(self._layers(), self._shapes()), raw, split)
+            self._out.send(ids, ident[1], fingerprint(self._layers(), self._shapes()), raw, split, ident[0])
         except BaseException:
             self._send_bufs = _Buffers()
             raise
@@ -553,11 +590,7 @@ class StateTransfer:
         :class:`TransferError` (failed: it may have landed) unless the peer
         acknowledged ``len(request_ids)`` states.
         """
-        _check_batch(request_ids, rows, seq)
-        layers = rows[0].shape[0]
-        fp = fingerprint(layers, [(tuple(r.shape[2:]), r.dtype) for r in rows])
-        with self._send_lock:  # one batch at a time per direction, as send() takes turns
-            self._out.send(list(request_ids), seq, fp, messages([r.contiguous() for r in rows], False), False)
+        ship_rows(self, request_ids, rows, (self._out.token, seq))
 
     # -- receiving -----------------------------------------------------------
     @_tracing.traces_failures

@@ -19,6 +19,9 @@ from .._console import (
     int_at_least,
     need_matplotlib,
     output_path,
+    plot_path,
+    save_figure,
+    say_written,
     table,
     write_json,
 )
@@ -27,6 +30,7 @@ from ._decode import decode_flush
 from ._presets import PRESETS, lookup, shard
 from ._run import (
     BENCH_EXECUTORS,
+    BOUND_SPREAD,
     Result,
     bulk_vs_loop,
     embedding_overhead,
@@ -40,11 +44,11 @@ from ._run import (
 __all__ = ["add_parser", "run"]
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], summary: str) -> None:
     """Add the ``bench`` command to the ``mambacache`` command line."""
     p = sub.add_parser(
         "bench",
-        help="clear/copy speed, workspace and host overhead against the bandwidth bound and the seed path",
+        help=summary,
         description="Medians of repeated runs after warm-up; ratios are measured in the same run.",
     )
     p.add_argument("--device", default="cpu", help="cpu, cuda or npu (default cpu)")
@@ -66,7 +70,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--tp", type=int_at_least(1), default=1, help="shard every preset N ways (heads and conv channels / N)"
     )
     p.add_argument("--sizes", type=_sizes, default=None, help="slots per step, comma-separated (default 1,8,64,256)")
-    p.add_argument("--repeats", type=int_at_least(1), default=None)
+    p.add_argument(
+        "--repeats",
+        type=int_at_least(1),
+        default=None,
+        help="timed rounds per figure, after a warm-up; the median is reported (default 9, --quick 5; --transfer 15,"
+        " --contended 7)",
+    )
     p.add_argument(
         "--budget-gb",
         type=float_in(0, low_open=True),
@@ -77,9 +87,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--workspace-mb", type=float_in(0, low_open=True), default=64.0, help="copy workspace bound of the npu executor"
     )
-    p.add_argument("--quick", action="store_true", help="the small preset, sizes 1,8,64: under a minute")
     p.add_argument(
-        "--plot", metavar="PNG", type=output_path(), help="ratio to the bandwidth bound per path and size (matplotlib)"
+        "--quick",
+        action="store_true",
+        help="the small preset, sizes 1,8,64, 5 repeats: from 15 s to over a minute on a 2-core machine, with its load",
+    )
+    p.add_argument(
+        "--plot", metavar="PNG", type=plot_path(), help="ratio to the bandwidth bound per path and size (matplotlib)"
     )
     p.add_argument(
         "--json", metavar="PATH", type=output_path(stdout=True), help="write every figure as JSON ('-' for stdout)"
@@ -210,7 +224,7 @@ def render(results: list[Result]) -> str:
     out = []
     for preset in dict.fromkeys(r.preset for r in results):
         rows = [
-            [r.slots, r.op, r.path, _ms(r.median_s), f"{_ms(r.min_s)}-{_ms(r.max_s)}", r.gb_s, f"{r.vs_bound:.2f}",
+            [r.slots, r.op, r.path, _ms(r.median_s), f"{_ms(r.min_s)}-{_ms(r.max_s)}", r.gb_s, _vs_bound(r),
              f"{r.vs_seed:.2f}", _bytes(r.peak_temp_bytes), _bytes(r.noncontiguous_input_bytes),
              "-" if r.host_syncs is None else r.host_syncs, "-" if r.ops is None else r.ops,
              "-" if r.launches is None else r.launches]
@@ -236,7 +250,19 @@ def render(results: list[Result]) -> str:
             "launches",
         ]
         out.append(table(headers, rows, title=title))
+    if not all(r.bound_steady for r in results):
+        out.append(UNSTEADY_NOTE)
     return "\n\n".join(out)
+
+
+UNSTEADY_NOTE = (
+    f"?: the memset/memcpy baseline moved between rounds (the middle half of its rounds spans more than"
+    f" {BOUND_SPREAD:.0%} of its median): that x bound is not a result; rerun on a quieter machine"
+)
+
+
+def _vs_bound(r: Result) -> str:
+    return f"{r.vs_bound:.2f}" + ("" if r.bound_steady else "?")
 
 
 def plot(results: list[Result], out: str) -> None:
@@ -253,17 +279,24 @@ def plot(results: list[Result], out: str) -> None:
             ax = axes[row][col]
             sel = [r for r in results if r.preset == preset and r.op == op and r.path not in ("memset", "memcpy")]
             for name in dict.fromkeys(r.path for r in sel):
-                pts = [(r.slots, r.vs_bound) for r in sel if r.path == name]
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+                pts = [(r.slots, r.vs_bound) for r in sel if r.path == name and r.bound_steady]
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+            unsteady = [r for r in sel if not r.bound_steady]
+            if unsteady:  # a flag along the top at each size, not a point: no ratio is drawn for them
+                ax.scatter([r.slots for r in unsteady], [0.95] * len(unsteady), marker="$?$", color="grey", s=60,
+                           transform=ax.get_xaxis_transform(), label="baseline unsteady: no ratio")  # fmt: skip
             ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
             ax.set_xscale("log", base=2)
+            if sel:  # the sizes timed, drawn or flagged (a flag alone sets no data limits)
+                ax.set_xlim(min(r.slots for r in sel) / 1.5, max(r.slots for r in sel) * 1.5)
             ax.set_title(f"{preset}: {op} (1.0 = {'memset' if op == 'clear' else 'memcpy'})", fontsize=9)
             ax.set_xlabel("slots per step")
             ax.set_ylabel("fraction of bandwidth bound")
-            ax.legend(fontsize=7)
+            if ax.get_legend_handles_labels()[0]:  # an op this run did not time has none
+                ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_figure(fig, out, dpi=110)
 
 
 def _bulk_table(rows: list[dict[str, float]]) -> str:
@@ -312,6 +345,7 @@ def run_transfer(args: argparse.Namespace, device: torch.device) -> int:
         sys.stdout.write(f"machine: {info}\n\n{_transfer_table(rows)}\n")
     if args.json:
         write_json(args.json, {"machine": info, "transfer": rows})
+        say_written("JSON", args.json, args.json)
     return 0
 
 
@@ -341,6 +375,7 @@ def run_contended(args: argparse.Namespace, device: torch.device) -> int:
         sys.stdout.write(f"machine: {info}\n\n{_contended_table(rows)}\n")
     if args.json:
         write_json(args.json, {"machine": info, "contended": rows})
+        say_written("JSON", args.json, args.json)
     return 0
 
 
@@ -364,14 +399,13 @@ def run(args: argparse.Namespace) -> int:
     executors = args.executor or ["torch", "torch-direct", "npu", "reference"]
     started = time.perf_counter()
     results: list[Result] = []
-    progress = Progress(len(presets) * len(sizes) * 5 * (len(executors) + 2), "bench")
-    for preset in presets:
-        for r in run_preset(preset, sizes, executors, device, repeats, int(args.budget_gb * POOL_SHARE * 2**30),
-                            int(args.workspace_mb * 2**20)):  # fmt: skip
-            results.append(r)
-            progress.advance(1, f"{preset} {r.op} {r.path} n={r.slots}")
-        progress.line(f"{preset} done")
-    progress.close()
+    with Progress(len(presets) * len(sizes) * 5 * (len(executors) + 2), "bench") as progress:
+        for preset in presets:
+            for r in run_preset(preset, sizes, executors, device, repeats, int(args.budget_gb * POOL_SHARE * 2**30),
+                                int(args.workspace_mb * 2**20)):  # fmt: skip
+                results.append(r)
+                progress.advance(1, f"{preset} {r.op} {r.path} n={r.slots}")
+            progress.line(f"{preset} done")
     host = host_overhead([10, 100, 1000], repeats)
     trace = tracing_overhead(1000, repeats)
     embed = embedding_overhead(repeats)
@@ -416,6 +450,8 @@ def run(args: argparse.Namespace) -> int:
                                "tracing_overhead": trace, "embedding_overhead": embed, "bulk_vs_loop": bulk,
                                "host_tier_overhead": tier, "planner_scaling": planning,
                                "decode_flush": decode, "layer_overhead": layered})  # fmt: skip
+        say_written("JSON", args.json, args.json)
     if args.plot:
         plot(results, args.plot)
+        say_written("plot", args.plot, args.json)
     return 0

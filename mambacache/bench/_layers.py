@@ -164,11 +164,12 @@ def render(rows: list[dict[str, Any]]) -> str:
 
 def run(repeats: int, json_path: str | None, quick: bool = False) -> int:
     """``mambacache bench --layers``: the per-layer row alone (``json_path``: also as JSON, '-' for stdout)."""
-    from .._console import write_json
+    from .._console import say_written, write_json
 
     rows = layer_overhead(repeats, quick=quick)
     if json_path != "-":
         sys.stdout.write(render(rows) + "\n")
     if json_path:
         write_json(json_path, {"layer_overhead": rows})
+        say_written("JSON", json_path, json_path)
     return 0

@@ -61,10 +61,21 @@ class Result:
     host_syncs: int | None = None  # ops that read device data back (audit), plus CUDA's sync debug mode
     ops: int | None = None  # aten ops of one warm step, every pool tensor (the launches it asks for)
     launches: int | None = None  # device kernels of one warm step (CUDA only, from the profiler)
+    bound_spread: float = 0.0  # the memset/memcpy rounds' interquartile range over their median
+
+    @property
+    def bound_steady(self) -> bool:
+        """Whether the baseline held still enough between rounds for ``vs_bound`` to be a result: a baseline
+        whose middle half of rounds spans more than ``BOUND_SPREAD`` of its median was timed through someone
+        else's load, and a ratio to it can read as many times the bandwidth bound."""
+        return self.bound_spread <= BOUND_SPREAD
 
     def to_json(self) -> dict[str, Any]:
         """The row as a JSON-ready dict (``mambacache bench --json``)."""
-        return asdict(self)
+        return {**asdict(self), "bound_steady": self.bound_steady}
+
+
+BOUND_SPREAD = 0.5
 
 
 def _sync(device: torch.device) -> None:
@@ -93,8 +104,9 @@ def measure(
     repeats: int,
     warmup: int = 2,
     min_total_s: float = 0.2,
-) -> dict[str, tuple[float, float, float]]:
-    """Median, min and max seconds of each function, after warm-up.
+) -> dict[str, tuple[float, float, float, float]]:
+    """Median, min and max seconds of each function, and the interquartile range of its rounds over their
+    median (the spread), after warm-up.
 
     The functions run round-robin, one call each per round, so a slow spell of a
     shared machine hits every path alike and the ratios stay fair. Rounds go on
@@ -111,7 +123,18 @@ def measure(
         for key, fn in fns.items():
             times[key].append(_time_once(fn, device))
         rounds += 1
-    return {k: (statistics.median(v), min(v), max(v)) for k, v in times.items()}
+    return {k: (statistics.median(v), min(v), max(v), _spread(v)) for k, v in times.items()}
+
+
+def _spread(samples: list[float]) -> float:
+    """The interquartile range of ``samples`` over their median (the whole range below four samples)."""
+    median = statistics.median(samples)
+    if len(samples) >= 4:
+        q1, _, q3 = statistics.quantiles(samples, n=4)
+        width = q3 - q1
+    else:
+        width = max(samples) - min(samples)
+    return width / median if median > 0 else 0.0
 
 
 def _zero_all(bufs: list[torch.Tensor]) -> None:
@@ -242,7 +265,7 @@ def run_preset(
             fns: dict[str, Callable[[], object]] = {bound: bound_fn, "seed": seed_fn}
             fns.update({e: _run_stage(ex, stage, pool, host) for e, ex in impls.items()})
             timings = measure(fns, device, repeats)
-            for path, (median, low, high) in timings.items():
+            for path, (median, low, high, _) in timings.items():
                 # Temporaries from a fresh executor (its first step shows its workspace);
                 # ops from the warm one that was timed (what every later step launches).
                 fresh = (
@@ -255,7 +278,7 @@ def run_preset(
                     ops = _audit(fns[path], device)[3]
                 yield Result(name, spec.num_layers, n, op, path, median, low, high, nbytes, nbytes / median / 1e9,
                              timings[bound][0] / median, timings["seed"][0] / median, peak, noncontig, syncs,
-                             ops, _launches(fns[path], device))  # fmt: skip
+                             ops, _launches(fns[path], device), bound_spread=timings[bound][3])  # fmt: skip
         del cases
 
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from .._console import (
+    OutputError,
     Progress,
     UsageError,
     check_output_path,
@@ -18,12 +21,14 @@ from .._console import (
     float_in,
     int_at_least,
     output_path,
+    say_written,
     table,
     write_json,
 )
-from ._models import MODELS, STATE_DTYPES, build_model
-from ._pd import PD_FAULTS
-from ._scheduler import CHECKPOINTS, FAULTS, PREEMPT, SCENARIOS, SimConfig, SimReport, pool_sizes, simulate
+from ._config import CHECKPOINTS, FAULTS, MODELS, PD_FAULTS, PREEMPT, SCENARIOS, STATE_DTYPE_NAMES, SimConfig
+
+if TYPE_CHECKING:
+    from ._scheduler import SimReport
 
 __all__ = ["add_parser", "run"]
 
@@ -31,11 +36,11 @@ _D = SimConfig()
 DEFAULT_MODELS = ("toy", "mamba2", "qwen3-next")
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], summary: str) -> None:
     """The ``simulate`` subcommand. One function because it is one flat list of options, read top to bottom."""
     p = sub.add_parser(
         "simulate",
-        help="run a continuous-batching workload on real models and check outputs against isolated generation",
+        help=summary,
         description=(
             "Requests arrive (Poisson), share prefixes, fork cached prefix states, reuse dirty slots; every"
             " request is then run alone with greedy generate and the tokens compared. Exits 1 when the check"
@@ -55,7 +60,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=None,
         help=f"share of prompts with a common prefix (default: the scenario's, else {_D.prefix_share})",
     )
-    p.add_argument("--slots", type=int_at_least(2), default=None, help="pool slots (default: max-running * 1.5)")
+    given = ", ".join(f"{name} {fields['slots']}" for name, fields in SCENARIOS.items() if "slots" in fields)
+    p.add_argument(
+        "--slots",
+        type=int_at_least(2),
+        default=None,
+        help=f"pool slots (default: the scenario's: {given}; pd takes none)",
+    )
     p.add_argument(
         "--seed",
         type=int_at_least(0),
@@ -175,7 +186,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--state-dtype",
-        choices=list(STATE_DTYPES),
+        choices=list(STATE_DTYPE_NAMES),
         default="float32",
         help="how the toy model stores its states: int8 or fp8 keep a float32 scale per slot and layer as extra"
         " pool tensors, which must move with the slot for outputs to stay exact (default float32)",
@@ -240,6 +251,7 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.write(f"trace of {name}: {path}\n")
     if args.json:
         write_json(args.json, [{**dataclasses.asdict(r), "verified": not args.no_verify} for r in reports])
+        say_written("JSON", args.json, args.json)
     bad = [r for r in reports if (r.mismatches > 0) == (args.fault == "none")]
     if args.no_verify:
         return 0
@@ -259,8 +271,8 @@ def _pd(args: argparse.Namespace, models: list[str]) -> int:
         raise UsageError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --scenario pd")
     if args.fault not in PD_FAULTS:
         raise UsageError(f"--scenario pd takes --fault {', '.join(PD_FAULTS)}")
-    if args.speculative or args.trace or args.preempt or args.adapters:
-        raise UsageError("--scenario pd takes none of --speculative, --trace, --preempt, --adapters")
+    if args.speculative or args.trace or args.preempt or args.adapters or args.slots is not None:
+        raise UsageError("--scenario pd takes none of --speculative, --trace, --preempt, --adapters, --slots")
     args.tp_prefill = args.tp_prefill or 1
     args.tp_decode = args.tp_decode or 1
     _load_transformers(models)
@@ -282,10 +294,18 @@ def _scenario(args: argparse.Namespace) -> dict[str, Any]:
     preempting = scenario.get("preempt", "none") != "none"
     slots, reserved = scenario.get("slots"), scenario.get("reserved", 0)
     if slots is not None and slots < scenario["max_running"] + max(1, reserved) and not preempting:
+        if args.slots is None:
+            need = scenario["max_running"] + max(1, reserved)
+            raise UsageError(
+                f"--scenario {args.scenario} has {slots} slots, too few for --max-running {scenario['max_running']}"
+                f" without --preempt (at least max-running + max(1, reserved) = {need}): give --slots {need} or more"
+            )
         raise UsageError(
             f"--slots ({slots}) must be at least --max-running ({scenario['max_running']}) + max(1, --reserved"
             f" ({reserved})) without --preempt"
         )
+    from ._scheduler import pool_sizes
+
     try:
         pool_sizes(SimConfig(**scenario))
     except ValueError as exc:
@@ -325,30 +345,87 @@ def _load_transformers(models: list[str]) -> None:
 def _simulate_all(
     args: argparse.Namespace, models: list[str], scenario: dict[str, Any], traces: dict[str, str | None]
 ) -> list[SimReport]:
-    """One simulation per model, in order, under one progress bar over all their requests."""
-    progress = Progress(args.requests * len(models), "simulate")
-    reports: list[SimReport] = []
-    for name in models:
-        cfg = SimConfig(
-            model=name,
-            requests=args.requests,
-            seed=args.seed,
-            arrival_rate=args.arrival_rate,
-            fault=args.fault,
-            executor=args.executor,
-            verify=not args.no_verify,
-            trace=traces[name],
-            speculative=args.speculative,
-            draft_accuracy=args.draft_accuracy,
-            state_dtype=args.state_dtype,
-            checkpoint=args.checkpoint,
-            adapters=args.adapters,
-            **scenario,
-        )
-        model = build_model(name, args.seed, args.state_dtype)
-        reports.append(anyio.run(simulate, cfg, model, lambda _r, n=name: progress.advance(1, n)))
-    progress.close()
+    """One simulation per model, in order, under one progress bar over all their requests; each trace is written
+    under a temporary name beside its own and put in place (or appended, with ``--append``) once every run has
+    ended, so an interrupted or failed run leaves the trace files as they were."""
+    partial = {name: _partial(path) for name, path in traces.items()}
+    try:
+        reports = _run_models(args, models, scenario, partial)
+    except BaseException:
+        for path in partial.values():
+            if path is not None:
+                Path(path).unlink(missing_ok=True)
+        raise
+    for name, path in partial.items():
+        if path is not None:
+            _put_in_place(path, str(traces[name]), append=args.append)
     return reports
+
+
+def _partial(path: str | None) -> str | None:
+    """A hidden name beside ``path`` for the trace while it is written (one folder, so the move is a rename)."""
+    if path is None:
+        return None
+    p = Path(path)
+    return str(p.with_name(f".{p.name}.{os.getpid()}.partial"))
+
+
+def _put_in_place(partial: str, path: str, append: bool) -> None:
+    """The finished trace at ``path``: renamed to it (it did not exist: an existing one is refused without
+    ``append``), or appended to it; :class:`OutputError` when that cannot be written (the partial trace is
+    removed: the run is reported, its trace is not)."""
+    try:
+        if not append or not Path(path).exists():
+            os.replace(partial, path)
+            return
+        with open(path, "ab") as out, open(partial, "rb") as written:
+            shutil.copyfileobj(written, out)
+    except OSError as exc:
+        raise OutputError(path, exc) from None
+    finally:
+        Path(partial).unlink(missing_ok=True)
+
+
+def _run_models(
+    args: argparse.Namespace, models: list[str], scenario: dict[str, Any], traces: dict[str, str | None]
+) -> list[SimReport]:
+    """The simulations themselves, each writing its trace to ``traces``, under one progress bar over their
+    requests, run and then verified."""
+    phases = 1 if args.no_verify else 2
+    with Progress(args.requests * len(models) * phases, "simulate") as progress:
+        return [_run_model(args, name, scenario, traces[name], progress) for name in models]
+
+
+def _run_model(
+    args: argparse.Namespace, name: str, scenario: dict[str, Any], trace: str | None, progress: Progress
+) -> SimReport:
+    cfg = SimConfig(
+        model=name,
+        requests=args.requests,
+        seed=args.seed,
+        arrival_rate=args.arrival_rate,
+        fault=args.fault,
+        executor=args.executor,
+        verify=not args.no_verify,
+        trace=trace,
+        speculative=args.speculative,
+        draft_accuracy=args.draft_accuracy,
+        state_dtype=args.state_dtype,
+        checkpoint=args.checkpoint,
+        adapters=args.adapters,
+        **scenario,
+    )
+    from ._models import build_model
+    from ._scheduler import simulate
+
+    model = build_model(name, args.seed, args.state_dtype)
+    return anyio.run(
+        simulate,
+        cfg,
+        model,
+        lambda _r: progress.advance(1, f"{name}: running"),
+        lambda: progress.advance(1, f"{name}: verifying"),
+    )
 
 
 def _table(args: argparse.Namespace, scenario: dict[str, Any], reports: list[SimReport]) -> str:

@@ -18,12 +18,12 @@ from .._pool import StatePool
 from .._spec import StateSpec
 from ..hf import bind_cache, cache_keyword, check_seq_length
 from ..hf import drop_tokens as hf_drop_tokens
+from ._config import MODELS, STATE_DTYPE_NAMES
 
 __all__ = ["MODELS", "STATE_DTYPES", "HFModel", "SimModel", "ToyModel", "build_model"]
 
-MODELS = ("toy", "mamba2", "qwen3-next")
 # How the toy model stores its states; a quantised one keeps a float32 scale per slot and layer beside each.
-STATE_DTYPES = {"float32": torch.float32, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+STATE_DTYPES = dict(zip(STATE_DTYPE_NAMES, (torch.float32, torch.int8, torch.float8_e4m3fn), strict=True))
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}  # the largest magnitude each stores
 
 

@@ -53,11 +53,10 @@ from .._handoff._surface import CacheManager
 from .._handoff._transfer import StateTransfer
 from .._host import HostPool
 from .._pool import StatePool
+from ._config import PD_FAULTS
 from ._models import HFModel, SimModel, build_model
 
 __all__ = ["PD_FAULTS", "PdConfig", "PdReport", "layout_of", "run_cli", "simulate_pd"]
-
-PD_FAULTS = ("none", "skip-import", "kill-peer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -402,21 +401,24 @@ def _decode(rank: int, cfg: PdConfig, model: SimModel) -> dict[str, Any]:
     return {"completed": completed, "mismatches": len(mismatched), "mismatched": mismatched, "batches": batches}
 
 
-def run_cli(args: Any, models: list[str]) -> int:
-    """``simulate --scenario pd``: one run per model; exit 1 unless the check passes (see ``docs/transfer-tp.md``).
-
-    Passing means: no fault and 0 mismatches; ``skip-import`` and some; ``kill-peer``
-    never passes (the run must end nonzero with the TransferError, and quickly).
-    """
-    from .._console import UsageError, table, write_json
+def _check_cli(args: Any, models: list[str]) -> None:
+    """UsageError, before any process starts, for a run that cannot be what was asked."""
+    from .._console import UsageError
     from .._errors import InvalidArgumentError, TransportUnavailableError
     from .._handoff._transports._pick import check_transport, one_host_ucx
 
-    a, b = args.tp_prefill, args.tp_decode
     try:
         check_transport(args.transport)
     except TransportUnavailableError as exc:
         raise UsageError(f"--transport {args.transport}: {exc}") from None
+
+    a, b = args.tp_prefill, args.tp_decode
+    batch = PdConfig().batch
+    if args.fault == "kill-peer" and args.requests <= batch:
+        raise UsageError(
+            f"--fault kill-peer kills a decode rank after its first batch of {batch} requests, so it never fires"
+            f" with --requests {args.requests} (one batch): give --requests {batch + 1} or more"
+        )
     if max(a, b) % min(a, b):
         raise UsageError(f"--tp-prefill {a} and --tp-decode {b}: one must divide the other")
     if args.transport == "nixl":
@@ -427,9 +429,22 @@ def run_cli(args: Any, models: list[str]) -> int:
                 layout_of(build_model(name, args.seed, args.state_dtype)).check(tp)
             except InvalidArgumentError as exc:
                 raise UsageError(f"{flag} {tp}: {exc}") from None
-    reports = [
-        simulate_pd(
-            PdConfig(
+
+
+def run_cli(args: Any, models: list[str]) -> int:
+    """``simulate --scenario pd``: one run per model; exit 1 unless the check passes (see ``docs/transfer-tp.md``).
+
+    Passing means: no fault and 0 mismatches; ``skip-import`` and some; ``kill-peer``
+    never passes (the run must end nonzero with the TransferError, and quickly).
+    """
+    from .._console import Progress, table, write_json
+
+    _check_cli(args, models)
+    a, b = args.tp_prefill, args.tp_decode
+    reports = []
+    with Progress(len(models), "simulate") as progress:  # a pd run is seconds per model, in other processes
+        for name in models:
+            cfg = PdConfig(
                 model=name,
                 requests=args.requests,
                 seed=args.seed,
@@ -441,9 +456,8 @@ def run_cli(args: Any, models: list[str]) -> int:
                 state_dtype=args.state_dtype,
                 transport=args.transport,
             )
-        )
-        for name in models
-    ]
+            reports.append(simulate_pd(cfg))
+            progress.advance(1, f"{name}: done")
     if args.json != "-":
         rows = [
             [r.model, r.completed, "-" if args.no_verify else r.mismatches, f"{r.tp_prefill} -> {r.tp_decode}",

@@ -34,62 +34,10 @@ from .._handoff._surface import CacheManager
 from .._host import HostPool
 from .._pool import StatePool
 from .._tiers._prefix import PrefixCache
+from ._config import CHECKPOINTS, FAULTS, PREEMPT, SCENARIOS, SimConfig
 from ._models import SimModel, build_model
 
 __all__ = ["CHECKPOINTS", "FAULTS", "PREEMPT", "SCENARIOS", "SimConfig", "SimReport", "pool_sizes", "simulate"]
-
-FAULTS = ("none", "skip-clear", "skip-fork", "wrong-commit", "skip-restore", "ignore-key")
-PREEMPT = ("none", "swap", "recompute")
-# Where a prefill checkpoints: every block boundary, or those and the end of the system prompt (the junction of
-# the shared prefix and the request's own tokens, wherever it falls in a block).
-CHECKPOINTS = ("grid", "junction")
-# Named workloads: field overrides of SimConfig.
-SCENARIOS: dict[str, dict[str, Any]] = {
-    "prefix": {"slots": 14},
-    "swap": {"preempt": "swap", "slots": 5, "max_running": 6, "max_checkpoints": 1},
-    "recompute": {"preempt": "recompute", "slots": 5, "max_running": 6, "max_checkpoints": 1},
-    "host-tier": {"max_checkpoints": 2, "host_checkpoints": 8, "slots": 8},
-    # Slots are scarce (fewer than running requests once 2 are kept for checkpoints) and prefixes popular:
-    # admission swaps a runner out instead of evicting the checkpoints (issue #21). `--reserved 0` compares.
-    "reserved": {
-        "preempt": "swap",
-        "slots": 7,
-        "max_running": 6,
-        "max_checkpoints": 3,
-        "reserved": 2,
-        "prefix_share": 0.8,
-    },
-}
-
-
-@dataclass(frozen=True, slots=True)
-class SimConfig:
-    model: str = "toy"
-    requests: int = 32
-    max_running: int = 6
-    prefix_share: float = 0.6
-    seed: int = 0
-    slots: int | None = None  # default: max_running + max_running // 2 (room for a few checkpoints)
-    prefixes: int = 3  # distinct shared prefixes
-    prefix_len: int = 8
-    suffix_len: tuple[int, int] = (2, 10)
-    new_tokens: tuple[int, int] = (3, 10)
-    arrival_rate: float = 1.0  # requests per step, Poisson
-    fault: str = "none"
-    executor: str | None = None
-    verify: bool = True
-    trace: str | None = None
-    speculative: int = 0  # draft tokens proposed per decode step (0: plain decoding)
-    draft_accuracy: float = 0.7  # chance that each proposed token is the target's own next token
-    block_size: int = 4  # prefill chunk, and the prefix cache's block
-    max_checkpoints: int | None = None  # default: slots - max_running (at least 1)
-    host_checkpoints: int = 0  # > 0: evicted checkpoints move to a host tier
-    preempt: str = "none"  # when slots run out: swap a long runner to host memory, or drop and recompute it
-    quantum: int = 3  # steps a request runs before it may be preempted
-    reserved: int = 0  # pool slots kept for checkpoints: requests cannot take them (PrefixCache(reserved=...))
-    state_dtype: str = "float32"  # the toy model's states: float32, or int8 / fp8 with per-slot scales (extras)
-    checkpoint: str = "grid"  # grid: block boundaries; junction: those and the end of the system prompt
-    adapters: int = 0  # > 0: requests run under adapter 1..adapters or none, the prefix cache keyed by it
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,9 +334,13 @@ class _Scheduler:
 
 
 async def simulate(
-    cfg: SimConfig, model: SimModel | None = None, on_done: Callable[[_Request], None] | None = None
+    cfg: SimConfig,
+    model: SimModel | None = None,
+    on_done: Callable[[_Request], None] | None = None,
+    on_checked: Callable[[], None] | None = None,
 ) -> SimReport:
-    """Run the workload through a CacheManager; with ``verify``, compare every request to ``generate``."""
+    """Run the workload through a CacheManager; with ``verify``, compare every request to ``generate``.
+    ``on_done`` is called as each request completes, ``on_checked`` as each is verified after the run."""
     _check_config(cfg)
     model = model if model is not None else build_model(cfg.model, cfg.seed, cfg.state_dtype)
     workload = make_workload(cfg, model.vocab_size)
@@ -420,7 +372,8 @@ async def simulate(
         if cfg.trace:
             tracing.disable()
     seconds = time.perf_counter() - t0
-    return _report(cfg, model, done, sched, cache, num_slots, steps, seconds)
+    mismatched = _verify(cfg, model, done, on_checked)
+    return _report(cfg, model, done, mismatched, sched, cache, num_slots, steps, seconds)
 
 
 def _check_config(cfg: SimConfig) -> None:
@@ -477,24 +430,33 @@ def _pools(cfg: SimConfig, model: SimModel) -> tuple[int, int, StatePool, HostPo
     return num_slots, max_checkpoints, pool, host
 
 
+def _verify(
+    cfg: SimConfig, model: SimModel, done: list[_Request], on_checked: Callable[[], None] | None
+) -> tuple[str, ...]:
+    """The ids of the requests whose outputs differ from their isolated generation (none without ``verify``)."""
+    mismatched = []
+    for r in done:
+        del r.out[r.n_new :]  # a speculative step may overshoot the last one
+        if cfg.verify:
+            if r.out != (r.reference[: r.n_new] if cfg.speculative else model.generate(r.inputs, r.n_new)):
+                mismatched.append(r.rid)
+            if on_checked is not None:
+                on_checked()
+    return tuple(mismatched)
+
+
 def _report(
     cfg: SimConfig,
     model: SimModel,
     done: list[_Request],
+    mismatched: tuple[str, ...],
     sched: _Scheduler,
     cache: PrefixCache,
     num_slots: int,
     steps: int,
     seconds: float,
 ) -> SimReport:
-    """The finished run's report; with ``verify``, each request checked against its isolated generation."""
-    for r in done:
-        del r.out[r.n_new :]  # a speculative step may overshoot the last one
-    mismatched = tuple(
-        r.rid
-        for r in done
-        if cfg.verify and r.out != (r.reference[: r.n_new] if cfg.speculative else model.generate(r.inputs, r.n_new))
-    )
+    """The finished run's report."""
     tokens = sum(len(r.out) for r in done)
     return SimReport(
         model=model.name,

@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import argparse
 import sys
+import zlib
 from pathlib import Path
+from typing import Any
 
-from .._console import output_path, table, write_json
+from .._console import output_path, plot_path, save_figure, say_written, table, write_json
 from .._errors import TraceError
 from ._analyze import Entry, TraceAnalysis, analyze
 
 __all__ = ["add_parser", "render_text"]
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], summary: str) -> None:
     p = sub.add_parser(
         "trace",
-        help="analyse a JSON-lines lifecycle trace",
+        help=summary,
         description="Per-slot timelines of tenants, clears, forks and releases, slots held at the end, anomalies."
         " Exit codes: 0 clean, 1 anomalies found, 2 unusable input or a usage error.",
     )
@@ -36,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--plot",
         metavar="PNG",
-        type=output_path(),
+        type=plot_path(),
         help="draw the selected slots' occupancy over steps (needs matplotlib)",
     )
     p.add_argument("--max-entries", type=_positive, default=50, help="timeline lines shown per slot (default 50)")
@@ -112,24 +114,56 @@ def render_text(analysis: TraceAnalysis, slots: list[int], max_entries: int = 50
 ANOMALY_COLOUR = "red"
 """The anomaly markers' colour: no tenant's bar has it (nor tab20's other red)."""
 
-_CHECKPOINT_GREY = (0.5, 0.5, 0.5)
+# Two greys by turns for a prefix cache's checkpoints, so that one checkpoint after another in a slot reads as two.
+_CHECKPOINT_GREYS = ((0.45, 0.45, 0.45, 1.0), (0.68, 0.68, 0.68, 1.0))
 # tab20's reds (6, 7) would read as anomalies, its greys (14, 15) as checkpoints: requests get the other 16.
 _REQUEST_PALETTE = tuple(i for i in range(20) if i not in (6, 7, 14, 15))
+# The marks a timeline's entries get: (entry actions, marker, legend text); the legend lists those drawn.
+_MARKS = (
+    (("fork-in",), ">", "state forked in (copy-on-write)"),
+    (("clear",), "x", "cleared (slot.clear; allocations clear on their own line)"),
+    (("offload", "export"), "^", "state out to host or a peer"),
+    (("restore", "import"), "v", "state in from host or a peer"),
+)
 
 
-def tenant_colour(tenant: str | None, colours: dict[str | None, int]) -> tuple[float, ...]:
-    """``tenant``'s bar colour: grey for a prefix cache's checkpoints (tenant ``prefix-cache...``), else the next
-    of tab20's non-red, non-grey colours by first appearance (``colours`` keeps the order), so neighbours differ."""
+def tenant_colour(tenant: str | None) -> tuple[float, ...]:
+    """A request's bar colour: one of tab20's non-red, non-grey colours, picked by the request id itself, so a
+    request has its colour in every slot and every plot of the trace, whatever else is drawn (ids share the 16
+    colours: each bar also names its request where it is wide enough)."""
     import matplotlib
 
-    if tenant is not None and tenant.startswith("prefix-cache"):
-        return _CHECKPOINT_GREY
-    index = colours.setdefault(tenant, _REQUEST_PALETTE[len(colours) % len(_REQUEST_PALETTE)])
+    index = _REQUEST_PALETTE[zlib.crc32(str(tenant).encode()) % len(_REQUEST_PALETTE)]
     return tuple(matplotlib.colormaps["tab20"](index))
 
 
+def _is_checkpoint(tenant: str | None) -> bool:
+    return tenant is not None and tenant.startswith("prefix-cache")
+
+
+def tenancies(entries: list[Entry], last: int) -> list[tuple[int, int, str | None]]:
+    """``(start, end, tenant)`` of each tenancy in a slot's timeline: from an alloc (or a hand-over, which starts
+    the new tenant's) to the release (or the next hand-over; ``last`` when the trace ends first)."""
+    out: list[tuple[int, int, str | None]] = []
+    start: tuple[int, str | None] | None = None
+    for e in entries:
+        step = e.step or 0
+        if e.action in ("alloc", "handover"):
+            if start is not None:
+                out.append((start[0], step, start[1]))
+            start = (step, e.request_id)
+        elif e.action == "release" and start is not None:
+            out.append((start[0], step, start[1]))
+            start = None
+    if start is not None:
+        out.append((start[0], last, start[1]))
+    return out
+
+
 def plot(analysis: TraceAnalysis, path: str, slots: list[int] | None = None) -> None:
-    """Occupancy of ``slots`` (default: all) over steps: one row per slot, a bar per tenancy, coloured by tenant."""
+    """Occupancy of ``slots`` (default: all) over steps: one row per slot, a bar per tenancy (a request's colour
+    and name; checkpoints in two greys by turns), the marks of :data:`_MARKS` that occur, anomalies ringed in red,
+    and a legend of what was drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -137,40 +171,50 @@ def plot(analysis: TraceAnalysis, path: str, slots: list[int] | None = None) -> 
 
     slots = sorted(analysis.timelines if slots is None else slots)
     last = max((e.step or 0 for s in slots for e in analysis.timelines[s]), default=0) + 1
-    fig, ax = plt.subplots(figsize=(10, max(2.5, 0.22 * len(slots) + 1.2)))
-    colours: dict[str | None, int] = {}
+    fig, ax = plt.subplots(figsize=(11, max(2.5, 0.22 * len(slots) + 1.6)))
+    drawn: dict[str, Any] = {}
     for row, s in enumerate(slots):
-        start: tuple[int, str | None] | None = None
-        for e in analysis.timelines[s]:
-            step = e.step or 0
-            if e.action == "alloc":
-                start = (step, e.request_id)
-            elif e.action == "release" and start is not None:
-                _bar(ax, colours, row, start, step)
-                start = None
-            elif e.action == "fork-in":
-                ax.plot(step, row, marker=">", color="black", markersize=4)
-            elif e.action == "clear":
-                ax.plot(step, row, marker="x", color="black", markersize=4)
-        if start is not None:
-            _bar(ax, colours, row, start, last)
+        _bars(ax, row, tenancies(analysis.timelines[s], last), last, drawn)
+        for actions, marker, text in _MARKS:
+            steps = [e.step or 0 for e in analysis.timelines[s] if e.action in actions]
+            if steps:
+                drawn[text] = ax.plot(steps, [row] * len(steps), marker, color="black", markersize=4)[0]
     for a in analysis.anomalies:
         if a.slot is not None and a.slot in slots:
-            ax.plot(a.step or 0, slots.index(a.slot), marker="o", color=ANOMALY_COLOUR, fillstyle="none", markersize=9)
+            drawn["anomaly"] = ax.plot(
+                a.step or 0, slots.index(a.slot), marker="o", color=ANOMALY_COLOUR, fillstyle="none", markersize=9
+            )[0]
     ax.set_yticks(range(len(slots)), [str(s) for s in slots], fontsize=7)
     ax.set_xlabel("step")
     ax.set_ylabel("slot")
-    ax.set_title("slot occupancy (colour: tenant, grey: checkpoints; > fork in; x clear; red o anomaly)")
+    ax.set_title("slot occupancy: a bar per tenancy")
     ax.set_xlim(0, last)
+    if drawn:
+        ax.legend(drawn.values(), drawn.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
-def _bar(ax: object, colours: dict[str | None, int], row: int, start: tuple[int, str | None], end: int) -> None:
-    step, tenant = start
-    colour = tenant_colour(tenant, colours)
-    ax.broken_barh([(step, max(end - step, 0.6))], (row - 0.4, 0.8), facecolors=colour)  # type: ignore[attr-defined]
+def _bars(ax: Any, row: int, spans: list[tuple[int, int, str | None]], last: int, drawn: dict[str, Any]) -> None:
+    """One slot's tenancies as bars, white-edged so that two in a row stay two, each request's named on it."""
+    from matplotlib.patches import Patch
+
+    checkpoints = 0
+    colour: tuple[float, ...]
+    for start, end, tenant in spans:
+        if _is_checkpoint(tenant):
+            colour = _CHECKPOINT_GREYS[checkpoints % 2]
+            checkpoints += 1
+            drawn.setdefault("prefix-cache checkpoint", Patch(facecolor=_CHECKPOINT_GREYS[0]))
+        else:
+            colour = tenant_colour(tenant)
+            drawn.setdefault(
+                "request: a colour per request id, named on its bar", Patch(facecolor="white", edgecolor="black")
+            )
+        width = max(end - start, 0.6)
+        ax.broken_barh([(start, width)], (row - 0.4, 0.8), facecolors=colour, edgecolor="white", linewidth=1.0)
+        if not _is_checkpoint(tenant) and tenant is not None and width >= 0.045 * last * max(len(tenant), 4) / 5:
+            ax.text(start + 0.15, row, tenant, fontsize=5.5, va="center", ha="left", clip_on=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -188,10 +232,11 @@ def run(args: argparse.Namespace) -> int:
         asked = [f"--slot {s}" for s in args.slot or []] + [f"--request {r}" for r in args.request or []]
         sys.stderr.write(f"mambacache trace: no slot in {args.file} matches {' '.join(asked)}\n")
         return 2
-    if args.json:
-        write_json(args.json, analysis.to_json(slots))
     if args.json != "-":
         sys.stdout.write(render_text(analysis, slots, args.max_entries) + "\n")
+    if args.json:
+        write_json(args.json, analysis.to_json(slots))
+        say_written("JSON", args.json, args.json)
     if args.plot:
         plot(analysis, args.plot, slots)
         where = sys.stderr if args.json == "-" else sys.stdout  # stdout is the JSON's then

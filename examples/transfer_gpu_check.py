@@ -91,7 +91,7 @@ def start(rank: int) -> None:
 
 
 def rounds(
-    rank: int, device: torch.device, sizes: list[int], repeats: int, nccl: bool
+    rank: int, device: torch.device, sizes: list[int], repeats: int, nccl: bool, transport: str = "gloo"
 ) -> dict[int, dict[str, list[float]]]:
     """One function because both ranks run the same rounds in lock step, each side's half inline.
 
@@ -106,7 +106,7 @@ def rounds(
     handoffs = ("transfer", "in place")
     out: dict[int, dict[str, list[float]]] = {}
     with mc.CacheManager(pool, host_pool=host) as mgr:
-        xfer = mc.StateTransfer(mgr, dist.group.WORLD, peer=1 - rank, timeout=TIMEOUT)
+        xfer = mc.StateTransfer(mgr, dist.group.WORLD, peer=1 - rank, timeout=TIMEOUT, transport=transport)
         for n in sizes:
             times: dict[str, list[float]] = {p: [] for p in paths}
             nbytes = n * SPEC.slot_bytes
@@ -201,7 +201,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def engine(rank: int, port: int, sizes: list[int], repeats: int, out: str, cpu: bool) -> None:
+def engine(rank: int, port: int, sizes: list[int], repeats: int, out: str, cpu: bool, transport: str) -> None:
     two = not cpu and torch.cuda.device_count() >= 2
     device = torch.device("cpu") if cpu else torch.device("cuda", rank if two else 0)
     if not cpu:
@@ -210,11 +210,11 @@ def engine(rank: int, port: int, sizes: list[int], repeats: int, out: str, cpu: 
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=TIMEOUT))  # fmt: skip
     try:
-        times = rounds(rank, device, sizes, repeats, nccl=two)
+        times = rounds(rank, device, sizes, repeats, nccl=two, transport=transport)
         note = nccl_only(rank, device) if two else "skipped: fewer than two GPUs (NCCL needs one GPU per rank)"
         if rank == 0:
             what = "CPU (--cpu)" if cpu else f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(device)}"
-            lines = [f"pools on {what}, backend {backend}"]
+            lines = [f"pools on {what}, backend {backend}, the hand-off over {transport}"]
             for n, t in times.items():
                 med = {p: statistics.median(v) * 1e3 for p, v in t.items()}
                 best = {p: min(v) * 1e3 for p, v in t.items()}
@@ -234,7 +234,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="sizes 1,8 and 3 rounds")
     ap.add_argument("--cpu", action="store_true", help="CPU pools, gloo only: a check of this script, not of a GPU")
+    ap.add_argument(
+        "--transport",
+        choices=["gloo", "nixl", "mooncake"],
+        default="gloo",
+        help="the hand-off's transport (nixl, mooncake: pip install 'mambacache[nixl]' or '[mooncake]')",
+    )
     args = ap.parse_args()
+    if args.transport == "nixl":  # one host: UCX over TCP, shared memory and (on a GPU) CUDA copies
+        os.environ.setdefault("UCX_TLS", "tcp,sm,self" if args.cpu else "tcp,sm,cuda_copy,cuda_ipc,self")
+        os.environ.setdefault("UCX_MODULES", "^ib")  # see docs/transfer.md: its libnl copy crashes the exit
     if not args.cpu and not torch.cuda.is_available():
         print("needs CUDA (a CUDA build of torch and a GPU)", file=sys.stderr)
         return 2
@@ -244,7 +253,7 @@ def main() -> int:
         port = int(s.getsockname()[1])
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            mp.spawn(engine, args=(port, sizes, repeats, tmp, args.cpu), nprocs=2, join=True)
+            mp.spawn(engine, args=(port, sizes, repeats, tmp, args.cpu, args.transport), nprocs=2, join=True)
         except Exception as exc:  # a rank's SystemExit or error, as the spawn reports it
             print(f"FAILED: {exc}", file=sys.stderr)
             return 1

@@ -61,3 +61,80 @@ def test_a_command_over_a_transport_whose_package_is_missing_is_one_line_and_exi
     assert main([*args, name]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and f"pip install 'mambacache[{name}]'" in err, err
+
+
+class _Pulled:
+    """A pulled wire in one process: the sender's messages by address (its ``source``), read by the receiver
+    with a copy; ``delay``: seconds the next read takes (then 0), as a slow reader's would."""
+
+    pulls = True
+    rows: dict[int, Any] = {}  # noqa: RUF012 -- shared by both ends, as the memory of two processes is not
+    delay = 0.0
+
+    def source(self, raw: list[Any]) -> dict[str, Any]:
+        for t in raw:
+            _Pulled.rows[t.data_ptr()] = t
+        return {"agent": "here", "md": 1, "mem": "DRAM", "descs": [[t.data_ptr(), t.numel(), 0] for t in raw]}
+
+    def push(self, *args: Any) -> None:
+        return
+
+    def pull(self, raw: list[Any], source: Any, name: str, peer: str, ids: list[str]) -> None:
+        import time
+
+        time.sleep(_Pulled.delay)
+        _Pulled.delay = 0.0
+        for t, (address, _, _) in zip(raw, source["descs"], strict=True):
+            t.copy_(_Pulled.rows[address])
+
+    def drop(self, peer: str | None = None) -> None:
+        return
+
+
+class _PulledTransport:
+    name = "pulled"
+
+    def wire(self, *args: Any) -> _Pulled:
+        return _Pulled()
+
+    def register(self, tensors: Any) -> None:
+        return
+
+
+def test_a_pulled_batch_whose_sender_gave_up_before_the_read_was_claimed_lands_nothing_and_its_retry_lands_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Over a wire whose receiver reads the sender's rows (NIXL's, Mooncake's shape), the sender's wait for the
+    acknowledgement times out while the read is still going (the rows it reads from are free to change from
+    then): the sender claims the read abandoned first, so the receiver, its read done, lands nothing; the
+    batch in doubt goes again under its number and lands once, exactly."""
+    import mambacache._handoff._transfer as transfer_mod
+
+    monkeypatch.setattr(transfer_mod, "check_transport", lambda name: name)
+    monkeypatch.setattr(transfer_mod, "make_transport", lambda *args: _PulledTransport())
+    master = link.store()
+    with _manager() as sender, _manager() as receiver:
+        out, into = link.transfer(sender, master, 0, 1, 1.0), link.transfer(receiver, master, 1, 0, 1.0)
+        (slot,) = sender.alloc(1, "a", clear=False)
+        sender.flush_nowait()
+        for t in sender.pool.tensors:
+            t[:, slot] = 7.0
+        sender.export(slot, "a")
+        sender.flush_nowait()
+        _Pulled.delay = 2.5  # past the sender's wait for the acknowledgement (1 s)
+        thread, got = link.in_thread(into.receive)
+        with pytest.raises(mc.TransferError, match="did not acknowledge"):
+            out.send()
+        thread.join(10)
+        assert isinstance(got[0], mc.TransferError) and "gave up waiting" in str(got[0]), got
+        assert receiver.host_pool is not None and receiver.host_pool.num_held == 0  # nothing landed
+        thread, got = link.in_thread(into.receive)
+        assert out.send() == ["a"]
+        thread.join(10)
+        assert got == [["a"]]
+        (dst,) = receiver.alloc(1)
+        receiver.release(dst)
+        receiver.flush_nowait()
+        receiver.import_into(dst, request_id="a")
+        receiver.flush_nowait()
+        assert all(t[:, dst].eq(7.0).all() for t in receiver.pool.tensors)

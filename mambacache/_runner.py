@@ -230,7 +230,9 @@ class StepRunner:
         stages = backlog.stages
         done = 0
         while stages:
-            stage, executor, host, _ = stages[0]
+            entry = stages[0]
+            backlog.begin(entry)
+            stage, executor, host, _ = entry
             try:
                 run_stage(executor, stage, self._tensors, self._drafts, host, backlog, self._convs)
             except Exception as exc:

@@ -15,7 +15,7 @@ before they ran, and a failed flush keeps them unrun until its repair).
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 import torch
 
@@ -71,12 +71,14 @@ class Backlog:
         self.taken = ticket
 
     def push(
-        self, stages: Iterable[Stage], executor: Executor, host: list[torch.Tensor] | None = None, ticket: int = -1
+        self, stages: Sequence[Stage], executor: Executor, host: list[torch.Tensor] | None = None, ticket: int = -1
     ) -> None:
         """Queue ``stages`` (maybe none) of ``ticket`` (default: the newest taken) behind the backlog."""
         t = self.taken - 1 if ticket < 0 else ticket
-        if stages:  # a step with nothing to zero or copy has none: its ticket is done at once
-            self.stages.extend([(stage, executor, host, t) for stage in stages])  # all of them, or none
+        if len(stages) == 1:  # a decode step: one stage
+            self.stages.append((stages[0], executor, host, t))
+        elif stages:  # a step with nothing to zero or copy has none: its ticket is done at once
+            self.stages.extend([(stage, executor, host, t) for stage in stages])  # one call: all of them, or none
         if t > self.last:
             self.last = t
         self._settle()
@@ -87,9 +89,8 @@ class Backlog:
         return self.last >= ticket or (bool(stages) and stages[-1][3] == ticket)
 
     def begin(self, entry: object) -> None:
-        """The runner starts on the head ``entry``: ``next_tensor`` is its count, 0 unless it ran part-way."""
-        if self.head is not entry:
-            self.head, self.next_tensor = entry, 0
+        """The runner starts on the head ``entry``, not the one ``next_tensor`` counted for: from tensor 0."""
+        self.head, self.next_tensor = entry, 0
 
     def pop_done(self) -> None:
         """The head stage ran on every tensor: it leaves, and ``done`` moves on when its ticket is complete."""

@@ -362,9 +362,9 @@ class StepQueue:
 
     # -- the flush's side ------------------------------------------------
     def mark(self) -> tuple[list[Event], int, int]:
-        """What :meth:`untake` restores: the queue (the list a take swaps out), the step and the next ticket."""
-        with self.lock:
-            return self.events, self.step, self._backlog.taken
+        """What :meth:`untake` restores: the queue (the list a take swaps out), the step and the next ticket (no
+        lock: only a flush, holding the flush's mutex, changes the three)."""
+        return self.events, self.step, self._backlog.taken
 
     def take(self) -> tuple[list[Event], int, int]:
         """Swap the queue out (vLLM's ``take_events``), advance the step: ``(events, step, backlog ticket)``."""

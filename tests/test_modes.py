@@ -1,0 +1,147 @@
+"""A pool flushed under any torch mode, in any order, from any thread, keeps working.
+
+Engines run their model under ``torch.inference_mode`` (some under ``no_grad``)
+and tear down outside it; a pool may even be allocated under inference mode
+(its tensors are then inference tensors, which refuse an in-place op outside
+it). The matrix: executors (reference, torch, torch-inline, npu) x the pool
+made normally or under inference mode x the mode of a first flush x the mode
+of a second one, made on the same thread or another, then a flush and the
+close outside every mode; each flush against the sequential oracle. The states
+are large enough that the torch executor cuts them into byte views under the
+grain and shares a stage with its helper threads. Every cell under
+``MAMBACACHE_FULL_SWEEP=1`` (CI), a deterministic sample otherwise
+(``tests/sweep.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import mambacache as mc
+from mambacache._executors._npu import NpuExecutor
+from mambacache._executors._reference import ReferenceExecutor
+from mambacache._executors._torch import TorchExecutor
+
+from .oracle import SequentialOracle
+from .sweep import fault_points
+from .util import fill_random
+
+MODES: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
+    "inference": torch.inference_mode,
+    "no_grad": torch.no_grad,
+    "enable_grad": torch.enable_grad,
+    "none": contextlib.nullcontext,
+}
+EXECUTORS: dict[str, Callable[[], mc.Executor]] = {
+    "reference": ReferenceExecutor,
+    "torch": TorchExecutor,
+    "torch-inline": lambda: TorchExecutor(share_stages=False),
+    "npu": NpuExecutor,
+}
+# A slot's temporal state is 65,536 fp32 elements (256 KiB): past the grain, so the torch executor cuts it
+# into byte views, and a stage of nine slots (2.25 MiB) is shared with the crew.
+SPEC = mc.StateSpec(num_layers=2, conv_shapes=[(6, 3)], temporal_shape=(8, 64, 64))
+N, H = 20, 4
+CELLS = list(itertools.product(sorted(EXECUTORS), [False, True], MODES, MODES, [False, True]))
+
+
+class _Pool:
+    def __init__(self, executor: str, made_in_inference: bool) -> None:
+        with torch.inference_mode(made_in_inference):
+            self.pool = mc.StatePool(SPEC, N)
+            self.host = mc.HostPool(SPEC, H)
+        self.mgr = mc.CacheManager(self.pool, executor=EXECUTORS[executor](), host_pool=self.host)
+        self.mgr.__enter__()
+        self.slots = self.mgr.alloc(N - 2)
+        self.mgr.flush_nowait()
+        with torch.inference_mode():  # the forward writes every state (inference tensors or not)
+            fill_random(self.pool, 3)
+        self.oracle = SequentialOracle(self.pool, self.host)
+        self.hosts: list[int] = []
+
+    def step(self, i: int) -> None:
+        """A step with every stage kind and a crew-sized copy: forks, a rotate, clears, an offload, a restore."""
+        mgr, s = self.mgr, self.slots
+        before = mgr.pending
+        a, b, t = s[i % 3], s[3 + i % 3], s[-1]
+        mgr.submit(mc.CopyOnWrite(a, t), mc.CopyOnWrite(b, a), mc.CopyOnWrite(t, b))
+        mgr.copy_many([s[6 + i % 2]] * 9, s[8:17])
+        mgr.clear(s[17 - i % 2])
+        if len(self.hosts) < H - 1:
+            self.hosts.append(mgr.offload(s[i % 5]))
+        mgr.restore(self.hosts[0], s[5], keep=True)
+        self.oracle.apply(mgr.queued()[before:])
+
+    def flush(self, i: int, mode: str, other_thread: bool) -> None:
+        def run() -> None:
+            with MODES[mode]():
+                self.step(i)
+                self.mgr.flush_nowait()
+
+        if not other_thread:
+            run()
+        else:
+            errors: list[BaseException] = []
+
+            def guarded() -> None:
+                try:
+                    run()
+                except BaseException as exc:  # re-raised on the test's thread
+                    errors.append(exc)
+
+            thread = threading.Thread(target=guarded)
+            thread.start()
+            thread.join()
+            if errors:
+                raise errors[0]
+        self.oracle.assert_matches(self.pool, self.host)
+
+
+def _cell(executor: str, made_in_inference: bool, first: str, second: str, other_thread: bool) -> None:
+    case = _Pool(executor, made_in_inference)
+    case.flush(0, first, False)
+    case.flush(1, second, other_thread)
+    case.flush(2, "none", False)
+    case.step(3)  # the close's last flush runs it, outside every mode
+    case.mgr.__exit__(None, None, None)
+    case.oracle.assert_matches(case.pool, case.host)
+    assert case.pool.unfinished == 0 and case.pool.ledger.owner is None
+
+
+def test_a_pool_flushed_under_any_mode_in_any_order_from_any_thread_keeps_working() -> None:
+    for k in fault_points(len(CELLS)):
+        try:
+            _cell(*CELLS[k - 1])
+        except BaseException as exc:
+            raise AssertionError(f"cell {CELLS[k - 1]}: {exc!r}") from exc
+
+
+@pytest.mark.parametrize("executor", sorted(EXECUTORS))
+def test_a_flush_under_inference_mode_then_one_outside_it(executor: str) -> None:
+    """An engine's shape: the pool made normally, the model's steps under inference mode, the close outside."""
+    _cell(executor, False, "inference", "none", True)
+
+
+@pytest.mark.parametrize("executor", sorted(EXECUTORS))
+def test_a_pool_made_under_inference_mode_flushed_and_closed_outside_it(executor: str) -> None:
+    _cell(executor, True, "inference", "no_grad", False)
+
+
+@pytest.mark.anyio
+async def test_an_async_flush_under_inference_mode_then_a_close_outside_it() -> None:
+    for made_in_inference in (False, True):
+        case = _Pool("torch", made_in_inference)
+        with torch.inference_mode():
+            case.step(0)
+            await case.mgr.flush()
+        case.oracle.assert_matches(case.pool, case.host)
+        case.step(1)
+        await case.mgr.__aexit__(None, None, None)
+        case.oracle.assert_matches(case.pool, case.host)

@@ -72,10 +72,19 @@ class _Case:
         before = mgr.pending
         _step(mgr, slots, h0)
         self.oracle.apply(mgr.queued()[before:])
+        self.queued, self.ticket = mgr.queued(), self.pool.backlog.taken
 
     def check_honest(self) -> None:
-        """After the interrupted flush: nothing queued and nothing unfinished means every byte is the oracle's."""
-        if self.mgr.pending == 0 and self.pool.unfinished == 0:
+        """After the interrupted flush: the step's events are all queued, in order, under the ticket they had, or
+        none is; a ticket taken and not run is not done; nothing queued and nothing unfinished means every byte
+        is the oracle's."""
+        backlog = self.pool.backlog
+        assert self.mgr.queued() in ([], self.queued)
+        if self.mgr.pending:
+            assert backlog.taken == self.ticket and backlog.done <= self.ticket
+        elif self.pool.unfinished:
+            assert backlog.done <= self.ticket
+        else:
             self.oracle.assert_matches(self.pool, self.host)
 
     def repair_and_check(self, report: mc.StepReport | None = None) -> None:

@@ -19,11 +19,13 @@ that first resumes work an earlier failed flush kept.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import mambacache as mc
+from mambacache import tracing
 
 from .oracle import SequentialOracle
 from .sweep import fault_points
@@ -151,6 +153,18 @@ def test_an_interrupt_at_any_line_of_a_sync_flush_loses_nothing(host: bool, resu
     assert total > 50
     for at, exc in _points(total):
         _one(host, resume, at, exc, _sync_flush)
+
+
+def test_an_interrupt_at_any_line_of_a_traced_flush_loses_nothing(tmp_path: Path) -> None:
+    """Tracing on at debug: the flush's trace line is made and written inside the package too."""
+    tracing.configure(tmp_path / "trace.jsonl", level="debug")
+    try:
+        total = _one(True, True, 0, KeyboardInterrupt, _sync_flush)
+        for at, exc in _points(total):
+            _one(True, True, at, exc, _sync_flush)
+    finally:
+        tracing.disable()
+    assert "step.flush" in (tmp_path / "trace.jsonl").read_text()
 
 
 @pytest.mark.anyio

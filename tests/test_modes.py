@@ -31,7 +31,7 @@ from mambacache._executors._torch import TorchExecutor
 
 from .oracle import SequentialOracle
 from .sweep import fault_points
-from .util import fill_random
+from .util import fill_random, small_spec
 
 MODES: dict[str, Callable[[], contextlib.AbstractContextManager[Any]]] = {
     "inference": torch.inference_mode,
@@ -145,3 +145,27 @@ async def test_an_async_flush_under_inference_mode_then_a_close_outside_it() -> 
         case.step(1)
         await case.mgr.__aexit__(None, None, None)
         case.oracle.assert_matches(case.pool, case.host)
+
+
+@pytest.mark.parametrize("made_in_inference", [False, True], ids=["made-normally", "made-in-inference"])
+def test_state_indices_updated_under_any_mode_from_any_thread_keep_working(made_in_inference: bool) -> None:
+    pool = mc.StatePool(small_spec(), 8, pad_slots=2)
+    with torch.inference_mode(made_in_inference):
+        indices = mc.StateIndices.for_pool(pool, 6)
+    for i, (mode, other_thread) in enumerate(itertools.product(MODES, [False, True])):
+        slots = [1 + (i + j) % 8 for j in range(1 + i % 4)]
+        got: list[torch.Tensor] = []
+
+        def update(mode: str = mode, slots: list[int] = slots, got: list[torch.Tensor] = got) -> None:
+            with MODES[mode]():
+                got.append(indices.update(slots))
+
+        if other_thread:
+            thread = threading.Thread(target=update)
+            thread.start()
+            thread.join()
+        else:
+            update()
+        assert got and got[0].tolist() == slots, f"{mode}, other thread {other_thread}"
+        pads = pool.pad_ids
+        assert indices.tensor.tolist() == slots + [pads[k % len(pads)] for k in range(len(slots), 6)]

@@ -29,6 +29,7 @@ from mambacache._executors._npu import NpuExecutor
 from mambacache._executors._reference import ReferenceExecutor
 from mambacache._executors._torch import TorchExecutor
 
+from . import link
 from .oracle import SequentialOracle
 from .sweep import fault_points
 from .util import fill_random, small_spec
@@ -169,3 +170,55 @@ def test_state_indices_updated_under_any_mode_from_any_thread_keep_working(made_
         assert got and got[0].tolist() == slots, f"{mode}, other thread {other_thread}"
         pads = pool.pad_ids
         assert indices.tensor.tolist() == slots + [pads[k % len(pads)] for k in range(len(slots), 6)]
+
+
+def _send_one(
+    mgr: mc.CacheManager, peer: mc.CacheManager, out: mc.StateTransfer, into: mc.StateTransfer, rid: str, **how: Any
+) -> None:
+    """``rid``'s state (every element ``how["value"]``) exported, sent and received (both sides under ``how["mode"]``,
+    each on its own thread), imported into the peer's slot 2 and checked, then released on both sides."""
+    (slot,) = mgr.alloc(1, rid, clear=False)
+    mgr.flush_nowait()
+    with torch.inference_mode():  # the forward writes it
+        for t in mgr.pool.tensors:
+            t[:, slot] = how["value"]
+    mgr.export(slot, rid, in_place=how["in_place"])
+    mgr.flush_nowait()
+    if how["in_place"]:
+        peer.expect_import(2, rid)
+        peer.flush_nowait()
+
+    def send() -> list[str]:
+        with MODES[how["mode"]]():
+            return out.send()
+
+    thread, sent = link.in_thread(send)
+    with MODES[how["mode"]]():
+        assert into.receive() == [rid]
+    thread.join(10)
+    assert sent == [[rid]]
+    peer.import_into(2, rid)
+    peer.flush_nowait()
+    assert all(bool(t[:, 2].eq(how["value"]).all()) for t in peer.pool.tensors)
+    peer.release(2, rid)
+    mgr.flush_nowait()
+    peer.flush_nowait()
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["staged", "in-place"])
+@pytest.mark.parametrize("made_in_inference", [False, True], ids=["made-normally", "made-in-inference"])
+def test_states_sent_under_inference_mode_then_outside_it_land(made_in_inference: bool, in_place: bool) -> None:
+    """The engine's transfer threads send and receive under inference mode, then outside it (the buffers a
+    transfer keeps between batches are made in the first), over the real link (tests/link.py); both sides'
+    pools and host pools made normally or under inference mode."""
+    spec = small_spec(2)
+    with torch.inference_mode(made_in_inference):
+        pools = [(mc.StatePool(spec, 4), mc.HostPool(spec, 2)) for _ in range(2)]
+    master = link.store()
+    (pool, host), (peer_pool, peer_host) = pools
+    with mc.CacheManager(pool, host_pool=host) as mgr, mc.CacheManager(peer_pool, host_pool=peer_host) as peer:
+        out, into = link.transfer(mgr, master, 0, 1, 5.0), link.transfer(peer, master, 1, 0, 5.0)
+        for i, mode in enumerate(["inference", "none", "no_grad", "inference"]):
+            _send_one(mgr, peer, out, into, f"r{i}", value=3.0 + i, in_place=in_place, mode=mode)
+        mgr.check_idle(host=True)
+        peer.check_idle(host=True)

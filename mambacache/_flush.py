@@ -42,8 +42,9 @@ class FlushCore:
     and while it fails new events stay queued and unplanned, so kept work never
     grows past one step's plan; an exception of any kind (an interrupt included)
     from the take to the push puts the events back (:meth:`take_plan`), and from
-    the push on the backlog keeps the work until it ran; once the source has taken its events the broadcast and
-    the local run both happen (shielded), or the ranks would part.
+    the push on the backlog keeps the work until it ran; once the source has
+    taken its events the broadcast and the local run both happen (shielded), or
+    the ranks would part.
     """
 
     __slots__ = ("_executor", "_flusher", "_host", "_mutex", "_queue", "_runner", "_slot_bytes", "channel")

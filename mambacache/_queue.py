@@ -363,7 +363,7 @@ class StepQueue:
     # -- the flush's side ------------------------------------------------
     def mark(self) -> tuple[list[Event], int, int]:
         """What :meth:`untake` restores: the queue (the list a take swaps out), the step and the next ticket (no
-        lock: only a flush, holding the flush's mutex, changes the three)."""
+        lock: a submit only appends to the list, and only the flush that asks, or the close, changes them)."""
         return self.events, self.step, self._backlog.taken
 
     def take(self) -> tuple[list[Event], int, int]:

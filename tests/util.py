@@ -201,7 +201,7 @@ def flush_with_fault(mgr: mc.CacheManager, at: int, exc: type[BaseException], *,
 
 class InterruptAtLine:
     """Raises ``exc`` at the ``at``-th line the block executes inside the mambacache package (1-based; 0: none),
-    on any thread; counts those lines in ``lines``.
+    on this thread or one started in the block; counts those lines in ``lines``.
 
     Two kinds of line are counted but never interrupted, since no Python code can make them safe: the exit of
     a ``with`` block (CPython raises there before ``__exit__`` runs, so a lock stays held) and the lines of a

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import gc
 import json
 import math
 import sys
@@ -213,6 +214,10 @@ class InterruptAtLine:
         self._inside: dict[int, set[int]] = {}  # id(frame) -> the `with` lines it is inside of
 
     def __enter__(self) -> InterruptAtLine:
+        # No collection inside the block: a finalizer of an earlier test's objects (a manager, a transfer) would
+        # run package lines on this thread, count them, and swallow an interrupt raised in them.
+        self._gc = gc.isenabled()
+        gc.disable()
         threading.settrace(self._call)
         sys.settrace(self._call)
         return self
@@ -220,6 +225,8 @@ class InterruptAtLine:
     def __exit__(self, *exc: object) -> None:
         sys.settrace(None)
         threading.settrace(None)  # type: ignore[arg-type]
+        if self._gc:
+            gc.enable()
 
     def _call(self, frame: FrameType, event: str, arg: object) -> Any:
         return self._line if frame.f_code.co_filename.startswith(_PACKAGE) else None

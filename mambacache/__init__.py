@@ -1,6 +1,6 @@
 """mambacache: an event-driven asynchronous manager for hybrid models' recurrent state."""
 
-from typing import TYPE_CHECKING
+import typing as _typing
 from typing import Any as _Any
 
 from ._errors import BindingError as BindingError
@@ -25,7 +25,7 @@ from ._errors import TransportUnavailableError as TransportUnavailableError
 from ._errors import UnknownExecutorError as UnknownExecutorError
 from ._errors import UnsupportedDtypeError as UnsupportedDtypeError
 
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
     from ._channel import Channel as Channel
     from ._channel import LoopbackChannel as LoopbackChannel
     from ._events import Alloc as Alloc

@@ -15,7 +15,7 @@ before they ran, and a failed flush keeps them unrun until its repair).
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 import torch
 
@@ -39,13 +39,20 @@ class Backlog:
     left, the one after the last pushed): every ticket below it ran to the end,
     and ``done`` never decreases. A ticket taken and not pushed yet (a flush
     planning or broadcasting) is not done.
+
+    Interrupts: every change a flush depends on is one step that an exception
+    raised between two lines cannot split: a ticket's stages join in one
+    ``extend`` (:meth:`holds` says whether they did), and ``next_tensor`` counts
+    for the entry in ``head`` only (:meth:`begin`), so a stage that left the
+    backlog never passes its count to the next one.
     """
 
-    __slots__ = ("done", "last", "next_tensor", "stages", "taken")
+    __slots__ = ("done", "head", "last", "next_tensor", "stages", "taken")
 
     def __init__(self) -> None:
         self.stages: collections.deque[tuple[Stage, Executor, list[torch.Tensor] | None, int]] = collections.deque()
         self.next_tensor = 0
+        self.head: object = None  # the entry next_tensor counts for
         self.taken = 0  # tickets handed out: the next take gets this one
         self.last = -1  # the newest ticket pushed
         self.done = 0  # every ticket below this one ran to the end (read without a lock: it only grows)
@@ -64,22 +71,30 @@ class Backlog:
         self.taken = ticket
 
     def push(
-        self, stages: Iterable[Stage], executor: Executor, host: list[torch.Tensor] | None = None, ticket: int = -1
+        self, stages: Sequence[Stage], executor: Executor, host: list[torch.Tensor] | None = None, ticket: int = -1
     ) -> None:
         """Queue ``stages`` (maybe none) of ``ticket`` (default: the newest taken) behind the backlog."""
         t = self.taken - 1 if ticket < 0 else ticket
-        if stages:  # a step with nothing to zero or copy has none: its ticket is done at once
-            queue = self.stages
-            for stage in stages:  # a loop, not a generator: a decode step pushes one stage
-                queue.append((stage, executor, host, t))
+        if len(stages) == 1:  # a decode step: one stage
+            self.stages.append((stages[0], executor, host, t))
+        elif stages:  # a step with nothing to zero or copy has none: its ticket is done at once
+            self.stages.extend([(stage, executor, host, t) for stage in stages])  # one call: all of them, or none
         if t > self.last:
             self.last = t
         self._settle()
 
+    def holds(self, ticket: int) -> bool:
+        """Whether the work of ``ticket`` was pushed (it may have run since)."""
+        stages = self.stages
+        return self.last >= ticket or (bool(stages) and stages[-1][3] == ticket)
+
+    def begin(self, entry: object) -> None:
+        """The runner starts on the head ``entry``, not the one ``next_tensor`` counted for: from tensor 0."""
+        self.head, self.next_tensor = entry, 0
+
     def pop_done(self) -> None:
         """The head stage ran on every tensor: it leaves, and ``done`` moves on when its ticket is complete."""
         self.stages.popleft()
-        self.next_tensor = 0
         self._settle()
 
     def _settle(self) -> None:

@@ -40,9 +40,11 @@ class FlushCore:
     Invariants: at most one flush runs (``_mutex``, held across the whole flush,
     the channel's wait included); unfinished work runs before anything newer,
     and while it fails new events stay queued and unplanned, so kept work never
-    grows past one step's plan; a plan that fails puts its events back (see
-    :meth:`take_plan`); once the source has taken its events the broadcast and
-    the local run both happen (shielded), or the ranks would part.
+    grows past one step's plan; an exception of any kind (an interrupt included)
+    from the take to the push puts the events back (:meth:`take_plan`), and from
+    the push on the backlog keeps the work until it ran; once the source has
+    taken its events the broadcast and the local run both happen (shielded), or
+    the ranks would part.
     """
 
     __slots__ = ("_executor", "_flusher", "_host", "_mutex", "_queue", "_runner", "_slot_bytes", "channel")
@@ -75,51 +77,62 @@ class FlushCore:
         if runner.backlog.stages:  # the deque, not the backlog's __len__: this runs on every flush
             # Earlier work first; if it fails again the new events stay queued, unplanned.
             resumed = runner.run(stream, self._queue.step)
-        plan, step, ticket, plan_s = self.take_plan()
-        return self._apply(plan, step, ticket, stream, plan_s, resumed)
+        plan, step, _, plan_s = self.take_plan(push=True)
+        return self._apply(plan, step, stream, plan_s, resumed)
 
     def over_channel(self, channel: Channel, stream: Any | None) -> Core:
         """The flush of a tensor-parallel rank, yielding its one blocking call."""
         self._runner.raise_if_broken()
         if channel.is_source:
-            plan, step, ticket, plan_s = self.take_plan()
+            plan, step, ticket, plan_s = self.take_plan(push=False)
             yield partial(channel.send, step, plan)
         else:
             step, plan = yield channel.receive
             plan_s = 0.0
             ticket = self._queue.follow(step)
-        return self._apply(plan, step, ticket, stream, plan_s, 0)
+        resumed = len(self._runner.backlog.stages)
+        self._runner.push(plan.stages, self._executor, self._host, ticket)
+        return self._apply(plan, step, stream, plan_s, resumed)
 
-    def take_plan(self) -> tuple[Plan, int, int, float]:
-        """Take the queued events and plan them: ``(plan, step, backlog ticket, seconds)``.
+    def take_plan(self, push: bool) -> tuple[Plan, int, int, float]:
+        """Take the queued events and plan them (and, with ``push``, queue the stages behind any unfinished work):
+        ``(plan, step, backlog ticket, seconds)``.
 
-        The planner is pure, so if it fails (out of memory on a huge step, say) the
-        events go back to the front of the queue, in order, and the step number
-        with them: the next flush plans them again, as if this one never ran.
+        The one owner of a flush's interrupt contract before its stages run: an
+        exception of any kind raised anywhere from the take up to the push
+        (an interrupt included) puts the events back at the front of the queue,
+        in order, with their step and ticket (:meth:`StepQueue.untake`), then
+        propagates: the next flush plans them again, as if this one never ran.
+        Once pushed they are the backlog's, which keeps them until they ran.
+        A plain failure (out of memory on a huge step, say) comes out as
+        :class:`PlanError`; an interrupt as itself.
         """
-        events, step, ticket = self._queue.take()
-        t0 = time.perf_counter()
+        queue = self._queue
+        mark = queue.mark()
         try:
+            events, step, ticket = queue.take()
+            t0 = time.perf_counter()
             plan = plan_step(events)
-        except Exception as exc:
-            self._queue.put_back(events, step, ticket)
-            raise PlanError(
-                f"planning step {step} ({len(events)} events) failed: {exc!r}; the events are queued again"
-            ) from exc
-        return plan, step, ticket, time.perf_counter() - t0
+            plan_s = time.perf_counter() - t0
+            if push:
+                self._runner.push(plan.stages, self._executor, self._host, ticket)
+        except BaseException as exc:
+            if queue.untake(mark) and isinstance(exc, Exception):
+                raise PlanError(
+                    f"planning step {mark[1]} ({len(mark[0])} events) failed: {exc!r}; the events are queued again"
+                ) from exc
+            raise
+        return plan, step, ticket, plan_s
 
-    def _apply(self, plan: Plan, step: int, ticket: int, stream: Any | None, plan_s: float, resumed: int) -> StepReport:
-        """Queue the plan behind any unfinished work and run it all, oldest first.
+    def _apply(self, plan: Plan, step: int, stream: Any | None, plan_s: float, resumed: int) -> StepReport:
+        """Run the backlog, the plan's stages pushed last, oldest first, and report the step.
 
-        The plan is pushed under its ticket even with no stages, so that the
+        The plan was pushed under its ticket even with no stages, so that the
         ticket counts as done (``Backlog.done``) exactly when all it took ran.
         """
         t1 = time.perf_counter()
         runner = self._runner
-        backlog = runner.backlog
-        resumed += len(backlog.stages)
-        backlog.push(plan.stages, self._executor, self._host, ticket)
-        if backlog.stages:
+        if runner.backlog.stages:
             runner.run(stream, step)
         report = StepReport.from_plan(
             plan, step, self._slot_bytes, plan_s=plan_s, execute_s=time.perf_counter() - t1, resumed_stages=resumed
@@ -170,15 +183,17 @@ class FlushCore:
         mutex = self._mutex
         # No checkpoint when uncontended: a flush is a few microseconds of host work.
         # Contended (another thread flushes, or a tensor-parallel flush awaits its
-        # broadcast): poll, so that cancelling the wait is clean.
+        # broadcast): poll, so that cancelling the wait is clean. `held` is stored in the
+        # line that acquires: no exception can come between the two.
         delay = 0.0
-        while not mutex.acquire(blocking=False):
-            await anyio.sleep(delay)
-            delay = min(0.001, delay + 0.0001)
-        self._flusher = threading.get_ident()
+        held = False
         try:
+            while not (held := mutex.acquire(blocking=False)):
+                await anyio.sleep(delay)
+                delay = min(0.001, delay + 0.0001)
             if self.channel is None:
                 return self.local(stream)  # no wait, no checkpoint
+            self._flusher = threading.get_ident()
             core = self.over_channel(self.channel, stream)
             # Shielded, bounded by the channel's timeout: see the class invariants.
             with anyio.CancelScope(shield=True):
@@ -190,21 +205,22 @@ class FlushCore:
                     report: StepReport = done.value
             return report
         finally:
-            self._flusher = None
-            mutex.release()
+            if held:
+                self._flusher = None
+                mutex.release()
 
     def flush_sync(self, stream: Any | None) -> StepReport:
         me = threading.get_ident()
-        if self._flusher == me:
+        if self._flusher == me and self._mutex.locked():
             raise InvalidArgumentError(
                 "flush_nowait() while a flush of this thread is awaiting (a tensor-parallel broadcast):"
                 " it would deadlock; await that flush instead"
             )
         with self._mutex:
-            self._flusher = me
+            if self.channel is None:
+                return self.local(stream)
+            self._flusher = me  # only a flush over a channel waits
             try:
-                if self.channel is None:
-                    return self.local(stream)
                 return finish(self.over_channel(self.channel, stream))
             finally:
                 self._flusher = None

@@ -109,7 +109,16 @@ class StateIndices:
         ``slots``: a list, numpy array or 1-D CPU integer tensor (checked: ints in
         ``1..num_slots`` or padding slots), or a 1-D integer tensor already
         on this device (copied device to device, unchecked: checking would sync).
+        Runs under inference mode whatever the caller's, as a flush's stages do:
+        the tensor, or a staging buffer kept from an earlier update, may have
+        been made under it (an inference tensor, refusing in-place writes outside).
         """
+        if not torch.is_inference_mode_enabled():
+            with torch._C._InferenceMode(True):
+                return self._update(slots)
+        return self._update(slots)
+
+    def _update(self, slots: Any) -> torch.Tensor:
         if isinstance(slots, torch.Tensor) and slots.device == self.device and self.device.type != "cpu":
             if slots.ndim != 1 or slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype == torch.bool:
                 raise InvalidSlotError(f"slots must be a 1-D integer tensor, got {slots.dtype} {tuple(slots.shape)}")

@@ -213,11 +213,10 @@ class SlotLedger:
                 busy = self._busy = [-1] * (self.size + 1)
             for s in later:
                 busy[s] = ticket
-        for s in later:
+        for s in later:  # an interrupt part-way leaves pushes that a repeat makes again (stale entries)
             heapq.heappush(self._free, s)
             self._pending[s] = 0
-        self._num_free += len(later)
-        later.clear()
+        self._num_free, self._later = self._num_free + len(later), []  # one line: a repeat counts them once
 
     def num_settled(self, done: int) -> int:
         """Free slots that no unfinished work (a ticket from ``done`` on) nor queued event reads: O(size)."""

@@ -361,29 +361,37 @@ class StepQueue:
         return self._host
 
     # -- the flush's side ------------------------------------------------
+    def mark(self) -> tuple[list[Event], int, int]:
+        """What :meth:`untake` restores: the queue (the list a take swaps out), the step and the next ticket (no
+        lock: a submit only appends to the list, and only the flush that asks, or the close, changes them)."""
+        return self.events, self.step, self._backlog.taken
+
     def take(self) -> tuple[list[Event], int, int]:
-        """Swap the queue out (vLLM's ``take_events``) and advance the step: ``(events, step, ticket)``, the
-        ticket being the backlog's for this work (it counts as done once the backlog ran all of it)."""
+        """Swap the queue out (vLLM's ``take_events``), advance the step: ``(events, step, backlog ticket)``."""
         with self.lock:
-            events, self.events = self.events, []
-            step = self.step
-            self.step += 1
-            ticket = self._backlog.take_ticket()
+            events, step, ticket = self.events, self.step, self._backlog.take_ticket()
+            self.events, self.step = [], step + 1
             if self._host is not None:
                 self._host.reuse_freed(ticket)  # host slots freed by these events: their reads are planned now
         return events, step, ticket
 
-    def put_back(self, events: list[Event], step: int, ticket: int) -> None:
-        """Undo :meth:`take` (the plan failed): ``events`` go back to the front, in order, with their step and
-        ticket. Host slots they freed stay busy until that ticket runs: never too early."""
+    def untake(self, mark: tuple[list[Event], int, int]) -> bool:
+        """Undo a take begun after ``mark``, wherever it stopped, unless the backlog holds its work (False): the
+        events go back in front, in order, with step and ticket (host slots they freed stay busy till it runs)."""
         with self.lock:
-            self.events[:0] = events
+            events, step, ticket = mark
+            if self._backlog.holds(ticket):
+                return False
+            if self.events is not events:  # swapped out: the events submitted since go after them
+                self.events = events + self.events
+                if self._host is not None:
+                    self._host.reuse_freed(ticket)  # the take's own, finished (a repeat is harmless)
             self.step = step
             self._backlog.untake(ticket)
+        return True
 
     def follow(self, step: int) -> int:
-        """On a receiving rank: the source ran ``step``, so the next flush runs the one after; returns the
-        backlog ticket the received plan runs under."""
+        """On a receiving rank: the source ran ``step`` (the next is ours); returns the received plan's ticket."""
         with self.lock:
             self.step = step + 1
             return self._backlog.take_ticket()

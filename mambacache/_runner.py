@@ -9,7 +9,7 @@ outlives the manager) and the count of failures in a row that breaks it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -138,6 +138,11 @@ def check_executor(
             f"executor {executor.name!r} needs contiguous pool tensors; this pool's are paged (only each"
             " (layer, slot) row is contiguous): use the torch executor"
         )
+    with torch._C._InferenceMode(True):  # the mode the runner runs stages under (StepRunner.run)
+        _probe(executor, tensors, drafts, convs)
+
+
+def _probe(executor: Executor, tensors: list[torch.Tensor], drafts: list[torch.Tensor] | None, convs: int) -> None:
     seen: set[tuple[torch.dtype, tuple[int, ...]]] = set()
     for i, t in enumerate(tensors):
         key = (t.dtype, tuple(t.shape[2:] if i < convs else t.shape[2:3]))  # a conv's width matters to a shift
@@ -205,7 +210,7 @@ class StepRunner:
         """Stages in the backlog: kept by failed flushes, or pushed and not run yet."""
         return len(self.backlog)
 
-    def push(self, stages: Iterable[Stage], executor: Executor, host: list[torch.Tensor] | None, ticket: int) -> None:
+    def push(self, stages: Sequence[Stage], executor: Executor, host: list[torch.Tensor] | None, ticket: int) -> None:
         """Queue ``stages`` of ``ticket`` behind the backlog, to run on ``executor`` (with ``host``'s tensors)."""
         self.backlog.push(stages, executor, host, ticket)
 
@@ -219,7 +224,19 @@ class StepRunner:
         On a fault the failed stage stays at the head of the backlog and this
         raises :class:`ExecutorError` (or :class:`ManagerBrokenError` once the
         budget is spent).
+
+        Stages run under inference mode, whatever the caller's (a thread's own):
+        a pool allocated under it holds inference tensors, which refuse an
+        in-place op outside it, and what an executor keeps from one flush to the
+        next (views of the pool, a workspace, a rotate's saved reads) made under
+        it is an inference tensor too, so a pool flushed in and out of the mode,
+        from any thread, must see one mode only. On normal tensors the ops and
+        their results are the same. The guard is the C one: entered and left
+        with no Python line between, where an interrupt could strand it.
         """
+        if not torch.is_inference_mode_enabled():
+            with torch._C._InferenceMode(True):
+                return self.run(stream, step)
         if self._cpu:  # no stream to make current: the decode step's path skips the context manager
             return self._run(step)
         with on_stream(self._device, stream):
@@ -230,7 +247,10 @@ class StepRunner:
         stages = backlog.stages
         done = 0
         while stages:
-            stage, executor, host, _ = stages[0]
+            entry = stages[0]
+            if backlog.head is not entry:  # else it ran part-way: resume at next_tensor
+                backlog.begin(entry)
+            stage, executor, host, _ = entry
             try:
                 run_stage(executor, stage, self._tensors, self._drafts, host, backlog, self._convs)
             except Exception as exc:

@@ -33,6 +33,8 @@ FOREIGN_PRIVATES = {
     "torch._C",
     "torch._C._len_torch_dispatch_stack",
     "torch._C._len_torch_function_stack",
+    # The runner: inference mode's guard, entered and left in C (torch.inference_mode's __enter__ is Python lines).
+    "torch._C._InferenceMode",
     # The crew: a default-device context (the one function mode it runs under) is told apart by its type.
     "torch._C._get_function_stack_at",
     "torch.utils._device",

@@ -6,9 +6,16 @@ another test file.
 
 from __future__ import annotations
 
+import ast
+import functools
+import gc
 import json
 import math
+import sys
+import threading
 from collections.abc import Callable, Iterable
+from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -191,6 +198,79 @@ def flush_with_fault(mgr: mc.CacheManager, at: int, exc: type[BaseException], *,
     else:
         assert at == 0 or at > mode.ops
     return mode.ops
+
+
+class InterruptAtLine:
+    """Raises ``exc`` at the ``at``-th line the block executes inside the mambacache package (1-based; 0: none),
+    on this thread or one started in the block; counts those lines in ``lines``.
+
+    Two kinds of line are counted but never interrupted, since no Python code can make them safe: the exit of
+    a ``with`` block (CPython raises there before ``__exit__`` runs, so a lock stays held) and the lines of a
+    ``finally`` clause (the rest of the clause is skipped). ``skipped`` counts them.
+    """
+
+    def __init__(self, at: int = 0, exc: type[BaseException] = KeyboardInterrupt) -> None:
+        self.at, self.exc, self.lines, self.skipped, self.raised = at, exc, 0, 0, False
+        self._inside: dict[int, set[int]] = {}  # id(frame) -> the `with` lines it is inside of
+
+    def __enter__(self) -> InterruptAtLine:
+        # No collection inside the block: a finalizer of an earlier test's objects (a manager, a transfer) would
+        # run package lines on this thread, count them, and swallow an interrupt raised in them.
+        self._gc = gc.isenabled()
+        gc.disable()
+        threading.settrace(self._call)
+        sys.settrace(self._call)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.settrace(None)
+        threading.settrace(None)  # type: ignore[arg-type]
+        if self._gc:
+            gc.enable()
+
+    def _call(self, frame: FrameType, event: str, arg: object) -> Any:
+        return self._line if frame.f_code.co_filename.startswith(_PACKAGE) else None
+
+    def _line(self, frame: FrameType, event: str, arg: object) -> Any:
+        if event == "return":
+            self._inside.pop(id(frame), None)
+        if event != "line":
+            return self._line
+        self.lines += 1
+        withs, finals = _cleanup_lines(frame.f_code.co_filename)
+        line = frame.f_lineno
+        if line in withs:
+            inside = self._inside.setdefault(id(frame), set())
+            if line in inside:  # the block's exit
+                inside.discard(line)
+                self.skipped += 1
+                return self._line
+            inside.add(line)
+        elif line in finals:
+            self.skipped += 1
+            return self._line
+        if self.lines == self.at:
+            self.raised = True
+            raise self.exc(f"injected at line {self.lines}: {frame.f_code.co_filename}:{line}")
+        return self._line
+
+
+_PACKAGE = str(Path(mc.__file__).parent)
+
+
+@functools.cache
+def _cleanup_lines(filename: str) -> tuple[frozenset[int], frozenset[int]]:
+    """The lines of ``with`` statements in ``filename`` and the lines of its ``finally`` clauses."""
+    tree = ast.parse(Path(filename).read_text())
+    withs: set[int] = set()
+    finals: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.With, ast.AsyncWith)):
+            withs.add(node.lineno)
+        elif isinstance(node, ast.Try) and node.finalbody:
+            for stmt in node.finalbody:
+                finals.update(range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1))
+    return frozenset(withs), frozenset(finals)
 
 
 # -- the host tier --------------------------------------------------------

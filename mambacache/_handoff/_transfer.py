@@ -72,8 +72,10 @@ class _Buffers:
     def __init__(self) -> None:
         self._flat: list[torch.Tensor] = []
 
+    @torch.inference_mode(False)
     def rows(self, layers: int, n: int, shapes: Shapes) -> list[torch.Tensor]:
-        """One ``[layers, n, *shape]`` view per ``(shape, dtype)``, each buffer grown to fit if it is too small."""
+        """One ``[layers, n, *shape]`` view per ``(shape, dtype)``, each buffer grown to fit if it is too small.
+        Outside inference mode: a buffer made under it would refuse a later batch's writes outside it."""
         if len(self._flat) != len(shapes):
             self._flat = [torch.zeros(0, dtype=dtype) for _, dtype in shapes]
         out = []
@@ -92,8 +94,11 @@ def staged_event(manager: CacheManager) -> Any:
     return None if device.type == "cpu" else torch.accelerator.current_stream(device).record_event()
 
 
+@torch.inference_mode()
 def write_staging(manager: CacheManager, slots: list[int], rows: list[torch.Tensor]) -> None:
-    """Write arrived ``rows`` (``[layers, n, *state]`` per pool tensor) into staging host ``slots``.
+    """Write arrived ``rows`` (``[layers, n, *state]`` per pool tensor) into staging host ``slots``, under
+    inference mode whatever the caller's, as a flush's stages run (a host pool made under it refuses writes
+    outside it).
 
     The slots were free when landed, but on an accelerator a restore from one of
     them in an earlier flush may still be reading it on the stream: the write
@@ -196,10 +201,12 @@ def _views(sources: list[list[torch.Tensor]], slots: list[int]) -> list[torch.Te
     return [as_bytes(p) for p in parts]  # not view(): a one-state row of a paged pool keeps the page's stride
 
 
+@torch.inference_mode()
 def write_pool(manager: CacheManager, slots: list[int], rows: list[torch.Tensor]) -> None:
     """Write arrived ``rows`` (``[layers, n, *state]`` per pool tensor) into pool ``slots`` (awaiting them in
-    place), layer by layer on any pool layout; on an accelerator the copies are waited for before the states
-    count as arrived (an import may be read by the next forward on another stream)."""
+    place), layer by layer on any pool layout, under inference mode (as :func:`write_staging`); on an
+    accelerator the copies are waited for before the states count as arrived (an import may be read by the next
+    forward on another stream)."""
     wait_for_restores(manager)  # the last tenant's work on them may still run on the stream
     pool = manager.pool
     index = torch.tensor(slots, dtype=torch.long, device=pool.device)

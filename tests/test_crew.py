@@ -50,27 +50,41 @@ def shared(chunk_bytes: int = 512, min_views: int = 2) -> Iterator[None]:
         torch.set_num_threads(old[2])
 
 
+# How long a test waits for a helper thread to do its part: a loaded host may wake one late, but a helper that
+# never comes is a failure, not a hang.
+PATIENCE = 120.0
+
+
 class Foreach:
     """Wraps torch's two foreach ops (module attributes, so every thread's calls): counts calls per thread,
-    raises ``exc`` before call ``at`` (1-based, in whichever thread), sleeps ``slow`` seconds in each helper's
-    call and ``main`` in each of the calling thread's (``wait``: the calling thread's calls wait until a helper
-    made one), and tracks the calls in flight."""
+    records each helper call's autograd modes, raises ``exc`` before call ``at`` (1-based, in whichever
+    thread), sleeps ``main`` seconds in each of the calling thread's calls (``wait``: the calling thread's calls
+    in a stage shared by the crew ``of`` wait until a helper made one; ``hold``: a helper's call waits until its
+    stage's caller closed the stage, so no helper runs two chunks of one stage), and tracks the calls in flight."""
 
     def __init__(
         self,
         at: int = 0,
         exc: type[BaseException] = MemoryError,
-        slow: float = 0.0,
         main: float = 0.0,
         wait: bool = False,
+        hold: bool = False,
+        of: Crew = crew,
     ) -> None:
-        self.at, self.exc, self.slow, self.main, self.wait = at, exc, slow, main, wait
+        self.at, self.exc, self.main, self.wait, self.hold, self.of = at, exc, main, wait, hold, of
         self.helper_ran = threading.Event()
         self.calls = 0
         self.by_thread: dict[str, int] = {}
+        self.helper_modes: set[tuple[bool, bool]] = set()  # (inference mode, grad mode) of each helper call
         self.in_flight = 0
         self.lock = threading.Lock()
         self.real = {name: getattr(torch, name) for name in ("_foreach_zero_", "_foreach_copy_")}
+        self.real_work = _Job.work
+        self.job = threading.local()  # the job a thread is working on
+
+    @property
+    def helper_calls(self) -> int:
+        return self.calls - self.by_thread.get(threading.main_thread().name, 0)
 
     def _wrap(self, name: str) -> Any:
         real = self.real[name]
@@ -83,16 +97,21 @@ class Foreach:
                 if self.calls == self.at:
                     raise self.exc(f"injected before foreach call {self.calls}")
                 helper = me is not threading.main_thread()
+                if helper:
+                    self.helper_modes.add((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
                 self.in_flight += 1
             try:
-                if self.slow and helper:
-                    time.sleep(self.slow)
+                if self.hold and helper:
+                    job = self.job.current
+                    deadline = time.monotonic() + PATIENCE
+                    while not job.closed and time.monotonic() < deadline:
+                        time.sleep(0.001)
                 elif self.main and not helper:  # the helpers' time to take chunks too
                     time.sleep(self.main)
                 if helper:
                     self.helper_ran.set()
-                elif self.wait and crew._busy.locked():  # a shared stage's chunk: until a helper took one too
-                    self.helper_ran.wait(30)  # (a loaded host wakes a helper late)
+                elif self.wait and self.of._busy.locked():  # a shared stage's chunk: until a helper took one too
+                    self.helper_ran.wait(PATIENCE)
                 return real(*args)
             finally:
                 with self.lock:
@@ -103,11 +122,22 @@ class Foreach:
     def __enter__(self) -> Foreach:
         for name in self.real:
             setattr(torch, name, self._wrap(name))
+        real_work, local = self.real_work, self.job
+
+        def work(job: _Job, helper: bool = False) -> None:
+            local.current = job
+            try:
+                real_work(job, helper)
+            finally:
+                local.current = None  # a job's views keep its pool alive
+
+        _Job.work = work  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
         for name, real in self.real.items():
             setattr(torch, name, real)
+        _Job.work = self.real_work  # type: ignore[method-assign]
 
 
 def _bytes(*tensor_lists: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -212,7 +242,7 @@ def _step(mgr: mc.CacheManager) -> None:
 
 
 def _faulted_flush(
-    at: int, exc: type[BaseException], *, slow: float = 0.0, main: float = 0.0, wait: bool = False
+    at: int, exc: type[BaseException], *, hold: bool = False, main: float = 0.0, wait: bool = False
 ) -> tuple[Foreach, int]:
     """The step on the wide pool with a fault before foreach call ``at`` (0: none), then the repair; the pool
     and host pool against the oracle. Returns the wrapper and the shared stages of the faulted flush."""
@@ -229,7 +259,7 @@ def _faulted_flush(
         _step(mgr)
         oracle.apply(mgr.queued()[before:])
         stages = crew.stages
-        with Foreach(at, exc, slow, main, wait) as calls:
+        with Foreach(at, exc, main, wait, hold) as calls:
             try:
                 mgr.flush_nowait()
             except (mc.ExecutorError, KeyboardInterrupt):
@@ -251,16 +281,17 @@ def _faulted_flush(
 def test_a_fault_before_any_foreach_call_of_shared_stages_then_one_flush_is_exact() -> None:
     calls, stages = _faulted_flush(0, MemoryError, wait=True)
     assert stages >= 4, "the step's clear, copy, offload and commit stages were not shared"
-    assert len(calls.by_thread) >= 2, f"no helper thread ran a chunk: {calls.by_thread}"
+    assert calls.helper_calls >= 1, f"no helper thread ran a chunk: {calls.by_thread}"
     excs: list[type[BaseException]] = [MemoryError, RuntimeError, KeyboardInterrupt]
     for at in range(1, calls.calls + 1):
         _faulted_flush(at, excs[at % len(excs)], main=0.001)
 
 
 def test_a_slow_helper_holds_up_only_its_own_chunk() -> None:
-    # Each helper's chunk sleeps (a helper another process holds): the calling thread takes every other chunk
-    # of the stage meanwhile, so a helper runs at most one chunk a stage.
-    calls, stages = _faulted_flush(0, MemoryError, slow=0.2)
+    # Each helper's chunk lasts until its stage's caller has taken every other chunk and closed the stage (a
+    # helper another process holds): the calling thread takes the rest meanwhile, so a helper runs at most one
+    # chunk a stage, and the stage does not wait for the helper to take more.
+    calls, stages = _faulted_flush(0, MemoryError, hold=True)
     assert stages >= 4
     helpers = {k: v for k, v in calls.by_thread.items() if k != threading.main_thread().name}
     assert calls.by_thread[threading.main_thread().name] >= calls.calls - stages  # at most one chunk a stage
@@ -295,7 +326,9 @@ def test_helpers_take_on_the_callers_autograd_mode(made_in: str) -> None:
         mgr.copy_many([1, 2, 3, 4], [5, 6, 7, 8])
         mgr.flush_nowait()
         assert crew.stages > before
-        assert len(calls.by_thread) >= 2, f"no helper thread ran a chunk: {calls.by_thread}"
+        assert calls.helper_calls >= 1, f"no helper thread ran a chunk: {calls.by_thread}"
+        caller = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+    assert calls.helper_modes == {caller}
     for t in want:
         t[:, 5:9] = t[:, 1:5].clone()
     assert all(map(torch.equal, _bytes(pool.tensors), _bytes(want)))
@@ -353,7 +386,7 @@ def test_a_default_device_context_still_shares_stages(how: str) -> None:
         finally:
             torch.set_default_device(None)
         assert crew.stages > before
-        assert len(calls.by_thread) >= 2, f"no helper thread ran a chunk: {calls.by_thread}"
+        assert calls.helper_calls >= 1, f"no helper thread ran a chunk: {calls.by_thread}"
     for t in want:
         t[:, 5:9] = t[:, 1:5].clone()
     assert all(map(torch.equal, _bytes(pool.tensors), _bytes(want)))
@@ -459,7 +492,7 @@ def test_an_interrupt_after_a_helper_got_the_stage_leaves_no_helper_writing() ->
         (real,) = own._helpers(1)
         own._inbox[0] = InterruptAfterPut(real)  # type: ignore[assignment]
         views = [torch.ones(128) for _ in range(8)]
-        with Foreach(slow=0.05) as calls:
+        with Foreach(hold=True) as calls:
             with pytest.raises(KeyboardInterrupt):
                 own.run(views)
             assert calls.in_flight == 0
@@ -478,12 +511,18 @@ def test_a_helper_keeps_no_stage_alive() -> None:
         gone = weakref.ref(pool)
         crew.run(list(pool.unbind(0)))
         del pool
-        for _ in range(100):
-            gc.collect()
-            if gone() is None:
-                break
-            time.sleep(0.01)
-        assert gone() is None
+        assert _dropped(gone)
+
+
+def _dropped(gone: weakref.ref[Any]) -> bool:
+    """Whether ``gone``'s object is collected, once a helper that was handed a job got to drop it."""
+    deadline = time.monotonic() + PATIENCE
+    while time.monotonic() < deadline:
+        gc.collect()
+        if gone() is None:
+            return True
+        time.sleep(0.01)
+    return False
 
 
 def test_views_off_the_cpu_stay_on_the_calling_thread() -> None:
@@ -523,7 +562,7 @@ def test_an_interrupt_as_the_caller_takes_a_chunk_does_not_hang_the_stage() -> N
         try:
             thread = threading.Thread(target=caller)
             thread.start()
-            thread.join(10)
+            thread.join(PATIENCE)
         finally:
             _Job.take = real_take  # type: ignore[method-assign]
     assert not thread.is_alive(), "the stage hung"

@@ -567,3 +567,40 @@ def test_an_interrupt_as_the_caller_takes_a_chunk_does_not_hang_the_stage() -> N
             _Job.take = real_take  # type: ignore[method-assign]
     assert not thread.is_alive(), "the stage hung"
     assert len(outcome) == 1 and isinstance(outcome[0], KeyboardInterrupt)
+
+
+@pytest.mark.parametrize("when", ["the start raises", "an interrupt before the start", "an interrupt after it"])
+def test_a_helper_that_did_not_start_is_handed_no_stage(when: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A thread that cannot start (a pids limit), or an interrupt as the start is called, leaves no inbox that
+    # no one serves: later stages are shared with a helper that runs, and nothing keeps their views alive.
+    own = Crew(chunk_bytes=512, min_views=2)
+    real_start = threading.Thread.start
+
+    def start(thread: threading.Thread) -> None:
+        if when == "the start raises":
+            raise RuntimeError("can't start new thread")
+        if when == "an interrupt after it":
+            real_start(thread)
+        raise KeyboardInterrupt("a signal as the helper started")
+
+    with shared():
+        monkeypatch.setattr(threading.Thread, "start", start)
+        pool = torch.ones(64, 256)
+        if when == "the start raises":
+            own.run(list(pool.unbind(0)))  # on the calling thread alone
+            assert bool((pool == 0).all())
+        else:
+            with pytest.raises(KeyboardInterrupt):
+                own.run(list(pool.unbind(0)))
+        monkeypatch.setattr(threading.Thread, "start", real_start)
+        gone = [weakref.ref(pool)]
+        del pool
+        for _ in range(3):
+            pool = torch.ones(64, 256)
+            gone.append(weakref.ref(pool))
+            with Foreach(wait=True, of=own) as calls:
+                own.run(list(pool.unbind(0)))
+            assert bool((pool == 0).all())
+            assert calls.helper_calls >= 1, f"no helper ran a chunk: {calls.by_thread}"
+            del pool
+    assert all(_dropped(ref) for ref in gone), "a stage's job is kept by an inbox no one serves"

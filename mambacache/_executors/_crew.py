@@ -23,6 +23,7 @@ Invariants:
   running: a helper never writes after it, so an executor's resume contract
   (a stage run again after a fault) holds as on one thread; the first
   exception of any chunk is raised, and no chunk starts after it.
+* An inbox is listed only once a helper thread serves it (the helper lists it).
 * Only stages whose views can go in any order come here (the zero and copy
   stages' disjoint sources and destinations, host stages, commits).
 * Only CPU views under the grain (each op inline on the thread that runs it: a
@@ -156,12 +157,21 @@ class Crew:
         self._inbox: list[queue.SimpleQueue[_Job]] = []
 
     def _helpers(self, want: int) -> list[queue.SimpleQueue[_Job]]:
+        """Up to ``want`` helpers' inboxes, starting helpers that are missing; fewer where a thread cannot be
+        started (a pids or memory limit): the stage then runs with the helpers there are.
+
+        A helper lists its own inbox, on its own thread, where no signal is delivered, so an inbox is listed
+        only once a thread serves it: an inbox no one served would take every later shared stage's job for
+        good, and keep its views' storage alive. An interrupt here after the start leaves the helper to list
+        itself, and the next stage finds it."""
         while len(self._inbox) < want:
-            inbox: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-            # Listed before its thread starts: an interrupt between the two leaves an inbox no one serves,
-            # which costs its stages a helper, never a wait (a job's end is its own state).
-            self._inbox.append(inbox)
-            threading.Thread(target=_serve, args=(inbox,), name="mambacache-crew", daemon=True).start()
+            listed = threading.Event()
+            thread = threading.Thread(target=_serve, args=(self._inbox, listed), name="mambacache-crew", daemon=True)
+            try:
+                thread.start()
+            except Exception:  # no thread to be had now; a later stage tries again
+                break
+            listed.wait()
         return self._inbox[:want]
 
     def shares(self, dests: list[torch.Tensor], nbytes: int | None = None) -> bool:
@@ -208,9 +218,15 @@ class Crew:
             self._busy.release()
 
 
-def _serve(inbox: queue.SimpleQueue[_Job]) -> None:
-    """A helper: each job it is handed, under the job's autograd modes, until the job is closed or done. Holds
-    no job between jobs (a job's views keep the pool's storage alive)."""
+def _serve(listing: list[queue.SimpleQueue[_Job]], listed: threading.Event) -> None:
+    """A helper: lists its inbox in ``listing`` (then sets ``listed``), and runs each job it is handed, under
+    the job's autograd modes, until the job is closed or done. Holds no job between jobs (a job's views keep
+    the pool's storage alive)."""
+    inbox: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+    try:
+        listing.append(inbox)
+    finally:
+        listed.set()
     while True:
         job: _Job | None = inbox.get()
         assert job is not None

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
+import sys
 import threading
 import time
 import weakref
@@ -604,3 +606,98 @@ def test_a_helper_that_did_not_start_is_handed_no_stage(when: str, monkeypatch: 
             assert calls.helper_calls >= 1, f"no helper ran a chunk: {calls.by_thread}"
             del pool
     assert all(_dropped(ref) for ref in gone), "a stage's job is kept by an inbox no one serves"
+
+
+def test_an_interrupt_during_a_shared_stage_that_a_helper_failed_comes_out() -> None:
+    # A helper's chunk fails, then the calling thread's chunk is interrupted: the flush raises the interrupt
+    # (the helper's failure its context), not an ExecutorError the engine would carry on from; the next flush
+    # repairs the step.
+    pool = make_pool("wide", False)
+    for t in pool.tensors:  # finite values: the oracle compares floats
+        t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(9)))
+    in_call, failed = threading.Event(), threading.Event()
+    real_copy, real_fail = torch._foreach_copy_, _Job.fail
+
+    def copy(*args: Any) -> Any:
+        if not crew._busy.locked():
+            return real_copy(*args)
+        if threading.current_thread() is threading.main_thread():
+            in_call.set()
+            assert failed.wait(PATIENCE), "no helper failed"
+            raise KeyboardInterrupt("a signal during the caller's chunk")
+        assert in_call.wait(PATIENCE), "the calling thread took no chunk"
+        raise MemoryError("a helper's chunk failed")
+
+    def fail(job: _Job, error: BaseException) -> None:
+        real_fail(job, error)
+        if threading.current_thread() is not threading.main_thread():
+            failed.set()
+
+    with shared(), mc.CacheManager(pool) as mgr:
+        mgr.alloc(8, clear=False)
+        mgr.flush_nowait()
+        oracle = SequentialOracle(pool)
+        before = mgr.pending
+        mgr.copy_many([1, 2, 3, 4], [5, 6, 7, 8])
+        oracle.apply(mgr.queued()[before:])
+        torch._foreach_copy_, _Job.fail = copy, fail  # type: ignore[assignment,method-assign]
+        try:
+            with pytest.raises(KeyboardInterrupt) as raised:
+                mgr.flush_nowait()
+        finally:
+            torch._foreach_copy_, _Job.fail = real_copy, real_fail  # type: ignore[method-assign]
+        assert isinstance(raised.value.__context__, MemoryError)
+        assert mgr.flush_nowait().resumed_stages >= 1
+    oracle.assert_matches(pool)
+
+
+def test_an_interrupt_while_the_caller_waits_for_helpers_comes_out_after_a_helpers_failure() -> None:
+    # One helper's chunk failed and another's still runs when a signal reaches the calling thread, waiting in
+    # the stage's close (injected by a trace function at the wait's line): run raises the interrupt, with the
+    # failure as its context, once no helper writes.
+    own = Crew(chunk_bytes=512, min_views=2)
+    close = _Job.close.__code__
+    wait_line = close.co_firstlineno + next(
+        i for i, line in enumerate(inspect.getsource(_Job.close).splitlines()) if "self.cond.wait()" in line
+    )
+    second, failed, interrupted = threading.Event(), threading.Event(), threading.Event()
+    helper_calls: list[int] = []
+    real_zero, real_fail = torch._foreach_zero_, _Job.fail
+
+    def zero(*args: Any) -> Any:
+        if threading.current_thread() is threading.main_thread():
+            assert failed.wait(PATIENCE), "no helper failed"
+            return real_zero(*args)
+        helper_calls.append(1)
+        if len(helper_calls) == 1:  # the first helper fails once the second one runs a chunk too
+            assert second.wait(PATIENCE), "the second helper took no chunk"
+            raise MemoryError("a helper's chunk failed")
+        second.set()
+        assert interrupted.wait(PATIENCE), "the calling thread was not interrupted"
+        return real_zero(*args)
+
+    def fail(job: _Job, error: BaseException) -> None:
+        real_fail(job, error)
+        if threading.current_thread() is not threading.main_thread():
+            failed.set()
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and frame.f_lineno == wait_line and not interrupted.is_set():
+            interrupted.set()
+            raise KeyboardInterrupt("a signal as the caller waits for its helpers")
+        return local
+
+    with shared():
+        torch.set_num_threads(3)  # two helpers
+        own._helpers(2)
+        torch._foreach_zero_, _Job.fail = zero, fail  # type: ignore[method-assign]
+        sys.settrace(lambda frame, event, arg: local if frame.f_code is close else None)
+        try:
+            with pytest.raises(KeyboardInterrupt) as raised:
+                own.run([torch.ones(128) for _ in range(8)])
+        finally:
+            sys.settrace(None)
+            torch._foreach_zero_, _Job.fail = real_zero, real_fail  # type: ignore[method-assign]
+    assert interrupted.is_set()
+    assert isinstance(raised.value.__context__, MemoryError)
+    assert len(helper_calls) == 2

@@ -22,7 +22,9 @@ Invariants:
 * :meth:`Crew.run` returns or raises only once no chunk of its stage is
   running: a helper never writes after it, so an executor's resume contract
   (a stage run again after a fault) holds as on one thread; the first
-  exception of any chunk is raised, and no chunk starts after it.
+  exception of any chunk is raised, and no chunk starts after it; an
+  interrupt on the calling thread is raised even after a chunk's failure (that
+  failure its context).
 * An inbox is listed only once a helper thread serves it (the helper lists it).
 * Only stages whose views can go in any order come here (the zero and copy
   stages' disjoint sources and destinations, host stages, commits).
@@ -107,8 +109,15 @@ class _Job:
             return self.bounds[self.next - 1]
 
     def fail(self, error: BaseException) -> None:
+        """Record ``error``: the first one, except that an interrupt (a KeyboardInterrupt, a SystemExit: not an
+        ``Exception``) replaces a chunk's failure, with that failure as its context, and is what run raises. The
+        flush turns an ``Exception`` into an ExecutorError and carries on; an interrupt must reach its caller."""
         with self.cond:
             if self.error is None:
+                self.error = error
+            elif isinstance(self.error, Exception) and not isinstance(error, Exception):
+                if error.__context__ is None and error is not self.error:
+                    error.__context__ = self.error
                 self.error = error
 
     def work(self, helper: bool = False) -> None:

@@ -701,3 +701,20 @@ def test_an_interrupt_while_the_caller_waits_for_helpers_comes_out_after_a_helpe
     assert interrupted.is_set()
     assert isinstance(raised.value.__context__, MemoryError)
     assert len(helper_calls) == 2
+
+
+def test_a_profiler_records_every_op_of_a_stage() -> None:
+    # torch.profiler records the ops of the thread it was started on: a stage a helper shared would be missing
+    # from the profile.
+    pool = make_pool("wide", False)
+    with shared(), mc.CacheManager(pool) as mgr:
+        mgr.alloc(8, clear=False)
+        mgr.flush_nowait()
+        mgr.copy_many([1, 2, 3, 4], [5, 6, 7, 8])
+        mgr.clear_many([1, 2, 3])
+        cpu = [torch.profiler.ProfilerActivity.CPU]
+        with Foreach(wait=True) as calls, torch.profiler.profile(activities=cpu) as prof:
+            mgr.flush_nowait()
+    recorded = sum(e.count for e in prof.key_averages() if e.key in ("aten::_foreach_copy_", "aten::_foreach_zero_"))
+    assert calls.calls >= 2
+    assert recorded == calls.calls, f"{calls.calls} foreach calls made, {recorded} in the profile"

@@ -36,6 +36,8 @@ FOREIGN_PRIVATES = {
     # The crew: a default-device context (the one function mode it runs under) is told apart by its type.
     "torch._C._get_function_stack_at",
     "torch.utils._device",
+    # The crew: whether a profiler records this thread's ops (it records only its own threads'); no public form.
+    "torch.autograd._profiler_enabled",
 }
 MAX_CLASS_LINES = 300
 MAX_FUNCTION_LINES = 60

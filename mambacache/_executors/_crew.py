@@ -35,7 +35,8 @@ Invariants:
   observer sees: under ``CHUNK_BYTES * 2`` bytes, one torch thread, the crew
   busy with another thread's stage, or a Python dispatch or function mode active
   (modes are thread-local, so a fault or op-counting mode would miss the
-  helpers' ops). A default-device context (``torch.set_default_device``, ``with
+  helpers' ops), or a profiler active on the calling thread (``torch.profiler``
+  records the ops of the threads it was started on). A default-device context (``torch.set_default_device``, ``with
   torch.device(...)``; its own type, not a subclass) is the one function mode
   that does not keep a stage inline: it only gives factory functions a device,
   and a stage's in-place ops on the pool's own tensors create nothing.
@@ -195,6 +196,8 @@ class Crew:
         if torch._C._len_torch_dispatch_stack():
             return False
         if (modes := torch._C._len_torch_function_stack()) and not _only_device_contexts(modes):
+            return False
+        if torch.autograd._profiler_enabled():  # this thread's profiler records this thread's ops only
             return False
         size = 0
         for v in dests:

@@ -146,15 +146,22 @@ def _bytes(*tensor_lists: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.view(torch.uint8).clone() for ts in tensor_lists for t in ts]
 
 
+# How the torch executor runs a large stage: picked from measured times, or one way always.
+LARGE = ["auto", "crew", "inline", "whole"]
+
+
+@pytest.mark.parametrize("large", LARGE)
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("name", ["wide", "narrow"])
 @given(raw=ops, seed=st.integers(0, 99))
 @settings(max_examples=15)
-def test_shared_stages_move_the_bytes_the_reference_moves(name: str, paged: bool, raw: list[Any], seed: int) -> None:
+def test_shared_stages_move_the_bytes_the_reference_moves(
+    name: str, paged: bool, large: str, raw: list[Any], seed: int
+) -> None:
     raw0 = [(k, 0 if k == "alloc" else a, b) for k, a, b in raw]
     drafts = 0 if paged else 2
     moved = []
-    for executor in (TorchExecutor(), "reference"):
+    for executor in (TorchExecutor(large_stages=large), "reference"):
         pool = make_pool(name, paged)
         random_bytes([*pool.tensors, *pool.draft_tensors], seed)
         with shared(), SizeHints() as hints, mc.CacheManager(pool, executor=executor) as mgr:
@@ -213,12 +220,15 @@ def test_size_hints_are_given_on_both_runs_paths() -> None:
     assert hints.wrong == []
 
 
+@pytest.mark.parametrize("large", LARGE)
 @pytest.mark.parametrize("name", ["wide", "narrow"])
 @given(raw=host_ops, seed=st.integers(0, 99))
 @settings(max_examples=15)
-def test_shared_host_stages_move_the_bytes_the_reference_moves(name: str, raw: list[Any], seed: int) -> None:
+def test_shared_host_stages_move_the_bytes_the_reference_moves(
+    name: str, large: str, raw: list[Any], seed: int
+) -> None:
     moved = []
-    for executor in (TorchExecutor(), "reference"):
+    for executor in (TorchExecutor(large_stages=large), "reference"):
         pool = make_pool(name, False)
         host = mc.HostPool(pool.spec, 6)
         random_bytes([*pool.tensors, *host.tensors], seed)

@@ -102,7 +102,8 @@ def test_no_import_circle() -> None:
 CORE = {
     "mambacache._args", "mambacache._backlog", "mambacache._channel", "mambacache._distributed",
     "mambacache._errors", "mambacache._events", "mambacache._executors", "mambacache._executors._base",
-    "mambacache._executors._crew", "mambacache._executors._npu", "mambacache._executors._reference",
+    "mambacache._executors._crew", "mambacache._executors._npu", "mambacache._executors._policy",
+    "mambacache._executors._reference",
     "mambacache._executors._torch",
     "mambacache._flush", "mambacache._hf", "mambacache._host", "mambacache._hosttier", "mambacache._indices",
     "mambacache._layout", "mambacache._ledger", "mambacache._manager", "mambacache._planner", "mambacache._pool",

@@ -184,6 +184,17 @@ class Crew:
             listed.wait()
         return self._inbox[:want]
 
+    def open(self) -> bool:
+        """Whether this thread's stages may leave it at all (whatever their views): more than one torch
+        thread, no Python dispatch or function mode (a default-device context aside) and no profiler active.
+        The torch executor asks it too before it picks how a large stage runs."""
+        if torch.get_num_threads() < 2 or torch._C._len_torch_dispatch_stack():
+            return False
+        if (modes := torch._C._len_torch_function_stack()) and not _only_device_contexts(modes):
+            return False
+        # A profiler records only the threads it was started on.
+        return not torch.autograd._profiler_enabled()  # type: ignore[attr-defined]
+
     def shares(self, dests: list[torch.Tensor], nbytes: int | None = None) -> bool:
         """Whether a stage over ``dests`` goes to the crew: see the module's invariants. ``nbytes``, the
         stage's size where the caller knows it: a stage under the threshold is then inline without a look at
@@ -191,13 +202,7 @@ class Crew:
         0.1 us a view)."""
         if nbytes is not None and nbytes < 2 * self.chunk_bytes:
             return False
-        if len(dests) < self.min_views or torch.get_num_threads() < 2 or not dests[0].is_cpu:
-            return False
-        if torch._C._len_torch_dispatch_stack():
-            return False
-        if (modes := torch._C._len_torch_function_stack()) and not _only_device_contexts(modes):
-            return False
-        if torch.autograd._profiler_enabled():  # this thread's profiler records this thread's ops only
+        if len(dests) < self.min_views or not dests[0].is_cpu or not self.open():
             return False
         size = 0
         for v in dests:

@@ -114,3 +114,17 @@ def test_the_executor_runs_a_large_stage_the_way_measured_fastest(monkeypatch: p
     assert keys and {executor.policy.best(k) for k in keys if k[0] == "copy"} == {"inline"}
     for a, b in zip(pools[0].tensors, pools[1].tensors, strict=True):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_the_first_looks_run_each_way_twice_in_turn() -> None:
+    # One run alone may be a scheduler slice slower than its way: each way runs twice, interleaved, before the
+    # fastest is picked, and a way's time is the lower of its two.
+    policy = Policy()
+    costs = {"crew": [9.0, 1.0], "inline": [2.0, 2.0], "whole": [4.0, 4.0]}  # the crew's first run descheduled
+    picked = []
+    for _ in range(2 * len(WAYS)):
+        way = policy.pick("k", WAYS)
+        picked.append(way)
+        policy.record("k", way, costs[way].pop(0) * 1000, 1000)
+    assert picked == [*WAYS, *WAYS]
+    assert policy.best("k") == "crew"

@@ -14,7 +14,7 @@ shape keeps the time per byte of each way, runs the fastest, and now and then
 runs another again to see whether the host changed::
 
     shape (op, bytes, runs, each rounded to a power of two)
-      first:  each way once
+      first:  each way in turn, twice (c i w c i w)
       then:   the fastest way; another way again (twice) once ``patience * r``
               stages of the shape ran since it last did, r its time over the
               fastest's (a way 50x slower is tried every 6,400 stages)
@@ -29,17 +29,21 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-__all__ = ["PATIENCE", "Policy"]
+__all__ = ["FIRST", "PATIENCE", "Policy"]
 
 # Stages of a shape between two looks at a way, per unit of that way's time over the fastest's.
 PATIENCE = 128
+# The first looks: each way runs this many times, in turn, before the fastest is picked (one run alone, on a
+# loaded host, may be a scheduler slice slower than the way is).
+FIRST = 2
 
 
 class _Shape:
-    __slots__ = ("best", "count", "due", "last", "rate", "trying")
+    __slots__ = ("best", "count", "due", "last", "rate", "runs", "trying")
 
     def __init__(self) -> None:
         self.count = 0
+        self.runs: dict[str, int] = {}  # runs of each way, ever
         self.rate: dict[str, float] = {}  # a way's seconds per byte: the lower of its last two runs
         self.last: dict[str, float] = {}  # its last run's seconds per byte
         self.due: dict[str, int] = {}  # the stage count at which a way is run again
@@ -63,9 +67,11 @@ class Policy:
         for way, left in shape.trying.items():  # a look (two runs) in progress
             if left:
                 return way
-        for way in ways:
-            if way not in shape.rate:  # never run: its first look, one run
-                return way
+        if shape.count <= FIRST * len(ways):  # the first looks: each way in turn, FIRST times
+            for times in range(1, FIRST + 1):
+                for way in ways:
+                    if shape.runs.get(way, 0) < times:
+                        return way
         for way in ways:
             if way != shape.best and shape.count >= shape.due.get(way, 0):
                 shape.trying[way] = 2
@@ -79,6 +85,7 @@ class Policy:
         rate = seconds / max(nbytes, 1)
         last = shape.last.get(way)
         shape.last[way] = rate
+        shape.runs[way] = shape.runs.get(way, 0) + 1
         shape.rate[way] = rate if last is None else min(rate, last)
         if shape.trying.get(way):
             shape.trying[way] -= 1

@@ -91,11 +91,11 @@ def measure(
     fns: dict[str, Callable[[], object]],
     device: torch.device,
     repeats: int,
-    warmup: int = 4,
+    warmup: int = 6,
     min_total_s: float = 0.2,
 ) -> dict[str, tuple[float, float, float]]:
-    """Median, min and max seconds of each function, after warm-up (long enough for the torch executor to
-    have run a large CPU stage each way it picks between once: ``_executors/_policy.py``).
+    """Median, min and max seconds of each function, after warm-up (long enough for the torch executor's
+    first looks at each way to run a large CPU stage: ``_executors/_policy.py``).
 
     The functions run round-robin, one call each per round, so a slow spell of a
     shared machine hits every path alike and the ratios stay fair. Rounds go on

@@ -168,7 +168,7 @@ def main() -> int:
     p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256])
     p.add_argument("--executors", type=lambda s: s.split(","), default=["torch", "torch-crew", "torch-inline"])
     p.add_argument("--rounds", type=int, default=9)
-    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--budget-gb", type=float, default=0.6, help="each worker's pool, drafts and host pool")
     p.add_argument("--contended", action="store_true", help="every cell again with a competing process")
     p.add_argument("--json", default=None)

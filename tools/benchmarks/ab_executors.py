@@ -16,6 +16,7 @@ Reported per cell: each path's median over its own worker's bound (x bound) and 
 (x seed), and the old checkout's ``torch`` median over each new path's (x old: above 1, the new path
 is faster). ``--contended`` runs every cell again with ``bench --contended``'s competing process.
 The load average (``os.getloadavg``) is recorded before and after each preset and phase.
+``--markdown FILE`` prints a ``--json`` file's tables.
 """
 
 from __future__ import annotations
@@ -160,7 +161,36 @@ def run_phase(workers: list[Worker], args: argparse.Namespace, phase: str) -> li
     return rows
 
 
+def markdown(path: str) -> str:
+    """The tables of a ``--json`` file: per phase and preset, each path's x bound, the new paths' x old, and the
+    default's x seed; the load before and after."""
+    with open(path, encoding="utf-8") as f:
+        rows = json.load(f)["rows"]
+    out = []
+    for phase in dict.fromkeys(r["phase"] for r in rows):
+        for preset in dict.fromkeys(r["preset"] for r in rows if r["phase"] == phase):
+            cells = [r for r in rows if r["phase"] == phase and r["preset"] == preset and "op" in r]
+            loads = next(r for r in rows if r["phase"] == phase and r["preset"] == preset and "op" not in r)
+            paths = [k[:-3] for k in cells[0] if k.endswith(" ms") and not k.startswith("old ")]
+            head = ["slots", "op", "old torch x bound", *(f"{p} x bound" for p in paths)]
+            head += [f"{p} x old" for p in paths] + ["torch x seed"]
+            out.append(f"{phase}, {preset} ({cells[0]['layers']} layers; load {loads['load_before']} before, "
+                       f"{loads['load_after']} after)\n")  # fmt: skip
+            out.append("| " + " | ".join(head) + " |")
+            out.append("|" + "---:|" * len(head))
+            for r in cells:
+                vals = [str(r["slots"]), r["op"], f"{r['old torch x bound']:.2f}"]
+                vals += [f"{r[p + ' x bound']:.2f}" for p in paths] + [f"{r[p + ' x old']:.2f}" for p in paths]
+                vals.append(f"{r['torch x seed']:.2f}")
+                out.append("| " + " | ".join(vals) + " |")
+            out.append("")
+    return "\n".join(out)
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["--markdown"]:
+        sys.stdout.write(markdown(sys.argv[2]))
+        return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--old", required=True, help="the other checkout (its root, holding mambacache/)")
     p.add_argument("--new", default=".", help="this checkout (default .)")

@@ -128,3 +128,12 @@ def test_the_first_looks_run_each_way_twice_in_turn() -> None:
         policy.record("k", way, costs[way].pop(0) * 1000, 1000)
     assert picked == [*WAYS, *WAYS]
     assert policy.best("k") == "crew"
+
+
+def test_a_way_far_slower_at_its_first_run_is_not_run_twice() -> None:
+    # A parallel region per op under contention is tens of times slower: its first look is one run.
+    policy = Policy()
+    costs = {"crew": 1.0, "inline": 2.0, "whole": 60.0}
+    picked = _drive(policy, costs, 2 * len(WAYS))
+    assert picked == Counter({"crew": 3, "inline": 2, "whole": 1})
+    assert policy.best("k") == "crew"

@@ -14,7 +14,8 @@ shape keeps the time per byte of each way, runs the fastest, and now and then
 runs another again to see whether the host changed::
 
     shape (op, bytes, runs, each rounded to a power of two)
-      first:  each way in turn, twice (c i w c i w)
+      first:  each way in turn, twice (c i w c i w), a way 8x slower than the
+              fastest after its first run only once
       then:   the fastest way; another way again (twice) once ``patience * r``
               stages of the shape ran since it last did, r its time over the
               fastest's (a way 50x slower is tried every 6,400 stages)
@@ -36,6 +37,8 @@ PATIENCE = 128
 # The first looks: each way runs this many times, in turn, before the fastest is picked (one run alone, on a
 # loaded host, may be a scheduler slice slower than the way is).
 FIRST = 2
+# ... except a way whose first run took more than this many times the fastest way's.
+SLOWER = 8
 
 
 class _Shape:
@@ -68,9 +71,12 @@ class Policy:
             if left:
                 return way
         if shape.count <= FIRST * len(ways):  # the first looks: each way in turn, FIRST times
+            fastest = min(shape.rate.values(), default=0.0)
             for times in range(1, FIRST + 1):
                 for way in ways:
-                    if shape.runs.get(way, 0) < times:
+                    # A way already SLOWER x the fastest is not run again now (a parallel region per op with
+                    # another process computing: tens of times slower, once is enough to know).
+                    if shape.runs.get(way, 0) < times and not (times > 1 and shape.rate[way] > SLOWER * fastest):
                         return way
         for way in ways:
             if way != shape.best and shape.count >= shape.due.get(way, 0):

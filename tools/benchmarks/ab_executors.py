@@ -62,7 +62,10 @@ def build(name):
 
 for line in sys.stdin:
     cmd = json.loads(line)
-    if "preset" in cmd:
+    if "where" in cmd:
+        import mambacache
+        reply = {"file": mambacache.__file__}
+    elif "preset" in cmd:
         cells = {}
         layers, slot_bytes, cells = build(cmd["preset"])
         reply = {"layers": layers, "slot_bytes": slot_bytes}
@@ -94,9 +97,19 @@ class Worker:
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
         env["PYTHONPATH"] = os.path.abspath(checkout)
         args = [",".join(executors), ",".join(map(str, sizes)), str(budget)]
+        # -P and the checkout as the working directory: ``python -c`` puts the working directory first on
+        # sys.path, ahead of PYTHONPATH, and a worker started here would import this checkout whatever it was told.
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", WORKER, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True
+            [sys.executable, "-P", "-c", WORKER, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+            cwd=env["PYTHONPATH"],
         )
+        self.imported = self.ask(where=True)["file"]
+        if not self.imported.startswith(env["PYTHONPATH"] + os.sep):
+            raise RuntimeError(f"worker {label} imported {self.imported}, not the checkout {checkout}")
 
     def ask(self, **cmd: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -221,7 +234,8 @@ def main() -> int:
             w.close()
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"argv": sys.argv, "nproc": os.cpu_count(), "rows": rows}, f, indent=1)
+            imported = {w.label: w.imported for w in workers}
+            json.dump({"argv": sys.argv, "nproc": os.cpu_count(), "imported": imported, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -36,10 +36,11 @@ Invariants:
   busy with another thread's stage, or a Python dispatch or function mode active
   (modes are thread-local, so a fault or op-counting mode would miss the
   helpers' ops), or a profiler active on the calling thread (``torch.profiler``
-  records the ops of the threads it was started on). A default-device context (``torch.set_default_device``, ``with
-  torch.device(...)``; its own type, not a subclass) is the one function mode
-  that does not keep a stage inline: it only gives factory functions a device,
-  and a stage's in-place ops on the pool's own tensors create nothing.
+  records the ops of the threads it was started on). A default-device context
+  (``torch.set_default_device``, ``with torch.device(...)``; its own type, not
+  a subclass) is the one function mode that does not keep a stage inline: it
+  only gives factory functions a device, and a stage's in-place ops on the
+  pool's own tensors create nothing.
 * A helper runs a stage under its caller's inference and grad modes (also
   thread-local): an engine's pool made under ``torch.inference_mode`` holds
   inference tensors, which refuse an in-place op outside it.

@@ -49,9 +49,12 @@ def test_a_change_of_load_moves_the_shape_to_the_way_now_fastest() -> None:
     policy = Policy(patience=128)
     _drive(policy, {"crew": 1.0, "inline": 2.0, "whole": 4.0}, 1000)
     assert policy.best("k") == "crew"
-    # The crew's helpers now wait for a competing process: two slow runs of it and the next stage runs inline.
-    _drive(policy, {"crew": 6.0, "inline": 2.0, "whole": 40.0}, 2)
+    # The crew's helpers now wait for a competing process: two slow runs of it, then a fresh look at the ways
+    # that were faster than that (inline, whole): two runs each, and the shape runs inline from then on.
+    picked = _drive(policy, {"crew": 6.0, "inline": 2.0, "whole": 40.0}, 4)
     assert policy.best("k") == "inline"
+    assert picked == Counter({"crew": 2, "inline": 2})  # whole, slower than inline now, waits its turn
+    assert _drive(policy, {"crew": 6.0, "inline": 2.0, "whole": 40.0}, 50) == Counter({"inline": 50})
     # The host quiet again: the crew is looked at again within patience * 6 / 2 stages, and wins back.
     _drive(policy, {"crew": 1.0, "inline": 2.0, "whole": 4.0}, 128 * 3 + 4)
     assert policy.best("k") == "crew"

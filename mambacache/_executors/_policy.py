@@ -86,7 +86,12 @@ class Policy:
         return shape.best
 
     def record(self, key: Hashable, way: str, seconds: float, nbytes: int) -> None:
-        """A stage of shape ``key`` of ``nbytes`` bytes ran ``way`` in ``seconds``."""
+        """A stage of shape ``key`` of ``nbytes`` bytes ran ``way`` in ``seconds``.
+
+        The fastest way is replaced only by a way just looked at, whose time is as fresh as its own: when the
+        fastest way slows down, the ways whose last looks were faster than it is now are looked at again
+        first. Compared with their older times at once, a lucky run long ago would win the shape back to a
+        way that is slower now, and the shape would swing between ways on a loaded host."""
         shape = self._shapes[key]
         rate = seconds / max(nbytes, 1)
         last = shape.last.get(way)
@@ -95,10 +100,22 @@ class Policy:
         shape.rate[way] = rate if last is None else min(rate, last)
         if shape.trying.get(way):
             shape.trying[way] -= 1
-        before = shape.best
-        shape.best = best = min(shape.rate, key=shape.rate.__getitem__)
-        for other in (way, before):  # the way just run, and the fastest one until now if no longer
-            if other and other != best and not shape.trying.get(other):
+            if shape.trying[way]:
+                return  # the look goes on
+        elif way == shape.best:
+            now = shape.rate[way]
+            for other, other_rate in shape.rate.items():
+                if other != way and other_rate < now and not shape.trying.get(other):
+                    shape.due[other] = shape.count  # looked at again from the next stage on
+            return
+        best = shape.best
+        if not best or best not in shape.rate or shape.runs[way] <= FIRST:  # the first looks: the fastest
+            best = min(shape.rate, key=shape.rate.__getitem__)
+        elif shape.rate[way] < shape.rate[best]:
+            best = way
+        changed, shape.best = best != shape.best, best
+        for other in shape.rate if changed else (way,):
+            if other != best and not shape.trying.get(other):
                 shape.due[other] = shape.count + int(self.patience * shape.rate[other] / shape.rate[best])
 
     def best(self, key: Hashable) -> str | None:

@@ -175,18 +175,20 @@ def run_phase(workers: list[Worker], args: argparse.Namespace, phase: str) -> li
 
 
 def markdown(path: str) -> str:
-    """The tables of a ``--json`` file: per phase and preset, each path's x bound, the new paths' x old, and the
-    default's x seed; the load before and after."""
+    """The tables of a ``--json`` file: per phase and preset, each path's x bound, the new paths' x old, the
+    default's x seed and its time against the better of torch-crew and torch-inline (below 1: slower); the
+    load before and after."""
     with open(path, encoding="utf-8") as f:
         rows = json.load(f)["rows"]
     out = []
     for phase in dict.fromkeys(r["phase"] for r in rows):
         for preset in dict.fromkeys(r["preset"] for r in rows if r["phase"] == phase):
             cells = [r for r in rows if r["phase"] == phase and r["preset"] == preset and "op" in r]
-            loads = next(r for r in rows if r["phase"] == phase and r["preset"] == preset and "op" not in r)
+            unknown = {"load_before": "?", "load_after": "?"}  # a run cut short
+            loads = next((r for r in rows if r["phase"] == phase and r["preset"] == preset and "op" not in r), unknown)
             paths = [k[:-3] for k in cells[0] if k.endswith(" ms") and not k.startswith("old ")]
             head = ["slots", "op", "old torch x bound", *(f"{p} x bound" for p in paths)]
-            head += [f"{p} x old" for p in paths] + ["torch x seed"]
+            head += [f"{p} x old" for p in paths] + ["torch x seed", "torch x better of crew, inline"]
             out.append(f"{phase}, {preset} ({cells[0]['layers']} layers; load {loads['load_before']} before, "
                        f"{loads['load_after']} after)\n")  # fmt: skip
             out.append("| " + " | ".join(head) + " |")
@@ -195,6 +197,8 @@ def markdown(path: str) -> str:
                 vals = [str(r["slots"]), r["op"], f"{r['old torch x bound']:.2f}"]
                 vals += [f"{r[p + ' x bound']:.2f}" for p in paths] + [f"{r[p + ' x old']:.2f}" for p in paths]
                 vals.append(f"{r['torch x seed']:.2f}")
+                better = min(r.get("torch-crew ms", float("inf")), r.get("torch-inline ms", float("inf")))
+                vals.append(f"{better / r['torch ms']:.2f}")
                 out.append("| " + " | ".join(vals) + " |")
             out.append("")
     return "\n".join(out)

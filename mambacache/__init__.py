@@ -54,7 +54,7 @@ __version__ = "0.1.0"
 
 # Public submodules, imported on first use (as `mc.tracing.configure(...)`), so that
 # `import mambacache` stays light: the tools pull in argparse, matplotlib, transformers.
-_SUBMODULES = frozenset({"audit", "bench", "hf", "sim", "tracing"})
+_SUBMODULES = frozenset({"audit", "bench", "hf", "sim", "testing", "tracing"})
 
 
 def __getattr__(name: str) -> _Any:

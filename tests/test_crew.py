@@ -31,11 +31,11 @@ from torch.utils._device import DeviceContext
 import mambacache as mc
 from mambacache._executors._crew import CHUNK_BYTES, MIN_VIEWS, Crew, _Job, crew
 from mambacache._executors._torch import TorchExecutor
+from mambacache.testing import SequentialOracle, count_ops
 
-from .oracle import SequentialOracle
 from .strategies import events_from_ops, host_events_from_ops, host_ops, ops
 from .test_grain import SPECS, make_pool, random_bytes
-from .util import FaultAt, drive
+from .util import drive
 
 
 @contextlib.contextmanager
@@ -318,7 +318,7 @@ def test_a_dispatch_mode_keeps_every_op_on_the_calling_thread() -> None:
         mgr.flush_nowait()
         mgr.copy_many([1, 2, 3], [4, 5, 6])
         before = crew.stages
-        with FaultAt(0) as mode:
+        with count_ops() as mode:
             mgr.flush_nowait()
         assert crew.stages == before
         assert mode.ops > 0

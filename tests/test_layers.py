@@ -116,7 +116,7 @@ CORE = {
 LAYERS = ("mambacache._handoff", "mambacache._tiers")
 TOOLS = (
     "mambacache.tracing", "mambacache.sim", "mambacache.bench", "mambacache.integrations", "mambacache.audit",
-    "mambacache.hf", "mambacache._cli", "mambacache._console", "mambacache.__main__",
+    "mambacache.hf", "mambacache.testing", "mambacache._cli", "mambacache._console", "mambacache.__main__",
 )  # fmt: skip
 
 
@@ -191,6 +191,7 @@ PUBLIC_MODULES = [
     "mambacache.audit",
     "mambacache.bench",
     "mambacache.sim",
+    "mambacache.testing",
     "mambacache.integrations.vllm",
     "mambacache.integrations.sglang",
 ]

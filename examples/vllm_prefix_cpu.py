@@ -25,10 +25,8 @@ grows it to ``N`` linear-attention layers in Qwen3-Next-80B's pattern (3 linear,
 full attention; the real model has 36), for the plugin's host time per step
 against the layer count (``--measure``). Each run reports its
 tokens, vLLM's per-request ``num_cached_tokens`` (the prefix-cache hits) and,
-when it fails, the exception's last line. ``--fault skip-copy`` sets
-``MAMBACACHE_VLLM_FAULT=skip-copy`` for the plugin run. Exit 0 when the plugin
-run is token-exact against both references with hits (or, with ``--fault``,
-when the fault shows as mismatches), 1 otherwise.
+when it fails, the exception's last line. Exit 0 when the plugin run is
+token-exact against both references with hits, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -262,12 +260,10 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace, mode: str) -> dict[str, Any]:
-    drop = ("VLLM_PLUGINS", "MAMBACACHE_TRACE", "MAMBACACHE_VLLM_FAULT")
+    drop = ("VLLM_PLUGINS", "MAMBACACHE_TRACE")
     env = {k: v for k, v in os.environ.items() if k not in drop}
     if mode == "plugin":
         env["VLLM_PLUGINS"] = "mambacache"
-        if args.fault != "none":
-            env["MAMBACACHE_VLLM_FAULT"] = args.fault
         if args.trace is not None:
             env["MAMBACACHE_TRACE"] = str(args.trace)
     cmd = [sys.executable, __file__, "--worker", f"--mode={mode}", "--model-dir", str(args.model_dir)]
@@ -296,7 +292,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--batch-tokens", type=int, default=32, help="max_num_batched_tokens (chunked prefill)")
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--fault", choices=["none", "skip-copy"], default="none")
     p.add_argument("--model-dir", type=Path, default=None)
     p.add_argument("--trace", type=Path, default=None, help="write the plugin run's slot trace here and analyse it")
     p.add_argument("--measure", action="store_true", help="time to first token, hit and miss waves alternated")
@@ -342,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         reqs = workload(args.systems, args.per_system, args.system_tokens, args.seed, args.model == "qwen3-next")
         reference = transformers_greedy(args.model_dir, reqs, args.new_tokens)
     n = len(reqs)
-    result: dict[str, Any] = {"requests": n, "fault": args.fault, "runs": {}}
+    result: dict[str, Any] = {"requests": n, "runs": {}}
     for m, r in runs.items():
         keys = ("error", "where", "stderr", "cached", "plugin", "ranks", "seconds", "block_size")
         row = {k: r[k] for k in keys if k in r}
@@ -354,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     plug = result["runs"].get("plugin", {})
     exact = plug.get("matches_transformers") == n and plug.get("matches_off", n) == n
     hits = sum(plug.get("cached", [])) > 0
-    ok = (not exact and "tokens" in runs.get("plugin", {})) if args.fault != "none" else (exact and hits)
+    ok = exact and hits
     if args.trace is not None and "plugin" in runs:
         from mambacache import tracing
 
@@ -382,7 +377,7 @@ def summary(result: dict[str, Any]) -> str:
             line += f", {r['matches_off']}/{n} = caching off"
         line += f", {hit}/{n} requests hit ({sum(cached)} cached tokens)"
         if r.get("plugin"):
-            figures = ("allocs", "copies", "shifted", "hits", "kept", "reclaimed", "skipped_copies")
+            figures = ("allocs", "copies", "shifted", "hits", "kept", "reclaimed")
             line += "; plugin " + " ".join(f"{k}={r['plugin'][k]}" for k in figures if r["plugin"].get(k))
         lines.append(line)
     if "trace" in result:

@@ -88,7 +88,7 @@ _LAZY = {
 }
 # Public submodules, imported on first use (as `mc.tracing.configure(...)`): the tools pull in argparse,
 # matplotlib, transformers.
-_SUBMODULES = frozenset({"audit", "bench", "hf", "sim", "tracing"})
+_SUBMODULES = frozenset({"audit", "bench", "hf", "sim", "testing", "tracing"})
 
 
 def __getattr__(name: str) -> _Any:

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 import mambacache as mc
+from mambacache.testing import SequentialOracle
 
-from .oracle import SequentialOracle
 from .strategies import KINDS, events_from_ops
 from .util import drive, fill_random
 

@@ -2,8 +2,8 @@
 
 Run in the SGLang venv as ``python -m tests._sglang_run MODE SEED STEPS``; MODE is
 ``plain`` (SGLang alone), ``plugin`` (``SGLANG_PLUGINS=mambacache``, hooks applied
-as SGLang's scheduler applies them) or ``fault`` (the plugin with
-``MAMBACACHE_SGLANG_FAULT=skip-clear``). Prints one JSON object: a digest of
+as SGLang's scheduler applies them) or ``fault`` (the plugin with its
+clears dropped, ``sglang-skip-clear`` of tests/engine_faults). Prints one JSON object: a digest of
 the mamba pool's bytes after every step, and, with the plugin, the manager's
 step count and whether ``check_idle`` passed after ``cache.reset()`` and
 ``pool.clear()``.
@@ -128,8 +128,6 @@ class Reads:
 def main(mode: str, seed: int, steps: int) -> dict[str, Any]:
     if mode != "plain":
         os.environ["SGLANG_PLUGINS"] = "mambacache"
-    if mode == "fault":
-        os.environ["MAMBACACHE_SGLANG_FAULT"] = "skip-clear"
     _shim()
     import torch
 
@@ -138,6 +136,12 @@ def main(mode: str, seed: int, steps: int) -> dict[str, Any]:
         from sglang.srt.plugins import load_plugins
 
         load_plugins()  # as run_scheduler_process does first: finds mambacache by its entry point
+        if mode == "fault":
+            import mambacache.integrations.sglang as plugin
+
+            from .engine_faults.mambacache_test_faults import inject
+
+            inject("sglang-skip-clear", plugin)
 
     import sglang.test.kits.unified_radix_cache.fixtures as fx
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req, ScheduleBatch

@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 import mambacache as mc
 from mambacache import tracing
+from mambacache.testing import fail_at_op
 
 from ._transfer_worker import HOST, prefill_pool, spec
-from .util import FaultAt
 
 SILENT_S = 0.5  # the sender's timeout when its peer never receives
 
@@ -83,7 +83,7 @@ def _decode(mode: str) -> None:
         mgr.import_into(5, "b")
         if mode == "failed-flush":
             try:
-                with FaultAt(1):
+                with fail_at_op(1):
                     mgr.flush_nowait()
             except mc.ExecutorError:
                 pass

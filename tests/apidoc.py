@@ -13,6 +13,7 @@ from types import ModuleType
 import mambacache as mc
 import mambacache.audit
 import mambacache.hf
+import mambacache.testing
 import mambacache.tracing
 
 MODULES: list[tuple[ModuleType, str]] = [
@@ -20,6 +21,7 @@ MODULES: list[tuple[ModuleType, str]] = [
     (mambacache.tracing, "`mc.tracing`: slot-lifecycle tracing and its analyzer"),
     (mambacache.hf, "`mc.hf`: transformers integration"),
     (mambacache.audit, "`mc.audit`: what a block of torch code allocates, feeds and syncs"),
+    (mambacache.testing, "`mc.testing`: the sequential oracle, the reference executor, fault injection"),
 ]
 
 

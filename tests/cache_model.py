@@ -14,8 +14,7 @@ from typing import Any
 import torch
 
 import mambacache as mc
-
-from .util import FaultAt
+from mambacache.testing import fail_at_op
 
 Key = tuple[Hashable, tuple[int, ...]]  # (extra key, tokens)
 
@@ -40,7 +39,7 @@ def flush(mgr: mc.CacheManager, at: int) -> int:
     """Flush with a fault before aten op ``at`` (0: none); a failed flush is repaired by the next one.
 
     Returns the ops the flush ran (all of them when it did not fail)."""
-    fault = FaultAt(at, MemoryError if at % 2 else RuntimeError)
+    fault = fail_at_op(at, MemoryError if at % 2 else RuntimeError)
     try:
         with fault:
             mgr.flush_nowait()

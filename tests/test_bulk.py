@@ -26,9 +26,9 @@ from structlog.testing import capture_logs
 
 import mambacache as mc
 from mambacache import tracing
+from mambacache.testing import SequentialOracle
 from mambacache.tracing import analyze_lines
 
-from .oracle import SequentialOracle
 from .sweep import fault_points
 from .util import VARIANTS, flush_with_fault, small_spec
 

@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mambacache as mc
+from mambacache.testing import SequentialOracle
 
 from .layered import layered_pool, pool_tensors
-from .oracle import SequentialOracle
 from .strategies import host_events_from_ops, host_shift_ops
 from .util import drive
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
+import sys
 import threading
 import time
 import weakref
@@ -29,11 +31,11 @@ from torch.utils._device import DeviceContext
 import mambacache as mc
 from mambacache._executors._crew import CHUNK_BYTES, MIN_VIEWS, Crew, _Job, crew
 from mambacache._executors._torch import TorchExecutor
+from mambacache.testing import SequentialOracle, count_ops
 
-from .oracle import SequentialOracle
 from .strategies import events_from_ops, host_events_from_ops, host_ops, ops
 from .test_grain import SPECS, make_pool, random_bytes
-from .util import FaultAt, drive
+from .util import drive
 
 
 @contextlib.contextmanager
@@ -50,27 +52,42 @@ def shared(chunk_bytes: int = 512, min_views: int = 2) -> Iterator[None]:
         torch.set_num_threads(old[2])
 
 
+# How long a test waits for a helper thread to do its part: a loaded host may wake one late, but a helper that
+# never comes is a failure, not a hang.
+PATIENCE = 120.0
+
+
 class Foreach:
     """Wraps torch's two foreach ops (module attributes, so every thread's calls): counts calls per thread,
-    raises ``exc`` before call ``at`` (1-based, in whichever thread), sleeps ``slow`` seconds in each helper's
-    call and ``main`` in each of the calling thread's (``wait``: the calling thread's calls wait until a helper
-    made one), and tracks the calls in flight."""
+    records each helper call's autograd modes, raises ``exc`` before call ``at`` (1-based, in whichever
+    thread), sleeps ``main`` seconds in each of the calling thread's calls (``wait``: the calling thread's calls
+    in a stage shared by the crew ``of`` wait until a helper made one; ``hold``: a helper's call waits until its
+    stage's caller closed the stage, so no helper runs two chunks of one stage), and tracks the calls in flight."""
 
     def __init__(
         self,
         at: int = 0,
         exc: type[BaseException] = MemoryError,
-        slow: float = 0.0,
         main: float = 0.0,
         wait: bool = False,
+        hold: bool = False,
+        of: Crew = crew,
     ) -> None:
-        self.at, self.exc, self.slow, self.main, self.wait = at, exc, slow, main, wait
+        self.at, self.exc, self.main, self.wait, self.hold, self.of = at, exc, main, wait, hold, of
         self.helper_ran = threading.Event()
         self.calls = 0
         self.by_thread: dict[str, int] = {}
+        self.helper_modes: set[tuple[bool, bool]] = set()  # (inference mode, grad mode) of each helper call
+        self.caller_modes: set[tuple[bool, bool]] = set()  # the same, of the calling thread's calls
         self.in_flight = 0
         self.lock = threading.Lock()
         self.real = {name: getattr(torch, name) for name in ("_foreach_zero_", "_foreach_copy_")}
+        self.real_work = _Job.work
+        self.job = threading.local()  # the job a thread is working on
+
+    @property
+    def helper_calls(self) -> int:
+        return self.calls - self.by_thread.get(threading.main_thread().name, 0)
 
     def _wrap(self, name: str) -> Any:
         real = self.real[name]
@@ -83,16 +100,21 @@ class Foreach:
                 if self.calls == self.at:
                     raise self.exc(f"injected before foreach call {self.calls}")
                 helper = me is not threading.main_thread()
+                modes = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+                (self.helper_modes if helper else self.caller_modes).add(modes)
                 self.in_flight += 1
             try:
-                if self.slow and helper:
-                    time.sleep(self.slow)
+                if self.hold and helper:
+                    job = self.job.current
+                    deadline = time.monotonic() + PATIENCE
+                    while not job.closed and time.monotonic() < deadline:
+                        time.sleep(0.001)
                 elif self.main and not helper:  # the helpers' time to take chunks too
                     time.sleep(self.main)
                 if helper:
                     self.helper_ran.set()
-                elif self.wait and crew._busy.locked():  # a shared stage's chunk: until a helper took one too
-                    self.helper_ran.wait(30)  # (a loaded host wakes a helper late)
+                elif self.wait and self.of._busy.locked():  # a shared stage's chunk: until a helper took one too
+                    self.helper_ran.wait(PATIENCE)
                 return real(*args)
             finally:
                 with self.lock:
@@ -103,26 +125,44 @@ class Foreach:
     def __enter__(self) -> Foreach:
         for name in self.real:
             setattr(torch, name, self._wrap(name))
+        real_work, local = self.real_work, self.job
+
+        def work(job: _Job, helper: bool = False) -> None:
+            local.current = job
+            try:
+                real_work(job, helper)
+            finally:
+                local.current = None  # a job's views keep its pool alive
+
+        _Job.work = work  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
         for name, real in self.real.items():
             setattr(torch, name, real)
+        _Job.work = self.real_work  # type: ignore[method-assign]
 
 
 def _bytes(*tensor_lists: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.view(torch.uint8).clone() for ts in tensor_lists for t in ts]
 
 
+# How the torch executor runs a large stage: picked from measured times, or one way always.
+LARGE = ["auto", "crew", "inline", "whole"]
+
+
+@pytest.mark.parametrize("large", LARGE)
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("name", ["wide", "narrow"])
 @given(raw=ops, seed=st.integers(0, 99))
 @settings(max_examples=15)
-def test_shared_stages_move_the_bytes_the_reference_moves(name: str, paged: bool, raw: list[Any], seed: int) -> None:
+def test_shared_stages_move_the_bytes_the_reference_moves(
+    name: str, paged: bool, large: str, raw: list[Any], seed: int
+) -> None:
     raw0 = [(k, 0 if k == "alloc" else a, b) for k, a, b in raw]
     drafts = 0 if paged else 2
     moved = []
-    for executor in (TorchExecutor(), "reference"):
+    for executor in (TorchExecutor(large_stages=large), "reference"):
         pool = make_pool(name, paged)
         random_bytes([*pool.tensors, *pool.draft_tensors], seed)
         with shared(), SizeHints() as hints, mc.CacheManager(pool, executor=executor) as mgr:
@@ -181,12 +221,15 @@ def test_size_hints_are_given_on_both_runs_paths() -> None:
     assert hints.wrong == []
 
 
+@pytest.mark.parametrize("large", LARGE)
 @pytest.mark.parametrize("name", ["wide", "narrow"])
 @given(raw=host_ops, seed=st.integers(0, 99))
 @settings(max_examples=15)
-def test_shared_host_stages_move_the_bytes_the_reference_moves(name: str, raw: list[Any], seed: int) -> None:
+def test_shared_host_stages_move_the_bytes_the_reference_moves(
+    name: str, large: str, raw: list[Any], seed: int
+) -> None:
     moved = []
-    for executor in (TorchExecutor(), "reference"):
+    for executor in (TorchExecutor(large_stages=large), "reference"):
         pool = make_pool(name, False)
         host = mc.HostPool(pool.spec, 6)
         random_bytes([*pool.tensors, *host.tensors], seed)
@@ -212,7 +255,7 @@ def _step(mgr: mc.CacheManager) -> None:
 
 
 def _faulted_flush(
-    at: int, exc: type[BaseException], *, slow: float = 0.0, main: float = 0.0, wait: bool = False
+    at: int, exc: type[BaseException], *, hold: bool = False, main: float = 0.0, wait: bool = False
 ) -> tuple[Foreach, int]:
     """The step on the wide pool with a fault before foreach call ``at`` (0: none), then the repair; the pool
     and host pool against the oracle. Returns the wrapper and the shared stages of the faulted flush."""
@@ -229,7 +272,7 @@ def _faulted_flush(
         _step(mgr)
         oracle.apply(mgr.queued()[before:])
         stages = crew.stages
-        with Foreach(at, exc, slow, main, wait) as calls:
+        with Foreach(at, exc, main, wait, hold) as calls:
             try:
                 mgr.flush_nowait()
             except (mc.ExecutorError, KeyboardInterrupt):
@@ -251,16 +294,17 @@ def _faulted_flush(
 def test_a_fault_before_any_foreach_call_of_shared_stages_then_one_flush_is_exact() -> None:
     calls, stages = _faulted_flush(0, MemoryError, wait=True)
     assert stages >= 4, "the step's clear, copy, offload and commit stages were not shared"
-    assert len(calls.by_thread) >= 2, f"no helper thread ran a chunk: {calls.by_thread}"
+    assert calls.helper_calls >= 1, f"no helper thread ran a chunk: {calls.by_thread}"
     excs: list[type[BaseException]] = [MemoryError, RuntimeError, KeyboardInterrupt]
     for at in range(1, calls.calls + 1):
         _faulted_flush(at, excs[at % len(excs)], main=0.001)
 
 
 def test_a_slow_helper_holds_up_only_its_own_chunk() -> None:
-    # Each helper's chunk sleeps (a helper another process holds): the calling thread takes every other chunk
-    # of the stage meanwhile, so a helper runs at most one chunk a stage.
-    calls, stages = _faulted_flush(0, MemoryError, slow=0.2)
+    # Each helper's chunk lasts until its stage's caller has taken every other chunk and closed the stage (a
+    # helper another process holds): the calling thread takes the rest meanwhile, so a helper runs at most one
+    # chunk a stage, and the stage does not wait for the helper to take more.
+    calls, stages = _faulted_flush(0, MemoryError, hold=True)
     assert stages >= 4
     helpers = {k: v for k, v in calls.by_thread.items() if k != threading.main_thread().name}
     assert calls.by_thread[threading.main_thread().name] >= calls.calls - stages  # at most one chunk a stage
@@ -274,7 +318,7 @@ def test_a_dispatch_mode_keeps_every_op_on_the_calling_thread() -> None:
         mgr.flush_nowait()
         mgr.copy_many([1, 2, 3], [4, 5, 6])
         before = crew.stages
-        with FaultAt(0) as mode:
+        with count_ops() as mode:
             mgr.flush_nowait()
         assert crew.stages == before
         assert mode.ops > 0
@@ -283,7 +327,8 @@ def test_a_dispatch_mode_keeps_every_op_on_the_calling_thread() -> None:
 @pytest.mark.parametrize("made_in", ["inference_mode", "no_grad"])
 def test_helpers_take_on_the_callers_autograd_mode(made_in: str) -> None:
     # An engine's pool made and flushed under inference_mode holds inference tensors: an in-place op on one
-    # outside inference mode (a helper thread's default) raises; the helpers run under their caller's modes.
+    # outside inference mode (a helper thread's default) raises; the helpers run under the modes the calling
+    # thread runs the stage in (the runner's, whatever the engine's around the flush).
     mode = torch.inference_mode if made_in == "inference_mode" else torch.no_grad
     with mode():
         pool = make_pool("wide", False)
@@ -295,7 +340,9 @@ def test_helpers_take_on_the_callers_autograd_mode(made_in: str) -> None:
         mgr.copy_many([1, 2, 3, 4], [5, 6, 7, 8])
         mgr.flush_nowait()
         assert crew.stages > before
-        assert len(calls.by_thread) >= 2, f"no helper thread ran a chunk: {calls.by_thread}"
+        assert calls.helper_calls >= 1, f"no helper thread ran a chunk: {calls.by_thread}"
+    assert len(calls.caller_modes) == 1
+    assert calls.helper_modes == calls.caller_modes
     for t in want:
         t[:, 5:9] = t[:, 1:5].clone()
     assert all(map(torch.equal, _bytes(pool.tensors), _bytes(want)))
@@ -353,7 +400,7 @@ def test_a_default_device_context_still_shares_stages(how: str) -> None:
         finally:
             torch.set_default_device(None)
         assert crew.stages > before
-        assert len(calls.by_thread) >= 2, f"no helper thread ran a chunk: {calls.by_thread}"
+        assert calls.helper_calls >= 1, f"no helper thread ran a chunk: {calls.by_thread}"
     for t in want:
         t[:, 5:9] = t[:, 1:5].clone()
     assert all(map(torch.equal, _bytes(pool.tensors), _bytes(want)))
@@ -459,7 +506,7 @@ def test_an_interrupt_after_a_helper_got_the_stage_leaves_no_helper_writing() ->
         (real,) = own._helpers(1)
         own._inbox[0] = InterruptAfterPut(real)  # type: ignore[assignment]
         views = [torch.ones(128) for _ in range(8)]
-        with Foreach(slow=0.05) as calls:
+        with Foreach(hold=True) as calls:
             with pytest.raises(KeyboardInterrupt):
                 own.run(views)
             assert calls.in_flight == 0
@@ -478,12 +525,18 @@ def test_a_helper_keeps_no_stage_alive() -> None:
         gone = weakref.ref(pool)
         crew.run(list(pool.unbind(0)))
         del pool
-        for _ in range(100):
-            gc.collect()
-            if gone() is None:
-                break
-            time.sleep(0.01)
-        assert gone() is None
+        assert _dropped(gone)
+
+
+def _dropped(gone: weakref.ref[Any]) -> bool:
+    """Whether ``gone``'s object is collected, once a helper that was handed a job got to drop it."""
+    deadline = time.monotonic() + PATIENCE
+    while time.monotonic() < deadline:
+        gc.collect()
+        if gone() is None:
+            return True
+        time.sleep(0.01)
+    return False
 
 
 def test_views_off_the_cpu_stay_on_the_calling_thread() -> None:
@@ -523,8 +576,157 @@ def test_an_interrupt_as_the_caller_takes_a_chunk_does_not_hang_the_stage() -> N
         try:
             thread = threading.Thread(target=caller)
             thread.start()
-            thread.join(10)
+            thread.join(PATIENCE)
         finally:
             _Job.take = real_take  # type: ignore[method-assign]
     assert not thread.is_alive(), "the stage hung"
     assert len(outcome) == 1 and isinstance(outcome[0], KeyboardInterrupt)
+
+
+@pytest.mark.parametrize("when", ["the start raises", "an interrupt before the start", "an interrupt after it"])
+def test_a_helper_that_did_not_start_is_handed_no_stage(when: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A thread that cannot start (a pids limit), or an interrupt as the start is called, leaves no inbox that
+    # no one serves: later stages are shared with a helper that runs, and nothing keeps their views alive.
+    own = Crew(chunk_bytes=512, min_views=2)
+    real_start = threading.Thread.start
+
+    def start(thread: threading.Thread) -> None:
+        if when == "the start raises":
+            raise RuntimeError("can't start new thread")
+        if when == "an interrupt after it":
+            real_start(thread)
+        raise KeyboardInterrupt("a signal as the helper started")
+
+    with shared():
+        monkeypatch.setattr(threading.Thread, "start", start)
+        pool = torch.ones(64, 256)
+        if when == "the start raises":
+            own.run(list(pool.unbind(0)))  # on the calling thread alone
+            assert bool((pool == 0).all())
+        else:
+            with pytest.raises(KeyboardInterrupt):
+                own.run(list(pool.unbind(0)))
+        monkeypatch.setattr(threading.Thread, "start", real_start)
+        gone = [weakref.ref(pool)]
+        del pool
+        for _ in range(3):
+            pool = torch.ones(64, 256)
+            gone.append(weakref.ref(pool))
+            with Foreach(wait=True, of=own) as calls:
+                own.run(list(pool.unbind(0)))
+            assert bool((pool == 0).all())
+            assert calls.helper_calls >= 1, f"no helper ran a chunk: {calls.by_thread}"
+            del pool
+    assert all(_dropped(ref) for ref in gone), "a stage's job is kept by an inbox no one serves"
+
+
+def test_an_interrupt_during_a_shared_stage_that_a_helper_failed_comes_out() -> None:
+    # A helper's chunk fails, then the calling thread's chunk is interrupted: the flush raises the interrupt
+    # (the helper's failure its context), not an ExecutorError the engine would carry on from; the next flush
+    # repairs the step.
+    pool = make_pool("wide", False)
+    for t in pool.tensors:  # finite values: the oracle compares floats
+        t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(9)))
+    in_call, failed = threading.Event(), threading.Event()
+    real_copy, real_fail = torch._foreach_copy_, _Job.fail
+
+    def copy(*args: Any) -> Any:
+        if not crew._busy.locked():
+            return real_copy(*args)
+        if threading.current_thread() is threading.main_thread():
+            in_call.set()
+            assert failed.wait(PATIENCE), "no helper failed"
+            raise KeyboardInterrupt("a signal during the caller's chunk")
+        assert in_call.wait(PATIENCE), "the calling thread took no chunk"
+        raise MemoryError("a helper's chunk failed")
+
+    def fail(job: _Job, error: BaseException) -> None:
+        real_fail(job, error)
+        if threading.current_thread() is not threading.main_thread():
+            failed.set()
+
+    with shared(), mc.CacheManager(pool) as mgr:
+        mgr.alloc(8, clear=False)
+        mgr.flush_nowait()
+        oracle = SequentialOracle(pool)
+        before = mgr.pending
+        mgr.copy_many([1, 2, 3, 4], [5, 6, 7, 8])
+        oracle.apply(mgr.queued()[before:])
+        torch._foreach_copy_, _Job.fail = copy, fail  # type: ignore[assignment,method-assign]
+        try:
+            with pytest.raises(KeyboardInterrupt) as raised:
+                mgr.flush_nowait()
+        finally:
+            torch._foreach_copy_, _Job.fail = real_copy, real_fail  # type: ignore[method-assign]
+        assert isinstance(raised.value.__context__, MemoryError)
+        assert mgr.flush_nowait().resumed_stages >= 1
+    oracle.assert_matches(pool)
+
+
+def test_an_interrupt_while_the_caller_waits_for_helpers_comes_out_after_a_helpers_failure() -> None:
+    # One helper's chunk failed and another's still runs when a signal reaches the calling thread, waiting in
+    # the stage's close (injected by a trace function at the wait's line): run raises the interrupt, with the
+    # failure as its context, once no helper writes.
+    own = Crew(chunk_bytes=512, min_views=2)
+    close = _Job.close.__code__
+    wait_line = close.co_firstlineno + next(
+        i for i, line in enumerate(inspect.getsource(_Job.close).splitlines()) if "self.cond.wait()" in line
+    )
+    second, failed, interrupted = threading.Event(), threading.Event(), threading.Event()
+    helper_calls: list[int] = []
+    real_zero, real_fail = torch._foreach_zero_, _Job.fail
+
+    def zero(*args: Any) -> Any:
+        if threading.current_thread() is threading.main_thread():
+            assert failed.wait(PATIENCE), "no helper failed"
+            return real_zero(*args)
+        helper_calls.append(1)
+        if len(helper_calls) == 1:  # the first helper fails once the second one runs a chunk too
+            assert second.wait(PATIENCE), "the second helper took no chunk"
+            raise MemoryError("a helper's chunk failed")
+        second.set()
+        assert interrupted.wait(PATIENCE), "the calling thread was not interrupted"
+        return real_zero(*args)
+
+    def fail(job: _Job, error: BaseException) -> None:
+        real_fail(job, error)
+        if threading.current_thread() is not threading.main_thread():
+            failed.set()
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line" and frame.f_lineno == wait_line and not interrupted.is_set():
+            interrupted.set()
+            raise KeyboardInterrupt("a signal as the caller waits for its helpers")
+        return local
+
+    with shared():
+        torch.set_num_threads(3)  # two helpers
+        own._helpers(2)
+        torch._foreach_zero_, _Job.fail = zero, fail  # type: ignore[method-assign]
+        sys.settrace(lambda frame, event, arg: local if frame.f_code is close else None)
+        try:
+            with pytest.raises(KeyboardInterrupt) as raised:
+                own.run([torch.ones(128) for _ in range(8)])
+        finally:
+            sys.settrace(None)
+            torch._foreach_zero_, _Job.fail = real_zero, real_fail  # type: ignore[method-assign]
+    assert interrupted.is_set()
+    assert isinstance(raised.value.__context__, MemoryError)
+    assert len(helper_calls) == 2
+
+
+def test_a_profiler_records_every_op_of_a_stage() -> None:
+    # torch.profiler records the ops of the thread it was started on: a stage a helper shared would be missing
+    # from the profile.
+    pool = make_pool("wide", False)
+    with shared(), mc.CacheManager(pool) as mgr:
+        mgr.alloc(8, clear=False)
+        mgr.flush_nowait()
+        mgr.copy_many([1, 2, 3, 4], [5, 6, 7, 8])
+        mgr.clear_many([1, 2, 3])
+        cpu = [torch.profiler.ProfilerActivity.CPU]
+        with Foreach(wait=True) as calls, torch.profiler.profile(activities=cpu) as prof:
+            mgr.flush_nowait()
+    recorded = sum(e.count for e in prof.key_averages() if e.key in ("aten::_foreach_copy_", "aten::_foreach_zero_"))
+    assert calls.calls >= 2
+    assert recorded == calls.calls, f"{calls.calls} foreach calls made, {recorded} in the profile"

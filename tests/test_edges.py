@@ -15,8 +15,8 @@ import mambacache as mc
 from mambacache._executors._reference import ReferenceExecutor
 from mambacache._executors._torch import TorchExecutor
 from mambacache._planner import RotateStage, ShiftStage, Stage
+from mambacache.testing import SequentialOracle
 
-from .oracle import SequentialOracle
 from .strategies import events_from_ops, shift_ops
 from .util import drive, fill_random, small_spec
 

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 import mambacache as mc
 from mambacache.audit import OpAudit
+from mambacache.testing import SequentialOracle
 
-from .oracle import SequentialOracle
 from .strategies import events_from_ops, ops
 from .util import fill_random, small_spec
 

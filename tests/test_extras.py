@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import mambacache as mc
+from mambacache.testing import SequentialOracle
 
-from .oracle import SequentialOracle
 from .util import fill_random, quant_spec, small_spec
 
 

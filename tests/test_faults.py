@@ -20,19 +20,17 @@ from typing import Any
 
 import anyio
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mambacache as mc
 from mambacache._executors._npu import NpuExecutor
 from mambacache._executors._torch import TorchExecutor
-from mambacache._planner import Stage
+from mambacache.testing import FailingExecutor, SequentialOracle, fail_at_op
 
-from .oracle import SequentialOracle
 from .strategies import events_from_ops, shift_ops
 from .sweep import fault_points
-from .util import SPEC, VARIANTS, FaultAt, drive, fill_random, flush_with_fault, kinds_for, small_spec, sweep_pool
+from .util import SPEC, VARIANTS, drive, fill_random, flush_with_fault, kinds_for, small_spec, sweep_pool
 
 
 def swap_via_temp(mgr: mc.CacheManager, slots: list[int]) -> None:
@@ -182,24 +180,6 @@ def test_a_workspace_below_one_element_is_refused_when_the_manager_is_made() -> 
     assert pool.ledger.owner is None
 
 
-class Flaky:
-    """Delegates to a real executor; once armed, raises before the calls listed in `fail_at`."""
-
-    name = "flaky"
-
-    def __init__(self, inner: mc.Executor, fail_at: set[int], exc: type[BaseException] = MemoryError) -> None:
-        self.inner, self.fail_at, self.exc = inner, fail_at, exc
-        self.calls = 0
-        self.armed = False
-
-    def execute(self, stage: Stage, tensor: torch.Tensor) -> None:
-        if self.armed:
-            self.calls += 1
-            if self.calls in self.fail_at:
-                raise self.exc(f"injected fault at call {self.calls}")
-        self.inner.execute(stage, tensor)
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @given(
     raw=shift_ops,
@@ -216,9 +196,9 @@ def test_faults_lose_nothing(
     async def main() -> None:
         n = 8
         pool = sweep_pool(kind, n)
-        flaky = Flaky(VARIANTS[variant](), fail_at)
-        async with mc.CacheManager(pool, executor=flaky, max_failed_flushes=100) as mgr:
-            flaky.armed = True
+        failing = FailingExecutor(VARIANTS[variant]())
+        async with mc.CacheManager(pool, executor=failing, max_failed_flushes=100) as mgr:
+            failing.arm(fail_at)
             mgr.alloc(4)
             while True:
                 try:
@@ -238,7 +218,7 @@ def test_faults_lose_nothing(
                     assert isinstance(exc.__cause__, MemoryError)
                     continue  # the work is kept; it runs first next time
                 oracle.assert_matches(pool)
-            flaky.fail_at = set()
+            failing.arm(())
         oracle.assert_matches(pool)  # leaving the context finished everything
         assert pool.unfinished == 0
 
@@ -249,9 +229,9 @@ def test_faults_lose_nothing(
 async def test_failed_flush_raises_then_next_flush_completes() -> None:
     pool = mc.StatePool(small_spec(), 4)
     fill_random(pool, 0)
-    flaky = Flaky(TorchExecutor(), {2})  # the zero stage fails on the second of three tensors
-    async with mc.CacheManager(pool, executor=flaky) as mgr:
-        flaky.armed = True
+    failing = FailingExecutor(TorchExecutor())
+    async with mc.CacheManager(pool, executor=failing) as mgr:
+        failing.arm({2})  # the zero stage fails on the second of three tensors
         a, b = mgr.alloc(2)
         with pytest.raises(mc.ExecutorError, match="kept") as info:
             await mgr.flush()
@@ -262,25 +242,25 @@ async def test_failed_flush_raises_then_next_flush_completes() -> None:
         report = await mgr.flush()
         assert report.resumed_stages == 1 and report.events == 1 and report.zeroed == 1
         assert all(bool((t[:, [a, b, c]] == 0).all()) for t in pool.tensors)
-        assert flaky.calls == 2 + 2 + 3  # tensor 0 was not done twice
+        assert failing.calls == 2 + 2 + 3  # tensor 0 was not done twice
 
 
 @pytest.mark.anyio
 async def test_exit_flush_failure_does_not_mask_the_blocks_error() -> None:
     pool = mc.StatePool(small_spec(), 4)
-    flaky = Flaky(TorchExecutor(), {1})
+    failing = FailingExecutor(TorchExecutor())
     with pytest.raises(KeyError, match="the body's own error") as info:
-        async with mc.CacheManager(pool, executor=flaky) as mgr:
-            flaky.armed = True
+        async with mc.CacheManager(pool, executor=failing) as mgr:
+            failing.arm({1})
             mgr.alloc(1)
             raise KeyError("the body's own error")
     notes = getattr(info.value, "__notes__", [""])
     assert "flush on leaving the block failed" in notes[0]
     # Without an error in the block, the exit flush's failure is raised.
-    flaky = Flaky(TorchExecutor(), {1})
+    failing = FailingExecutor(TorchExecutor())
     with pytest.raises(mc.ExecutorError):
-        async with mc.CacheManager(mc.StatePool(small_spec(), 4), executor=flaky) as mgr:
-            flaky.armed = True
+        async with mc.CacheManager(mc.StatePool(small_spec(), 4), executor=failing) as mgr:
+            failing.arm({1})
             mgr.alloc(1)
 
 
@@ -298,7 +278,7 @@ def test_work_kept_by_a_failed_exit_flush_runs_first_in_the_next_manager(variant
         mixed_step(mgr, slots)
         oracle.apply(_queued(mgr))
         # Leaving the block runs the exit flush, which faults part-way (maybe mid-rotate).
-        with pytest.raises(mc.ExecutorError), FaultAt(at, MemoryError):
+        with pytest.raises(mc.ExecutorError), fail_at_op(at, MemoryError):
             mgr.__exit__(None, None, None)
         assert pool.unfinished >= 1 and pool.ledger.owner is None
         # A new manager runs the kept work first, on the executor that started it.
@@ -311,9 +291,9 @@ def test_work_kept_by_a_failed_exit_flush_runs_first_in_the_next_manager(variant
 
 def test_a_persistent_failure_breaks_the_manager_instead_of_growing_a_queue() -> None:
     pool = mc.StatePool(SPEC, 6)
-    flaky = Flaky(TorchExecutor(), set(range(1, 10**6)))
-    with pytest.raises(mc.ManagerBrokenError), mc.CacheManager(pool, executor=flaky, max_failed_flushes=5) as mgr:
-        flaky.armed = True
+    failing = FailingExecutor(TorchExecutor())
+    with pytest.raises(mc.ManagerBrokenError), mc.CacheManager(pool, executor=failing, max_failed_flushes=5) as mgr:
+        failing.arm(set(range(1, 10**6)))
         (a, b) = mgr.alloc(2)
         for i in range(1000):
             try:
@@ -334,7 +314,7 @@ def test_a_persistent_failure_breaks_the_manager_instead_of_growing_a_queue() ->
     # Nothing is lost: the pool keeps it all (planned) for the next manager.
     kept = pool.unfinished
     assert 1 <= kept <= 4
-    flaky.fail_at = set()
+    failing.arm(())
     with mc.CacheManager(pool) as mgr:
         assert mgr.flush_nowait().resumed_stages == kept
     assert pool.unfinished == 0

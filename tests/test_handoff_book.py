@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import mambacache as mc
+from mambacache.testing import fail_at_op
 
-from .util import FaultAt, small_spec
+from .util import small_spec
 
 SLOTS, HOST = 4, 6
 
@@ -207,7 +208,7 @@ class ExportLife(RuleBasedStateMachine):
     @rule(fail=st.booleans())
     def flush(self, fail: bool) -> None:
         try:
-            with FaultAt(1 if fail else 0, RuntimeError):
+            with fail_at_op(1 if fail else 0, RuntimeError):
                 self.mgr.flush_nowait()
         except mc.ExecutorError:
             assert fail and self.mgr.unfinished >= 1

@@ -19,9 +19,9 @@ from mambacache._planner import (
     ZeroStage,
     plan_step,
 )
+from mambacache.testing import SequentialOracle
 
 from .layered import pool_tensors
-from .oracle import SequentialOracle
 from .strategies import host_ops
 from .sweep import fault_points
 from .util import VARIANTS, Driver, fill_random, flush_with_fault, kinds_for, small_spec, sweep_pool

@@ -26,10 +26,10 @@ import pytest
 
 import mambacache as mc
 from mambacache import tracing
+from mambacache.testing import SequentialOracle, fail_at_op
 
-from .oracle import SequentialOracle
 from .sweep import fault_points
-from .util import FaultAt, InterruptAtLine, fill_random, small_spec
+from .util import InterruptAtLine, fill_random, small_spec
 
 N, H = 10, 6
 
@@ -68,7 +68,7 @@ class _Case:
             mgr.copy_on_write(slots[6], slots[7])
             mgr.clear(slots[5])
             self.oracle.apply(mgr.queued())
-            with pytest.raises(mc.ExecutorError), FaultAt(2, RuntimeError):
+            with pytest.raises(mc.ExecutorError), fail_at_op(2, RuntimeError):
                 mgr.flush_nowait()
             assert self.pool.unfinished >= 1
         before = mgr.pending

@@ -7,8 +7,7 @@ import torch
 
 import mambacache as mc
 from mambacache import _flush
-
-from .oracle import SequentialOracle
+from mambacache.testing import SequentialOracle
 
 
 def spec() -> mc.StateSpec:

@@ -38,6 +38,8 @@ FOREIGN_PRIVATES = {
     # The crew: a default-device context (the one function mode it runs under) is told apart by its type.
     "torch._C._get_function_stack_at",
     "torch.utils._device",
+    # The crew: whether a profiler records this thread's ops (it records only its own threads'); no public form.
+    "torch.autograd._profiler_enabled",
 }
 MAX_CLASS_LINES = 300
 MAX_FUNCTION_LINES = 60
@@ -102,7 +104,8 @@ def test_no_import_circle() -> None:
 CORE = {
     "mambacache._args", "mambacache._backlog", "mambacache._channel", "mambacache._distributed",
     "mambacache._errors", "mambacache._events", "mambacache._executors", "mambacache._executors._base",
-    "mambacache._executors._crew", "mambacache._executors._npu", "mambacache._executors._reference",
+    "mambacache._executors._crew", "mambacache._executors._npu", "mambacache._executors._policy",
+    "mambacache._executors._reference",
     "mambacache._executors._torch",
     "mambacache._flush", "mambacache._hf", "mambacache._host", "mambacache._hosttier", "mambacache._indices",
     "mambacache._layout", "mambacache._ledger", "mambacache._manager", "mambacache._planner", "mambacache._pool",
@@ -113,7 +116,7 @@ CORE = {
 LAYERS = ("mambacache._handoff", "mambacache._tiers")
 TOOLS = (
     "mambacache.tracing", "mambacache.sim", "mambacache.bench", "mambacache.integrations", "mambacache.audit",
-    "mambacache.hf", "mambacache._cli", "mambacache._console", "mambacache.__main__",
+    "mambacache.hf", "mambacache.testing", "mambacache._cli", "mambacache._console", "mambacache.__main__",
 )  # fmt: skip
 
 
@@ -188,6 +191,7 @@ PUBLIC_MODULES = [
     "mambacache.audit",
     "mambacache.bench",
     "mambacache.sim",
+    "mambacache.testing",
     "mambacache.integrations.vllm",
     "mambacache.integrations.sglang",
 ]

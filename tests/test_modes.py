@@ -28,9 +28,9 @@ import mambacache as mc
 from mambacache._executors._npu import NpuExecutor
 from mambacache._executors._reference import ReferenceExecutor
 from mambacache._executors._torch import TorchExecutor
+from mambacache.testing import SequentialOracle
 
 from . import link
-from .oracle import SequentialOracle
 from .sweep import fault_points
 from .util import fill_random, small_spec
 

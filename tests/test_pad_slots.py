@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mambacache as mc
+from mambacache.testing import SequentialOracle
 
-from .oracle import SequentialOracle
 from .strategies import events_from_ops, ops
 from .util import VARIANTS, drive, fill_random, small_spec
 

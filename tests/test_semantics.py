@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 import mambacache as mc
 from mambacache._executors._npu import NpuExecutor
 from mambacache._executors._torch import TorchExecutor
+from mambacache.testing import SequentialOracle
 
 from .layered import layered_pool, pool_tensors
-from .oracle import SequentialOracle
 from .strategies import events_from_ops, shift_ops
 from .util import drive, fill_random, paged_pool, quant_spec, small_spec, step_value
 

@@ -15,11 +15,11 @@ from mambacache import tracing
 from mambacache._executors._npu import NpuExecutor
 from mambacache._planner import CommitStage, decode_plan, encode_plan, plan_step
 from mambacache.audit import OpAudit
+from mambacache.testing import SequentialOracle, fail_at_op
 
-from .oracle import SequentialOracle
 from .strategies import events_from_ops, ops
 from .sweep import fault_points
-from .util import VARIANTS, FaultAt, drive
+from .util import VARIANTS, drive
 
 K = 3
 N = 8
@@ -131,7 +131,7 @@ def test_a_fault_at_every_op_of_a_commit_step_then_one_flush_is_exact(variant: s
                       mc.CommitDraft(c, 1), mc.Clear(d)]  # fmt: skip
             mgr.submit(*events)  # type: ignore[arg-type]
             oracle.apply(events)  # type: ignore[arg-type]
-            mode = FaultAt(at, exc)
+            mode = fail_at_op(at, exc)
             try:
                 with mode:
                     mgr.flush_nowait()

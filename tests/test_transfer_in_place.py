@@ -24,11 +24,12 @@ import mambacache as mc
 from mambacache import _tracing, tracing
 from mambacache._handoff._link import messages
 from mambacache._handoff._transfer import export_rows
+from mambacache.testing import fail_at_op
 from mambacache.tracing import analyze_lines
 
 from ._loopback import loopback
 from .layered import layered_pool, pool_tensors
-from .util import FaultAt, fill_random, paged_pool, small_spec
+from .util import fill_random, paged_pool, small_spec
 
 SPEC = small_spec(3)
 
@@ -115,7 +116,7 @@ def test_an_export_in_place_after_a_failed_flush_is_ready_only_once_the_repair_r
         fill_random(send.pool, 3)
         send.clear(s)  # queued before the export: what the peer gets is the cleared slot
         send.export(s, "r", in_place=True)
-        with pytest.raises(mc.ExecutorError), FaultAt(1, RuntimeError):
+        with pytest.raises(mc.ExecutorError), fail_at_op(1, RuntimeError):
             send.flush_nowait()
         assert send.unfinished and send.exports_ready() == []
         send.flush_nowait()  # the repair
@@ -550,7 +551,7 @@ def test_an_import_in_place_is_not_reported_unlanded_when_a_flush_of_its_step_fa
             kinds = [a.kind for a in analyze_lines(imported, expect_idle=True).anomalies]
             assert kinds == ["held-at-end"], kinds  # the slot is held: its import completed
             recv.alloc(1, "b")  # other work in the import's step, whose flush fails
-            with pytest.raises(mc.ExecutorError), FaultAt(1, RuntimeError):
+            with pytest.raises(mc.ExecutorError), fail_at_op(1, RuntimeError):
                 recv.flush_nowait()
             recv.offload(4, "a")  # the slot holds its state: the engine may read it
             lines = [json.dumps(r) for r in logs]

@@ -31,12 +31,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mambacache as mc
+from mambacache.testing import SequentialOracle, fail_at_op
 
 from ._gate import flush_paused, resume
 from ._loopback import OneBatch, loopback
-from .oracle import SequentialOracle
 from .sweep import fault_points
-from .util import VARIANTS, FaultAt, fill_random, quant_spec, step_value
+from .util import VARIANTS, fill_random, quant_spec, step_value
 
 N, H = 5, 4  # small pools, so that slots and host slots are reused within a step and across
 SPEC = quant_spec(draft_tokens=2)  # int8 conv, fp8 temporal, two extras (fp32, bf16), draft buffers
@@ -243,7 +243,7 @@ class Engine:
         if between.startswith("pause") and at and peer is not None:
             return self.flush_in_thread(at, peer, between == "pause-fail")
         mgr = self.mgr
-        mode = FaultAt(at, EXCS[at % len(EXCS)])
+        mode = fail_at_op(at, EXCS[at % len(EXCS)])
         try:
             with mode:
                 mgr.flush_nowait()

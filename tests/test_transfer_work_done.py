@@ -21,10 +21,11 @@ import pytest
 import torch
 
 import mambacache as mc
+from mambacache.testing import fail_at_op
 
 from ._gate import flush_paused, resume
 from ._loopback import loopback
-from .util import FaultAt, small_spec
+from .util import small_spec
 
 SPEC = small_spec(2)
 
@@ -65,7 +66,7 @@ def test_a_landing_after_a_failed_flush_never_takes_the_host_slot_its_import_sti
     with _mgr() as mgr:
         h = _arrive(mgr, "a", 1.0)
         mgr.import_into(1, "a")  # the restore of h into slot 1 is queued, h freed for the next step
-        with pytest.raises(mc.ExecutorError), FaultAt(1, RuntimeError):
+        with pytest.raises(mc.ExecutorError), fail_at_op(1, RuntimeError):
             mgr.flush_nowait()  # the restore failed: it waits in the backlog for the repair
         assert mgr.unfinished == 1
         other = _arrive(mgr, "b", 2.0)  # the next state arrives before the repair
@@ -93,7 +94,7 @@ def test_a_landing_with_only_busy_host_slots_is_refused_and_changes_nothing_then
     with _mgr(host=1) as mgr:
         _arrive(mgr, "a", 1.0)
         mgr.import_into(1, "a")
-        with pytest.raises(mc.ExecutorError), FaultAt(1, RuntimeError):
+        with pytest.raises(mc.ExecutorError), fail_at_op(1, RuntimeError):
             mgr.flush_nowait()
         before = _state(mgr)
         with pytest.raises(mc.PoolExhaustedError, match="once queued or unfinished work"):
@@ -110,7 +111,7 @@ def test_a_landing_on_the_next_manager_waits_for_the_backlog_the_last_one_left()
     old.__enter__()
     h = _arrive(old, "a", 1.0)
     old.import_into(1, "a")
-    with pytest.raises(mc.ExecutorError), FaultAt(1, RuntimeError):
+    with pytest.raises(mc.ExecutorError), fail_at_op(1, RuntimeError):
         old.__exit__(None, None, None)  # its last flush failed: the import stays in the pool's backlog
     assert pool.unfinished == 1
     with mc.CacheManager(pool, host_pool=host) as new:
@@ -142,7 +143,7 @@ def test_an_export_whose_flush_failed_is_ready_only_once_the_repair_staged_it() 
         mgr.flush_nowait()
         mgr.pool.temporal[:, s] = 5.0
         h = mgr.export(s, "r")
-        with pytest.raises(mc.ExecutorError), FaultAt(1, RuntimeError):
+        with pytest.raises(mc.ExecutorError), fail_at_op(1, RuntimeError):
             mgr.flush_nowait()
         assert mgr.exports_ready() == [] and mgr.take_exports() == []
         (t,) = mgr.alloc(1, "q")  # a later step queued behind the failed one does not make it ready either
@@ -165,7 +166,7 @@ def test_exports_of_earlier_steps_stay_ready_while_a_later_flush_is_unfinished()
         mgr.flush_nowait()
         mgr.hand_over(b, "q", "r")
         mgr.export(b, "q")
-        with pytest.raises(mc.ExecutorError), FaultAt(1, RuntimeError):
+        with pytest.raises(mc.ExecutorError), fail_at_op(1, RuntimeError):
             mgr.flush_nowait()
         assert [ev.slot for ev in mgr.exports_ready()] == [a]  # its staging copy ran a step before
         mgr.flush_nowait()
@@ -275,7 +276,7 @@ def test_a_manager_that_breaks_while_a_send_awaits_its_ack_still_takes_the_deliv
     mgr.flush_nowait()
     taken = mgr.take_exports()
     (t,) = mgr.alloc(1, "q")
-    with pytest.raises(mc.ManagerBrokenError), FaultAt(1, RuntimeError):
+    with pytest.raises(mc.ManagerBrokenError), fail_at_op(1, RuntimeError):
         mgr.flush_nowait()  # another thread's flush breaks the manager meanwhile
     mgr.exports_delivered(taken)  # the peer holds the state: not reported lost
     assert mgr.held() == {t: "q"}
@@ -433,7 +434,7 @@ def test_a_step_loop_flushing_with_faults_while_another_thread_sends_and_lands_l
             assert not errors, errors
             decode.import_into(1, rid)
             if k % 2:
-                with pytest.raises(mc.ExecutorError), FaultAt(1, RuntimeError):
+                with pytest.raises(mc.ExecutorError), fail_at_op(1, RuntimeError):
                     decode.flush_nowait()
                 faults += 1
                 threading.Event().wait(0.002)  # the repair comes later: the other thread lands meanwhile

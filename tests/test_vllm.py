@@ -22,6 +22,8 @@ import pytest
 import mambacache as mc
 from mambacache.integrations.vllm import CACHED
 
+from .engine_faults.mambacache_test_faults import subprocess_env
+
 ROOT = Path(__file__).parent.parent
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -37,13 +39,15 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("model") / "mamba2-tiny"
 
 
-def example(model_dir: Path, *args: str, script: str = "vllm_plugin.py") -> dict[str, Any]:
-    """An example's ``--json`` result (with its exit status), run on the tiny model in ``model_dir``."""
+def example(model_dir: Path, *args: str, script: str = "vllm_plugin.py", fault: str | None = None) -> dict[str, Any]:
+    """An example's ``--json`` result (with its exit status), run on the tiny model in ``model_dir``; ``fault``:
+    one of tests/engine_faults' faults, injected into every process of the run."""
     done = subprocess.run(
         [sys.executable, str(ROOT / "examples" / script), "--json", "--model-dir", str(model_dir), *args],
         capture_output=True,
         text=True,
         timeout=900,
+        env=None if fault is None else subprocess_env(fault),
     )
     assert done.returncode in (0, 1) and done.stdout.strip(), done.stderr[-3000:]
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -80,13 +84,12 @@ def test_without_vllms_masking_only_the_plugins_clears_keep_outputs_right(model_
     r = example(model_dir, "--requests", "8", "--unmask")
     assert r["returncode"] == 0 and r["plugin_matches_transformers"] == 8, r
     assert r["vllm_matches_transformers"] < 8  # vLLM alone reads the stale blocks
-    bad = example(model_dir, "--requests", "8", "--unmask", "--fault", "skip-clear")
-    assert bad["returncode"] == 0 and bad["plugin_matches_transformers"] < 8, bad  # the test can fail
-    assert bad["plugin"]["clears"] == 0
+    bad = example(model_dir, "--requests", "8", "--unmask", fault="vllm-skip-clear")
+    assert bad["returncode"] == 1 and bad["plugin_matches_transformers"] < 8, bad  # the test can fail
 
 
-def prefix_example(model_dir: Path, *args: str) -> dict[str, Any]:
-    return example(model_dir, *args, script="vllm_prefix_cpu.py")
+def prefix_example(model_dir: Path, *args: str, fault: str | None = None) -> dict[str, Any]:
+    return example(model_dir, *args, script="vllm_prefix_cpu.py", fault=fault)
 
 
 def test_align_mode_prefix_caching_fails_alone_on_cpu_and_is_token_exact_with_the_plugin(
@@ -112,8 +115,8 @@ def test_align_mode_prefix_caching_fails_alone_on_cpu_and_is_token_exact_with_th
     assert forks and all(e.request_id is not None and e.request_id != CACHED for e in forks)
     assert subprocess.run([sys.executable, "-m", "mambacache", "trace", str(trace), "--expect-idle"]).returncode == 0
     bad = prefix_example(model_dir, "--modes", "plugin", "--systems", "4", "--per-system", "3", "--blocks", "16",
-                         "--fault", "skip-copy")  # fmt: skip
-    assert bad["returncode"] == 0 and bad["runs"]["plugin"]["matches_transformers"] < 12, bad  # the test can fail
+                         fault="vllm-skip-copy")  # fmt: skip
+    assert bad["returncode"] == 1 and bad["runs"]["plugin"]["matches_transformers"] < 12, bad  # the test can fail
 
 
 def test_speculative_decoding_in_align_mode_fails_alone_on_cpu_and_runs_with_the_plugin(

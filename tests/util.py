@@ -19,15 +19,13 @@ from types import FrameType
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import mambacache as mc
 from mambacache._executors._npu import NpuExecutor
-from mambacache._executors._reference import ReferenceExecutor
 from mambacache._executors._torch import TorchExecutor
+from mambacache.testing import ReferenceExecutor, SequentialOracle, fail_at_op
 
 from .layered import layered_pool, pool_tensors
-from .oracle import SequentialOracle
 
 
 def small_spec(layers: int = 3) -> mc.StateSpec:
@@ -123,7 +121,7 @@ def drive(
     return done
 
 
-# -- fault injection (tests/sweep.py says which ops) ---------------------
+# -- fault sweeps (tests/sweep.py says which ops; mambacache.testing injects) --
 SPEC = small_spec()
 SPECS = {"plain": SPEC, "quantized": quant_spec()}  # the fault sweeps run on both: extras are more tensors
 # ... and on the quantized spec's tensors paged (vLLM's block pages), where the executor takes them.
@@ -165,20 +163,6 @@ def variants() -> dict[str, Callable[[], mc.Executor]]:
 VARIANTS = variants()
 
 
-class FaultAt(TorchDispatchMode):
-    """Raises ``exc`` before the ``at``-th aten op of the block (1-based); counts ops."""
-
-    def __init__(self, at: int = 0, exc: type[BaseException] = MemoryError) -> None:
-        super().__init__()
-        self.at, self.exc, self.ops = at, exc, 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops += 1
-        if self.ops == self.at:
-            raise self.exc(f"injected before op {self.ops}: {func}")
-        return func(*args, **(kwargs or {}))
-
-
 def flush_with_fault(mgr: mc.CacheManager, at: int, exc: type[BaseException], *, alone: bool = True) -> int:
     """Flush with ``exc`` raised before aten op ``at`` (0: none); a failed flush is repaired by one more.
 
@@ -186,7 +170,7 @@ def flush_with_fault(mgr: mc.CacheManager, at: int, exc: type[BaseException], *,
     other threads submit meanwhile (a transfer's delivery queues releases and drops at any time), so the failed
     flush having taken every queued event is not checked.
     """
-    mode = FaultAt(at, exc)
+    mode = fail_at_op(at, exc)
     try:
         with mode:
             mgr.flush_nowait()

@@ -22,7 +22,10 @@ Invariants:
 * :meth:`Crew.run` returns or raises only once no chunk of its stage is
   running: a helper never writes after it, so an executor's resume contract
   (a stage run again after a fault) holds as on one thread; the first
-  exception of any chunk is raised, and no chunk starts after it.
+  exception of any chunk is raised, and no chunk starts after it; an
+  interrupt on the calling thread is raised even after a chunk's failure (that
+  failure its context).
+* An inbox is listed only once a helper thread serves it (the helper lists it).
 * Only stages whose views can go in any order come here (the zero and copy
   stages' disjoint sources and destinations, host stages, commits).
 * Only CPU views under the grain (each op inline on the thread that runs it: a
@@ -32,10 +35,12 @@ Invariants:
   observer sees: under ``CHUNK_BYTES * 2`` bytes, one torch thread, the crew
   busy with another thread's stage, or a Python dispatch or function mode active
   (modes are thread-local, so a fault or op-counting mode would miss the
-  helpers' ops). A default-device context (``torch.set_default_device``, ``with
-  torch.device(...)``; its own type, not a subclass) is the one function mode
-  that does not keep a stage inline: it only gives factory functions a device,
-  and a stage's in-place ops on the pool's own tensors create nothing.
+  helpers' ops), or a profiler active on the calling thread (``torch.profiler``
+  records the ops of the threads it was started on). A default-device context
+  (``torch.set_default_device``, ``with torch.device(...)``; its own type, not
+  a subclass) is the one function mode that does not keep a stage inline: it
+  only gives factory functions a device, and a stage's in-place ops on the
+  pool's own tensors create nothing.
 * A helper runs a stage under its caller's inference and grad modes (also
   thread-local): an engine's pool made under ``torch.inference_mode`` holds
   inference tensors, which refuse an in-place op outside it.
@@ -106,8 +111,15 @@ class _Job:
             return self.bounds[self.next - 1]
 
     def fail(self, error: BaseException) -> None:
+        """Record ``error``: the first one, except that an interrupt (a KeyboardInterrupt, a SystemExit: not an
+        ``Exception``) replaces a chunk's failure, with that failure as its context, and is what run raises. The
+        flush turns an ``Exception`` into an ExecutorError and carries on; an interrupt must reach its caller."""
         with self.cond:
             if self.error is None:
+                self.error = error
+            elif isinstance(self.error, Exception) and not isinstance(error, Exception):
+                if error.__context__ is None and error is not self.error:
+                    error.__context__ = self.error
                 self.error = error
 
     def work(self, helper: bool = False) -> None:
@@ -156,13 +168,33 @@ class Crew:
         self._inbox: list[queue.SimpleQueue[_Job]] = []
 
     def _helpers(self, want: int) -> list[queue.SimpleQueue[_Job]]:
+        """Up to ``want`` helpers' inboxes, starting helpers that are missing; fewer where a thread cannot be
+        started (a pids or memory limit): the stage then runs with the helpers there are.
+
+        A helper lists its own inbox, on its own thread, where no signal is delivered, so an inbox is listed
+        only once a thread serves it: an inbox no one served would take every later shared stage's job for
+        good, and keep its views' storage alive. An interrupt here after the start leaves the helper to list
+        itself, and the next stage finds it."""
         while len(self._inbox) < want:
-            inbox: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-            # Listed before its thread starts: an interrupt between the two leaves an inbox no one serves,
-            # which costs its stages a helper, never a wait (a job's end is its own state).
-            self._inbox.append(inbox)
-            threading.Thread(target=_serve, args=(inbox,), name="mambacache-crew", daemon=True).start()
+            listed = threading.Event()
+            thread = threading.Thread(target=_serve, args=(self._inbox, listed), name="mambacache-crew", daemon=True)
+            try:
+                thread.start()
+            except Exception:  # no thread to be had now; a later stage tries again
+                break
+            listed.wait()
         return self._inbox[:want]
+
+    def open(self) -> bool:
+        """Whether this thread's stages may leave it at all (whatever their views): more than one torch
+        thread, no Python dispatch or function mode (a default-device context aside) and no profiler active.
+        The torch executor asks it too before it picks how a large stage runs."""
+        if torch.get_num_threads() < 2 or torch._C._len_torch_dispatch_stack():
+            return False
+        if (modes := torch._C._len_torch_function_stack()) and not _only_device_contexts(modes):
+            return False
+        # A profiler records only the threads it was started on.
+        return not torch.autograd._profiler_enabled()  # type: ignore[attr-defined]
 
     def shares(self, dests: list[torch.Tensor], nbytes: int | None = None) -> bool:
         """Whether a stage over ``dests`` goes to the crew: see the module's invariants. ``nbytes``, the
@@ -171,11 +203,7 @@ class Crew:
         0.1 us a view)."""
         if nbytes is not None and nbytes < 2 * self.chunk_bytes:
             return False
-        if len(dests) < self.min_views or torch.get_num_threads() < 2 or not dests[0].is_cpu:
-            return False
-        if torch._C._len_torch_dispatch_stack():
-            return False
-        if (modes := torch._C._len_torch_function_stack()) and not _only_device_contexts(modes):
+        if len(dests) < self.min_views or not dests[0].is_cpu or not self.open():
             return False
         size = 0
         for v in dests:
@@ -208,9 +236,15 @@ class Crew:
             self._busy.release()
 
 
-def _serve(inbox: queue.SimpleQueue[_Job]) -> None:
-    """A helper: each job it is handed, under the job's autograd modes, until the job is closed or done. Holds
-    no job between jobs (a job's views keep the pool's storage alive)."""
+def _serve(listing: list[queue.SimpleQueue[_Job]], listed: threading.Event) -> None:
+    """A helper: lists its inbox in ``listing`` (then sets ``listed``), and runs each job it is handed, under
+    the job's autograd modes, until the job is closed or done. Holds no job between jobs (a job's views keep
+    the pool's storage alive)."""
+    inbox: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+    try:
+        listing.append(inbox)
+    finally:
+        listed.set()
     while True:
         job: _Job | None = inbox.get()
         assert job is not None

@@ -11,6 +11,9 @@ __all__ = ["ReferenceExecutor"]
 
 
 class ReferenceExecutor(Executor):
+    """Runs each stage one slot (one pair, one cycle) at a time with plain indexing: slow and obviously correct,
+    the executor others are checked against (``executor="reference"``)."""
+
     name = "reference"
 
     def __init__(self, copy_workspace_bytes: int = 0) -> None:

@@ -8,8 +8,13 @@ or forced (``path="runs" | "index" | "direct"``):
   ``num_layers`` contiguous chunks, no index tensor, no temporary: memset/memcpy
   speed when chunks are large (CPU). On CPU a view of ``GRAIN`` elements or more
   is cut into pieces under it (``pieces`` in ``_base.py``), so that no op of the stage
-  is an OpenMP parallel region; a stage of a few MiB or more is shared in chunks
-  with the process's helper threads (``_crew.py``). Single-slot views are cached;
+  is an OpenMP parallel region. A stage of a few MiB or more (twice the crew's
+  chunk) runs the way measured fastest for its shape (``large_stages="auto"``,
+  ``_policy.py``): its pieces shared in chunks with the process's helper threads
+  (``_crew.py``), its pieces on the calling thread, or one uncut view per run
+  (each op a parallel region: fastest on a quiet host, many times slower with
+  another process computing); a zero stage also one ``index_fill_`` per tensor.
+  Single-slot views are cached;
 * index: one ``index_fill_`` (zero) or ``index_select`` + ``index_copy_`` (copy)
   per tensor with host-built indices: one op whatever the slot count, but a
   copy gathers into a temporary (chunked to ``copy_workspace_bytes``), so every
@@ -35,8 +40,10 @@ direct (no temporary, constant op count).
 
 Offload and restore stages on CPU (``execute_host``) take the runs path's views
 on both sides, pool and host tensor alike, so a run at or past ``GRAIN``
-elements is cut under it too (one ``_foreach_copy_`` per stage and tensor); on
-accelerators, ``copy_host``'s per-layer non-blocking ops.
+elements is cut under it too (one ``_foreach_copy_`` per stage and tensor); a
+large one runs the way its shape measured fastest, as a zero or copy stage does
+(its pieces shared or not, or one strided op per run); on accelerators,
+``copy_host``'s per-layer non-blocking ops.
 
 Rotate stages (cycles) take the index path on every setting: one gather of all
 members, then one scatter, so every member is read before any is written; the
@@ -48,6 +55,7 @@ it to ``t[..., :w - k]`` of the destinations and fill ``t[..., w - k:]`` with 0.
 from __future__ import annotations
 
 import operator
+import time
 from collections.abc import Iterable
 
 import torch
@@ -56,10 +64,15 @@ from .._errors import InvalidArgumentError
 from .._planner import CommitStage, CopyStage, HostStage, OffloadStage, RotateStage, ShiftStage, Stage, ZeroStage
 from ._base import GRAIN, Executor, IndexBuilder, Progress, copy_host, piece_size, pieces, row_width, stage_pairs
 from ._crew import crew
+from ._policy import Policy
 
 __all__ = ["PATHS", "TorchExecutor"]
 
 PATHS = ("auto", "runs", "index", "direct")
+# How a large CPU stage runs (``large_stages``): picked per stage shape from measured times, or one way always.
+LARGE = ("auto", "crew", "inline", "whole")
+_ZERO_WAYS = ("crew", "index", "whole")  # a zero stage's ways under "auto" (inline: index_fill_ beats it)
+_WAYS = ("crew", "inline", "whole")  # a copy's and a host stage's
 # Pool tensors whose views are cached: past it the oldest is dropped, and a pool with more tensors would
 # rebuild its views every step.
 _MAX_VIEWS = 1024
@@ -174,6 +187,113 @@ def _run_views(stage: ZeroStage | CopyStage, entries: list[_Views], share: bool,
         torch._foreach_copy_(views, sources)
 
 
+def _whole_runs(stage: ZeroStage | CopyStage, entries: list[_Views]) -> None:
+    """A zero or copy stage as one strided view per run and tensor, uncut: each op of ``GRAIN`` elements or
+    more is an OpenMP parallel region (the way a large stage runs fastest on a quiet host)."""
+    if isinstance(stage, ZeroStage):
+        torch._foreach_zero_([e.tensor[:, a : a + n] for e in entries for a, n in stage.runs])
+        return
+    runs = stage.runs
+    dests = [e.tensor[:, d : d + n] for e in entries for _, d, n in runs]
+    torch._foreach_copy_(dests, [e.tensor[:, s : s + n] for e in entries for s, _, n in runs])
+
+
+class _Large:
+    """How a large CPU stage runs (``large_stages``): one of its ways, always the one set or, under ``"auto"``,
+    the one its :class:`Policy` picks from the times it measured."""
+
+    __slots__ = ("indices", "policy", "setting")
+
+    def __init__(self, setting: str, indices: IndexBuilder) -> None:
+        self.setting, self.indices, self.policy = setting, indices, Policy()
+
+    def way(self, key: tuple[str, int, int], nbytes: int) -> str | None:
+        """How a CPU stage of ``nbytes`` bytes runs: None for the pieces' own rule (under the crew's size, or
+        the crew closed: a mode, a profiler, one torch thread), else one of the ways."""
+        if self.setting == "inline" or nbytes < 2 * crew.chunk_bytes or not crew.open():
+            return None
+        if self.setting != "auto":
+            return self.setting
+        return self.policy.pick(key, _ZERO_WAYS if key[0] == "zero" else _WAYS)
+
+    def run_views(self, stage: ZeroStage | CopyStage, entries: list[_Views], slot_bytes: int | None = None) -> None:
+        """The runs path of a whole stage over ``entries`` (the pool tensors' view caches), the way
+        :meth:`way` picks; timed for the policy."""
+        zero = type(stage) is ZeroStage
+        share = self.setting != "inline"
+        n = len(stage.slots) if zero else len(stage.pairs)  # type: ignore[union-attr]
+        if slot_bytes is None:
+            slot_bytes = sum(e.slot_bytes for e in entries)
+        if share and (nbytes := n * slot_bytes) >= 2 * crew.chunk_bytes:
+            key = ("zero" if zero else "copy", nbytes.bit_length(), len(stage.runs).bit_length())
+            way = self.way(key, nbytes)
+            if way is not None:
+                t0 = time.perf_counter()
+                if way == "whole":
+                    _whole_runs(stage, entries)
+                elif way == "index":
+                    for entry in entries:
+                        (idx,) = self.indices.get(stage, entry.tensor.device, stage.slots)  # type: ignore[union-attr]
+                        entry.tensor.index_fill_(1, idx, 0)
+                else:
+                    _run_views(stage, entries, way == "crew", slot_bytes)
+                if self.setting == "auto":
+                    self.policy.record(key, way, time.perf_counter() - t0, nbytes)
+                return
+        _run_views(stage, entries, share, slot_bytes)
+
+    def host(self, stage: HostStage, src: torch.Tensor, dst: torch.Tensor, read: _Views, write: _Views) -> None:
+        """An offload or restore between CPU tensors ``src`` and ``dst`` (their view caches ``read``, ``write``),
+        the way :meth:`way` picks; timed for the policy."""
+        way = None
+        if self.setting != "inline":
+            nbytes = sum(n for _, _, n in stage.runs) * read.slot_bytes
+            key = ("host", nbytes.bit_length(), len(stage.runs).bit_length())
+            way = self.way(key, nbytes)
+        if way is None:
+            _host_pieces(stage, src, dst, read, write, self.setting != "inline")
+            return
+        t0 = time.perf_counter()
+        if way == "whole":  # one strided op per run, as copy_host makes it
+            for a, b, n in stage.runs:
+                dst[:, b : b + n].copy_(src[:, a : a + n])
+        else:
+            _host_pieces(stage, src, dst, read, write, way == "crew")
+        if self.setting == "auto":
+            self.policy.record(key, way, time.perf_counter() - t0, nbytes)
+
+
+def _host_pieces(
+    stage: HostStage, src: torch.Tensor, dst: torch.Tensor, read: _Views, write: _Views, share: bool
+) -> None:
+    """A host stage's runs as pieces under the grain on both sides, shared with the crew (``share``) or on
+    the calling thread; a run whose two sides are not cut alike, one strided op."""
+    sources: list[torch.Tensor] = []
+    dests: list[torch.Tensor] = []
+    for a, b, n in stage.runs:
+        got, put = read.run(a, n), write.run(b, n)
+        if n > 1 and not _alike(got, put):  # a paged side cuts a run row by row: go slot by slot
+            got = [v for i in range(n) for v in read.run(a + i, 1)]
+            put = [v for i in range(n) for v in write.run(b + i, 1)]
+        if not _alike(got, put) and read.split and write.split:
+            # Another row width on each side (a paged pool's rows start at narrower offsets): both cut in
+            # the narrower one, which divides the wider, slot by slot and row by row, as a commit's are.
+            width = min(read.width, write.width, key=lambda dt: dt.itemsize)
+            layers = range(src.shape[0])
+            got = [p for i in range(n) for layer in layers for p in pieces(src[layer, a + i], width)]
+            put = [p for i in range(n) for layer in layers for p in pieces(dst[layer, b + i], width)]
+        if _alike(got, put):
+            sources += got
+            dests += put
+        else:
+            dst[:, b : b + n].copy_(src[:, a : a + n])
+    if dests:
+        if share:
+            crew.run(dests, sources)
+        else:
+            torch._foreach_copy_(dests, sources)
+
+
 class TorchExecutor(Executor):
     name = "torch"
 
@@ -185,17 +305,27 @@ class TorchExecutor(Executor):
         max_runs: int = 4,
         path: str = "auto",
         share_stages: bool = True,
+        large_stages: str = "auto",
     ) -> None:
-        """``share_stages``: a CPU stage of a few MiB or more is shared in chunks with the process's helper
-        threads (``_crew.py``); False keeps every op of every stage on the calling thread."""
+        """``share_stages``: a CPU stage of a few MiB or more may leave the calling thread; False keeps every
+        op of every stage on it. ``large_stages``, how such a stage runs on the runs path (zero, copy) and
+        offload or restore: ``"auto"`` picks per stage shape from measured times (``_policy.py``) between its
+        pieces shared with the crew's helper threads (``_crew.py``), its pieces on the calling thread, one
+        strided op per run (each an OpenMP parallel region) and, for a zero stage, one ``index_fill_`` per
+        tensor; ``"crew"``, ``"inline"`` or ``"whole"`` always the one."""
         if path not in PATHS:
             raise InvalidArgumentError(f"path must be one of {PATHS}, got {path!r}")
+        if large_stages not in LARGE:
+            raise InvalidArgumentError(f"large_stages must be one of {LARGE}, got {large_stages!r}")
         self.copy_workspace_bytes = copy_workspace_bytes
         self.min_run_bytes = min_run_bytes
         self.max_runs = max_runs
         self.path = path
         self.share_stages = share_stages
+        self.large_stages = large_stages if share_stages else "inline"
         self._indices = IndexBuilder()
+        self._large = _Large(self.large_stages, self._indices)
+        self.policy = self._large.policy  # the measured times of "auto"
         self._progress = Progress()
         # id(tensor) -> its views; the entry holds the tensor, so the id stays its own.
         self._views: dict[int, _Views] = {}
@@ -311,7 +441,7 @@ class TorchExecutor(Executor):
         kind = type(stage)
         few = (kind is ZeroStage or kind is CopyStage) and self.path == "auto" and len(stage.runs) <= self.max_runs  # type: ignore[union-attr]
         if few and (group := self._cpu_group(tensors)) is not None:  # few runs on CPU tensors (a decode step)
-            _run_views(stage, group[1], self.share_stages, group[2])  # type: ignore[arg-type]
+            self._large.run_views(stage, group[1], group[2])  # type: ignore[arg-type]
             return True
         if isinstance(stage, ZeroStage):
             slots, runs = len(stage.slots), len(stage.runs)
@@ -344,7 +474,7 @@ class TorchExecutor(Executor):
                 sources += self._rows(t, srcs)
             torch._foreach_copy_(views, sources)
             return True
-        _run_views(stage, [self._entry(t) for t in tensors], self.share_stages)
+        self._large.run_views(stage, [self._entry(t) for t in tensors])  # type: ignore[arg-type]
         return True
 
     def _cpu_group(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[_Views], int] | None:
@@ -374,27 +504,7 @@ class TorchExecutor(Executor):
             return
         src, dst = (tensor, host) if type(stage) is OffloadStage else (host, tensor)
         read, write = self._entry(src), self._entry(dst)
-        sources: list[torch.Tensor] = []
-        dests: list[torch.Tensor] = []
-        for a, b, n in stage.runs:
-            got, put = read.run(a, n), write.run(b, n)
-            if n > 1 and not _alike(got, put):  # a paged side cuts a run row by row: go slot by slot
-                got = [v for i in range(n) for v in read.run(a + i, 1)]
-                put = [v for i in range(n) for v in write.run(b + i, 1)]
-            if not _alike(got, put) and read.split and write.split:
-                # Another row width on each side (a paged pool's rows start at narrower offsets): both cut in
-                # the narrower one, which divides the wider, slot by slot and row by row, as a commit's are.
-                width = min(read.width, write.width, key=lambda dt: dt.itemsize)
-                layers = range(src.shape[0])
-                got = [p for i in range(n) for layer in layers for p in pieces(src[layer, a + i], width)]
-                put = [p for i in range(n) for layer in layers for p in pieces(dst[layer, b + i], width)]
-            if _alike(got, put):
-                sources += got
-                dests += put
-            else:
-                dst[:, b : b + n].copy_(src[:, a : a + n])
-        if dests:
-            self._copy(dests, sources)
+        self._large.host(stage, src, dst, read, write)
 
     def execute(self, stage: Stage, tensor: torch.Tensor, draft: torch.Tensor | None = None) -> None:
         if isinstance(stage, CommitStage):

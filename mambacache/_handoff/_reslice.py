@@ -1,4 +1,4 @@
-"""Re-slicing states between tensor-parallel sizes: a layout of segments per pool tensor (issue #20).
+"""Re-slicing states between tensor-parallel sizes: a layout of segments per pool tensor.
 
 A state tensor's first per-slot dimension (conv channels, temporal heads) is a
 run of segments, each either split evenly across the ranks or replicated on

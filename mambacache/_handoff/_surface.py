@@ -1,4 +1,4 @@
-"""CacheManager's hand-off surface: a slot's state leaving for another engine, or arriving from one (issue #20).
+"""CacheManager's hand-off surface: a slot's state leaving for another engine, or arriving from one.
 
 :class:`HandOff` checks arguments and delegates to the manager's
 :class:`~mambacache._handoff._book.HandOffBook`, which owns every transition;

@@ -1,4 +1,4 @@
-"""StateTransfer: exported slot states to a peer engine, imported ones from it, over torch.distributed (issue #20).
+"""StateTransfer: exported slot states to a peer engine, imported ones from it, over torch.distributed.
 
 One batch per call, point to point, in two planes (``_link.py``): the batch is
 agreed on through the process group's key-value store (a header naming the

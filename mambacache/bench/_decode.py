@@ -9,9 +9,9 @@ Three loops alternate in one run, on one pool:
 * the floor: the same step through :class:`BareManager`, the least a manager
   written in Python does for it (below).
 
-The floor is there so that a ratio the issue sets (#33: the step within 1.5x
-of its op) can be read against what any Python manager costs on the same
-machine, in the same run: the floor alone is about 1.5x of the op.
+The floor is there so that the step's ratio to its op (the aim: within 1.5x)
+can be read against what any Python manager costs on the same machine, in the
+same run: the floor alone is about 1.5x of the op.
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ SHARDED = [
     "nemotron-h-8b-tp8",
     "mamba2-2.7b-tp8",
 ]
-# --quick: 8 layers and about 1 MiB per slot (128 KiB per layer), like the CPU goal.
+# --quick: 8 layers and about 1 MiB per slot (128 KiB per layer), a pool sized for a quick run on a CPU.
 PRESETS["small"] = Preset(
     "small",
     StateSpec(num_layers=8, conv_shapes=[(2048, 4)], temporal_shape=(8, 64, 64), conv_dtype=torch.bfloat16),

@@ -102,11 +102,12 @@ def measure(
     fns: dict[str, Callable[[], object]],
     device: torch.device,
     repeats: int,
-    warmup: int = 2,
+    warmup: int = 6,
     min_total_s: float = 0.2,
 ) -> dict[str, tuple[float, float, float, float]]:
     """Median, min and max seconds of each function, and the interquartile range of its rounds over their
-    median (the spread), after warm-up.
+    median (the spread), after warm-up (long enough for the torch executor's first looks at each way to run a
+    large CPU stage: ``_executors/_policy.py``).
 
     The functions run round-robin, one call each per round, so a slow spell of a
     shared machine hits every path alike and the ratios stay fair. Rounds go on
@@ -198,13 +199,19 @@ def _launches(fn: Callable[[], object], device: torch.device) -> int | None:
 DRAFTS = 2  # draft states per slot in the bench's pools (for the commit op)
 
 # Executors the bench knows besides the registry's: the torch executor with a forced path.
-# torch-inline: the auto paths with every op on the calling thread (no helper threads share a large CPU stage).
-BENCH_EXECUTORS = {"torch-runs": "runs", "torch-index": "index", "torch-direct": "direct", "torch-inline": "auto"}
+# torch-inline: the auto paths with every op on the calling thread (no helper threads share a large CPU stage);
+# torch-crew / torch-whole: a large CPU stage's pieces always shared with the crew / always one strided op per run
+# (the ways the torch executor's "auto" picks between, from measured times).
+BENCH_EXECUTORS = {
+    "torch-runs": ("runs", "auto"), "torch-index": ("index", "auto"), "torch-direct": ("direct", "auto"),
+    "torch-inline": ("auto", "inline"), "torch-crew": ("auto", "crew"), "torch-whole": ("auto", "whole"),
+}  # fmt: skip
 
 
 def make_executor(name: str, device: torch.device, workspace_bytes: int) -> Any:
     if name in BENCH_EXECUTORS:
-        return TorchExecutor(workspace_bytes, path=BENCH_EXECUTORS[name], share_stages=name != "torch-inline")
+        path, large = BENCH_EXECUTORS[name]
+        return TorchExecutor(workspace_bytes, path=path, share_stages=name != "torch-inline", large_stages=large)
     return resolve_executor(name, device, workspace_bytes)
 
 

@@ -1,4 +1,4 @@
-"""vLLM's align-mode mamba prefix caching taken over by the mambacache plugin (#23).
+"""vLLM's align-mode mamba prefix caching taken over by the mambacache plugin.
 
 vLLM's align mode (``enable_prefix_caching=True, mamba_cache_mode="align"``)
 needs two things the CPU build lacks (docs/engines.md, "Prefix caching on the

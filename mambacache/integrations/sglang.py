@@ -52,9 +52,7 @@ envelope layout, and ``MambaPoolHost``/HiCache. Slot ids are read to the host
 once per forward step, and once per direct call (a checkpoint's copy, a
 backup, its load), never per allocation or free.
 
-``MAMBACACHE_TRACE=PATH`` writes the slot-lifecycle trace (debug level);
-``MAMBACACHE_SGLANG_FAULT=skip-clear`` drops the step's clears: a deliberate
-fault for tests.
+``MAMBACACHE_TRACE=PATH`` writes the slot-lifecycle trace (debug level).
 """
 
 from __future__ import annotations
@@ -457,7 +455,7 @@ def _deferred_cow_and_clear(original: Any, runner: Any, forward_batch: Any) -> N
     if not _all_held(mgr, cleared, a, b):  # checked before anything is queued: all of the step or none of it
         _counts["fallbacks"] += 1
         return original(runner, forward_batch)  # type: ignore[no-any-return]
-    if cleared and os.environ.get("MAMBACACHE_SGLANG_FAULT") != "skip-clear":
+    if cleared:
         mgr.clear_many(cleared)
     if copying:
         counter = getattr(pool, "layer_transfer_counter", None)

@@ -34,9 +34,7 @@ align mode on the CPU build, that path is what cannot run: see
 :mod:`._vllm_prefix`).
 
 ``MAMBACACHE_TRACE=PATH`` writes the slot-lifecycle trace (debug level), which
-``mambacache trace PATH`` analyses. ``MAMBACACHE_VLLM_FAULT=skip-clear`` makes
-the plugin allocate without clearing, ``skip-copy`` drops the align-mode
-copies: deliberate faults for tests.
+``mambacache trace PATH`` analyses.
 """
 
 from __future__ import annotations
@@ -228,7 +226,6 @@ class VllmStats:
     flushes: int = 0
     kept: int = 0
     hits: int = 0
-    skipped_copies: int = 0
     shifted: int = 0
 
 
@@ -240,7 +237,7 @@ class VllmStates:
     vLLM hands to a new request while the plugin still holds it for another
     (that request was preempted, and vLLM recomputes it) is released from the
     old tenant first; every block a request gets reads as zeros before its first
-    forward (unless ``MAMBACACHE_VLLM_FAULT=skip-clear``).
+    forward.
 
     With align-mode prefix caching (``block_size`` set) a block's state may be
     hit after its request let go of it, so the request's blocks pass to the
@@ -270,9 +267,6 @@ class VllmStates:
         self.manager = CacheManager(pools[0]).__enter__()
         self.tenant_of: dict[int, str] = {}
         self.blocks: dict[str, list[int]] = {}
-        fault = os.environ.get("MAMBACACHE_VLLM_FAULT")
-        self.clear = fault != "skip-clear"
-        self.copy = fault != "skip-copy"
         self._counts = dict.fromkeys(VllmStats.__slots__, 0)
         self._closed = False
 
@@ -359,12 +353,12 @@ class VllmStates:
                 self._counts["reclaimed"] += 1
         if not new:
             return
-        self.manager.alloc_slots(new, request_id=req_id, clear=self.clear)
+        self.manager.alloc_slots(new, request_id=req_id, clear=True)  # vLLM hands blocks out dirty
         for b in new:
             self.tenant_of[b] = req_id
         self.blocks.setdefault(req_id, []).extend(new)
         self._counts["allocs"] += len(new)
-        self._counts["clears"] += len(new) if self.clear else 0
+        self._counts["clears"] += len(new)
 
     def take(self, so: Any) -> None:
         """Turn one step's scheduler output into events (before vLLM's own update)."""
@@ -399,12 +393,8 @@ class VllmStates:
         window by ``bias`` tokens and the SSM state comes from block
         ``temporal_src`` (vLLM's ``get_conv_copy_spec`` / ``get_temporal_copy_spec``):
         one event, ``copy_on_write(src, dst, shift=bias * unit, temporal_src=...)``;
-        that needs :func:`split_pools`. ``MAMBACACHE_VLLM_FAULT=skip-copy`` drops
-        it (a deliberate fault).
+        that needs :func:`split_pools`.
         """
-        if not self.copy:
-            self._counts["skipped_copies"] += 1
-            return
         self._copy(req_id, src, dst, bias, src if temporal_src is None else temporal_src)
 
     def _copy(self, req_id: str, src: int, dst: int, bias: int = 0, temporal_src: int | None = None) -> None:

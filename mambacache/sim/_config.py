@@ -24,7 +24,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "recompute": {"preempt": "recompute", "slots": 5, "max_running": 6, "max_checkpoints": 1},
     "host-tier": {"max_checkpoints": 2, "host_checkpoints": 8, "slots": 8},
     # Slots are scarce (fewer than running requests once 2 are kept for checkpoints) and prefixes popular:
-    # admission swaps a runner out instead of evicting the checkpoints (issue #21). `--reserved 0` compares.
+    # admission swaps a runner out instead of evicting the checkpoints. `--reserved 0` compares.
     "reserved": {
         "preempt": "swap",
         "slots": 7,

@@ -1,4 +1,4 @@
-"""``simulate --scenario pd``: prefill and decode engines in separate processes, states handed over (issue #20).
+"""``simulate --scenario pd``: prefill and decode engines in separate processes, states handed over.
 
 Ranks ``0 .. a - 1`` are the prefill engine (TP ``a``, ``--tp-prefill``), ranks
 ``a .. a + b - 1`` the decode engine (TP ``b``, ``--tp-decode``), over gloo on
@@ -378,7 +378,7 @@ def _decode(rank: int, cfg: PdConfig, model: SimModel) -> dict[str, Any]:
             firsts, kvs = _recv_side(len(batch), 0) if rank == 0 else ([], [])
             for slot, rid in zip(slots, ids, strict=True):
                 if cfg.fault == "skip-import":
-                    mgr.alloc_slots([slot], rid)  # the bug the test must catch: the state never loaded
+                    mgr.alloc_slots([slot], rid)  # the state never loads: the check must report a mismatch
                 else:
                     mgr.import_into(slot, request_id=rid)
             mgr.flush_nowait()

@@ -1,4 +1,4 @@
-"""The analyzer's view of state hand-offs between engines (issue #20): exports, received states, imports.
+"""The analyzer's view of state hand-offs between engines: exports, received states, imports.
 
 A piece of the analysis pass of its own: what is in flight between two
 engines at each line of one engine's trace, and the three anomalies that shows.

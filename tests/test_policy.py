@@ -1,0 +1,142 @@
+"""The torch executor's policy for large CPU stages (mambacache/_executors/_policy.py): per stage shape, the way
+measured fastest, another way looked at again now and then, at a bounded cost.
+
+Times here come from a fake clock: a way's cost is whatever the test says, so what is checked is the policy's
+choice and its cost bound, never the host's speed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+
+import mambacache as mc
+from mambacache._executors import _torch
+from mambacache._executors._policy import Policy
+from mambacache._executors._torch import TorchExecutor
+
+from .test_crew import shared
+from .test_grain import make_pool, random_bytes
+
+WAYS = ("crew", "inline", "whole")
+
+
+def _drive(policy: Policy, costs: dict[str, float], stages: int, key: str = "k") -> Counter[str]:
+    """``stages`` stages of one shape, each way costing ``costs[way]`` seconds a byte; the ways picked."""
+    picked: Counter[str] = Counter()
+    for _ in range(stages):
+        way = policy.pick(key, WAYS)
+        picked[way] += 1
+        policy.record(key, way, costs[way] * 1000, 1000)
+    return picked
+
+
+def test_the_fastest_way_runs_and_the_others_cost_a_bounded_share() -> None:
+    policy = Policy(patience=128)
+    costs = {"crew": 1.0, "inline": 2.0, "whole": 50.0}
+    picked = _drive(policy, costs, 20_000)
+    assert policy.best("k") == "crew"
+    spent = sum(costs[w] * n for w, n in picked.items())
+    # Each slower way costs under 2 / patience of the shape's time, whatever its slowdown.
+    assert spent <= 20_000 * costs["crew"] * (1 + 2 * 2 / 128)
+    assert picked["whole"] >= 2  # it is looked at again, not dropped for good
+
+
+def test_a_change_of_load_moves_the_shape_to_the_way_now_fastest() -> None:
+    policy = Policy(patience=128)
+    _drive(policy, {"crew": 1.0, "inline": 2.0, "whole": 4.0}, 1000)
+    assert policy.best("k") == "crew"
+    # The crew's helpers now wait for a competing process: two slow runs of it, then a fresh look at the ways
+    # that were faster than that (inline, whole): two runs each, and the shape runs inline from then on.
+    picked = _drive(policy, {"crew": 6.0, "inline": 2.0, "whole": 40.0}, 4)
+    assert policy.best("k") == "inline"
+    assert picked == Counter({"crew": 2, "inline": 2})  # whole, slower than inline now, waits its turn
+    assert _drive(policy, {"crew": 6.0, "inline": 2.0, "whole": 40.0}, 50) == Counter({"inline": 50})
+    # The host quiet again: the crew is looked at again within patience * 6 / 2 stages, and wins back.
+    _drive(policy, {"crew": 1.0, "inline": 2.0, "whole": 4.0}, 128 * 3 + 4)
+    assert policy.best("k") == "crew"
+
+
+def test_one_slow_run_does_not_exile_the_fastest_way() -> None:
+    policy = Policy(patience=128)
+    _drive(policy, {"crew": 1.0, "inline": 2.0, "whole": 4.0}, 100)
+    policy.record("k", "crew", 50_000, 1000)  # a run descheduled for a while
+    assert policy.best("k") == "crew"
+
+
+def test_shapes_are_kept_apart() -> None:
+    policy = Policy()
+    _drive(policy, {"crew": 1.0, "inline": 2.0, "whole": 4.0}, 50, key="a")
+    _drive(policy, {"crew": 3.0, "inline": 2.0, "whole": 1.0}, 50, key="b")
+    assert (policy.best("a"), policy.best("b")) == ("crew", "whole")
+
+
+class _Clock:
+    """A fake ``time`` module for the executor: each way advances it by its cost; nothing else does."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_the_executor_runs_a_large_stage_the_way_measured_fastest(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Costs injected per way (crew 3, inline 1, whole 10 units a stage): after each way's first look the copy
+    # stages run inline, and the bytes are the reference executor's whichever way ran.
+    clock = _Clock()
+    real_views, real_whole = _torch._run_views, _torch._whole_runs
+
+    def views(stage: Any, entries: Any, share: bool, slot_bytes: Any = None) -> None:
+        clock.now += 3.0 if share else 1.0
+        real_views(stage, entries, share, slot_bytes)
+
+    def whole(stage: Any, entries: Any) -> None:
+        clock.now += 10.0
+        real_whole(stage, entries)
+
+    monkeypatch.setattr(_torch, "time", clock)
+    monkeypatch.setattr(_torch, "_run_views", views)
+    monkeypatch.setattr(_torch, "_whole_runs", whole)
+    executor = TorchExecutor()
+    pools = []
+    for ex in (executor, "reference"):
+        pool = make_pool("wide", False)
+        random_bytes(pool.tensors, 3)
+        with shared(), mc.CacheManager(pool, executor=ex) as mgr:
+            mgr.alloc(8, clear=False)
+            for step in range(12):
+                srcs, dsts = ([1, 2, 3, 4], [5, 6, 7, 8]) if step % 2 else ([5, 6, 7, 8], [1, 3, 2, 4])
+                mgr.copy_many(srcs, dsts)
+                mgr.flush_nowait()
+        pools.append(pool)
+    keys = list(executor.policy._shapes)
+    assert keys and {executor.policy.best(k) for k in keys if k[0] == "copy"} == {"inline"}
+    for a, b in zip(pools[0].tensors, pools[1].tensors, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_the_first_looks_run_each_way_twice_in_turn() -> None:
+    # One run alone may be a scheduler slice slower than its way: each way runs twice, interleaved, before the
+    # fastest is picked, and a way's time is the lower of its two.
+    policy = Policy()
+    costs = {"crew": [9.0, 1.0], "inline": [2.0, 2.0], "whole": [4.0, 4.0]}  # the crew's first run descheduled
+    picked = []
+    for _ in range(2 * len(WAYS)):
+        way = policy.pick("k", WAYS)
+        picked.append(way)
+        policy.record("k", way, costs[way].pop(0) * 1000, 1000)
+    assert picked == [*WAYS, *WAYS]
+    assert policy.best("k") == "crew"
+
+
+def test_a_way_far_slower_at_its_first_run_is_not_run_twice() -> None:
+    # A parallel region per op under contention is tens of times slower: its first look is one run.
+    policy = Policy()
+    costs = {"crew": 1.0, "inline": 2.0, "whole": 60.0}
+    picked = _drive(policy, costs, 2 * len(WAYS))
+    assert picked == Counter({"crew": 3, "inline": 2, "whole": 1})
+    assert policy.best("k") == "crew"

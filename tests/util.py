@@ -7,6 +7,7 @@ another test file.
 from __future__ import annotations
 
 import ast
+import dis
 import functools
 import gc
 import json
@@ -207,11 +208,17 @@ class InterruptAtLine:
     Two kinds of line are counted but never interrupted, since no Python code can make them safe: the exit of
     a ``with`` block (CPython raises there before ``__exit__`` runs, so a lock stays held) and the lines of a
     ``finally`` clause (the rest of the clause is skipped). ``skipped`` counts them.
+
+    ``after_calls=True`` counts instead the instructions that follow a call inside the package: where CPython
+    raises an interrupt from a real signal (it runs the handler as a call returns), which may be in the middle
+    of a line, between a call and the store of its result.
     """
 
-    def __init__(self, at: int = 0, exc: type[BaseException] = KeyboardInterrupt) -> None:
+    def __init__(self, at: int = 0, exc: type[BaseException] = KeyboardInterrupt, *, after_calls: bool = False) -> None:
         self.at, self.exc, self.lines, self.skipped, self.raised = at, exc, 0, 0, False
+        self.after_calls = after_calls
         self._inside: dict[int, set[int]] = {}  # id(frame) -> the `with` lines it is inside of
+        self._called: dict[int, bool] = {}  # id(frame) -> whether its last instruction was a call
 
     def __enter__(self) -> InterruptAtLine:
         # No collection inside the block: a finalizer of an earlier test's objects (a manager, a transfer) would
@@ -229,12 +236,22 @@ class InterruptAtLine:
             gc.enable()
 
     def _call(self, frame: FrameType, event: str, arg: object) -> Any:
-        return self._line if frame.f_code.co_filename.startswith(_PACKAGE) else None
+        if not frame.f_code.co_filename.startswith(_PACKAGE):
+            return None
+        if self.after_calls:
+            frame.f_trace_opcodes, frame.f_trace_lines = True, False
+        return self._line
 
     def _line(self, frame: FrameType, event: str, arg: object) -> Any:
         if event == "return":
             self._inside.pop(id(frame), None)
-        if event != "line":
+            self._called.pop(id(frame), None)
+        if event == "opcode":
+            op = dis.opname[frame.f_code.co_code[frame.f_lasti]]
+            called, self._called[id(frame)] = self._called.get(id(frame), False), op.startswith("CALL")
+            if not called:
+                return self._line
+        elif event != "line":
             return self._line
         self.lines += 1
         withs, finals = _cleanup_lines(frame.f_code.co_filename)

@@ -245,8 +245,8 @@ def save_figure(fig: Any, path: str, dpi: int = 120) -> None:
         plt.close(fig)
 
 
-def int_at_least(low: int) -> Any:
-    """An argparse type: an int >= ``low`` (a bad value is argparse's one-line error, exit 2)."""
+def int_at_least(low: int, high: int | None = None) -> Any:
+    """An argparse type: an int >= ``low`` (and <= ``high``; a bad value is argparse's one-line error, exit 2)."""
 
     def parse(text: str) -> int:
         try:
@@ -255,6 +255,8 @@ def int_at_least(low: int) -> Any:
             raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}, got {value}")
         return value
 
     parse.__name__ = f"int>={low}"

@@ -41,6 +41,9 @@ BAD = [
     ("simulate", "--max-checkpoints", "-1"),
     ("simulate", "--preempt", "later"),
     ("simulate", "--seed", "x"),
+    ("simulate", "--seed", "99999999999999999999999"),  # past torch's int64 seeds: a traceback
+    ("simulate", "--threads", "100000"),  # torch.set_num_threads crashed the process
+    ("simulate", "--model", "toy", "--json", "same.out", "--trace", "same.out"),  # one overwrote the other
     ("simulate", "--json", "/no/such/folder/out.json"),
     # Unwritable outputs: refused when parsed, not after the simulation (or never, for --trace: a traceback).
     ("simulate", "--trace", "/proc/t.jsonl"),

@@ -209,9 +209,10 @@ class InterruptAtLine:
     a ``with`` block (CPython raises there before ``__exit__`` runs, so a lock stays held) and the lines of a
     ``finally`` clause (the rest of the clause is skipped). ``skipped`` counts them.
 
-    ``after_calls=True`` counts instead the instructions that follow a call inside the package: where CPython
-    raises an interrupt from a real signal (it runs the handler as a call returns), which may be in the middle
-    of a line, between a call and the store of its result.
+    ``after_calls=True`` counts instead the instructions that follow a call of a C function inside the package:
+    where CPython raises an interrupt from a real signal (it runs the handler as such a call returns), which may
+    be in the middle of a line, between a call and the store of its result. A C function that calls back into
+    Python (``map`` over a Python function) counts as a Python call: its return is not interrupted.
     """
 
     def __init__(self, at: int = 0, exc: type[BaseException] = KeyboardInterrupt, *, after_calls: bool = False) -> None:
@@ -236,6 +237,9 @@ class InterruptAtLine:
             gc.enable()
 
     def _call(self, frame: FrameType, event: str, arg: object) -> Any:
+        if self.after_calls and frame.f_back is not None:
+            # A Python callee returns into its caller with no check for signals (its own calls had them).
+            self._called[id(frame.f_back)] = False
         if not frame.f_code.co_filename.startswith(_PACKAGE):
             return None
         if self.after_calls:

@@ -16,7 +16,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -219,7 +219,7 @@ class InterruptAtLine:
         self.at, self.exc, self.lines, self.skipped, self.raised = at, exc, 0, 0, False
         self.after_calls = after_calls
         self._inside: dict[int, set[int]] = {}  # id(frame) -> the `with` lines it is inside of
-        self._called: dict[int, bool] = {}  # id(frame) -> whether its last instruction was a call
+        self._called: dict[int, int] = {}  # id(frame) -> the offset of its last instruction if a call, else -1
 
     def __enter__(self) -> InterruptAtLine:
         # No collection inside the block: a finalizer of an earlier test's objects (a manager, a transfer) would
@@ -239,7 +239,7 @@ class InterruptAtLine:
     def _call(self, frame: FrameType, event: str, arg: object) -> Any:
         if self.after_calls and frame.f_back is not None:
             # A Python callee returns into its caller with no check for signals (its own calls had them).
-            self._called[id(frame.f_back)] = False
+            self._called[id(frame.f_back)] = -1
         if not frame.f_code.co_filename.startswith(_PACKAGE):
             return None
         if self.after_calls:
@@ -251,9 +251,12 @@ class InterruptAtLine:
             self._inside.pop(id(frame), None)
             self._called.pop(id(frame), None)
         if event == "opcode":
-            op = dis.opname[frame.f_code.co_code[frame.f_lasti]]
-            called, self._called[id(frame)] = self._called.get(id(frame), False), op.startswith("CALL")
-            if not called:
+            code, at = frame.f_code, frame.f_lasti
+            called = self._called.get(id(frame), -1)
+            self._called[id(frame)] = at if dis.opname[code.co_code[at]].startswith("CALL") else -1
+            # CPython raises the signal's exception as from the call, under the call's handler: raised here
+            # under another (the unprotected exit of a `with` after `return f()`), it would not be the same.
+            if called < 0 or _handler(code, called) != _handler(code, at):
                 return self._line
         elif event != "line":
             return self._line
@@ -277,6 +280,16 @@ class InterruptAtLine:
 
 
 _PACKAGE = str(Path(mc.__file__).parent)
+
+
+@functools.cache
+def _handlers(code: CodeType) -> tuple[tuple[int, int, int], ...]:
+    return tuple((e.start, e.end, e.target) for e in dis.Bytecode(code).exception_entries)  # type: ignore[attr-defined]
+
+
+def _handler(code: CodeType, offset: int) -> int:
+    """Where an exception raised at ``offset`` of ``code`` goes (-1: out of the frame)."""
+    return next((target for start, end, target in _handlers(code) if start <= offset < end), -1)
 
 
 @functools.cache

@@ -223,3 +223,22 @@ async def test_a_signal_as_any_call_of_an_async_flush_returns_loses_nothing(host
     for at, exc in _points(total) + [(at, KeyboardInterrupt) for at in range(1, 16)]:
         with anyio.fail_after(10):  # a mutex left held would make the next flush poll for ever
             await _one_async(host, True, at, exc, _async_flush_after_calls)
+
+
+@pytest.mark.parametrize("host", [False, True], ids=["pool", "host"])
+def test_a_signal_as_any_call_of_a_sync_flush_returns_loses_nothing(host: bool) -> None:
+    """The sync flush takes its mutex by a ``with``: an interrupt as any of its calls returns leaves it free."""
+    total = _one(host, True, 0, KeyboardInterrupt, _sync_flush_after_calls)
+    for at, exc in _points(total):
+        _one(host, True, at, exc, _sync_flush_after_calls)
+
+
+def _sync_flush_after_calls(case: _Case, at: int, exc: type[BaseException]) -> int:
+    with InterruptAtLine(at, exc, after_calls=True) as trace:
+        try:
+            case.mgr.flush_nowait()
+        except exc:
+            assert at, "an interrupt came out of a flush with none injected"
+        else:
+            assert not trace.raised, f"the interrupt at call {at} of {trace.lines} did not come out of the flush"
+    return trace.lines

@@ -47,6 +47,19 @@ def unwritable(path: str | Path) -> str | None:
     return None
 
 
+def check_distinct(*named: tuple[str, str | Path | None]) -> None:
+    """:class:`UsageError` when two of ``named`` (an option's name, its path; None and ``-`` pass) name one
+    file: the later write would replace the earlier, or a report its own input."""
+    seen: dict[Path, str] = {}
+    for option, path in named:
+        if path is None or str(path) == "-":
+            continue
+        real = Path(path).resolve()
+        if real in seen:
+            raise UsageError(f"{seen[real]} and {option} name one file ({path}): give each its own")
+        seen[real] = option
+
+
 def check_output_path(path: str | Path | None) -> None:
     """:class:`UsageError` for an output path that cannot be written (see :func:`unwritable`); None and ``-``
     (stdout) pass."""

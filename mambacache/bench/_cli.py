@@ -14,6 +14,7 @@ import torch
 from .._console import (
     Progress,
     UsageError,
+    check_distinct,
     executor_name,
     float_in,
     int_at_least,
@@ -166,6 +167,7 @@ def _check_args(args: argparse.Namespace) -> torch.device:
         raise UsageError("--contended times CPU stages under CPU contention: --device cpu, no --plot or --transfer")
     if args.plot:
         need_matplotlib("--plot")
+    check_distinct(("--json", args.json), ("--plot", args.plot))
     return device
 
 

@@ -16,6 +16,7 @@ from .._console import (
     OutputError,
     Progress,
     UsageError,
+    check_distinct,
     check_output_path,
     executor_name,
     float_in,
@@ -320,8 +321,7 @@ def _traces(args: argparse.Namespace, models: list[str]) -> dict[str, str | None
     traces = {name: _trace_path(args.trace, name, len(models) > 1) for name in models}
     for path in traces.values():
         check_output_path(path)
-        if path is not None and args.json not in (None, "-") and Path(path).resolve() == Path(args.json).resolve():
-            raise UsageError(f"--json and --trace name one file ({path}): one would overwrite the other")
+        check_distinct(("--json", args.json), ("--trace", path))
         if path is not None and Path(path).exists() and not args.append:
             raise UsageError(f"--trace {path} exists: a second run would read as double allocations; pass --append")
     return traces

@@ -696,3 +696,11 @@ def test_the_occupancy_legend_lists_what_was_drawn(monkeypatch: pytest.MonkeyPat
     legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]  # type: ignore[attr-defined]
     assert any(text.startswith("cleared") for text in legend)
     plt.close("all")
+
+
+def test_bench_sizes_past_any_pool_are_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    """The first preset's pool for the largest size cannot be made: one line naming --sizes, no traceback."""
+    assert exit_code(["bench", "--quick", "--sizes", "99999999999999999999"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("mambacache bench: --sizes 99999999999999999999:"), err
+    assert not any("Traceback" in e for e in err)

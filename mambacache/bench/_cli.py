@@ -26,6 +26,7 @@ from .._console import (
     table,
     write_json,
 )
+from .._errors import PoolAllocationError
 from . import _layers
 from ._decode import decode_flush
 from ._presets import PRESETS, lookup, shard
@@ -375,10 +376,13 @@ def run(args: argparse.Namespace) -> int:
     results: list[Result] = []
     with Progress(len(presets) * len(sizes) * 5 * (len(executors) + 2), "bench") as progress:
         for preset in presets:
-            for r in run_preset(preset, sizes, executors, device, repeats, int(args.budget_gb * POOL_SHARE * 2**30),
-                                int(args.workspace_mb * 2**20)):  # fmt: skip
-                results.append(r)
-                progress.advance(1, f"{preset} {r.op} {r.path} n={r.slots}")
+            try:
+                budget, workspace = int(args.budget_gb * POOL_SHARE * 2**30), int(args.workspace_mb * 2**20)
+                for r in run_preset(preset, sizes, executors, device, repeats, budget, workspace):
+                    results.append(r)
+                    progress.advance(1, f"{preset} {r.op} {r.path} n={r.slots}")
+            except PoolAllocationError as exc:  # a preset's pool for the largest size: before its first row
+                raise UsageError(f"--sizes {max(sizes)}: {exc}") from None
             progress.line(f"{preset} done")
     host = host_overhead([10, 100, 1000], repeats)
     trace = tracing_overhead(1000, repeats)

@@ -47,6 +47,19 @@ def unwritable(path: str | Path) -> str | None:
     return None
 
 
+def check_distinct(*named: tuple[str, str | Path | None]) -> None:
+    """:class:`UsageError` when two of ``named`` (an option's name, its path; None and ``-`` pass) name one
+    file: the later write would replace the earlier, or a report its own input."""
+    seen: dict[Path, str] = {}
+    for option, path in named:
+        if path is None or str(path) == "-":
+            continue
+        real = Path(path).resolve()
+        if real in seen:
+            raise UsageError(f"{seen[real]} and {option} name one file ({path}): give each its own")
+        seen[real] = option
+
+
 def check_output_path(path: str | Path | None) -> None:
     """:class:`UsageError` for an output path that cannot be written (see :func:`unwritable`); None and ``-``
     (stdout) pass."""
@@ -245,8 +258,8 @@ def save_figure(fig: Any, path: str, dpi: int = 120) -> None:
         plt.close(fig)
 
 
-def int_at_least(low: int) -> Any:
-    """An argparse type: an int >= ``low`` (a bad value is argparse's one-line error, exit 2)."""
+def int_at_least(low: int, high: int | None = None) -> Any:
+    """An argparse type: an int >= ``low`` (and <= ``high``; a bad value is argparse's one-line error, exit 2)."""
 
     def parse(text: str) -> int:
         try:
@@ -255,6 +268,8 @@ def int_at_least(low: int) -> Any:
             raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}, got {value}")
         return value
 
     parse.__name__ = f"int>={low}"

@@ -32,6 +32,7 @@ from ._runner import StepRunner
 __all__ = ["FlushCore"]
 
 Core = Generator[Callable[[], Any], Any, StepReport]
+_NO_WAIT = (False,)  # the argument of a non-blocking acquire
 
 
 class FlushCore:
@@ -183,14 +184,17 @@ class FlushCore:
         mutex = self._mutex
         # No checkpoint when uncontended: a flush is a few microseconds of host work.
         # Contended (another thread flushes, or a tensor-parallel flush awaits its
-        # broadcast): poll, so that cancelling the wait is clean. `held` is stored in the
-        # line that acquires: no exception can come between the two.
+        # broadcast): poll, so that cancelling the wait is clean. `held` is filled by the
+        # call that acquires (a slice store consuming a map, all in C): an interrupt from a
+        # signal, raised as a call returns, cannot come between the acquire and its record.
         delay = 0.0
-        held = False
+        held = [False]
         try:
-            while not (held := mutex.acquire(blocking=False)):
+            held[:] = map(mutex.acquire, _NO_WAIT)
+            while not held[0]:
                 await anyio.sleep(delay)
                 delay = min(0.001, delay + 0.0001)
+                held[:] = map(mutex.acquire, _NO_WAIT)
             if self.channel is None:
                 return self.local(stream)  # no wait, no checkpoint
             self._flusher = threading.get_ident()
@@ -205,7 +209,7 @@ class FlushCore:
                     report: StepReport = done.value
             return report
         finally:
-            if held:
+            if held[0]:
                 self._flusher = None
                 mutex.release()
 

@@ -401,6 +401,8 @@ class StatePool(_Tensors):
         drafts = (spec.num_layers, num_slots + pad_slots, spec.draft_tokens)
         total = spec.memory_bytes * (num_slots + pad_slots)
         try:
+            if num_slots + pad_slots >= 2**63:  # torch's sizes are int64: past them it raises a bare TypeError
+                raise MemoryError("more slots than a tensor can index")
             conv = [torch.zeros(*rows, *shape, dtype=spec.conv_dtype, device=dev) for shape in spec.conv_shapes]
             temporal = torch.zeros(*rows, *spec.temporal_shape, dtype=spec.temporal_dtype, device=dev)
             extra = {n: torch.zeros(*rows, *shape, dtype=d, device=dev) for n, (shape, d) in spec.extra_shapes.items()}

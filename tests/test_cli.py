@@ -41,6 +41,9 @@ BAD = [
     ("simulate", "--max-checkpoints", "-1"),
     ("simulate", "--preempt", "later"),
     ("simulate", "--seed", "x"),
+    ("simulate", "--seed", "99999999999999999999999"),  # past torch's int64 seeds: a traceback
+    ("simulate", "--threads", "100000"),  # torch.set_num_threads crashed the process
+    ("simulate", "--model", "toy", "--json", "same.out", "--trace", "same.out"),  # one overwrote the other
     ("simulate", "--json", "/no/such/folder/out.json"),
     # Unwritable outputs: refused when parsed, not after the simulation (or never, for --trace: a traceback).
     ("simulate", "--trace", "/proc/t.jsonl"),
@@ -70,6 +73,7 @@ BAD = [
     # A plot matplotlib cannot write, refused before the bench or the trace's analysis runs.
     ("bench", "--quick", "--plot", "b.txt"),
     ("simulate", "--json", "/etc/passwd/x.json"),  # a path under a file
+    ("bench", "--quick", "--json", "same.png", "--plot", "same.png"),  # the plot replaced the JSON, exit 0
     ("trace",),
     ("trace", "/no/such/file.jsonl"),
     ("nope",),
@@ -174,6 +178,20 @@ def test_trace_refuses_an_unwritable_output_before_reading_the_trace(
     err = capsys.readouterr().err
     assert err.startswith(f"mambacache trace: error: argument {flag}:") and err.count("\n") == 1, err
     assert list(tmp_path.iterdir()) == [tmp_path / "t.jsonl"]
+
+
+@pytest.mark.parametrize("outputs", [["--json", "{trace}"], ["--json", "{o}", "--plot", "{o}"]])
+def test_trace_refuses_outputs_naming_one_file(
+    outputs: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An output over the trace it reads, or two outputs on one file: one line, exit 2, every file as it was."""
+    trace = _trace_file(tmp_path)
+    before = trace.read_bytes()
+    args = [a.format(trace=trace, o=tmp_path / "o.png") for a in outputs]
+    assert exit_code(["trace", str(trace), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mambacache trace:") and "name one file" in err and err.count("\n") == 1, err
+    assert trace.read_bytes() == before and list(tmp_path.iterdir()) == [trace]
 
 
 def test_an_output_check_leaves_no_file_behind(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -678,3 +696,11 @@ def test_the_occupancy_legend_lists_what_was_drawn(monkeypatch: pytest.MonkeyPat
     legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]  # type: ignore[attr-defined]
     assert any(text.startswith("cleared") for text in legend)
     plt.close("all")
+
+
+def test_bench_sizes_past_any_pool_are_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    """The first preset's pool for the largest size cannot be made: one line naming --sizes, no traceback."""
+    assert exit_code(["bench", "--quick", "--sizes", "99999999999999999999"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("mambacache bench: --sizes 99999999999999999999:"), err
+    assert not any("Traceback" in e for e in err)

@@ -297,3 +297,11 @@ def test_leftover_work_reaches_the_backlog_before_the_pool_is_free(monkeypatch: 
         monkeypatch.setattr(_flush, "plan_step", spy)
     assert owners and owners[-1] is not None  # planned into the backlog while the pool was still claimed
     assert pool.ledger.owner is None and pool.unfinished == 2
+
+
+@pytest.mark.parametrize("num_slots", [2**63, 10**20])
+def test_a_pool_past_int64_slots_is_an_allocation_error(num_slots: int) -> None:
+    """Past torch's int64 sizes: the typed allocation error (a MemoryError), not torch's bare TypeError."""
+    with pytest.raises(mc.PoolAllocationError, match=f"a pool of {num_slots} slots") as err:
+        mc.StatePool(small_spec(), num_slots)
+    assert isinstance(err.value, MemoryError)

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 import mambacache as mc
@@ -196,3 +197,48 @@ def test_an_interrupt_while_planning_puts_the_step_back(monkeypatch: pytest.Monk
     report = case.mgr.flush_nowait()
     assert report.events == n and report.step == 2
     case.repair_and_check()
+
+
+async def _async_flush_after_calls(case: _Case, at: int, exc: type[BaseException]) -> int:
+    with InterruptAtLine(at, exc, after_calls=True) as trace:
+        try:
+            await case.mgr.flush()
+        except exc:
+            assert at, "an interrupt came out of a flush with none injected"
+        else:
+            assert not trace.raised, f"the interrupt at call {at} of {trace.lines} did not come out of the flush"
+    return trace.lines
+
+
+@pytest.mark.anyio
+# An interrupt between the call that makes the flush's coroutine and its await leaves that coroutine unawaited.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("host", [False, True], ids=["pool", "host"])
+async def test_a_signal_as_any_call_of_an_async_flush_returns_loses_nothing(host: bool) -> None:
+    """A real SIGINT is raised as a call returns, maybe before its result is stored (the async flush's
+    non-blocking acquire of its mutex, say): the next flush runs, and leaves what the oracle leaves. Every such
+    point of the flush's first calls (where it takes its mutex), a sample of the rest."""
+    total = await _one_async(host, True, 0, KeyboardInterrupt, _async_flush_after_calls)
+    assert total > 50
+    for at, exc in _points(total) + [(at, KeyboardInterrupt) for at in range(1, 16)]:
+        with anyio.fail_after(10):  # a mutex left held would make the next flush poll for ever
+            await _one_async(host, True, at, exc, _async_flush_after_calls)
+
+
+@pytest.mark.parametrize("host", [False, True], ids=["pool", "host"])
+def test_a_signal_as_any_call_of_a_sync_flush_returns_loses_nothing(host: bool) -> None:
+    """The sync flush takes its mutex by a ``with``: an interrupt as any of its calls returns leaves it free."""
+    total = _one(host, True, 0, KeyboardInterrupt, _sync_flush_after_calls)
+    for at, exc in _points(total):
+        _one(host, True, at, exc, _sync_flush_after_calls)
+
+
+def _sync_flush_after_calls(case: _Case, at: int, exc: type[BaseException]) -> int:
+    with InterruptAtLine(at, exc, after_calls=True) as trace:
+        try:
+            case.mgr.flush_nowait()
+        except exc:
+            assert at, "an interrupt came out of a flush with none injected"
+        else:
+            assert not trace.raised, f"the interrupt at call {at} of {trace.lines} did not come out of the flush"
+    return trace.lines

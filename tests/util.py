@@ -7,6 +7,7 @@ another test file.
 from __future__ import annotations
 
 import ast
+import dis
 import functools
 import gc
 import json
@@ -15,7 +16,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -191,11 +192,18 @@ class InterruptAtLine:
     Two kinds of line are counted but never interrupted, since no Python code can make them safe: the exit of
     a ``with`` block (CPython raises there before ``__exit__`` runs, so a lock stays held) and the lines of a
     ``finally`` clause (the rest of the clause is skipped). ``skipped`` counts them.
+
+    ``after_calls=True`` counts instead the instructions that follow a call of a C function inside the package:
+    where CPython raises an interrupt from a real signal (it runs the handler as such a call returns), which may
+    be in the middle of a line, between a call and the store of its result. A C function that calls back into
+    Python (``map`` over a Python function) counts as a Python call: its return is not interrupted.
     """
 
-    def __init__(self, at: int = 0, exc: type[BaseException] = KeyboardInterrupt) -> None:
+    def __init__(self, at: int = 0, exc: type[BaseException] = KeyboardInterrupt, *, after_calls: bool = False) -> None:
         self.at, self.exc, self.lines, self.skipped, self.raised = at, exc, 0, 0, False
+        self.after_calls = after_calls
         self._inside: dict[int, set[int]] = {}  # id(frame) -> the `with` lines it is inside of
+        self._called: dict[int, int] = {}  # id(frame) -> the offset of its last instruction if a call, else -1
 
     def __enter__(self) -> InterruptAtLine:
         # No collection inside the block: a finalizer of an earlier test's objects (a manager, a transfer) would
@@ -213,12 +221,28 @@ class InterruptAtLine:
             gc.enable()
 
     def _call(self, frame: FrameType, event: str, arg: object) -> Any:
-        return self._line if frame.f_code.co_filename.startswith(_PACKAGE) else None
+        if self.after_calls and frame.f_back is not None:
+            # A Python callee returns into its caller with no check for signals (its own calls had them).
+            self._called[id(frame.f_back)] = -1
+        if not frame.f_code.co_filename.startswith(_PACKAGE):
+            return None
+        if self.after_calls:
+            frame.f_trace_opcodes, frame.f_trace_lines = True, False
+        return self._line
 
     def _line(self, frame: FrameType, event: str, arg: object) -> Any:
         if event == "return":
             self._inside.pop(id(frame), None)
-        if event != "line":
+            self._called.pop(id(frame), None)
+        if event == "opcode":
+            code, at = frame.f_code, frame.f_lasti
+            called = self._called.get(id(frame), -1)
+            self._called[id(frame)] = at if dis.opname[code.co_code[at]].startswith("CALL") else -1
+            # CPython raises the signal's exception as from the call, under the call's handler: raised here
+            # under another (the unprotected exit of a `with` after `return f()`), it would not be the same.
+            if called < 0 or _handler(code, called) != _handler(code, at):
+                return self._line
+        elif event != "line":
             return self._line
         self.lines += 1
         withs, finals = _cleanup_lines(frame.f_code.co_filename)
@@ -240,6 +264,16 @@ class InterruptAtLine:
 
 
 _PACKAGE = str(Path(mc.__file__).parent)
+
+
+@functools.cache
+def _handlers(code: CodeType) -> tuple[tuple[int, int, int], ...]:
+    return tuple((e.start, e.end, e.target) for e in dis.Bytecode(code).exception_entries)  # type: ignore[attr-defined]
+
+
+def _handler(code: CodeType, offset: int) -> int:
+    """Where an exception raised at ``offset`` of ``code`` goes (-1: out of the frame)."""
+    return next((target for start, end, target in _handlers(code) if start <= offset < end), -1)
 
 
 @functools.cache

@@ -14,6 +14,7 @@ import torch
 from .._console import (
     Progress,
     UsageError,
+    check_distinct,
     executor_name,
     float_in,
     int_at_least,
@@ -25,6 +26,7 @@ from .._console import (
     table,
     write_json,
 )
+from .._errors import PoolAllocationError
 from . import _layers
 from ._decode import decode_flush
 from ._presets import PRESETS, lookup, shard
@@ -175,6 +177,7 @@ def _check_args(args: argparse.Namespace) -> torch.device:
         raise UsageError("--contended times CPU stages under CPU contention: --device cpu, no --plot or --transfer")
     if args.plot:
         need_matplotlib("--plot")
+    check_distinct(("--json", args.json), ("--plot", args.plot))
     return device
 
 
@@ -401,10 +404,13 @@ def run(args: argparse.Namespace) -> int:
     results: list[Result] = []
     with Progress(len(presets) * len(sizes) * 5 * (len(executors) + 2), "bench") as progress:
         for preset in presets:
-            for r in run_preset(preset, sizes, executors, device, repeats, int(args.budget_gb * POOL_SHARE * 2**30),
-                                int(args.workspace_mb * 2**20)):  # fmt: skip
-                results.append(r)
-                progress.advance(1, f"{preset} {r.op} {r.path} n={r.slots}")
+            try:
+                budget, workspace = int(args.budget_gb * POOL_SHARE * 2**30), int(args.workspace_mb * 2**20)
+                for r in run_preset(preset, sizes, executors, device, repeats, budget, workspace):
+                    results.append(r)
+                    progress.advance(1, f"{preset} {r.op} {r.path} n={r.slots}")
+            except PoolAllocationError as exc:  # a preset's pool for the largest size: before its first row
+                raise UsageError(f"--sizes {max(sizes)}: {exc}") from None
             progress.line(f"{preset} done")
     host = host_overhead([10, 100, 1000], repeats)
     trace = tracing_overhead(1000, repeats)

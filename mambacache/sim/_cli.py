@@ -16,6 +16,7 @@ from .._console import (
     OutputError,
     Progress,
     UsageError,
+    check_distinct,
     check_output_path,
     executor_name,
     float_in,
@@ -69,7 +70,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], summary
     )
     p.add_argument(
         "--seed",
-        type=int_at_least(0),
+        type=int_at_least(0, SEED_MAX),
         default=_D.seed,
         help=f"seeds the models' weights, the prompts and the arrivals (default {_D.seed})",
     )
@@ -150,7 +151,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser], summary
     _add_prefix_options(p)
     p.add_argument(
         "--threads",
-        type=int_at_least(1),
+        type=int_at_least(1, THREADS_MAX),
         default=1,
         metavar="N",
         help="torch intra-op threads (default 1: the models are tiny, and on a shared or loaded machine more threads"
@@ -209,6 +210,10 @@ def _add_prefix_options(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="requests run under one of N adapters or none (equal ids, another state); the prefix cache keys by it",
     )
+
+
+SEED_MAX = 2**63 - 2  # torch's generators take an int64, and pd seeds one with seed + 1
+THREADS_MAX = 1024  # torch.set_num_threads(100000) crashes the process instead of raising
 
 
 def _trace_path(base: str | None, model: str, several: bool) -> str | None:
@@ -322,6 +327,7 @@ def _traces(args: argparse.Namespace, models: list[str]) -> dict[str, str | None
     traces = {name: _trace_path(args.trace, name, len(models) > 1) for name in models}
     for path in traces.values():
         check_output_path(path)
+        check_distinct(("--json", args.json), ("--trace", path))
         if path is not None and Path(path).exists() and not args.append:
             raise UsageError(f"--trace {path} exists: a second run would read as double allocations; pass --append")
     return traces

@@ -218,10 +218,11 @@ def _bars(ax: Any, row: int, spans: list[tuple[int, int, str | None]], last: int
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._console import need_matplotlib
+    from .._console import check_distinct, need_matplotlib
 
     if args.plot:
         need_matplotlib("--plot")
+    check_distinct(("the trace", args.file), ("--json", args.json), ("--plot", args.plot))
     try:
         analysis = analyze(args.file, expect_idle=args.expect_idle, strict=args.strict)
     except TraceError as exc:

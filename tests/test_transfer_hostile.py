@@ -49,6 +49,18 @@ def _export(mgr: mc.CacheManager, rid: str) -> int:
     return slot
 
 
+def _lands_once(send: Any, into: mc.StateTransfer, dst: mc.CacheManager, rid: str) -> None:
+    """``send`` in a thread while ``into`` receives: ``rid`` is sent and received once, then discarded on ``dst``."""
+    thread, sent = in_thread(send)
+    try:
+        assert into.receive() == [rid]
+    finally:
+        thread.join(10)
+    assert sent == [[rid]], sent
+    dst.discard_arrived(rid)
+    dst.flush_nowait()
+
+
 def _honest_header() -> dict[str, Any]:
     fp = fingerprint(SPEC.num_layers, SPEC.shapes())
     sizes = _link.message_sizes(SPEC.num_layers, SPEC.shapes(), 1, False)
@@ -100,14 +112,7 @@ def test_a_malformed_header_is_refused_and_the_next_honest_batch_gets_through(ra
         assert caught.value.reason == "header", caught.value
         assert forged.get("state/1").startswith(b"refuse:header:"), "no decision was written"
         _export(src, "r")
-        thread, sent = in_thread(out.send)
-        try:
-            assert into.receive() == ["r"]
-        finally:
-            thread.join(10)
-        assert sent == [["r"]], sent
-        dst.discard_arrived("r")
-        dst.flush_nowait()
+        _lands_once(out.send, into, dst, "r")
         dst.check_idle(host=True)
         src.flush_nowait()
         src.check_idle(host=True)
@@ -179,14 +184,7 @@ def test_a_malformed_decision_is_a_transfer_error_the_pair_replaced(raw: bytes) 
         assert len(sent) == 1 and type(sent[0]) is mc.TransferError, sent
         assert sent[0].request_ids == ["r"] and "malformed decision" in str(sent[0])
         assert out._out._epoch == 1, "the pair was not replaced"  # type: ignore[attr-defined]
-        thread, sent = in_thread(out.send)
-        try:
-            assert into.receive() == ["r"]
-        finally:
-            thread.join(10)
-        assert sent == [["r"]], sent
-        dst.discard_arrived("r")
-        dst.flush_nowait()
+        _lands_once(out.send, into, dst, "r")
         src.flush_nowait()
         src.check_idle(host=True)
 
@@ -335,14 +333,7 @@ def test_a_state_in_doubt_is_recognised_whichever_transfer_of_the_manager_sends_
         dst.check_idle(host=True)
         # A new export after the doubt goes as a new batch, through either transfer.
         _export(src, "s")
-        thread, sent = in_thread(b.send if first == "dropped" else a.send)
-        try:
-            assert into.receive() == ["s"]
-        finally:
-            thread.join(10)
-        assert sent == [["s"]], sent
-        dst.discard_arrived("s")
-        dst.flush_nowait()
+        _lands_once(b.send if first == "dropped" else a.send, into, dst, "s")
         src.flush_nowait()
         src.check_idle(host=True)
 

@@ -107,12 +107,13 @@ class _Views:
     each, where cutting the block afresh makes five.
     """
 
-    __slots__ = ("drafts", "flats", "row", "rows", "slot_bytes", "slots", "small", "split", "tensor", "width")
+    __slots__ = ("drafts", "flats", "row", "rows", "slot_bytes", "slots", "small", "split", "tensor", "wholes", "width")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
         self.slot_bytes = tensor.shape[0] * tensor[0, 0].nbytes  # a slot's bytes, every layer
         self.slots: list[list[torch.Tensor] | None] = [None] * tensor.shape[1]
+        self.wholes: list[torch.Tensor | None] | None = None  # each single slot as one uncut ``t[:, s]`` (lazily)
         self.rows: tuple[torch.Tensor, ...] | None = None
         self.drafts: dict[int, list[torch.Tensor]] = {}  # a draft buffer's pieces by slot * k + draft state
         cpu, slot = tensor.device.type == "cpu", tensor.shape[0] * tensor[0, 0].numel()
@@ -134,6 +135,19 @@ class _Views:
                 views = self.slots[start] = self._build(start, 1)
             return views
         return self._build(start, length)
+
+    def whole(self, start: int, length: int) -> torch.Tensor:
+        """Slots ``start .. start + length - 1``, every layer, as one uncut strided view; a single slot's from
+        the cache (making a view costs about a tenth of copying a slot of a few hundred KiB)."""
+        if length != 1:
+            return self.tensor[:, start : start + length]
+        wholes = self.wholes
+        if wholes is None:
+            wholes = self.wholes = [None] * self.tensor.shape[1]
+        view = wholes[start]
+        if view is None:
+            view = wholes[start] = self.tensor[:, start]
+        return view
 
     def _build(self, start: int, length: int) -> list[torch.Tensor]:
         t = self.tensor
@@ -191,11 +205,11 @@ def _whole_runs(stage: ZeroStage | CopyStage, entries: list[_Views]) -> None:
     """A zero or copy stage as one strided view per run and tensor, uncut: each op of ``GRAIN`` elements or
     more is an OpenMP parallel region (the way a large stage runs fastest on a quiet host)."""
     if isinstance(stage, ZeroStage):
-        torch._foreach_zero_([e.tensor[:, a : a + n] for e in entries for a, n in stage.runs])
+        torch._foreach_zero_([e.whole(a, n) for e in entries for a, n in stage.runs])
         return
     runs = stage.runs
-    dests = [e.tensor[:, d : d + n] for e in entries for _, d, n in runs]
-    torch._foreach_copy_(dests, [e.tensor[:, s : s + n] for e in entries for s, _, n in runs])
+    dests = [e.whole(d, n) for e in entries for _, d, n in runs]
+    torch._foreach_copy_(dests, [e.whole(s, n) for e in entries for s, _, n in runs])
 
 
 class _Large:
@@ -256,7 +270,7 @@ class _Large:
         t0 = time.perf_counter()
         if way == "whole":  # one strided op per run, as copy_host makes it
             for a, b, n in stage.runs:
-                dst[:, b : b + n].copy_(src[:, a : a + n])
+                write.whole(b, n).copy_(read.whole(a, n))
         else:
             _host_pieces(stage, src, dst, read, write, way == "crew")
         if self.setting == "auto":

@@ -16,12 +16,19 @@ runs another again to see whether the host changed::
     shape (op, bytes, runs, each rounded to a power of two)
       first:  each way in turn, twice (c i w c i w), a way 8x slower than the
               fastest after its first run only once
-      then:   the fastest way; another way again (twice) once ``patience * r``
+      then:   the fastest way; another way again (twice) once ``wait * r``
               stages of the shape ran since it last did, r its time over the
-              fastest's (a way 50x slower is tried every 6,400 stages)
+              fastest's, ``wait`` starting at ``SOON`` and doubling with each
+              look that leaves the fastest where it was, up to ``patience``
+              (a way 50x slower is tried every 6,400 stages in the end)
 
 A way ``r`` times slower costs ``2 (r - 1)`` stages' time every ``patience * r``
-stages: under ``2 / patience`` of the shape's time for each way, whatever ``r``.
+stages once its looks have backed off: under ``2 / patience`` of the shape's
+time for each way, whatever ``r``. The first looks are taken while the engine
+starts (loading, compiling, the first pages touched), when one way's run can be
+several times slower than that way is: backing off from ``SOON`` corrects a
+first pick such a run misled within a few dozen stages, for a one-time
+``2 (r - 1) log2(patience / SOON)`` stages' time.
 A way's time is the lower of its last two runs: load only slows a run down, and
 one slow run must not exile the fastest way for thousands of stages.
 """
@@ -30,10 +37,13 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-__all__ = ["FIRST", "PATIENCE", "Policy"]
+__all__ = ["FIRST", "PATIENCE", "SOON", "Policy"]
 
 # Stages of a shape between two looks at a way, per unit of that way's time over the fastest's.
 PATIENCE = 128
+# The first wait (in stages, per unit of a way's slowdown) before a slower way is looked at again; doubled
+# with each look that does not change the fastest way, up to the patience.
+SOON = 4
 # The first looks: each way runs this many times, in turn, before the fastest is picked (one run alone, on a
 # loaded host, may be a scheduler slice slower than the way is).
 FIRST = 2
@@ -42,7 +52,7 @@ SLOWER = 8
 
 
 class _Shape:
-    __slots__ = ("best", "count", "due", "last", "rate", "runs", "trying")
+    __slots__ = ("best", "count", "due", "last", "rate", "runs", "trying", "wait")
 
     def __init__(self) -> None:
         self.count = 0
@@ -51,6 +61,7 @@ class _Shape:
         self.last: dict[str, float] = {}  # its last run's seconds per byte
         self.due: dict[str, int] = {}  # the stage count at which a way is run again
         self.trying: dict[str, int] = {}  # runs a way still has in its current look
+        self.wait: dict[str, int] = {}  # a way's current wait between looks, per unit of its slowdown
         self.best = ""
 
 
@@ -114,9 +125,13 @@ class Policy:
         elif shape.rate[way] < shape.rate[best]:
             best = way
         changed, shape.best = best != shape.best, best
+        if changed:  # the host changed: every slower way's looks start soon again
+            shape.wait.clear()
         for other in shape.rate if changed else (way,):
             if other != best and not shape.trying.get(other):
-                shape.due[other] = shape.count + int(self.patience * shape.rate[other] / shape.rate[best])
+                wait = shape.wait.get(other, min(SOON, self.patience) // 2)
+                wait = shape.wait[other] = min(2 * wait, self.patience)
+                shape.due[other] = shape.count + int(wait * shape.rate[other] / shape.rate[best])
 
     def best(self, key: Hashable) -> str | None:
         """The way stages of shape ``key`` run by now (None before any ran)."""

@@ -16,7 +16,7 @@ Reported per cell: each path's median over its own worker's bound (x bound) and 
 (x seed), and the old checkout's ``torch`` median over each new path's (x old: above 1, the new path
 is faster). ``--contended`` runs every cell again with ``bench --contended``'s competing process.
 The load average (``os.getloadavg``) is recorded before and after each preset and phase.
-``--markdown FILE`` prints a ``--json`` file's tables.
+``--markdown FILE...`` prints the tables of ``--json`` files.
 """
 
 from __future__ import annotations
@@ -174,39 +174,42 @@ def run_phase(workers: list[Worker], args: argparse.Namespace, phase: str) -> li
     return rows
 
 
-def markdown(path: str) -> str:
-    """The tables of a ``--json`` file: per phase and preset, each path's x bound, the new paths' x old, the
-    default's x seed and its time against the better of torch-crew and torch-inline (below 1: slower); the
-    load before and after."""
-    with open(path, encoding="utf-8") as f:
-        rows = json.load(f)["rows"]
+def markdown(*paths: str) -> str:
+    """One table per phase from ``--json`` files: per preset, size and op, the default's x bound, each new
+    path's x old (``torch-whole`` runs the old code's way: its x old is the measurement's own spread), the
+    default's x seed and its time against the better of torch-crew and torch-inline (below 1: slower); then
+    the load before and after each preset."""
+    rows = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            rows += json.load(f)["rows"]
     out = []
     for phase in dict.fromkeys(r["phase"] for r in rows):
-        for preset in dict.fromkeys(r["preset"] for r in rows if r["phase"] == phase):
-            cells = [r for r in rows if r["phase"] == phase and r["preset"] == preset and "op" in r]
-            unknown = {"load_before": "?", "load_after": "?"}  # a run cut short
-            loads = next((r for r in rows if r["phase"] == phase and r["preset"] == preset and "op" not in r), unknown)
-            paths = [k[:-3] for k in cells[0] if k.endswith(" ms") and not k.startswith("old ")]
-            head = ["slots", "op", "old torch x bound", *(f"{p} x bound" for p in paths)]
-            head += [f"{p} x old" for p in paths] + ["torch x seed", "torch x better of crew, inline"]
-            out.append(f"{phase}, {preset} ({cells[0]['layers']} layers; load {loads['load_before']} before, "
-                       f"{loads['load_after']} after)\n")  # fmt: skip
-            out.append("| " + " | ".join(head) + " |")
-            out.append("|" + "---:|" * len(head))
-            for r in cells:
-                vals = [str(r["slots"]), r["op"], f"{r['old torch x bound']:.2f}"]
-                vals += [f"{r[p + ' x bound']:.2f}" for p in paths] + [f"{r[p + ' x old']:.2f}" for p in paths]
-                vals.append(f"{r['torch x seed']:.2f}")
-                better = min(r.get("torch-crew ms", float("inf")), r.get("torch-inline ms", float("inf")))
-                vals.append(f"{better / r['torch ms']:.2f}")
-                out.append("| " + " | ".join(vals) + " |")
-            out.append("")
+        cells = [r for r in rows if r["phase"] == phase and "op" in r]
+        news = [k[:-3] for k in cells[0] if k.endswith(" ms") and not k.startswith("old ")]
+        head = ["preset", "slots", "op", "torch x bound", *(f"{p} x old" for p in news)]
+        head += ["torch x seed", "torch x better of crew, inline"]
+        out.append(f"{phase}:\n")
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|---|" + "---:|" * (len(head) - 1))
+        for r in cells:
+            vals = [r["preset"], str(r["slots"]), r["op"], f"{r['torch x bound']:.2f}"]
+            vals += [f"{r[p + ' x old']:.2f}" for p in news] + [f"{r['torch x seed']:.2f}"]
+            better = min(r.get("torch-crew ms", float("inf")), r.get("torch-inline ms", float("inf")))
+            vals.append(f"{better / r['torch ms']:.2f}")
+            out.append("| " + " | ".join(vals) + " |")
+        loads = [
+            f"{r['preset']} {r['load_before']} -> {r['load_after']}"
+            for r in rows
+            if r["phase"] == phase and "op" not in r
+        ]
+        out.append("\nLoad average (1/5/15 min) before -> after each preset: " + "; ".join(loads) + ".\n")
     return "\n".join(out)
 
 
 def main() -> int:
     if sys.argv[1:2] == ["--markdown"]:
-        sys.stdout.write(markdown(sys.argv[2]))
+        sys.stdout.write(markdown(*sys.argv[2:]))
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--old", required=True, help="the other checkout (its root, holding mambacache/)")
@@ -218,6 +221,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--budget-gb", type=float, default=0.6, help="each worker's pool, drafts and host pool")
     p.add_argument("--contended", action="store_true", help="every cell again with a competing process")
+    p.add_argument("--contended-only", action="store_true", help="only the cells with a competing process")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     budget = int(args.budget_gb * 2**30)
@@ -226,8 +230,8 @@ def main() -> int:
         Worker("old", args.old, ["torch"], args.sizes, budget),
     ]
     try:
-        rows = run_phase(workers, args, "quiet")
-        if args.contended:
+        rows = [] if args.contended_only else run_phase(workers, args, "quiet")
+        if args.contended or args.contended_only:
             sys.path.insert(0, os.path.abspath(args.new))
             from mambacache.bench._contend import competing_process
 

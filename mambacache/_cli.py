@@ -15,7 +15,7 @@ from . import __version__
 # them without importing the modules (and torch, seconds on a loaded machine).
 COMMANDS = {
     "simulate": "run a continuous-batching workload on real models and check outputs against isolated generation",
-    "bench": "clear/copy speed, workspace and host overhead against the bandwidth bound and the seed path",
+    "bench": "clear/copy speed, workspace and host overhead against the bandwidth bound and the `sglang` path",
     "trace": "analyse a JSON-lines lifecycle trace",
 }
 

@@ -27,13 +27,13 @@ def test_bench_quick_emits_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert 0 < data["host_tier_overhead"]["offload_release_us_per_slot"] < 1000
     paths = {(r["op"], r["path"]) for r in data["results"]}
     for op, bound in (("clear", "memset"), ("copy", "memcpy"), ("offload", "memcpy"), ("restore", "memcpy")):
-        assert {(op, p) for p in (bound, "seed", "torch", "torch-direct", "npu", "reference")} <= paths
+        assert {(op, p) for p in (bound, "sglang", "torch", "torch-direct", "npu", "reference")} <= paths
     for r in data["results"]:
         assert r["median_s"] > 0 and r["min_s"] <= r["median_s"] <= r["max_s"]
         assert r["bytes"] == r["slots"] * data["results"][0]["bytes"] // data["results"][0]["slots"]
         if r["path"] == "npu":
             assert r["noncontiguous_input_bytes"] == 0  # the NPU-relevant figure
-        if r["path"] == "seed" and r["op"] == "clear":
+        if r["path"] == "sglang" and r["op"] == "clear":
             assert r["noncontiguous_input_bytes"] == r["bytes"]  # the expanded zeros, in full
         if r["host_syncs"] is not None:
             assert r["host_syncs"] == 0
@@ -42,7 +42,7 @@ def test_bench_quick_emits_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
             # As a flush runs them: a zero or copy stage is one foreach op over both pool tensors' rows, a
             # commit one per pool tensor; no temporary.
             assert r["ops"] == (2 if r["op"] == "commit" else 1) and r["peak_temp_bytes"] == 0
-        if r["op"] in ("offload", "restore") and r["path"] not in ("memcpy", "seed"):
+        if r["op"] in ("offload", "restore") and r["path"] not in ("memcpy", "sglang"):
             # Per run of slots (random slots: runs of one) and pool tensor, one copy (npu: one per layer), no
             # temporary; a slice or two and a copy each.
             assert r["peak_temp_bytes"] == 0 and r["ops"] <= 10 * r["slots"] * r["layers"], r  # 2 tensors
@@ -105,10 +105,10 @@ def test_bench_contended_prints_quiet_and_contended_side_by_side(capsys: pytest.
     assert {(r["op"], r["path"]) for r in rows} == {
         (op, p)
         for op, bound in (("clear", "memset"), ("copy", "memcpy"), ("offload", "memcpy"), ("restore", "memcpy"))
-        for p in (bound, "seed", "torch")
+        for p in (bound, "sglang", "torch")
     }
     for r in rows:
-        assert r["quiet_ms"] > 0 and r["contended_ms"] > 0 and r["quiet_x_bound"] > 0 and r["contended_x_seed"] > 0
+        assert r["quiet_ms"] > 0 and r["contended_ms"] > 0 and r["quiet_x_bound"] > 0 and r["contended_x_sglang"] > 0
 
 
 def test_the_competing_process_is_killed_even_on_interrupt() -> None:

@@ -599,7 +599,7 @@ def test_a_ratio_to_an_unsteady_baseline_is_flagged_not_drawn(monkeypatch: pytes
     monkeypatch.setattr(_run, "_time_once", fake_time)
     timings = _run.measure({"memset": memset, "torch": path}, torch.device("cpu"), 6, warmup=0)
     assert timings["memset"][3] > _run.BOUND_SPREAD and timings["torch"][3] <= _run.BOUND_SPREAD
-    fields = dict(preset="small", layers=8, op="clear", min_s=1e-3, max_s=1e-3, bytes=1, gb_s=1.0, vs_seed=1.0)
+    fields = dict(preset="small", layers=8, op="clear", min_s=1e-3, max_s=1e-3, bytes=1, gb_s=1.0, vs_sglang=1.0)
     steady = _run.Result(slots=1, path="torch", median_s=1e-3, vs_bound=0.9, **fields)  # type: ignore[arg-type]
     unsteady = _run.Result(slots=8, path="torch", median_s=1e-3, vs_bound=225.0, bound_spread=3.0, **fields)  # type: ignore[arg-type]
     assert steady.bound_steady and not unsteady.bound_steady and unsteady.to_json()["bound_steady"] is False

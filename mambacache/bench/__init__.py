@@ -1,4 +1,4 @@
-"""``mambacache bench``: clear and copy paths against the bandwidth bound and the seed's code; a state transfer
+"""``mambacache bench``: clear and copy paths against the bandwidth bound and SGLang's pre-fix code; a state transfer
 against a plain send of the same bytes."""
 
 from ._cli import add_parser as add_parser

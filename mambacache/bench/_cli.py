@@ -134,7 +134,7 @@ def _add_single_rows(p: argparse.ArgumentParser) -> None:
     )
 
 
-# Besides the pool, a run holds the bandwidth-bound buffers (two of n slots), the seed
+# Besides the pool, a run holds the bandwidth-bound buffers (two of n slots), the sglang
 # path's expanded temporaries and the index path's gathers: measured peak RSS is about
 # 2.9x the pool on CPU (5.9 GB at a 2 GB pool), so the pool gets a third of --budget-gb.
 POOL_SHARE = 0.33
@@ -228,7 +228,7 @@ def render(results: list[Result]) -> str:
     for preset in dict.fromkeys(r.preset for r in results):
         rows = [
             [r.slots, r.op, r.path, _ms(r.median_s), f"{_ms(r.min_s)}-{_ms(r.max_s)}", r.gb_s, _vs_bound(r),
-             f"{r.vs_seed:.2f}", _bytes(r.peak_temp_bytes), _bytes(r.noncontiguous_input_bytes),
+             f"{r.vs_sglang:.2f}", _bytes(r.peak_temp_bytes), _bytes(r.noncontiguous_input_bytes),
              "-" if r.host_syncs is None else r.host_syncs, "-" if r.ops is None else r.ops,
              "-" if r.launches is None else r.launches]
             for r in results if r.preset == preset
@@ -245,7 +245,7 @@ def render(results: list[Result]) -> str:
             "min-max",
             "GB/s",
             "x bound",
-            "x seed",
+            "x sglang",
             "peak temp",
             "non-contig",
             "syncs",
@@ -354,12 +354,12 @@ def run_transfer(args: argparse.Namespace, device: torch.device) -> int:
 
 def _contended_table(rows: list[dict[str, Any]]) -> str:
     return "\n\n".join(
-        table(["slots", "op", "path", "quiet ms", "x bound", "x seed", "contended ms", "x bound", "x seed"],
+        table(["slots", "op", "path", "quiet ms", "x bound", "x sglang", "contended ms", "x bound", "x sglang"],
               [[r["slots"], r["op"], r["path"], r["quiet_ms"], f"{r['quiet_x_bound']:.2f}",
-                f"{r['quiet_x_seed']:.2f}", r["contended_ms"], f"{r['contended_x_bound']:.2f}",
-                f"{r['contended_x_seed']:.2f}"] for r in rows if r["preset"] == preset],
+                f"{r['quiet_x_sglang']:.2f}", r["contended_ms"], f"{r['contended_x_bound']:.2f}",
+                f"{r['contended_x_sglang']:.2f}"] for r in rows if r["preset"] == preset],
               title=f"{preset}: {rows[0]['layers']} layers; quiet, then with a 2-thread torch process computing"
-                    " (x bound: memset/memcpy time over this one; x seed: the seed path's)")
+                    " (x bound: memset/memcpy time over this one; x sglang: SGLang's pre-fix path's)")
         for preset in dict.fromkeys(r["preset"] for r in rows)
     )  # fmt: skip
 

@@ -77,7 +77,7 @@ def contended(
 ) -> list[dict[str, Any]]:
     """Clear, copy, offload and restore of each preset and size, quiet then with :func:`competing_process`
     running: one row per (preset, slots, op, path) with both medians and both ratios (to the bound and to the
-    seed path)."""
+    `sglang` path)."""
 
     def rows() -> list[Any]:
         args = (sizes, executors, device, repeats, budget_bytes, workspace_bytes)
@@ -91,7 +91,7 @@ def contended(
         assert (q.preset, q.slots, q.op, q.path) == (c.preset, c.slots, c.op, c.path)
         out.append({
             "preset": q.preset, "layers": q.layers, "slots": q.slots, "op": q.op, "path": q.path,
-            "quiet_ms": q.median_s * 1e3, "quiet_x_bound": q.vs_bound, "quiet_x_seed": q.vs_seed,
-            "contended_ms": c.median_s * 1e3, "contended_x_bound": c.vs_bound, "contended_x_seed": c.vs_seed,
+            "quiet_ms": q.median_s * 1e3, "quiet_x_bound": q.vs_bound, "quiet_x_sglang": q.vs_sglang,
+            "contended_ms": c.median_s * 1e3, "contended_x_bound": c.vs_bound, "contended_x_sglang": c.vs_sglang,
         })  # fmt: skip
     return out

@@ -4,9 +4,8 @@ Every figure is a median of repeated runs after warm-up, with min and max; the
 ratios compare paths measured in the same run on the same pool:
 
 * clear: against a warm contiguous ``zero_()`` of the same bytes (the memset
-  bound), and against the seed's expand-based clear;
-* copy: against a contiguous ``copy_`` of the same bytes, and the seed's
-  advanced-index copy ``t[:, dst] = t[:, src]``;
+  bound), and against SGLang's expand-based clear;
+* copy: against a contiguous ``copy_`` of the same bytes, and SGLang's advanced-index copy ``t[:, dst] = t[:, src]``;
 * workspace: the op audit's temporaries and non-contiguous inputs per step;
 * host: submit + plan microseconds per event, and the cost of tracing when off.
 """
@@ -48,14 +47,14 @@ class Result:
     layers: int
     slots: int
     op: str  # clear | copy
-    path: str  # an executor name, or seed / memset / memcpy
+    path: str  # an executor name, or sglang / memset / memcpy
     median_s: float
     min_s: float
     max_s: float
     bytes: int
     gb_s: float
     vs_bound: float  # the memset/memcpy time over this time: 1.0 is the bandwidth bound
-    vs_seed: float  # the seed path's time over this time: > 1 is faster than the seed
+    vs_sglang: float  # the sglang path's time over this time: > 1 is faster than SGLang's pre-fix code
     peak_temp_bytes: int | None = None
     noncontiguous_input_bytes: int | None = None
     host_syncs: int | None = None  # ops that read device data back (audit), plus CUDA's sync debug mode
@@ -148,24 +147,24 @@ def _copy_all(src: list[torch.Tensor], dst: list[torch.Tensor]) -> None:
         b.copy_(a)
 
 
-def _seed_clear(pool: StatePool, idx: torch.Tensor) -> None:
+def _sglang_clear(pool: StatePool, idx: torch.Tensor) -> None:
     """SGLang's clear_slots before its NPU fix: zeros(1).expand + advanced-index assignment."""
     for t in pool.tensors:
         t[:, idx] = torch.zeros(1, dtype=t.dtype, device=t.device).expand(t.shape[0], len(idx), *t.shape[2:])
 
 
-def _seed_copy(pool: StatePool, src: torch.Tensor, dst: torch.Tensor) -> None:
+def _sglang_copy(pool: StatePool, src: torch.Tensor, dst: torch.Tensor) -> None:
     for t in pool.tensors:
         t[:, dst] = t[:, src]
 
 
-def _seed_commit(pool: StatePool, dst: torch.Tensor, pos: torch.Tensor) -> None:
+def _sglang_commit(pool: StatePool, dst: torch.Tensor, pos: torch.Tensor) -> None:
     """Speculative decoding as engines first wrote it: an advanced-index gather from the draft buffers."""
     for t, d in zip(pool.tensors, pool.draft_tensors, strict=True):
         t[:, dst] = d[:, dst, pos]
 
 
-def _seed_host(pool: StatePool, host: HostPool, pairs: Sequence[tuple[int, int]], offload: bool) -> None:
+def _sglang_host(pool: StatePool, host: HostPool, pairs: Sequence[tuple[int, int]], offload: bool) -> None:
     """What an engine without a planner writes: one copy per slot and tensor (SGLang's HiCache mamba path shape)."""
     for t, h in zip(pool.tensors, host.tensors, strict=True):
         for a, b in pairs:
@@ -266,10 +265,10 @@ def run_preset(
     for n in sizes:
         nbytes = n * spec.slot_bytes
         cases = _preset_cases(pool, host, num_slots, n, rng, device)
-        for op, bound, stage, seed_fn, bound_fn in cases:
+        for op, bound, stage, sglang_fn, bound_fn in cases:
             if only is not None and op not in only:
                 continue
-            fns: dict[str, Callable[[], object]] = {bound: bound_fn, "seed": seed_fn}
+            fns: dict[str, Callable[[], object]] = {bound: bound_fn, "sglang": sglang_fn}
             fns.update({e: _run_stage(ex, stage, pool, host) for e, ex in impls.items()})
             timings = measure(fns, device, repeats)
             for path, (median, low, high, _) in timings.items():
@@ -284,7 +283,7 @@ def run_preset(
                 if fresh is not None:  # a fresh executor's first step builds its caches: count a warm one
                     ops = _audit(fns[path], device)[3]
                 yield Result(name, spec.num_layers, n, op, path, median, low, high, nbytes, nbytes / median / 1e9,
-                             timings[bound][0] / median, timings["seed"][0] / median, peak, noncontig, syncs,
+                             timings[bound][0] / median, timings["sglang"][0] / median, peak, noncontig, syncs,
                              ops, _launches(fns[path], device), bound_spread=timings[bound][3])  # fmt: skip
         del cases
 
@@ -295,7 +294,7 @@ _Case = tuple[str, str, Stage, Callable[[], object], Callable[[], object]]
 def _preset_cases(
     pool: StatePool, host: HostPool, num_slots: int, n: int, rng: random.Random, device: torch.device
 ) -> list[_Case]:
-    """For ``n`` random slots: each op's name, its bound's name, its planned stage, the seed path and the bound.
+    """For ``n`` random slots: each op's name, its bound's name, its planned stage, the `sglang` path and the bound.
 
     The bound works on contiguous buffers holding the same bytes, allocated here
     and held by the returned callables until the list is dropped.
@@ -318,12 +317,12 @@ def _preset_cases(
     (rstage,) = plan_step([Restore(h, d, keep=True) for h, d in restores]).stages
     hbufs = [torch.empty(b.shape, dtype=b.dtype, pin_memory=host.pinned) for b in bufs]
     return [
-        ("clear", "memset", zstage, partial(_seed_clear, pool, zidx), partial(_zero_all, bufs)),
-        ("copy", "memcpy", cstage, partial(_seed_copy, pool, sidx, didx), partial(_copy_all, bufs, bufs2)),
-        ("commit", "memcpy", mstage, partial(_seed_commit, pool, midx, pidx), partial(_copy_all, bufs, bufs2)),
-        ("offload", "memcpy", ostage, partial(_seed_host, pool, host, offloads, True),
+        ("clear", "memset", zstage, partial(_sglang_clear, pool, zidx), partial(_zero_all, bufs)),
+        ("copy", "memcpy", cstage, partial(_sglang_copy, pool, sidx, didx), partial(_copy_all, bufs, bufs2)),
+        ("commit", "memcpy", mstage, partial(_sglang_commit, pool, midx, pidx), partial(_copy_all, bufs, bufs2)),
+        ("offload", "memcpy", ostage, partial(_sglang_host, pool, host, offloads, True),
          partial(_copy_all, bufs, hbufs)),
-        ("restore", "memcpy", rstage, partial(_seed_host, pool, host, restores, False),
+        ("restore", "memcpy", rstage, partial(_sglang_host, pool, host, restores, False),
          partial(_copy_all, hbufs, bufs)),
     ]  # fmt: skip
 

@@ -6,14 +6,14 @@
 Two worker processes, one per checkout (each imports its own ``mambacache`` through its own
 PYTHONPATH), build the same pool (the bench's preset, layers fitted to ``--budget-gb``, the same
 random slots from the same seed) and the same cases as ``mambacache bench`` (``_preset_cases``:
-clear, copy, offload, restore; memset/memcpy of the same bytes; the seed path). For each cell the
+clear, copy, offload, restore; memset/memcpy of the same bytes; the `sglang` path). For each cell the
 driver asks the workers for one round each in turn, the order flipped every round, so a slow spell
 of the shared machine hits both alike; a worker's round times each of its paths once (the bound,
-the seed path, each executor). The worker not timing waits on its pipe. Separate runs here differ
+the `sglang` path, each executor). The worker not timing waits on its pipe. Separate runs here differ
 by 2x; these rounds do not.
 
-Reported per cell: each path's median over its own worker's bound (x bound) and over its seed path
-(x seed), and the old checkout's ``torch`` median over each new path's (x old: above 1, the new path
+Reported per cell: each path's median over its own worker's bound (x bound) and over its `sglang` path
+(x sglang), and the old checkout's ``torch`` median over each new path's (x old: above 1, the new path
 is faster). ``--contended`` runs every cell again with ``bench --contended``'s competing process.
 The load average (``os.getloadavg``) is recorded before and after each preset and phase.
 ``--markdown FILE...`` prints the tables of ``--json`` files.
@@ -53,8 +53,8 @@ def build(name):
     impls = {e: make_executor(e, device, 64 << 20) for e in executors}
     out = {}
     for n in sizes:
-        for op, bound, stage, seed_fn, bound_fn in _preset_cases(pool, host, num_slots, n, rng, device):
-            paths = {"bound": bound_fn, "seed": seed_fn}
+        for op, bound, stage, sglang_fn, bound_fn in _preset_cases(pool, host, num_slots, n, rng, device):
+            paths = {"bound": bound_fn, "sglang": sglang_fn}
             paths.update({e: _run_stage(ex, stage, pool, host) for e, ex in impls.items()})
             out[(n, op)] = paths
     return spec.num_layers, spec.slot_bytes, out
@@ -159,12 +159,12 @@ def run_phase(workers: list[Worker], args: argparse.Namespace, phase: str) -> li
                                        "bound_ms": new["bound"] * 1e3, "old_bound_ms": old["bound"] * 1e3}  # fmt: skip
                 for label, paths in med.items():
                     for p, t in paths.items():
-                        if p in ("bound", "seed"):
+                        if p in ("bound", "sglang"):
                             continue
                         name = p if label == "new" else f"old {p}"
                         row[f"{name} ms"] = t * 1e3
                         row[f"{name} x bound"] = paths["bound"] / t
-                        row[f"{name} x seed"] = paths["seed"] / t
+                        row[f"{name} x sglang"] = paths["sglang"] / t
                         if label == "new":
                             row[f"{name} x old"] = old["torch"] / t
                 rows.append(row)
@@ -177,7 +177,7 @@ def run_phase(workers: list[Worker], args: argparse.Namespace, phase: str) -> li
 def markdown(*paths: str) -> str:
     """One table per phase from ``--json`` files: per preset, size and op, the default's x bound, each new
     path's x old (``torch-whole`` runs the old code's way: its x old is the measurement's own spread), the
-    default's x seed and its time against the better of torch-crew and torch-inline (below 1: slower); then
+    default's x sglang and its time against the better of torch-crew and torch-inline (below 1: slower); then
     the load before and after each preset."""
     rows = []
     for path in paths:
@@ -188,13 +188,13 @@ def markdown(*paths: str) -> str:
         cells = [r for r in rows if r["phase"] == phase and "op" in r]
         news = [k[:-3] for k in cells[0] if k.endswith(" ms") and not k.startswith("old ")]
         head = ["preset", "slots", "op", "torch x bound", *(f"{p} x old" for p in news)]
-        head += ["torch x seed", "torch x better of crew, inline"]
+        head += ["torch x sglang", "torch x better of crew, inline"]
         out.append(f"{phase}:\n")
         out.append("| " + " | ".join(head) + " |")
         out.append("|---|" + "---:|" * (len(head) - 1))
         for r in cells:
             vals = [r["preset"], str(r["slots"]), r["op"], f"{r['torch x bound']:.2f}"]
-            vals += [f"{r[p + ' x old']:.2f}" for p in news] + [f"{r['torch x seed']:.2f}"]
+            vals += [f"{r[p + ' x old']:.2f}" for p in news] + [f"{r['torch x sglang']:.2f}"]
             better = min(r.get("torch-crew ms", float("inf")), r.get("torch-inline ms", float("inf")))
             vals.append(f"{better / r['torch ms']:.2f}")
             out.append("| " + " | ".join(vals) + " |")

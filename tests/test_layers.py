@@ -99,14 +99,14 @@ def test_no_import_circle() -> None:
 
 # The core (docs/architecture.md's first layer), named one by one: a new module must be placed.
 CORE = {
-    "mambacache._args", "mambacache._backlog", "mambacache._channel", "mambacache._distributed",
+    "mambacache._backlog", "mambacache._channel", "mambacache._distributed",
     "mambacache._errors", "mambacache._events", "mambacache._executors", "mambacache._executors._base",
     "mambacache._executors._crew", "mambacache._executors._npu", "mambacache._executors._policy",
     "mambacache._executors._reference",
     "mambacache._executors._torch",
     "mambacache._flush", "mambacache._hf", "mambacache._host", "mambacache._hosttier", "mambacache._indices",
-    "mambacache._layout", "mambacache._ledger", "mambacache._manager", "mambacache._planner", "mambacache._pool",
-    "mambacache._queue", "mambacache._reserve", "mambacache._runner", "mambacache._spec", "mambacache._torchutil",
+    "mambacache._layout", "mambacache._ledger", "mambacache._lifecycle", "mambacache._planner", "mambacache._pool",
+    "mambacache._queue", "mambacache._runner", "mambacache._spec", "mambacache._torchutil",
     "mambacache._tracing", "mambacache._validate",
 }  # fmt: skip
 # Above the core: the layers (a folder each), the tools, and the package's own __init__ that re-exports them.

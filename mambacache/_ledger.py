@@ -62,7 +62,7 @@ class SlotLedger:
         self.quota = ReservedSlots()
 
     def claim(self, owner: object) -> None:
-        """Make ``owner`` (an open manager's claim token) the only one driving this ledger."""
+        """Make ``owner`` (an open manager's lifecycle) the only one driving this ledger."""
         if self.owner is not None:
             raise InvalidArgumentError(f"this {self.name} is already managed by another open CacheManager")
         self.owner = owner

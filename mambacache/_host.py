@@ -16,11 +16,11 @@ import dataclasses
 
 import torch
 
-from ._errors import InvalidArgumentError, InvalidSlotError, PoolAllocationError
+from ._errors import PoolAllocationError
 from ._ledger import SlotLedger
 from ._spec import StateSpec
 from ._torchutil import executor_view, failure_reason
-from ._validate import as_slot
+from ._validate import check_bool, check_instance, check_positive_int, host_slot
 
 __all__ = ["HostPool"]
 
@@ -48,12 +48,9 @@ class HostPool:
     """
 
     def __init__(self, spec: StateSpec, num_slots: int, *, pin_memory: bool | None = None) -> None:
-        if not isinstance(spec, StateSpec):
-            raise InvalidArgumentError(f"spec must be a StateSpec, got {type(spec).__name__}")
-        if type(num_slots) is not int or num_slots < 1:
-            raise InvalidArgumentError(f"num_slots must be a positive int, got {num_slots!r}")
-        if pin_memory is not None and type(pin_memory) is not bool:
-            raise InvalidArgumentError(f"pin_memory must be a bool or None, got {pin_memory!r}")
+        check_instance("spec", spec, StateSpec)
+        check_positive_int("num_slots", num_slots)
+        check_bool("pin_memory", pin_memory, none=True)
         pin = _accelerator_present() if pin_memory is None else pin_memory
         self.spec = dataclasses.replace(spec, draft_tokens=0) if spec.draft_tokens else spec
         rows = (spec.num_layers, num_slots + 1)
@@ -105,10 +102,7 @@ class HostPool:
         ``1..num_slots`` raises :class:`InvalidSlotError`.
         """
         if type(host) is not int or not 0 < host <= self.num_slots:
-            try:
-                host = as_slot(host, self.num_slots)
-            except InvalidSlotError as exc:
-                raise InvalidSlotError(f"host {exc}") from None
+            host = host_slot(host, self.num_slots)
         return self.ledger.is_held(host)
 
     def held(self) -> dict[int, str | None]:
@@ -117,8 +111,7 @@ class HostPool:
 
     def compatible_with(self, spec: StateSpec) -> bool:
         """Whether this pool holds states of ``spec`` (draft buffers aside; extra tensors must match too)."""
-        if not isinstance(spec, StateSpec):
-            raise InvalidArgumentError(f"spec must be a StateSpec, got {type(spec).__name__}")
+        check_instance("spec", spec, StateSpec)
         return dataclasses.replace(spec, draft_tokens=0) == self.spec
 
     def __repr__(self) -> str:

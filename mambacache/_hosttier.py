@@ -1,87 +1,100 @@
-"""CacheManager's host-tier surface: states copied to host slots and back (swap, checkpoints on the host).
+"""HostTier: a manager's host tier, states copied to host slots and back (swap, checkpoints on the host).
 
-A piece of its own so the manager's class stays small; the events are queued by
-:class:`~mambacache._queue.StepQueue` and planned like every other.
+The part of :class:`~mambacache.CacheManager` that queues offloads, restores and
+drops: it checks each batch against the pool's and the host pool's ledgers and
+the queue's guard, and queues its events, in one hold of the manager's lock,
+so the ledgers stay the state at the end of the queue; the planner plans the
+events like every other. Arguments are checked before (``_validate``). No torch.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from ._args import host_slot, many, need_host, paired, slot_of
-from ._errors import InvalidSlotError
-from ._queue import drop_host, offload_batch, restore_batch
-from ._validate import slot_list
+from ._errors import SlotStateError
+from ._events import DropHost, Offload, Restore
 
 if TYPE_CHECKING:
     from ._host import HostPool
-    from ._pool import StatePool
+    from ._ledger import SlotLedger
     from ._queue import StepQueue
 
 __all__ = ["HostTier"]
 
 
 class HostTier:
-    """The host-tier methods of :class:`~mambacache.CacheManager` (a mixin over its pools and queue).
+    """Offloads, restores and drops of a manager's host pool, queued on its step queue.
 
     Invariant: a host slot is held from the offload that fills it to the drop or
     freeing restore that ends it; reads queued before its end see its state.
+    Each call is one batch, queued whole or not at all, under the queue's lock.
     """
 
-    _pool: StatePool
-    _host: HostPool | None
-    _queue: StepQueue
+    __slots__ = ("_ledger", "_queue", "pool")
 
-    @property
-    def host_pool(self) -> HostPool | None:
-        """The host pool (None without one)."""
-        return self._host
+    def __init__(self, queue: StepQueue, pool: HostPool) -> None:
+        self._queue = queue
+        self.pool = pool
+        self._ledger: SlotLedger = pool.ledger  # the queue's host ledger too (it frees slots at each take)
 
-    if TYPE_CHECKING:
+    def offload(self, slots: list[int], tenant: str | None) -> list[int]:
+        """An offload of each of ``slots`` (in range), in order, in one hold: all or none; returns the host slots.
 
-        @property
-        def pool(self) -> StatePool: ...
-
-        def check_open(self) -> None: ...
-
-    def offload(self, slot: int, request_id: str | None = None) -> int:
-        """Copy ``slot``'s state as of this point of the event order to a free host slot; returns the host slot.
-
-        Later events on ``slot`` (a release and a new tenant, a clear) do not reach the copy, so ``offload`` then
-        ``release`` is preemption by swap. The copy runs on the next flush's stream, before anything in that step
-        writes the slot. Raises :class:`PoolExhaustedError` when the host pool is full.
+        The error is the one the first failing single call would raise: a slot not held (or another
+        tenant's) before the host pool runs out, else :class:`PoolExhaustedError`.
         """
-        need_host(self, "offload")
-        return offload_batch(self._queue, [slot_of(self._pool, slot, request_id)], request_id)[0]
+        queue, host = self._queue, self._ledger
+        with queue.lock:
+            queue.check()
+            held, tenants, guard = queue.ledger.held, queue.ledger.tenants, queue.guard
+            for i, s in enumerate(slots):  # offloads change no pool slot's state: one ledger serves every check
+                if not held[s] or (tenant is not None and tenants[s] != tenant):
+                    if i > host.num_free:
+                        break  # one call per slot would run out of host slots first: take raises that
+                    queue.ledger.check_held("Offload", s, tenant)
+                if guard.awaited:
+                    try:
+                        guard.check_read("Offload", s)
+                    except SlotStateError:
+                        if i > host.num_free:
+                            break  # as above: the host pool runs out first
+                        raise
+            hosts = host.take(len(slots), tenant)  # the lowest first, as one take(1) per slot hands them out
+            queue.enqueue([Offload(s, h, tenant) for s, h in zip(slots, hosts, strict=True)])
+        return hosts
 
-    def offload_many(self, slots: Any, request_id: str | None = None) -> list[int]:
-        """``[offload(s) for s in slots]``, all or none (too few free host slots: nothing taken); the host slots."""
-        return offload_batch(self._queue, many(self, slots, request_id, "offload_many"), request_id)
-
-    def restore(self, host: int, slot: int, request_id: str | None = None, *, keep: bool = False) -> None:
-        """``slot`` gets host slot ``host``'s state as of this point of the event order.
-
-        ``host`` is freed after the read unless ``keep`` (a checkpoint restored many times). A host slot freed in a
-        step is handed out again in that step only when no other is free, and the planner orders this read before
-        the offload that rewrites it, so the read always sees the offloaded state.
-        """
-        h = host_slot(need_host(self, "restore"), host)
-        restore_batch(self._queue, [h], [slot_of(self._pool, slot, request_id)], request_id, keep)
-
-    def restore_many(self, hosts: Any, slots: Any, request_id: str | None = None, *, keep: bool = False) -> None:
-        """``restore(hosts[i], slots[i], keep=keep)`` for each ``i``, in order, all or none."""
-        restore_batch(self._queue, *_restores(self, hosts, slots, request_id), request_id, keep)
+    def restore(self, hosts: list[int], slots: list[int], tenant: str | None, keep: bool) -> None:
+        """A restore of ``hosts[i]`` into ``slots[i]`` (in range, as many) for each ``i``, in one hold: all or
+        none. Without ``keep`` a host slot read earlier in the batch holds nothing for a later read."""
+        queue, host = self._queue, self._ledger
+        with queue.lock:
+            queue.check()
+            host_held, held, tenants = host.held, queue.ledger.held, queue.ledger.tenants
+            read: dict[int, None] = {}  # ordered: freed in restore order, as one call each would
+            for h, s in zip(hosts, slots, strict=True):
+                if not host_held[h] or h in read:
+                    raise _host_gone("Restore", h)
+                queue.guard.check_host("Restore", h)
+                if not held[s] or (tenant is not None and tenants[s] != tenant):
+                    queue.ledger.check_held("Restore", s, tenant)
+                queue.guard.check_write("Restore", s)
+                if not keep:
+                    read[h] = None
+            queue.enqueue([Restore(h, s, tenant, keep) for h, s in zip(hosts, slots, strict=True)])
+            for h in read:
+                host.free_later(h)
 
     def drop(self, host: int) -> None:
-        """Free host slot ``host`` from this point; earlier restores still read it."""
-        drop_host(self._queue, host_slot(need_host(self, "drop"), host))
+        """Queue the end of host slot ``host`` (in range): free for the next step, earlier reads still see it."""
+        queue, ledger = self._queue, self._ledger
+        with queue.lock:
+            queue.check()
+            if not ledger.held[host]:
+                raise _host_gone("DropHost", host)
+            queue.guard.check_host("DropHost", host)
+            queue.enqueue((DropHost(host),))
+            ledger.free_later(host)
 
 
-def _restores(mgr: HostTier, hosts: Any, slots: Any, request_id: Any) -> tuple[list[int], list[int]]:
-    """``restore_many``'s host slots and slots, in range and as many."""
-    hp = need_host(mgr, "restore_many")
-    try:
-        hs = slot_list(hosts, hp.num_slots)
-    except InvalidSlotError as exc:
-        raise InvalidSlotError(f"host {exc}") from None
-    return hs, paired("restore_many", hs, many(mgr, slots, request_id))
+def _host_gone(kind: str, host: int) -> SlotStateError:
+    return SlotStateError(f"{kind}: host slot {host} holds no state (dropped, restored, or never offloaded)")

@@ -58,11 +58,11 @@ class SlotLedger:
         self._later: list[int] = []  # freed by free_later, in order
         self._pending = bytearray(size + 1)  # 1 for the slots in _later (O(1) membership)
         self._busy: list[int] | None = None  # per slot: the ticket whose work still reads it (made on first use)
-        self.owner: object | None = None  # the claim of the open manager driving this ledger, if any
+        self.owner: object | None = None  # the lifecycle of the open manager driving this ledger, if any
         self.quota = ReservedSlots()
 
     def claim(self, owner: object) -> None:
-        """Make ``owner`` (an open manager's claim token) the only one driving this ledger."""
+        """Make ``owner`` (an open manager's lifecycle) the only one driving this ledger."""
         if self.owner is not None:
             raise InvalidArgumentError(f"this {self.name} is already managed by another open CacheManager")
         self.owner = owner

@@ -55,18 +55,17 @@ from ._layout import layer_args, layer_groups, stack_group
 from ._ledger import SlotLedger
 from ._spec import StateSpec
 from ._torchutil import as_device, executor_view, failure_reason
-from ._validate import as_slot
+from ._validate import as_slot, check_count, check_instance, check_positive_int
 
 __all__ = ["StatePool"]
 
 
-def _with_drafts(spec: object, draft_tokens: int | None) -> StateSpec:
-    if not isinstance(spec, StateSpec):
-        raise InvalidArgumentError(f"spec must be a StateSpec, got {type(spec).__name__}")
+def _with_drafts(given: Any, draft_tokens: int | None) -> StateSpec:
+    check_instance("spec", given, StateSpec)
+    spec: StateSpec = given
     if draft_tokens is None or draft_tokens == spec.draft_tokens:
         return spec
-    if type(draft_tokens) is not int or draft_tokens < 0:
-        raise InvalidArgumentError(f"draft_tokens must be a non-negative int, got {draft_tokens!r}")
+    check_count("draft_tokens", draft_tokens)
     return dataclasses.replace(spec, draft_tokens=draft_tokens)
 
 
@@ -272,88 +271,7 @@ def _adopt_layers(
     return spec, kinds, drafts, groups
 
 
-class _Tensors:
-    """:class:`StatePool`'s tensors as the public attributes read them, from its layer groups: stacked
-    ``[num_layers, ...]`` tensors where the layers are one group, per-layer views on every pool."""
-
-    spec: StateSpec
-    layer_groups: tuple[tuple[int, int], ...]
-    # Per pool tensor (conv..., temporal, extras...), its tensor per layer group; the draft buffers alike.
-    _kinds: list[list[torch.Tensor]]
-    _drafts: list[list[torch.Tensor]]
-
-    def _stack(self, kinds: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-        if len(self.layer_groups) > 1 and kinds:
-            raise InvalidArgumentError(
-                f"this pool's layers are {len(self.layer_groups)} separate tensors (StatePool.from_layers, layer"
-                f" groups {list(self.layer_groups)}), not one [num_layers, ...] tensor each: use pool.layers"
-            )
-        return [k[0] for k in kinds]
-
-    @property
-    def tensors(self) -> list[torch.Tensor]:
-        """Every pool tensor, ``[num_layers, num_slots + 1, *state]``: the conv tensors, the temporal tensor,
-        then the extra tensors in ``spec`` order. A :meth:`from_layers` pool whose layers are not one strided
-        view each raises :class:`InvalidArgumentError` (:attr:`layers` has them)."""
-        return self._stack(self._kinds)
-
-    @property
-    def draft_tensors(self) -> list[torch.Tensor]:
-        """Every draft buffer, matching :attr:`tensors`: the conv ones, the temporal one, the extras' (empty
-        without)."""
-        return self._stack(self._drafts)
-
-    @property
-    def conv(self) -> list[torch.Tensor]:
-        """The conv tensors, one per ``spec.conv_shapes`` (as :attr:`tensors`)."""
-        return self.tensors[: len(self.spec.conv_shapes)]
-
-    @property
-    def temporal(self) -> torch.Tensor:
-        """The temporal tensor (as :attr:`tensors`)."""
-        return self.tensors[len(self.spec.conv_shapes)]
-
-    @property
-    def extra(self) -> dict[str, torch.Tensor]:
-        """Each name of ``spec.extra_shapes`` -> its tensor (as :attr:`tensors`)."""
-        return dict(zip(self.spec.extra_shapes, self.tensors[len(self.spec.conv_shapes) + 1 :], strict=True))
-
-    @property
-    def draft_conv(self) -> list[torch.Tensor]:
-        """The conv tensors' draft buffers (empty without)."""
-        return self.draft_tensors[: len(self.spec.conv_shapes)]
-
-    @property
-    def draft_temporal(self) -> torch.Tensor | None:
-        """The temporal tensor's draft buffer, or None."""
-        return self.draft_tensors[len(self.spec.conv_shapes)] if self._drafts else None
-
-    @property
-    def draft_extra(self) -> dict[str, torch.Tensor]:
-        """Each extra's draft buffer, by name (empty without)."""
-        drafts = self.draft_tensors[len(self.spec.conv_shapes) + 1 :]
-        return dict(zip(self.spec.extra_shapes, drafts, strict=True)) if drafts else {}
-
-    @property
-    def layers(self) -> list[list[torch.Tensor]]:
-        """Every pool tensor (in :attr:`tensors`' order) as its layers, ``[num_slots + 1, *state]`` views, on
-        any pool (a :meth:`from_layers` pool's are the tensors it adopted)."""
-        return [[v for t in groups_of for v in t.unbind(0)] for groups_of in self._kinds]
-
-    @property
-    def draft_layers(self) -> list[list[torch.Tensor]]:
-        """Every draft buffer (in :attr:`draft_tensors`' order) as its layers (empty without)."""
-        return [[v for t in groups_of for v in t.unbind(0)] for groups_of in self._drafts]
-
-    def exec_split(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Stacked ``[num_layers, ...]`` tensors matching :attr:`tensors` (a host pool's) cut into this pool's
-        layer groups, so they match :attr:`exec_tensors` by position."""
-        if len(self.layer_groups) == 1:
-            return tensors
-        return [t[a:b] for t in tensors for a, b in self.layer_groups]
-
-
-class StatePool(_Tensors):
+class StatePool:
     """Per-layer conv and temporal state (and any extra tensors) for ``num_slots`` slots plus ``pad_slots``
     padding slots.
 
@@ -393,8 +311,7 @@ class StatePool(_Tensors):
         pad_slots: int = 1,
     ) -> None:
         spec = _with_drafts(spec, draft_tokens)
-        if type(num_slots) is not int or num_slots < 1:
-            raise InvalidArgumentError(f"num_slots must be a positive int, got {num_slots!r}")
+        check_positive_int("num_slots", num_slots)
         _check_pads(pad_slots)
         dev = as_device(device)
         rows = (spec.num_layers, num_slots + pad_slots)
@@ -564,8 +481,7 @@ class StatePool(_Tensors):
     ) -> StatePool:
         """As many slots as fit in ``budget_bytes``, the padding slots and draft buffers included."""
         spec = _with_drafts(spec, draft_tokens)
-        if type(budget_bytes) is not int or budget_bytes < 0:
-            raise InvalidArgumentError(f"budget_bytes must be a non-negative int, got {budget_bytes!r}")
+        check_count("budget_bytes", budget_bytes)
         _check_pads(pad_slots)
         num_slots = budget_bytes // spec.memory_bytes - pad_slots
         if num_slots < 1:
@@ -632,3 +548,75 @@ class StatePool(_Tensors):
             f"StatePool(num_slots={self.num_slots}, num_free={self.num_free}, device={self.device},"
             f" slot_bytes={self.spec.slot_bytes}, pad_slots={self.pad_slots})"
         )
+
+    # -- the tensors as the public attributes read them, from the layer groups: stacked [num_layers, ...] tensors
+    # where the layers are one group, per-layer views on every pool --------------------------------------------
+    def _stack(self, kinds: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        if len(self.layer_groups) > 1 and kinds:
+            raise InvalidArgumentError(
+                f"this pool's layers are {len(self.layer_groups)} separate tensors (StatePool.from_layers, layer"
+                f" groups {list(self.layer_groups)}), not one [num_layers, ...] tensor each: use pool.layers"
+            )
+        return [k[0] for k in kinds]
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Every pool tensor, ``[num_layers, num_slots + 1, *state]``: the conv tensors, the temporal tensor,
+        then the extra tensors in ``spec`` order. A :meth:`from_layers` pool whose layers are not one strided
+        view each raises :class:`InvalidArgumentError` (:attr:`layers` has them)."""
+        return self._stack(self._kinds)
+
+    @property
+    def draft_tensors(self) -> list[torch.Tensor]:
+        """Every draft buffer, matching :attr:`tensors`: the conv ones, the temporal one, the extras' (empty
+        without)."""
+        return self._stack(self._drafts)
+
+    @property
+    def conv(self) -> list[torch.Tensor]:
+        """The conv tensors, one per ``spec.conv_shapes`` (as :attr:`tensors`)."""
+        return self.tensors[: len(self.spec.conv_shapes)]
+
+    @property
+    def temporal(self) -> torch.Tensor:
+        """The temporal tensor (as :attr:`tensors`)."""
+        return self.tensors[len(self.spec.conv_shapes)]
+
+    @property
+    def extra(self) -> dict[str, torch.Tensor]:
+        """Each name of ``spec.extra_shapes`` -> its tensor (as :attr:`tensors`)."""
+        return dict(zip(self.spec.extra_shapes, self.tensors[len(self.spec.conv_shapes) + 1 :], strict=True))
+
+    @property
+    def draft_conv(self) -> list[torch.Tensor]:
+        """The conv tensors' draft buffers (empty without)."""
+        return self.draft_tensors[: len(self.spec.conv_shapes)]
+
+    @property
+    def draft_temporal(self) -> torch.Tensor | None:
+        """The temporal tensor's draft buffer, or None."""
+        return self.draft_tensors[len(self.spec.conv_shapes)] if self._drafts else None
+
+    @property
+    def draft_extra(self) -> dict[str, torch.Tensor]:
+        """Each extra's draft buffer, by name (empty without)."""
+        drafts = self.draft_tensors[len(self.spec.conv_shapes) + 1 :]
+        return dict(zip(self.spec.extra_shapes, drafts, strict=True)) if drafts else {}
+
+    @property
+    def layers(self) -> list[list[torch.Tensor]]:
+        """Every pool tensor (in :attr:`tensors`' order) as its layers, ``[num_slots + 1, *state]`` views, on
+        any pool (a :meth:`from_layers` pool's are the tensors it adopted)."""
+        return [[v for t in groups_of for v in t.unbind(0)] for groups_of in self._kinds]
+
+    @property
+    def draft_layers(self) -> list[list[torch.Tensor]]:
+        """Every draft buffer (in :attr:`draft_tensors`' order) as its layers (empty without)."""
+        return [[v for t in groups_of for v in t.unbind(0)] for groups_of in self._drafts]
+
+    def exec_split(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Stacked ``[num_layers, ...]`` tensors matching :attr:`tensors` (a host pool's) cut into this pool's
+        layer groups, so they match :attr:`exec_tensors` by position."""
+        if len(self.layer_groups) == 1:
+            return tensors
+        return [t[a:b] for t in tensors for a, b in self.layer_groups]

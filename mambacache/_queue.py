@@ -1,9 +1,10 @@
 """StepQueue: the next step's events, checked against the pools' ledgers as they are queued.
 
 The coordinator under :class:`~mambacache.CacheManager` (which only checks
-arguments and delegates): it owns the manager's lock, the lifecycle state, the
-event queue and the step number, and changes the ledgers only under the lock,
-in the same hold as the queue, so the two never disagree. No torch.
+arguments and delegates): it owns the event queue and the step number, moves
+the manager's :class:`~mambacache._lifecycle.Lifecycle` under the manager's
+lock, and changes the ledgers only under that lock, in the same hold as the
+queue, so the two never disagree. No torch.
 
 A layer above that holds slots of its own beyond the ledgers (the hand-off:
 exports awaiting a peer's ack, states arrived for an import) puts a
@@ -21,22 +22,16 @@ from typing import TYPE_CHECKING, Protocol
 import anyio
 
 from . import _tracing
-from ._errors import InvalidArgumentError, ManagerClosedError, SlotLeakError, SlotStateError
-from ._events import Alloc, DropHost, Event, Export, Offload, Restore
+from ._errors import InvalidArgumentError, SlotLeakError, SlotStateError
+from ._events import Alloc, Event, Export
 from ._ledger import SlotLedger
+from ._lifecycle import OPEN, Lifecycle, Phase
 
 if TYPE_CHECKING:
-    import threading
-
+    from ._backlog import Backlog
     from ._channel import Channel
-    from ._runner import StepRunner
 
-__all__ = [
-    "CLOSED", "CLOSING", "NEW", "NO_GUARD", "OPEN", "StepQueue", "SubmitGuard", "drop_host", "offload_batch",
-    "restore_batch",
-]  # fmt: skip
-
-NEW, OPEN, CLOSING, CLOSED = range(4)
+__all__ = ["NO_GUARD", "StepQueue", "SubmitGuard"]
 
 
 class SubmitGuard(Protocol):
@@ -136,89 +131,69 @@ class StepQueue:
     * the trace records events in queue order: each is traced in the lock hold
       that queues it (a no-op call with tracing off), so another thread's
       release of a slot is never traced before the alloc it follows;
-    * nothing is queued unless the state is OPEN, the runner is not broken and
-      this is the channel's source rank, all read under the lock: a submit is
+    * nothing is queued unless the lifecycle is OPEN (so not broken) and this
+      is the channel's source rank, both read under the lock: a submit is
       either taken by a flush or raises, never both.
     """
 
     __slots__ = (
-        "__weakref__", "_backlog", "_channel", "_claim", "_draft_tokens", "_host", "_releasing", "_runner",
-        "_ticket", "_waiters", "events", "guard", "ledger", "lock", "state", "step",
+        "__weakref__", "_backlog", "_channel", "_draft_tokens", "_host", "_ticket", "_waiters", "events", "guard",
+        "ledger", "life", "lock", "step",
     )  # fmt: skip
 
     def __init__(
         self,
-        lock: threading.Lock,
+        life: Lifecycle,
         ledger: SlotLedger,
         host: SlotLedger | None,
         draft_tokens: int,
-        runner: StepRunner,
+        backlog: Backlog,
         channel: Channel | None,
     ) -> None:
-        self.lock = lock
+        self.life = life
+        self.lock = life.lock
         self.ledger = ledger
         self._host = host
         self._draft_tokens = draft_tokens
-        self._runner = runner
         self._channel = channel
         self.events: list[Event] = []
-        self._backlog = runner.backlog  # hands out the tickets a take runs under (work done: Backlog.done)
+        self._backlog = backlog  # hands out the tickets a take runs under (work done: Backlog.done)
         # What a layer above holds beyond the ledgers (guard_with); it must see this queue through a
         # weak proxy, not the queue: a cycle would keep the manager's graph (its process group with
         # it) alive until the cyclic GC ran, at exit after destroy_process_group at worst, where
         # gloo's destructor aborts the process.
         self.guard: SubmitGuard = NO_GUARD
         self.step = 0
-        self.state = NEW
         self._waiters: list[int] = []  # alloc_wait tickets, first come first served
         self._ticket = 0
-        # The ledgers' claim is this token, not the manager: the pool must not keep its manager alive.
-        self._claim = object()
-        self._releasing = False  # set once closed: the ledgers wait for sends in flight to settle
 
     def guard_with(self, guard: SubmitGuard) -> None:
         """Put ``guard`` on the queue's submits (the layer above's book); once, before :meth:`open`."""
-        if self.state != NEW or self.guard is not NO_GUARD:
+        if self.life.phase is not Phase.NEW or self.guard is not NO_GUARD:
             raise InvalidArgumentError("a StepQueue takes one guard, before it opens")
         self.guard = guard
 
     # -- lifecycle -------------------------------------------------------
-    def closed_error(self) -> ManagerClosedError:
-        if self.state == NEW:
-            return ManagerClosedError("CacheManager is not entered (use `with` or `async with`)")
-        return ManagerClosedError("CacheManager is closed" + (" (closing)" if self.state == CLOSING else ""))
-
     def check(self, settling: bool = False) -> None:
-        """Under the lock: the authoritative check before anything is queued. ``settling``: the outcome of a
-        send taken earlier, which a closing or broken manager still takes (the peer may hold those states: a
-        refusal would report them lost; the releases it queues need no device work)."""
-        if self.state != OPEN and not (settling and self.state == CLOSING):
-            raise self.closed_error()
-        if not settling:
-            self._runner.raise_if_broken()
+        """Under the lock: the authoritative check before anything is queued (:meth:`Lifecycle.check`: open, or
+        ``settling`` a send taken earlier), and that this is the source rank."""
+        self.life.check(settling)
         if self._channel is not None:
             self._channel.check_source("submit")
 
+    def _ledgers(self) -> tuple[SlotLedger, ...]:
+        return (self.ledger,) if self._host is None else (self.ledger, self._host)
+
     def open(self) -> None:
         """Claim the ledgers for this queue's manager and take events from now on."""
-        if self.state != NEW:
-            raise ManagerClosedError("a CacheManager can be entered once")
         with self.lock:
-            self.ledger.claim(self._claim)
-            if self._host is not None:
-                try:
-                    self._host.claim(self._claim)
-                except Exception:
-                    self.ledger.unclaim(self._claim)
-                    raise
-            self.state = OPEN
+            self.life.open(self._ledgers())
 
     def begin_close(self) -> bool:
         """Refuse new events from here on (a transfer in flight may still settle: :meth:`check`); True when
         events are queued."""
         with self.lock:
-            if self.state == OPEN:
-                self.state = CLOSING
+            self.life.begin_close()
             return bool(self.events)
 
     def close(self) -> tuple[list[Event], int]:
@@ -226,7 +201,7 @@ class StepQueue:
         claimed until :meth:`release`."""
         with self.lock:
             events, self.events = self.events, []
-            self.state = CLOSED
+            self.life.finish()
             ticket = self._backlog.take_ticket()
             if self._host is not None:
                 self._host.reuse_freed(ticket)
@@ -237,22 +212,17 @@ class StepQueue:
         no send of its exports awaits an ack and no landing writes (else the last one to settle frees them:
         :meth:`settled`)."""
         with self.lock:
-            self._releasing = True
-            self.settled()
+            self.life.release(self._ledgers(), self.guard.in_flight)
 
     def settled(self) -> None:
         """Under the lock, once closed: free the ledgers unless a send or a landing is still in flight."""
-        if self._releasing and not self.guard.in_flight():
-            self._releasing = False
-            if self._host is not None:
-                self._host.unclaim(self._claim)
-            self.ledger.unclaim(self._claim)
+        self.life.settle(self._ledgers(), self.guard.in_flight)
 
     # -- queueing --------------------------------------------------------
     def submit(self, events: Sequence[Event]) -> None:
         """Queue clears, copies, commits and releases, all or none (see :meth:`SlotLedger.apply_batch`)."""
         with self.lock:
-            if self.state != OPEN or self._runner.broken is not None or self._channel is not None:
+            if self.life.phase is not OPEN or self._channel is not None:
                 self.check()  # the common case is one test; this raises or checks the source rank
             guard = self.guard
             withdrawn = guard.withdraw_locked(events) if guard.exports or guard.awaited else None
@@ -264,7 +234,7 @@ class StepQueue:
 
     def closed(self) -> bool:
         """Closed for good (not merely closing): no flush runs again."""
-        return self.state == CLOSED
+        return self.life.closed
 
     def enqueue(self, events: Sequence[Event]) -> None:
         """Under the lock: queue ``events`` (checked by the caller against the ledgers) and trace them."""
@@ -274,7 +244,7 @@ class StepQueue:
     def alloc(self, n: int, tenant: str | None, clear: bool) -> list[int]:
         """The ``n`` lowest free slots, held by ``tenant``, each with its queued alloc."""
         with self.lock:
-            if self.state != OPEN or self._runner.broken is not None or self._channel is not None:
+            if self.life.phase is not OPEN or self._channel is not None:
                 self.check()  # as in submit: the common case is one test
             slots = self.ledger.take(n, tenant)
             events = self._queue_allocs(slots, tenant, clear)
@@ -354,12 +324,6 @@ class StepQueue:
             self.ledger.reserve(n, tenant)
             _tracing.tracer.note("pool.reserve", slots=n, tenant=tenant, step=self.step)
 
-    # -- the host tier (its calls are the functions below the class) ---------
-    @property
-    def host_ledger(self) -> SlotLedger | None:
-        """The host pool's ledger (None without a host pool); change it only under :attr:`lock`."""
-        return self._host
-
     # -- the flush's side ------------------------------------------------
     def mark(self) -> tuple[list[Event], int, int]:
         """What :meth:`untake` restores: the queue (the list a take swaps out), the step and the next ticket (no
@@ -409,96 +373,15 @@ class StepQueue:
     def check_idle(self, host: bool | None) -> None:
         """Raise :class:`SlotLeakError` if a slot (or, unless ``host`` is False, a host slot) is held.
 
-        One hold of the lock: a swap in or out between two reads could hide a request from both.
+        One hold of the lock: a swap in or out between two reads could hide a request from both. ``host``
+        is checked by the caller (True only with a host pool).
         """
-        if host is not None and type(host) is not bool:
-            raise InvalidArgumentError(f"host must be a bool or None, got {host!r}")
-        if host and self._host is None:
-            raise InvalidArgumentError("check_idle(host=True) on a manager without a host pool")
         with self.lock:
             held = self.ledger.held_by()
             host_held = self._host.held_by() if self._host is not None and host is not False else {}
         if held or host_held:
             parts = [_listed(held, "slot"), _listed(host_held, "host slot")]
             raise SlotLeakError("; ".join(p for p in parts if p), held, host_held)
-
-
-# The host tier's calls (a single offload or restore is a batch of one): functions of the queue, so that the class
-# stays one focused piece.
-def offload_batch(queue: StepQueue, slots: list[int], tenant: str | None) -> list[int]:
-    """:meth:`StepQueue.offload` of each of ``slots`` (in range), in order, in one hold: all or none.
-
-    The error is the one the first failing single call would raise: a slot not held (or another
-    tenant's) before the host pool runs out, else :class:`PoolExhaustedError`.
-    """
-    host = queue._host
-    assert host is not None
-    with queue.lock:
-        queue.check()
-        held, tenants, guard = queue.ledger.held, queue.ledger.tenants, queue.guard
-        for i, s in enumerate(slots):  # offloads change no pool slot's state: one ledger serves every check
-            if not held[s] or (tenant is not None and tenants[s] != tenant):
-                if i > host.num_free:
-                    break  # one call per slot would run out of host slots first: take raises that
-                queue.ledger.check_held("Offload", s, tenant)
-            if guard.awaited:
-                try:
-                    guard.check_read("Offload", s)
-                except SlotStateError:
-                    if i > host.num_free:
-                        break  # as above: the host pool runs out first
-                    raise
-        hosts = host.take(len(slots), tenant)  # the lowest first, as one take(1) per slot hands them out
-        events = [Offload(s, h, tenant) for s, h in zip(slots, hosts, strict=True)]
-        queue.events.extend(events)
-        _tracing.tracer.events(events, queue.step)
-    return hosts
-
-
-def restore_batch(queue: StepQueue, hosts: list[int], slots: list[int], tenant: str | None, keep: bool) -> None:
-    """:meth:`StepQueue.restore` of ``hosts[i]`` into ``slots[i]`` (in range, as many) for each ``i``, in one hold:
-    all or none. Without ``keep`` a host slot read earlier in the batch holds nothing for a later read."""
-    host = queue._host
-    assert host is not None
-    if type(keep) is not bool:
-        raise InvalidArgumentError(f"keep must be a bool, got {keep!r}")
-    with queue.lock:
-        queue.check()
-        host_held, held, tenants = host.held, queue.ledger.held, queue.ledger.tenants
-        read: dict[int, None] = {}  # ordered: freed in restore order, as one call each would
-        for h, s in zip(hosts, slots, strict=True):
-            if not host_held[h] or h in read:
-                raise _host_gone("Restore", h)
-            queue.guard.check_host("Restore", h)
-            if not held[s] or (tenant is not None and tenants[s] != tenant):
-                queue.ledger.check_held("Restore", s, tenant)
-            queue.guard.check_write("Restore", s)
-            if not keep:
-                read[h] = None
-        events = [Restore(h, s, tenant, keep) for h, s in zip(hosts, slots, strict=True)]
-        queue.events.extend(events)
-        for h in read:
-            host.free_later(h)
-        _tracing.tracer.events(events, queue.step)
-
-
-def drop_host(queue: StepQueue, host: int) -> None:
-    """Queue the end of host slot ``host`` (in range): free for the next step, earlier reads still see it."""
-    ledger = queue._host
-    assert ledger is not None
-    with queue.lock:
-        queue.check()
-        if not ledger.held[host]:
-            raise _host_gone("DropHost", host)
-        queue.guard.check_host("DropHost", host)
-        ev = DropHost(host)
-        queue.events.append(ev)
-        ledger.free_later(host)
-        _tracing.tracer.events((ev,), queue.step)
-
-
-def _host_gone(kind: str, host: int) -> SlotStateError:
-    return SlotStateError(f"{kind}: host slot {host} holds no state (dropped, restored, or never offloaded)")
 
 
 def _listed(held: dict[int, str | None], what: str) -> str:

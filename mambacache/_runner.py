@@ -4,11 +4,14 @@ One dispatch, :func:`run_stage`, turns a stage into executor calls (the manager,
 the benchmark and ``check_executor`` all use it); :class:`StepRunner` runs a
 pool's backlog through it, oldest stage first, and owns what a fault leaves:
 the stage and tensor to resume at (in the pool's :class:`Backlog`, which
-outlives the manager) and the count of failures in a row that breaks it.
+outlives the manager) and the count of failures in a row; when that budget is
+spent it reports it to the manager's :class:`~mambacache._lifecycle.Lifecycle`,
+which then refuses work.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +21,7 @@ from . import _tracing
 from ._backlog import Backlog
 from ._errors import ExecutorError, InvalidArgumentError, ManagerBrokenError, UnsupportedDtypeError
 from ._executors._base import Executor, on_stream
+from ._lifecycle import Lifecycle
 from ._planner import (
     CommitStage,
     CopyStage,
@@ -178,16 +182,17 @@ class StepRunner:
     Invariants: a stage leaves the backlog only once every tensor ran it; a
     fault leaves the backlog at the stage and tensor that failed, so running
     again resumes exactly there (see the resume contract of :class:`Executor`);
-    after ``max_failures`` failures in a row the runner is broken for good and
-    :meth:`raise_if_broken` refuses work, while the backlog stays in the pool for
-    the next manager opened on it.
+    after ``max_failures`` failures in a row it reports the manager broken for good
+    to its lifecycle (:meth:`Lifecycle.broke`), which refuses work from then on,
+    while the backlog stays in the pool for the next manager opened on it.
     """
 
     __slots__ = (
-        "_convs", "_cpu", "_device", "_drafts", "_failures", "_max_failures", "_tensors", "backlog", "broken",
+        "_convs", "_cpu", "_device", "_drafts", "_failures", "_max_failures", "_tensors", "backlog", "life",
     )  # fmt: skip
 
-    def __init__(self, pool: Any, max_failures: int) -> None:
+    def __init__(self, pool: Any, max_failures: int, life: Lifecycle | None = None) -> None:
+        """``life``: the manager's lifecycle, told when the budget is spent (a runner of its own without one)."""
         self.backlog: Backlog = pool.backlog  # the flush core reads its length on every step: no property
         self._tensors: list[torch.Tensor] = pool.exec_tensors
         self._drafts: list[torch.Tensor] = pool.exec_drafts
@@ -196,14 +201,16 @@ class StepRunner:
         self._cpu = self._device.type == "cpu"  # on_stream would be a no-op
         self._max_failures = max_failures
         self._failures = 0
-        # Why the runner refuses work, or None: a plain attribute, not a property, as every submit reads it
-        # (under the queue's lock); only the runner writes it.
-        self.broken: str | None = None
+        self.life = life if life is not None else Lifecycle(threading.Lock())
+
+    @property
+    def broken(self) -> str | None:
+        """Why the failure budget broke the manager (its lifecycle's record), or None."""
+        return self.life.why
 
     def raise_if_broken(self) -> None:
         """Raise :class:`ManagerBrokenError` once the failure budget is spent."""
-        if self.broken is not None:
-            raise ManagerBrokenError(self.broken)
+        self.life.raise_if_broken()
 
     @property
     def pending(self) -> int:
@@ -266,9 +273,10 @@ class StepRunner:
         where = f"executor {executor.name!r} failed on {type(stage).__name__} (tensor {self.backlog.next_tensor})"
         _tracing.tracer.failed(step, type(stage).__name__, repr(exc), self._failures)
         if self._failures >= self._max_failures:
-            self.broken = (
+            why = (
                 f"CacheManager is broken: {self._failures} flushes in a row failed (last: {where}: {exc!r});"
                 f" the pool keeps {left} unfinished stage(s) for the next manager opened on it"
             )
-            return ManagerBrokenError(self.broken)
+            self.life.broke(why)
+            return ManagerBrokenError(why)
         return ExecutorError(f"{where}; {left} stage(s) are kept and run first by the next flush")

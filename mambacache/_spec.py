@@ -10,6 +10,7 @@ from typing import Any, NoReturn
 import torch
 
 from ._errors import InvalidArgumentError
+from ._validate import check_count, check_positive_int
 
 __all__ = ["ExtraShapes", "StateSpec"]
 
@@ -116,8 +117,7 @@ class StateSpec:
     slot_bytes: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if type(self.num_layers) is not int or self.num_layers < 1:
-            raise InvalidArgumentError(f"num_layers must be a positive int, got {self.num_layers!r}")
+        check_positive_int("num_layers", self.num_layers)
         if isinstance(self.conv_shapes, (str, bytes)) or not isinstance(self.conv_shapes, Sequence):
             raise InvalidArgumentError(f"conv_shapes must be a sequence of shapes, got {self.conv_shapes!r}")
         conv = tuple(_shape(s, f"conv_shapes[{i}]") for i, s in enumerate(self.conv_shapes))
@@ -128,8 +128,7 @@ class StateSpec:
         object.__setattr__(self, "conv_shapes", conv)
         object.__setattr__(self, "extra_shapes", extras)
         object.__setattr__(self, "temporal_shape", temporal)
-        if type(self.draft_tokens) is not int or self.draft_tokens < 0:
-            raise InvalidArgumentError(f"draft_tokens must be a non-negative int, got {self.draft_tokens!r}")
+        check_count("draft_tokens", self.draft_tokens)
         object.__setattr__(self, "slot_bytes", self.num_layers * sum(self.layer_bytes()))
 
     def shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:

@@ -45,7 +45,7 @@ from ._errors import BindingError, InvalidArgumentError
 from ._hf import linear_layer_indices
 from ._pool import StatePool
 from ._spec import StateSpec
-from ._validate import as_slot
+from ._validate import as_slot, check_count
 
 MIN_TRANSFORMERS = (5, 23)
 """The oldest transformers the binding supports: older 5.x releases run a bound model without reading the pool
@@ -83,8 +83,8 @@ def bind_cache(
     if pool.extra:  # a transformers cache layer has a conv and a recurrent state only: scales would go stale
         raise InvalidArgumentError(f"bind_cache needs a pool without extra tensors (this one has {list(pool.extra)})")
     slot = as_slot(slot, pool.num_slots)
-    if tokens is not None and (type(tokens) is not int or tokens < 0):
-        raise InvalidArgumentError(f"tokens must be a non-negative int, got {tokens!r}")
+    if tokens is not None:
+        check_count("tokens", tokens)
     linear = linear_layer_indices(config)
     if len(linear) != pool.spec.num_layers:
         raise InvalidArgumentError(
@@ -191,8 +191,7 @@ def drop_tokens(cache: Any, n: int, config: Any) -> None:
     is rolled back there (``commit_draft``); this keeps the cache's token count
     consistent with it.
     """
-    if type(n) is not int or n < 0:
-        raise InvalidArgumentError(f"n must be a non-negative int, got {n!r}")
+    check_count("n", n)
     if not n:
         return
     linear = set(linear_layer_indices(config))

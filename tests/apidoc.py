@@ -42,8 +42,8 @@ def _first_paragraph(obj: object) -> str:
 
 
 def _members(module: ModuleType, cls: type) -> dict[str, object]:
-    """``cls``'s own members, then those of its package bases that ``module`` does not export (a mixin that keeps
-    a class small, like CacheManager's ``Reservations``): the public surface, wherever it is written."""
+    """``cls``'s own members, then those of its package bases that ``module`` does not export (a private base
+    class): the public surface, wherever it is written."""
     members = dict(vars(cls))
     for base in cls.__mro__[1:]:
         if base.__module__.startswith("mambacache.") and base.__name__ not in module.__all__:

@@ -1,5 +1,5 @@
-"""The package's shape: no import circle, no reach into another module's privates, small classes,
-long functions justified, every public name documented (``__all__`` is kept sorted by ruff's RUF022)."""
+"""The package's shape: no import circle, no reach into another module's privates, the core importing no layer
+above it, every public name documented (``__all__`` is kept sorted by ruff's RUF022)."""
 
 from __future__ import annotations
 
@@ -41,9 +41,6 @@ FOREIGN_PRIVATES = {
     # The crew: whether a profiler records this thread's ops (it records only its own threads'); no public form.
     "torch.autograd._profiler_enabled",
 }
-MAX_CLASS_LINES = 300
-MAX_FUNCTION_LINES = 60
-LONG_REASON = "One function because"
 
 
 def _tree(path: pathlib.Path) -> ast.Module:
@@ -102,14 +99,14 @@ def test_no_import_circle() -> None:
 
 # The core (docs/architecture.md's first layer), named one by one: a new module must be placed.
 CORE = {
-    "mambacache._args", "mambacache._backlog", "mambacache._channel", "mambacache._distributed",
+    "mambacache._backlog", "mambacache._channel", "mambacache._distributed",
     "mambacache._errors", "mambacache._events", "mambacache._executors", "mambacache._executors._base",
     "mambacache._executors._crew", "mambacache._executors._npu", "mambacache._executors._policy",
     "mambacache._executors._reference",
     "mambacache._executors._torch",
     "mambacache._flush", "mambacache._hf", "mambacache._host", "mambacache._hosttier", "mambacache._indices",
-    "mambacache._layout", "mambacache._ledger", "mambacache._manager", "mambacache._planner", "mambacache._pool",
-    "mambacache._queue", "mambacache._reserve", "mambacache._runner", "mambacache._spec", "mambacache._torchutil",
+    "mambacache._layout", "mambacache._ledger", "mambacache._lifecycle", "mambacache._planner", "mambacache._pool",
+    "mambacache._queue", "mambacache._runner", "mambacache._spec", "mambacache._torchutil",
     "mambacache._tracing", "mambacache._validate",
 }  # fmt: skip
 # Above the core: the layers (a folder each), the tools, and the package's own __init__ that re-exports them.
@@ -169,19 +166,6 @@ def _local_instance(tree: ast.Module, var: str, own: set[str]) -> bool:
         if isinstance(node, (ast.For, ast.comprehension)) and ast.unparse(node.target) == var:
             return True  # iterating a module-internal structure (checked by reading: each hit is listed above)
     return False
-
-
-def test_classes_and_functions_stay_small() -> None:
-    big: list[str] = []
-    for path in MODULES.values():
-        for node in ast.walk(_tree(path)):
-            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 >= MAX_CLASS_LINES:  # type: ignore[operator]
-                big.append(f"class {node.name} ({node.end_lineno - node.lineno + 1} lines)")  # type: ignore[operator]
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                lines = node.end_lineno - node.lineno + 1  # type: ignore[operator]
-                if lines > MAX_FUNCTION_LINES and LONG_REASON not in (ast.get_docstring(node) or ""):
-                    big.append(f"{path.name}:{node.name} ({lines} lines, no {LONG_REASON!r} in its docstring)")
-    assert not big, big
 
 
 PUBLIC_MODULES = [

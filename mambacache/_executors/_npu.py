@@ -32,6 +32,7 @@ import torch
 
 from .._errors import InvalidArgumentError
 from .._planner import CommitStage, CopyStage, HostStage, RotateStage, ShiftStage, Stage, ZeroStage
+from .._validate import check_positive_int
 from ._base import Executor, IndexBuilder, Progress, copy_host, stage_pairs
 
 __all__ = ["NpuExecutor", "import_torch_npu"]
@@ -53,8 +54,7 @@ class NpuExecutor(Executor):
     takes_paged = False  # a paged tensor's layer chunks are strided: each op would stage a temporary
 
     def __init__(self, copy_workspace_bytes: int = 64 << 20) -> None:
-        if type(copy_workspace_bytes) is not int or copy_workspace_bytes < 1:
-            raise InvalidArgumentError(f"copy_workspace_bytes must be a positive int, got {copy_workspace_bytes!r}")
+        check_positive_int("copy_workspace_bytes", copy_workspace_bytes)
         self.copy_workspace_bytes = copy_workspace_bytes
         self._indices = IndexBuilder()
         # One byte buffer, grown on demand up to the bound and kept: a fresh

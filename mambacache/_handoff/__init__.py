@@ -2,7 +2,7 @@
 
 ::
 
-    _surface   CacheManager = ManagerCore + HandOff   the public manager: the core with the hand-off calls
+    _surface   CacheManager   the public manager: holds the core's parts and the book, checks and delegates
     _book      HandOffBook    every sender's hand-off transition, under the queue's lock; the queue's SubmitGuard
     _arrivals  Arrivals       every receiver's: landing (in staging or in place), expecting, importing
     _transfer  StateTransfer  exported states to a peer, imported ones from it, over torch.distributed
@@ -11,6 +11,6 @@
 
 The core never imports this folder (``tests/test_layers.py``): the queue asks
 the book through the ``SubmitGuard`` protocol it defines itself, and the public
-class is assembled here, over the core's ``ManagerCore``. Nothing is imported
-on import of the folder itself: each module imports what it uses.
+class, which holds the book beside the core's parts, is here. Nothing is
+imported on import of the folder itself: each module imports what it uses.
 """

@@ -4,8 +4,8 @@
 together with the ledgers and the event queue, in one hold of the queue's lock
 each, so the three never disagree (the queue's own invariant). The queue never
 imports it: the book is the queue's :class:`~mambacache._queue.SubmitGuard`,
-put on it by :class:`~mambacache._handoff._surface.HandOff` when a manager
-with a host pool is made, and it sees the queue only through
+put on it by :class:`~mambacache.CacheManager` when a manager with a host
+pool is made, and it sees the queue only through
 :class:`QueueSide` (a weak proxy: no reference cycle). No torch.
 
 An export's life on the sender::
@@ -30,10 +30,10 @@ before it.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .. import _tracing
-from .._errors import InvalidArgumentError, SlotStateError
+from .._errors import SlotStateError
 from .._events import Clear, CommitDraft, CopyOnWrite, DropHost, Event, Export, Release
 from ._arrivals import Arrivals, QueueSide
 
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from .._backlog import Backlog
     from .._ledger import SlotLedger
 
-__all__ = ["HandOffBook", "QueueSide", "check_exports"]
+__all__ = ["HandOffBook", "QueueSide"]
 
 
 class HandOffBook:
@@ -338,10 +338,3 @@ class HandOffBook:
             ids = [ev.request_id or "" for ev in exports]
             _tracing.tracer.transfer("transfer.withdraw", None, ids, slots=[ev.slot for ev in exports], step=q.step)
         q.settled()
-
-
-def check_exports(what: str, exports: Any) -> list[Export]:
-    """``exports`` as a list of :class:`Export` (as ``take_exports`` gave them); else :class:`InvalidArgumentError`."""
-    if not isinstance(exports, (list, tuple)) or not all(type(ev) is Export for ev in exports):
-        raise InvalidArgumentError(f"{what} takes the list of Export events take_exports() returned, got {exports!r}")
-    return list(exports)

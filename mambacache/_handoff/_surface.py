@@ -1,85 +1,493 @@
-"""CacheManager's hand-off surface: a slot's state leaving for another engine, or arriving from one.
+"""CacheManager: the class a scheduler calls; it checks arguments and delegates to the parts it holds.
 
-:class:`HandOff` checks arguments and delegates to the manager's
-:class:`~mambacache._handoff._book.HandOffBook`, which owns every transition;
-it puts the book on the core's queue as its
-:class:`~mambacache._queue.SubmitGuard`. :class:`CacheManager` is the public
-class: the core's :class:`~mambacache._manager.ManagerCore` with this surface,
-assembled here, above the core, so the core imports no layer. The events are
-planned as the host tier's offload and freeing restore (``docs/transfer.md``);
-a :class:`~mambacache._handoff._transfer.StateTransfer` moves the staged bytes between
-engines.
+::
+
+    CacheManager ── arguments (_validate), the public surface
+      ├─ Lifecycle   (_lifecycle)        the one phase: new, open, broken, closing, ..., closed
+      ├─ StepQueue   (_queue)            events of the next step, checked against the ledgers, under the lock
+      ├─ FlushCore   (_flush)            one flush at a time: take, plan, send/receive over the Channel, run
+      ├─ StepRunner  (_runner)           the pool's backlog through the executor, the failure budget
+      ├─ HostTier    (_hosttier)         offloads, restores and drops (with a host pool)
+      └─ HandOffBook (_handoff/_book)    exports and arrivals, the queue's guard (with a host pool)
+
+Reservations are the pool ledger's (:class:`~mambacache._ledger.ReservedSlots`),
+changed through the queue. The class lives in the hand-off layer because it
+holds the hand-off book: the core below imports nothing of this folder
+(``tests/test_layers.py``), and the queue asks the book through the
+``SubmitGuard`` protocol it defines itself. The hand-off's events are planned
+as the host tier's offload and freeing restore (``docs/transfer.md``); a
+:class:`~mambacache._handoff._transfer.StateTransfer` moves the staged bytes
+between engines.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, Any, Literal, overload
+from types import TracebackType
+from typing import Any, Literal, TypeVar, overload
 
-from .._errors import InvalidArgumentError
-from .._events import Export
-from .._manager import ManagerCore
-from .._validate import as_slot, check_request_id
-from ._book import HandOffBook, check_exports
+from .._channel import Channel
+from .._errors import InvalidArgumentError, InvalidSlotError
+from .._events import Clear, CommitDraft, CopyOnWrite, Event, Export, Release, StepReport
+from .._executors import Executor, resolve_executor
+from .._flush import FlushCore
+from .._host import HostPool
+from .._hosttier import HostTier
+from .._lifecycle import Lifecycle
+from .._pool import StatePool
+from .._queue import StepQueue
+from .._runner import StepRunner
+from .._validate import (
+    as_slot,
+    check_batch_key,
+    check_bool,
+    check_callable,
+    check_count,
+    check_exports,
+    check_instance,
+    check_peer,
+    check_positive_int,
+    check_request_id,
+    check_request_ids,
+    check_shift,
+    check_str,
+    count_list,
+    host_slot,
+    host_slot_list,
+    named_request_id,
+    need_host,
+    normalised,
+    paired,
+    slot_list,
+)
+from ._book import HandOffBook
 
-if TYPE_CHECKING:
-    from .._host import HostPool
-    from .._pool import StatePool
-    from .._queue import StepQueue
+__all__ = ["CacheManager"]
 
-__all__ = ["CacheManager", "HandOff"]
+_M = TypeVar("_M", bound="CacheManager")
+_IDS = (str, type(None))  # request id types the hot path takes without normalising
 
 
-def _check_ids(what: str, request_ids: Any) -> None:
-    if type(request_ids) is not list or not all(type(r) is str for r in request_ids):
-        raise InvalidArgumentError(f"{what} takes a list of request ids (str), got {request_ids!r}")
+class CacheManager:
+    """Batches a step's slot events and applies them with exactly sequential semantics.
 
+    Invariants:
 
-def _check_arrived(what: str, arrived: Any) -> None:
-    if arrived is not None and not callable(arrived):
-        raise InvalidArgumentError(f"{what}'s arrived must be a callable or None, got {arrived!r}")
+    * the pool's held slots (and each slot's tenant) are the state at the *end*
+      of the event queue: ``alloc`` and ``release`` update them at once, and
+      every event is validated against the state at its own point of the order;
+    * a flush leaves every held slot as running all queued events one at a
+      time, in submission order, would (see ``docs/semantics.md``);
+    * nothing is lost: a submit that fails changes nothing; a flush whose
+      executor fails keeps the unfinished work in the pool's backlog, and the
+      next flush (of this manager, or of the next one opened on the pool) runs
+      it before anything newer; a submit either is taken by a flush or raises
+      ``ManagerClosedError``, never both nor neither;
+    * kept work is bounded: while the backlog fails, new events stay queued and
+      are not planned, and after ``max_failed_flushes`` failures in a row the
+      manager is broken and refuses work (``ManagerBrokenError``).
 
-
-def _check_to(to: Any) -> int | None:
-    """A destination: a non-negative int (a peer's rank) or None (any peer)."""
-    if to is not None and (type(to) is not int or to < 0):
-        raise InvalidArgumentError(f"to must be a peer's rank (a non-negative int) or None, got {to!r}")
-    return to
-
-
-class HandOff:
-    """The export and import methods of :class:`~mambacache.CacheManager` (a mixin over its pools and queue).
-
-    Invariant: an export's staging host slot and the exported pool slot stay
-    held by the request until the peer acknowledges; an import reads exactly the
-    state that arrived for its request, once; a host slot that belongs to a
-    transfer is changed by no other call.
+    Submitting (``alloc``, ``clear``, ``copy_on_write``, ``release``, ``submit``
+    and the bulk forms) is synchronous and thread-safe; flushes (``await
+    flush()`` or ``flush_nowait()``) run one at a time.
     """
 
-    _pool: StatePool
-    _host: HostPool | None
-    _queue: StepQueue
+    def __init__(
+        self,
+        pool: StatePool,
+        executor: Any = None,
+        copy_workspace_bytes: int = 64 << 20,
+        *,
+        group: Any = None,
+        src_rank: int = 0,
+        timeout: float = 300.0,
+        clear_on_alloc: bool = True,
+        max_failed_flushes: int = 8,
+        host_pool: HostPool | None = None,
+        channel: Channel | None = None,
+    ) -> None:
+        # Every argument is checked before anything is built.
+        check_instance("pool", pool, StatePool)
+        check_positive_int("copy_workspace_bytes", copy_workspace_bytes)
+        check_positive_int("max_failed_flushes", max_failed_flushes)
+        check_bool("clear_on_alloc", clear_on_alloc)
+        if channel is not None:
+            if group is not None:
+                raise InvalidArgumentError("channel and group= exclude each other: give one")
+            check_instance("channel", channel, Channel)
+        if host_pool is not None:
+            check_instance("host_pool", host_pool, HostPool)
+        if host_pool is not None and not host_pool.compatible_with(pool.spec):
+            raise InvalidArgumentError(
+                f"host_pool holds states of {host_pool.spec}, the pool {pool.spec}: make it with the pool's spec"
+            )
+        self._pool, self._host, self._clear_on_alloc = pool, host_pool, clear_on_alloc
+        self._executor: Executor = resolve_executor(executor, pool.device, copy_workspace_bytes)
+        self._life = life = Lifecycle(threading.Lock())
+        self._runner = runner = StepRunner(pool, max_failed_flushes, life)
+        runner.check(self._executor)
+        if group is not None:
+            from .._distributed import DistributedChannel  # torch.distributed only when asked for
 
-    def __init__(self) -> None:
-        """Called by :class:`~mambacache._manager.ManagerCore`'s ``__init__`` last, over the finished core: with a
-        host pool, the book, put on the queue as its guard (without one there is nothing to stage in, and the
-        queue keeps its no-op guard: the decode step asks nothing more)."""
-        super().__init__()
-        host, queue = self._host, self._queue
+            channel = DistributedChannel(group, src_rank, pool.num_slots, timeout)
+        host_ledger = host_pool.ledger if host_pool is not None else None
+        self._queue = queue = StepQueue(life, pool.ledger, host_ledger, pool.spec.draft_tokens, runner.backlog, channel)
+        host_tensors = pool.exec_split(host_pool.exec_tensors) if host_pool is not None else None
+        self._core = FlushCore(queue, runner, self._executor, host_tensors, pool.spec.slot_bytes, channel)
+        self._tier: HostTier | None = None
         self._handoff: HandOffBook | None = None
-        if host is not None:
+        # Without a host pool there is nothing to stage in: no book, and the queue keeps its no-op guard (the
+        # decode step asks nothing more).
+        if host_pool is not None:
+            self._tier = HostTier(queue, host_pool)
             # A proxy, not the queue: the queue holds the book, and a cycle would keep the manager's
             # graph (its process group with it) alive until the cyclic GC ran, at exit after
             # destroy_process_group at worst, where gloo's destructor aborts the process.
-            self._handoff = HandOffBook(weakref.proxy(queue), queue.ledger, host.ledger, self._pool.backlog)
+            self._handoff = HandOffBook(weakref.proxy(queue), queue.ledger, host_pool.ledger, pool.backlog)
             queue.guard_with(self._handoff)
 
+    # -- lifecycle -------------------------------------------------------
+    async def __aenter__(self: _M) -> _M:
+        self._queue.open()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self._core.close_async(exc)
+
+    def __enter__(self: _M) -> _M:
+        self._queue.open()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._core.close_sync(exc)
+
+    def check_open(self) -> None:
+        """Raise :class:`ManagerClosedError` or :class:`ManagerBrokenError` unless the manager takes work."""
+        # Read without the lock for the common case; submits re-check under it.
+        self._life.check()
+
+    # -- properties ------------------------------------------------------
+    @property
+    def executor(self) -> Executor:
+        """The executor that runs this manager's new work."""
+        return self._executor
+
+    @property
+    def pool(self) -> StatePool:
+        """The pool this manager drives."""
+        return self._pool
+
+    @property
+    def step(self) -> int:
+        """The step the next flush runs; queued events belong to it."""
+        return self._queue.step
+
+    @property
+    def clear_on_alloc(self) -> bool:
+        """Whether ``alloc`` zeroes new slots by default."""
+        return self._clear_on_alloc
+
+    @property
+    def pending(self) -> int:
+        """Events queued for the next flush."""
+        return len(self._queue.events)
+
+    def queued(self) -> list[Event]:
+        """A copy of the events queued for the next flush, in submission order (allocs and host events included)."""
+        return self._queue.snapshot()
+
+    @property
+    def waiting(self) -> int:
+        """``alloc_wait`` calls waiting for slots now (backpressure, for an engine's metrics)."""
+        return self._queue.waiting
+
+    @property
+    def unfinished(self) -> int:
+        """Stages of failed flushes that the next flush runs first (the pool's backlog)."""
+        return self._runner.pending
+
+    @property
+    def broken(self) -> str | None:
+        """Why the manager refuses work after too many failed flushes in a row, or None."""
+        return self._life.why
+
+    def held(self) -> dict[int, str | None]:
+        """Held slots and their tenants (the ``request_id`` they were allocated with)."""
+        return self._queue.held()
+
+    def check_idle(self, host: bool | None = None) -> None:
+        """Raise :class:`SlotLeakError` naming every held slot and its tenant, if any is held.
+
+        For an engine's idle check: with no request running, no slot should be
+        held, nor a host slot (a swapped-out request aborted without ``drop``).
+        ``host``: whether to check the host pool too (None: when one is
+        attached; True without one raises :class:`InvalidArgumentError`). The
+        error's ``held`` and ``host_held`` map slots and host slots to their
+        tenants (a host slot's: the ``request_id`` of its offload).
+        """
+        check_bool("host", host, none=True)
+        if host:
+            need_host("check_idle(host=True)", self._host)
+        self._queue.check_idle(host)
+
+    # -- allocating ------------------------------------------------------
+    def alloc(self, n: int, request_id: str | None = None, *, clear: bool | None = None) -> list[int]:
+        """Allocate the ``n`` lowest free slots to ``request_id``; returns them.
+
+        Each reads as zeros after the next flush (unless a later copy targets it).
+        ``clear=False`` (default: the manager's ``clear_on_alloc``) skips the zeroing,
+        for a scheduler that always forks or clears a new slot itself. Raises
+        :class:`PoolExhaustedError` (nothing allocated) when fewer than ``n`` are :attr:`available`.
+        """
+        return self._queue.alloc(n, request_id, self._alloc_args(n, request_id, clear))
+
+    def alloc_slots(self, slots: Any, request_id: str | None = None, *, clear: bool | None = None) -> list[int]:
+        """Allocate exactly ``slots`` (for engines that pick slot ids); returns them as ints.
+
+        All or nothing: :class:`InvalidSlotError` for a slot out of range or repeated, :class:`SlotStateError`
+        for one held, :class:`PoolExhaustedError` for more than are :attr:`available` (a reservation).
+        """
+        cleared = self._alloc_args(0, request_id, clear)
+        wanted = slot_list(slots, self._pool.num_slots)
+        if len(set(wanted)) != len(wanted):
+            raise InvalidSlotError(f"alloc_slots: a slot is repeated in {wanted[:20]}")
+        self._queue.alloc_exact(wanted, request_id, cleared)
+        return wanted
+
+    async def alloc_wait(self, n: int, request_id: str | None = None, *, clear: bool | None = None) -> list[int]:
+        """Like :meth:`alloc`, but wait until ``n`` slots are available instead of raising: backpressure.
+
+        Waiters are served first come, first served, and a concurrent ``alloc``
+        from another thread makes one wait longer, never raise; a count larger
+        than the pool (or than its unreserved slots, for a tenant without the
+        reservation) raises :class:`InvalidArgumentError`. Reserved slots are
+        never taken: the wait ends when enough are :attr:`available`.
+        Cancelling the wait allocates nothing.
+        """
+        cleared = self._alloc_args(n, request_id, clear)
+        if n > self._pool.num_slots:
+            raise InvalidArgumentError(f"alloc_wait({n}) can never be met: the pool has {self._pool.num_slots} slots")
+        return await self._queue.alloc_in_turn(n, request_id, cleared, self.check_open)
+
+    def _alloc_args(self, n: Any, request_id: Any, clear: Any) -> bool:
+        """The checks every alloc form makes first; returns whether to zero the new slots."""
+        self.check_open()
+        check_count("alloc count", n)
+        check_request_id(request_id)
+        check_bool("clear", clear, none=True)
+        return self._clear_on_alloc if clear is None else clear
+
+    # -- submitting ------------------------------------------------------
+    # The single-event forms are the decode-step hot path: plain int slots and str
+    # ids skip normalisation; the open/closed check happens under the lock.
+    def clear(self, slot: int, request_id: str | None = None) -> None:
+        """Zero ``slot`` at this point of the event order (on the next flush)."""
+        n = self._pool.num_slots
+        if type(slot) is int and 0 < slot <= n and type(request_id) in _IDS:
+            self._queue.submit((Clear(slot, request_id),))
+        else:
+            self._submit((Clear(slot, request_id),))
+
+    def release(self, slot: int, request_id: str | None = None) -> None:
+        """Free ``slot`` from this point; events queued before still see its content."""
+        n = self._pool.num_slots
+        if type(slot) is int and 0 < slot <= n and type(request_id) in _IDS:
+            self._queue.submit((Release(slot, request_id),))
+        else:
+            self._submit((Release(slot, request_id),))
+
+    def copy_on_write(
+        self, src: int, dst: int, request_id: str | None = None, *, shift: int = 0, temporal_src: int | None = None
+    ) -> None:
+        """``dst`` gets ``src``'s state as of this point of the event order (a fork); ``shift=k``: its conv
+        states moved ``k`` tokens to the front of their time axis, zeros after (``0 <= k <`` conv width);
+        ``temporal_src``: its temporal state and extra tensors from that slot instead (as of the same point)."""
+        n = self._pool.num_slots
+        plain = type(src) is int and type(dst) is int and 0 < src <= n and 0 < dst <= n and type(request_id) in _IDS
+        if plain and shift == 0 and type(shift) is int and temporal_src is None:
+            self._queue.submit((CopyOnWrite(src, dst, request_id),))
+            return
+        self._submit((CopyOnWrite(src, dst, request_id, shift, temporal_src),))
+
+    def commit_draft(self, slot: int, accepted: int, request_id: str | None = None) -> None:
+        """``slot`` becomes the state after ``accepted`` draft tokens (0: unchanged), read from its draft buffer
+        at this point of the event order: a fork after the commit carries the committed state, one before does not.
+        """
+        self._submit((CommitDraft(slot, accepted, request_id),))
+
+    def submit(self, *events: Clear | CopyOnWrite | Release | CommitDraft) -> None:
+        """Queue ``events`` in order, all or none: any invalid event raises and queues nothing."""
+        self._submit(events)
+
+    def clear_many(self, slots: Any, request_id: str | None = None) -> None:
+        """``clear`` for each of ``slots`` (a list, numpy array or 1-D CPU int tensor), all or none."""
+        self._submit([Clear(s, request_id) for s in self._slots(slots, request_id)], checked=True)
+
+    def release_many(self, slots: Any, request_id: str | None = None) -> None:
+        """``release`` for each of ``slots``, in order, all or none."""
+        self._submit([Release(s, request_id) for s in self._slots(slots, request_id)], checked=True)
+
+    def copy_many(self, srcs: Any, dsts: Any, request_id: str | None = None, *, shift: int = 0) -> None:
+        """``copy_on_write(srcs[i], dsts[i], shift=shift)`` for each ``i``, in order, all or none."""
+        a = self._slots(srcs, request_id)
+        b = paired("copy_many", a, slot_list(dsts, self._pool.num_slots))
+        k = check_shift(shift, self._pool.spec.conv_shapes)
+        self._submit([CopyOnWrite(s, d, request_id, k) for s, d in zip(a, b, strict=True)], checked=True)
+
+    def commit_many(self, slots: Any, accepted: Any, request_id: str | None = None) -> None:
+        """``commit_draft(slots[i], accepted[i])`` for each ``i`` (or one ``accepted`` int for all), all or none."""
+        ss = self._slots(slots, request_id)
+        counts = count_list(accepted, len(ss), "accepted")  # their range is the ledger's check, at each one's turn
+        self._submit([CommitDraft(s, a, request_id) for s, a in zip(ss, counts, strict=True)], checked=True)
+
+    def _slots(self, slots: Any, request_id: Any) -> list[int]:
+        """A bulk form's slots as ints in range, after the checks its single form makes first."""
+        self.check_open()
+        check_request_id(request_id)
+        return slot_list(slots, self._pool.num_slots)
+
+    def _slot(self, slot: Any, request_id: Any) -> int:
+        check_request_id(request_id)
+        return as_slot(slot, self._pool.num_slots)
+
+    def _submit(self, events: Any, checked: bool = False) -> None:
+        # `checked`: slots and request ids are plain and in range (the hot path).
+        self._queue.submit(events if checked else normalised(events, self._pool.num_slots, self._pool.spec.conv_shapes))
+
+    def hand_over(self, slot: int, to: str | None, request_id: str | None = None) -> None:
+        """``slot``'s tenant becomes ``to`` from this point (an engine's cache takes a finished request's slot):
+        bookkeeping only, no device work; ``request_id`` checks the current tenant, as for every event."""
+        check_request_id(to)
+        self._queue.hand_over(self._slot(slot, request_id), request_id, to)
+
+    # -- flushing --------------------------------------------------------
+    async def flush(self, stream: Any | None = None) -> StepReport:
+        """Run everything queued so far on ``stream``; returns what the step did.
+
+        The device work is enqueued, not waited for. If the executor raises, this
+        raises :class:`ExecutorError`; the work is kept and the next flush runs it
+        first. Cancellation: before the step's events are taken, a cancelled flush
+        takes nothing; once taken (at once when uncontended), the step runs to the
+        end, shielded. In tensor-parallel mode the broadcast is shielded too, so a
+        cancelled flush never leaves ranks apart.
+        """
+        self.check_open()
+        return await self._core.flush_async(stream)
+
+    def flush_nowait(self, stream: Any | None = None) -> StepReport:
+        """The synchronous flush, for schedulers without an event loop; same semantics and report.
+
+        Safe against a concurrent async flush or one in another thread: one runs at
+        a time (this blocks while another thread flushes). In tensor-parallel mode
+        it blocks on the plan broadcast (up to ``timeout``).
+        """
+        self.check_open()
+        return self._core.flush_sync(stream)
+
+    # -- reservations (the pool ledger's, changed through the queue) ----------
+    @property
+    def available(self) -> int:
+        """Slots a request can allocate now: ``pool.num_free`` less the reserved slots its tenant does not hold
+        yet (``pool.num_available``; for a scheduler's admission check)."""
+        return self._pool.num_available
+
+    @property
+    def reserved(self) -> int:
+        """Slots reserved by :meth:`reserve` (``PrefixCache(..., reserved=k)``'s checkpoints), all tenants together;
+        0: none."""
+        return self._pool.ledger.reserved
+
+    @property
+    def reservations(self) -> dict[str, int]:
+        """Each standing reservation: its tenant and the slots it keeps (a copy)."""
+        return {str(t): r[0] for t, r in self._pool.ledger.reservations.items()}
+
+    def reserve(self, n: int, tenant: str) -> None:
+        """Keep ``n`` slots for ``tenant``: every other tenant's allocation leaves ``n`` minus what ``tenant`` holds
+        free, and raises :class:`PoolExhaustedError` (nothing allocated) beyond that.
+
+        ``tenant``'s own allocations take any free slot not kept for another
+        reservation. One reservation per tenant, beside other tenants' ones: the
+        same tenant's call resizes it (0 ends it); all end when the manager
+        closes. Raises :class:`InvalidArgumentError` when the reservations
+        together would keep every slot, :class:`PoolExhaustedError` when fewer
+        than ``n`` minus what ``tenant`` holds are free now (beyond those kept
+        for the others), and :class:`ManagerClosedError` unless the manager is
+        open. All or nothing.
+
+        Invariant: while a reservation of ``k`` slots for a tenant stands, at
+        least ``k`` minus what that tenant holds are free (a hand-over away from
+        the tenant aside): other tenants' allocations stop short of them. Several
+        tenants may each have one (two prefix caches on one manager); each counts
+        only its own tenant's slots.
+        """
+        check_count("reserve's n", n, below=self._pool.num_slots)
+        check_str("reserve's tenant", tenant)
+        self._queue.reserve(n, tenant)  # checks, under the lock, that the manager is open
+
+    # -- the host tier (HostTier: a host slot is held from the offload that fills it to the drop or freeing
+    # restore that ends it; reads queued before its end see its state) ----------------------------------
+    @property
+    def host_pool(self) -> HostPool | None:
+        """The host pool (None without one)."""
+        return self._host
+
+    def _need_tier(self, what: str) -> HostTier:
+        self.check_open()
+        return need_host(what, self._tier)
+
+    def offload(self, slot: int, request_id: str | None = None) -> int:
+        """Copy ``slot``'s state as of this point of the event order to a free host slot; returns the host slot.
+
+        Later events on ``slot`` (a release and a new tenant, a clear) do not reach the copy, so ``offload`` then
+        ``release`` is preemption by swap. The copy runs on the next flush's stream, before anything in that step
+        writes the slot. Raises :class:`PoolExhaustedError` when the host pool is full.
+        """
+        tier = self._need_tier("offload")
+        return tier.offload([self._slot(slot, request_id)], request_id)[0]
+
+    def offload_many(self, slots: Any, request_id: str | None = None) -> list[int]:
+        """``[offload(s) for s in slots]``, all or none (too few free host slots: nothing taken); the host slots."""
+        tier = self._need_tier("offload_many")
+        return tier.offload(self._slots(slots, request_id), request_id)
+
+    def restore(self, host: int, slot: int, request_id: str | None = None, *, keep: bool = False) -> None:
+        """``slot`` gets host slot ``host``'s state as of this point of the event order.
+
+        ``host`` is freed after the read unless ``keep`` (a checkpoint restored many times). A host slot freed in a
+        step is handed out again in that step only when no other is free, and the planner orders this read before
+        the offload that rewrites it, so the read always sees the offloaded state.
+        """
+        tier = self._need_tier("restore")
+        h = host_slot(host, tier.pool.num_slots)
+        s = self._slot(slot, request_id)
+        check_bool("keep", keep)
+        tier.restore([h], [s], request_id, keep)
+
+    def restore_many(self, hosts: Any, slots: Any, request_id: str | None = None, *, keep: bool = False) -> None:
+        """``restore(hosts[i], slots[i], keep=keep)`` for each ``i``, in order, all or none."""
+        tier = self._need_tier("restore_many")
+        hs = host_slot_list(hosts, tier.pool.num_slots)
+        ss = paired("restore_many", hs, self._slots(slots, request_id))
+        check_bool("keep", keep)
+        tier.restore(hs, ss, request_id, keep)
+
+    def drop(self, host: int) -> None:
+        """Free host slot ``host`` from this point; earlier restores still read it."""
+        tier = self._need_tier("drop")
+        tier.drop(host_slot(host, tier.pool.num_slots))
+
+    # -- the hand-off (HandOffBook: an export's staging host slot and the exported pool slot stay held by the
+    # request until the peer acknowledges; an import reads exactly the state that arrived for its request, once;
+    # a host slot that belongs to a transfer is changed by no other call) -------------------------------------
     def _book(self, what: str) -> HandOffBook:
-        book = self._handoff
-        if book is None:
-            raise InvalidArgumentError(f"{what} needs a host pool to stage in: CacheManager(pool, host_pool=...)")
-        return book
+        return need_host(what, self._handoff)
 
     @overload
     def export(self, slot: int, request_id: str, *, to: int | None = None, in_place: Literal[False] = False) -> int: ...
@@ -110,13 +518,11 @@ class HandOff:
         done and that waits only to be sent, as a disaggregated prefill engine's
         are. It saves one pass over the state's bytes.
         """
-        check_request_id(request_id)
-        if type(request_id) is not str:
-            raise InvalidArgumentError("export needs the request's id: the peer imports by it")
-        if type(in_place) is not bool:
-            raise InvalidArgumentError(f"in_place must be a bool, got {in_place!r}")
-        dest = _check_to(to)
-        return self._book("export").export(as_slot(slot, self._pool.num_slots), request_id, dest, in_place)
+        rid = named_request_id("export", request_id, "the peer imports by it")
+        check_bool("in_place", in_place)
+        dest = check_peer("to", to)
+        book = self._book("export")
+        return book.export(as_slot(slot, self._pool.num_slots), rid, dest, in_place)
 
     def import_into(self, slot: int, request_id: str) -> None:
         """Allocate free ``slot`` to ``request_id`` without a clear; it reads the state received for it.
@@ -128,10 +534,9 @@ class HandOff:
         that arrived in it is taken as it is (nothing to copy), one that arrived
         in staging is restored into it.
         """
-        check_request_id(request_id)
-        if type(request_id) is not str:
-            raise InvalidArgumentError("import_into needs the request's id: the state arrived under it")
-        self._book("import_into").arrivals.import_into(as_slot(slot, self._pool.num_slots), request_id)
+        rid = named_request_id("import_into", request_id, "the state arrived under it")
+        book = self._book("import_into")
+        book.arrivals.import_into(as_slot(slot, self._pool.num_slots), rid)
 
     def expect_import(self, slot: int, request_id: str) -> None:
         """Allocate free ``slot`` to ``request_id`` without a clear, as the place its state lands in on arrival.
@@ -146,10 +551,9 @@ class HandOff:
         nothing changed, when ``slot`` is held or a state of ``request_id`` is
         expected or has arrived already. Needs a host pool, as every hand-off call.
         """
-        check_request_id(request_id)
-        if type(request_id) is not str:
-            raise InvalidArgumentError("expect_import needs the request's id: the state arrives under it")
-        self._book("expect_import").arrivals.expect(as_slot(slot, self._pool.num_slots), request_id)
+        rid = named_request_id("expect_import", request_id, "the state arrives under it")
+        book = self._book("expect_import")
+        book.arrivals.expect(as_slot(slot, self._pool.num_slots), rid)
 
     def awaiting_import(self, slot: int) -> str | None:
         """The request whose state ``slot`` awaits from a peer (:meth:`expect_import`, not imported or released
@@ -169,14 +573,14 @@ class HandOff:
     def exports_ready(self, to: int | None = None) -> list[Export]:
         """The exports whose staging copy has run (work done, not a step number), not acknowledged and not being
         sent, in export order; with ``to``, only those addressed to ``to`` or to no one."""
-        dest = _check_to(to)
+        dest = check_peer("to", to)
         return self._book("exports_ready").ready(dest, take=False)
 
     def take_exports(self, to: int | None = None) -> list[Export]:
         """:meth:`exports_ready`, now being sent: until :meth:`exports_delivered` or :meth:`exports_returned`,
         a release of their slots is refused (the peer may or may not hold their states). On a closed or
         closing manager :class:`ManagerClosedError`, before anything is taken."""
-        dest = _check_to(to)
+        dest = check_peer("to", to)
         return self._book("take_exports").ready(dest, take=True)
 
     def exports_returned(self, exports: list[Export], *, peer: int | None = None, batch: Hashable = None) -> None:
@@ -188,16 +592,17 @@ class HandOff:
         later sender to ``peer``, so that whichever sends them again sends that batch (the peer acknowledges it
         without landing it twice); ``peer`` without it: under no batch (a retry the peer refused). Without
         ``peer`` (sent nowhere, or refused on a first try) each export's record stays as it was."""
-        dest = _check_to(peer)
-        if batch is not None and (dest is None or not isinstance(batch, Hashable)):
-            raise InvalidArgumentError(f"exports_returned's batch needs a peer and must be hashable, got {batch!r}")
-        self._book("exports_returned").returned(check_exports("exports_returned", exports), dest, batch)
+        dest = check_peer("peer", peer)
+        check_batch_key(batch, dest)
+        book = self._book("exports_returned")
+        book.returned(check_exports("exports_returned", exports), dest, batch)
 
     def exports_in_doubt(self, exports: list[Export]) -> list[Hashable]:
         """Per export (as :meth:`take_exports` gave it), the batch under which its send may have landed at its
         peer (:meth:`exports_returned`'s ``batch``): send it again as that batch; None where it is in doubt under
         none. The record is the manager's, not a transfer's: any transfer of the manager to that peer finds it."""
-        return self._book("exports_in_doubt").in_doubt(check_exports("exports_in_doubt", exports))
+        book = self._book("exports_in_doubt")
+        return book.in_doubt(check_exports("exports_in_doubt", exports))
 
     def exports_delivered(self, exports: list[Export]) -> None:
         """The peer acknowledged ``exports``: release their pool slots and drop their staging slots (all or none).
@@ -205,7 +610,8 @@ class HandOff:
         Taken on a closing manager too (its last flush runs the releases); on a
         closed one the slots and staging slots are freed at once, and the closed
         manager's ledgers stay claimed until its last send in flight settles."""
-        self._book("exports_delivered").delivered(check_exports("exports_delivered", exports))
+        book = self._book("exports_delivered")
+        book.delivered(check_exports("exports_delivered", exports))
 
     def landing_room(self, request_ids: list[str] | None = None) -> int:
         """How many states :meth:`land` could take at once now: the free host slots that no queued event and no
@@ -213,7 +619,7 @@ class HandOff:
         cannot take until the step's flush has run); with ``request_ids`` that all land in place now
         (:meth:`land_in_place`), their number. Needs a host pool."""
         if request_ids is not None:
-            _check_ids("landing_room", request_ids)
+            check_request_ids("landing_room", request_ids)
         return self._book("landing_room").arrivals.room(request_ids)
 
     def land(
@@ -239,10 +645,9 @@ class HandOff:
         are free of every queued or unfinished read and write (a flush in
         progress, a failed flush awaiting its repair).
         """
-        _check_ids("land", request_ids)
-        if write is not None and not callable(write):
-            raise InvalidArgumentError(f"land's write must be a callable or None, got {write!r}")
-        _check_arrived("land", arrived)
+        check_request_ids("land", request_ids)
+        check_callable("land's write", write, none=True)
+        check_callable("land's arrived", arrived, none=True)
         return self._book("land").arrivals.land(request_ids, write, arrived)
 
     def land_in_place(
@@ -258,33 +663,7 @@ class HandOff:
         ran). Until ``write`` returns a release of those slots is refused; if it raises nothing arrived.
         ``arrived(slots)``: as in :meth:`land`.
         :class:`SlotStateError` (nothing changed) when a state for one of them arrived already."""
-        _check_ids("land_in_place", request_ids)
-        if not callable(write):
-            raise InvalidArgumentError(f"land_in_place's write must be a callable, got {write!r}")
-        _check_arrived("land_in_place", arrived)
+        check_request_ids("land_in_place", request_ids)
+        check_callable("land_in_place's write", write)
+        check_callable("land_in_place's arrived", arrived, none=True)
         return self._book("land_in_place").arrivals.land_in_place(request_ids, write, arrived)
-
-
-class CacheManager(ManagerCore, HandOff):
-    """Batches a step's slot events and applies them with exactly sequential semantics.
-
-    Invariants:
-
-    * the pool's held slots (and each slot's tenant) are the state at the *end*
-      of the event queue: ``alloc`` and ``release`` update them at once, and
-      every event is validated against the state at its own point of the order;
-    * a flush leaves every held slot as running all queued events one at a
-      time, in submission order, would (see ``docs/semantics.md``);
-    * nothing is lost: a submit that fails changes nothing; a flush whose
-      executor fails keeps the unfinished work in the pool's backlog, and the
-      next flush (of this manager, or of the next one opened on the pool) runs
-      it before anything newer; a submit either is taken by a flush or raises
-      ``ManagerClosedError``, never both nor neither;
-    * kept work is bounded: while the backlog fails, new events stay queued and
-      are not planned, and after ``max_failed_flushes`` failures in a row the
-      manager is broken and refuses work (``ManagerBrokenError``).
-
-    Submitting (``alloc``, ``clear``, ``copy_on_write``, ``release``, ``submit``
-    and the bulk forms) is synchronous and thread-safe; flushes (``await
-    flush()`` or ``flush_nowait()``) run one at a time.
-    """

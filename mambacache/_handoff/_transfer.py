@@ -39,6 +39,7 @@ from .._errors import (
     TransferRefusedError,
 )
 from .._events import Export
+from .._validate import check_bool, check_instance, check_request_ids, check_rows, check_shapes, check_str, need_host
 from ._link import (
     SPLIT_BYTES,
     Batch,
@@ -226,65 +227,9 @@ def run_of(slots: list[int]) -> int | None:
     return first if first is not None and slots == list(range(first, first + len(slots))) else None
 
 
-def _check_ids(what: str, request_ids: Any) -> None:
-    """A batch's request ids: a list of distinct str, at least one (a str is not taken for its characters)."""
-    if (
-        type(request_ids) is not list
-        or not request_ids
-        or not all(type(r) is str for r in request_ids)
-        or len(set(request_ids)) != len(request_ids)
-    ):
-        raise InvalidArgumentError(f"{what} takes a list of distinct request ids (str), got {request_ids!r}")
-
-
-def _check_batch(request_ids: Any, rows: Any, seq: Any) -> None:
-    """``send_rows``' arguments, checked here, not by the peer: a header of them would go out, to be refused (or
-    to wait out the timeout with nobody there), and rows that are not tensors would fail bare."""
-    _check_ids("send_rows", request_ids)
-    if type(seq) is not int:
-        raise InvalidArgumentError(f"send_rows' seq must be an int (the batch's number), got {seq!r}")
-    if (
-        not isinstance(rows, (list, tuple))
-        or not rows
-        or not all(isinstance(r, torch.Tensor) and _host_rows(r) for r in rows)
-        or len({(r.shape[0], r.shape[1]) for r in rows}) != 1
-        or rows[0].shape[1] != len(request_ids)
-    ):
-        raise InvalidArgumentError(
-            f"send_rows takes one [layers, n, *state] host tensor (strided, on the CPU) per pool tensor, each of one"
-            f" layer count and of n = {len(request_ids)} states (one per request id)"
-        )
-
-
-def _host_rows(rows: torch.Tensor) -> bool:
-    """Whether ``rows`` can go over the gloo pair as raw bytes: a strided CPU tensor of at least two dimensions (a
-    sparse or accelerator tensor fails inside the wire, after its header was posted)."""
-    return rows.layout == torch.strided and rows.device.type == "cpu" and rows.dim() >= 2
-
-
 def _ranks(rank: int, peer: int) -> bool:
     """Whether ``rank`` and ``peer`` are two distinct ranks in ``[0, 2**31)`` (c10d's ranks are 32-bit)."""
     return rank != peer and min(rank, peer) >= 0 and max(rank, peer) < 2**31
-
-
-def _check_shapes(shapes: Any) -> Shapes:
-    """``receive_rows``' per-slot ``(shape, dtype)`` of each pool tensor, as a :class:`StateSpec`'s ``shapes()``."""
-    ok = isinstance(shapes, (list, tuple)) and len(shapes) > 0
-    out: Shapes = []
-    for entry in shapes if ok else ():
-        if not isinstance(entry, (list, tuple)) or len(entry) != 2 or not isinstance(entry[1], torch.dtype):
-            ok = False
-            break
-        shape = entry[0]
-        if not isinstance(shape, (list, tuple)) or not all(type(d) is int and d > 0 for d in shape):
-            ok = False
-            break
-        out.append((tuple(shape), entry[1]))
-    if not ok:
-        raise InvalidArgumentError(
-            f"shapes must be a non-empty list of (shape, torch.dtype) pairs, a StateSpec's shapes(), got {shapes!r}"
-        )
-    return out
 
 
 BatchId = tuple[str, int]  # (token, seq): the receiver remembers the last batch it landed per token
@@ -418,7 +363,7 @@ def send_exports(
 def ship_rows(xfer: StateTransfer, request_ids: list[str], rows: list[torch.Tensor], ident: BatchId) -> None:
     """:meth:`StateTransfer.send_rows` of batch ``ident``, a token other than the transfer's own included (a
     re-slicing sender's batches are its own, and a batch in doubt keeps the token it first went under)."""
-    _check_batch(request_ids, rows, ident[1])
+    check_rows(request_ids, rows, ident[1])
     layers = rows[0].shape[0]
     fp = fingerprint(layers, [(tuple(r.shape[2:]), r.dtype) for r in rows])
     raw = messages([r.contiguous() for r in rows], False)
@@ -494,12 +439,8 @@ class StateTransfer:
     ) -> None:
         import torch.distributed as dist
 
-        if not isinstance(manager, CacheManager):
-            raise InvalidArgumentError(f"manager must be a CacheManager, got {type(manager).__name__}")
-        if manager.host_pool is None:
-            raise InvalidArgumentError(
-                "a transfer stages in the manager's host pool: CacheManager(pool, host_pool=...)"
-            )
+        check_instance("manager", manager, CacheManager)
+        host = need_host("StateTransfer", manager.host_pool)  # its staging area
         seconds = check_timeout(timeout)
         check_transport(transport)
         if store is None:
@@ -519,7 +460,7 @@ class StateTransfer:
         self._mgr, self.peer, self.rank = manager, peer, rank
         wires = make_transport(transport, root_store(store), rank, peer, seconds)
         # Registered once, here: a batch's rows are read from and written into these (or the kept buffers).
-        wires.register([v for views in manager.pool.layers for v in views] + manager.host_pool.tensors)
+        wires.register([v for views in manager.pool.layers for v in views] + host.tensors)
         self.transport = transport
         self._out, self._in = Outbox(store, rank, peer, seconds, wires), Inbox(store, peer, rank, seconds, wires)
         self._batches = Batches()
@@ -679,7 +620,7 @@ class StateTransfer:
         tensors are the caller's (fresh each call, unlike :meth:`receive`'s kept
         buffers).
         """
-        shapes = self._shapes() if shapes is None else _check_shapes(shapes)
+        shapes = self._shapes() if shapes is None else check_shapes(shapes)
         with self._receive_lock:
             self._check_answered()
             deadline = time.monotonic() + self._in.timeout
@@ -710,10 +651,9 @@ class StateTransfer:
 
         :class:`TransferError` when ``request_ids`` are not that batch's (nothing answered).
         """
-        _check_ids("acknowledge", request_ids)
-        if type(landed) is not bool or type(why) is not str:
-            # By its truth, landed="no" acknowledged a batch as landed: its sender freed the states' slots.
-            raise InvalidArgumentError(f"acknowledge takes landed a bool and why a str, got {landed!r}, {why!r}")
+        check_request_ids("acknowledge", request_ids, batch=True)
+        check_bool("acknowledge's landed", landed)  # by its truth, landed="no" would free the sender's slots
+        check_str("acknowledge's why", why)
         self._in.answer(self._waiting(request_ids), landed, why or "the receiver did not land it")
 
     def _waiting(self, request_ids: list[str]) -> Batch:

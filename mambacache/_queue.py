@@ -377,16 +377,18 @@ class StepQueue:
 
     def untake(self, mark: tuple[list[Event], int, int]) -> bool:
         """Undo a take begun after ``mark``, wherever it stopped, unless the backlog holds its work (False): the
-        events go back in front, in order, with step and ticket (host slots they freed stay busy till it runs)."""
+        events go back in front, in order, with step and ticket (host slots they freed stay busy till it runs).
+        A repeat (a flush over a channel settles where it stopped, and again in the next flush) does nothing."""
         with self.lock:
             events, step, ticket = mark
             if self._backlog.holds(ticket):
                 return False
-            if self.events is not events:  # swapped out: the events submitted since go after them
-                self.events = events + self.events
+            if self.step != step:
+                # The take swapped the queue out (the swap and the step's advance are one statement): the events
+                # submitted since go after them, in one statement too, so that a repeat finds nothing to undo.
+                self.events, self.step = events + self.events, step
                 if self._host is not None:
                     self._host.reuse_freed(ticket)  # the take's own, finished (a repeat is harmless)
-            self.step = step
             self._backlog.untake(ticket)
         return True
 
@@ -395,6 +397,17 @@ class StepQueue:
         with self.lock:
             self.step = step + 1
             return self._backlog.take_ticket()
+
+    def unfollow(self, mark: tuple[list[Event], int, int]) -> bool:
+        """Undo a :meth:`follow` begun after ``mark`` unless the backlog holds its work (False): the step and the
+        ticket go back (a receiving rank's flush stopped before its push; a repeat does nothing)."""
+        with self.lock:
+            _, step, ticket = mark
+            if self._backlog.holds(ticket):
+                return False
+            self.step = step
+            self._backlog.untake(ticket)
+        return True
 
     def snapshot(self) -> list[Event]:
         """A copy of the queued events."""

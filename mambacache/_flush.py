@@ -168,7 +168,7 @@ class FlushCore:
             if pushed:
                 channel.consumed(opened.step)
             else:
-                queue.unfollow(opened.mark)
+                queue.untake(opened.mark)  # its step and ticket (a receiver swaps no events out)
         else:
             plan = opened.plan
             sent = channel.sent(opened.step) if plan is not None else False

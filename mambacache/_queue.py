@@ -378,36 +378,23 @@ class StepQueue:
     def untake(self, mark: tuple[list[Event], int, int]) -> bool:
         """Undo a take begun after ``mark``, wherever it stopped, unless the backlog holds its work (False): the
         events go back in front, in order, with step and ticket (host slots they freed stay busy till it runs).
-        A repeat (a flush over a channel settles where it stopped, and again in the next flush) does nothing."""
+        A repeat does nothing (a flush over a channel settles as it stops, and again in the next flush)."""
         with self.lock:
             events, step, ticket = mark
             if self._backlog.holds(ticket):
                 return False
-            if self.step != step:
-                # The take swapped the queue out (the swap and the step's advance are one statement): the events
-                # submitted since go after them, in one statement too, so that a repeat finds nothing to undo.
-                self.events, self.step = events + self.events, step
+            if self.step != step:  # swapped out (one statement with the step): the events since go after them
+                self.events, self.step = events + self.events, step  # one statement: a repeat finds it done
                 if self._host is not None:
                     self._host.reuse_freed(ticket)  # the take's own, finished (a repeat is harmless)
             self._backlog.untake(ticket)
         return True
 
     def follow(self, step: int) -> int:
-        """On a receiving rank: the source ran ``step`` (the next is ours); returns the received plan's ticket."""
+        """On a receiving rank: the source ran ``step``, the next is ours; the plan's ticket (:meth:`untake`: undo)."""
         with self.lock:
             self.step = step + 1
             return self._backlog.take_ticket()
-
-    def unfollow(self, mark: tuple[list[Event], int, int]) -> bool:
-        """Undo a :meth:`follow` begun after ``mark`` unless the backlog holds its work (False): the step and the
-        ticket go back (a receiving rank's flush stopped before its push; a repeat does nothing)."""
-        with self.lock:
-            _, step, ticket = mark
-            if self._backlog.holds(ticket):
-                return False
-            self.step = step
-            self._backlog.untake(ticket)
-        return True
 
     def snapshot(self) -> list[Event]:
         """A copy of the queued events."""

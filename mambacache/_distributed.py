@@ -23,6 +23,7 @@ then broken on that rank (:class:`DistributedError` from then on).
 from __future__ import annotations
 
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch
@@ -103,14 +104,13 @@ class DistributedChannel(Channel):
         Every message gets fresh buffers, so a broadcast still in flight (after a
         timeout) can never be overwritten by the next plan.
         """
+        broadcast = partial(self._dist.broadcast, src=self.src_rank, group=self.group, async_op=True)
         try:
             i = 0
             while i < len(message.bufs):
                 if i == len(message.works):
                     message.issuing = i
-                    message.works.append(
-                        self._dist.broadcast(message.bufs[i], src=self.src_rank, group=self.group, async_op=True)
-                    )
+                    message.works.append(broadcast(message.bufs[i]))  # one line: issued and recorded, or neither
                 message.works[i].wait(self.timeout)
                 total = int(message.bufs[0][_HEAD])
                 if i == 0 and total > _HEAD and len(message.bufs) == 1:  # a receiver learns of a tail

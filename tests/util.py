@@ -205,9 +205,11 @@ class InterruptAtLine:
     """Raises ``exc`` at the ``at``-th line the block executes inside the mambacache package (1-based; 0: none),
     on this thread or one started in the block; counts those lines in ``lines``.
 
-    Two kinds of line are counted but never interrupted, since no Python code can make them safe: the exit of
-    a ``with`` block (CPython raises there before ``__exit__`` runs, so a lock stays held) and the lines of a
-    ``finally`` clause (the rest of the clause is skipped). ``skipped`` counts them.
+    Three kinds of line are counted but never interrupted, since no Python code can make them safe: the exit of
+    a ``with`` block (CPython raises there before ``__exit__`` runs, so a lock stays held), the lines of a
+    ``finally`` clause (the rest of the clause is skipped), and a line that starts with a NOP (a ``try:``, which
+    CPython 3.11 leaves outside every exception handler: raised there, an exception skips the enclosing
+    ``with``'s exit; no real signal is raised at a NOP). ``skipped`` counts them.
 
     ``after_calls=True`` counts instead the instructions that follow a call of a C function inside the package:
     where CPython raises an interrupt from a real signal (it runs the handler as such a call returns), which may
@@ -273,6 +275,11 @@ class InterruptAtLine:
         elif event != "line":
             return self._line
         self.lines += 1
+        if event == "line" and frame.f_code.co_code[frame.f_lasti] == _NOP:
+            # A `try:` (or `pass`): no signal is raised at a NOP, and CPython 3.11 leaves a `try:`'s NOP outside
+            # every handler, so raised there an exception would skip the enclosing `with`'s exit (a lock held).
+            self.skipped += 1
+            return self._line
         withs, finals = _cleanup_lines(frame.f_code.co_filename)
         line = frame.f_lineno
         if line in withs:
@@ -292,6 +299,7 @@ class InterruptAtLine:
 
 
 _PACKAGE = str(Path(mc.__file__).parent)
+_NOP = dis.opmap["NOP"]
 
 
 class CancelAtSuspension:

@@ -292,16 +292,19 @@ class FlushCore:
             self._flusher = threading.get_ident()
             core = self.over_channel(self.channel, stream)
             # Shielded, bounded by the channel's timeout: see the class invariants.
+            cancelled: list[BaseException] = []  # asyncio's own cancellation, raised once the flush ran
             with anyio.CancelScope(shield=True):
                 try:
                     call = next(core)
                     while True:
-                        call = core.send(await anyio.to_thread.run_sync(call))
+                        call = core.send(await _in_worker(call, cancelled))
                 except StopIteration as done:
                     report: StepReport = done.value
                 except BaseException:
                     self.settle()
                     raise
+            if cancelled:
+                raise cancelled[0]
             return report
         finally:
             if held[0]:
@@ -326,6 +329,39 @@ class FlushCore:
                 raise
             finally:
                 self._flusher = None
+
+
+async def _in_worker(call: Callable[[], Any], cancelled: list[BaseException]) -> Any:
+    """``call()`` in a worker thread, waited for to its end even when the task is cancelled meanwhile.
+
+    Under the flush's shield anyio's cancellation never comes here, but
+    asyncio's own does (``Task.cancel()``: ``asyncio.timeout``, ``wait_for``, a
+    ``TaskGroup``), and the thread runs on regardless: this waits for it (by
+    polling, on that rare path), so that the flush settles what the call did,
+    and appends the cancellation to ``cancelled`` for the flush to raise at its
+    end, as the shield would have delivered it.
+    """
+    outcome: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as exc:  # handed to the flush's task
+            outcome.append((False, exc))
+
+    try:
+        await anyio.to_thread.run_sync(run)
+    except anyio.get_cancelled_exc_class() as exc:
+        cancelled.append(exc)
+    while not outcome:
+        try:
+            await anyio.sleep(0.001)
+        except anyio.get_cancelled_exc_class() as exc:
+            cancelled.append(exc)
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 def finish(core: Core) -> StepReport:

@@ -348,3 +348,40 @@ async def test_an_async_flush_over_a_channel_cancelled_at_any_checkpoint_parts_n
     assert total > POLLS  # the channel's call in its worker thread suspends the flush too
     for at in fault_points(total + 1):
         await _cancelled(rank, at, how)
+
+
+# -- asyncio's own cancellation (Task.cancel(): asyncio.timeout, wait_for, a TaskGroup), which anyio's shield
+# does not stop ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("rank", [0, 1], ids=["source", "receiver"])
+async def test_an_async_flush_over_a_channel_cancelled_natively_while_its_plan_crosses_runs_to_its_end(
+    anyio_backend: str, rank: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Task.cancel() while the worker thread sends (or receives) the plan: the flush runs to its end, as under
+    anyio's shield, and the CancelledError comes out after it; the ranks stay in step."""
+    import asyncio
+    import threading
+    import time
+
+    group = _Group(True, True)
+    if rank:
+        group.src.flush_nowait()
+    name = "send" if rank == 0 else "receive"
+    real = getattr(mc.LoopbackChannel, name)
+    crossing = threading.Event()
+
+    def slow(self: mc.LoopbackChannel, *args: Any) -> Any:
+        crossing.set()
+        time.sleep(0.05)
+        return real(self, *args)
+
+    monkeypatch.setattr(mc.LoopbackChannel, name, slow)
+    mgr = group.mgrs[rank]
+    task = asyncio.ensure_future(mgr.flush())
+    await anyio.to_thread.run_sync(crossing.wait, 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    monkeypatch.setattr(mc.LoopbackChannel, name, real)
+    assert mgr.step == group.step + 1 and mgr.pending == 0 and group.pools[rank].unfinished == 0
+    group.finish_and_check()

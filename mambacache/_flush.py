@@ -5,7 +5,7 @@ source's plan), plans them, queues the stages behind any unfinished work and
 runs it all through the :class:`~mambacache._runner.StepRunner`. The two forms
 differ only in how they wait: without a channel nothing waits, and both call
 :meth:`FlushCore.local` directly (no generator on the decode-step path); with
-one, :meth:`FlushCore.channel` yields each blocking call (a plan's send or
+one, :meth:`FlushCore.over_channel` yields each blocking call (a plan's send or
 receive), which the sync driver makes in place and the async one in a worker
 thread.
 """
@@ -22,7 +22,7 @@ import anyio
 
 from . import _tracing
 from ._channel import Channel
-from ._errors import InvalidArgumentError, MambaCacheError, PlanError
+from ._errors import DistributedError, InvalidArgumentError, MambaCacheError, PlanError
 from ._events import StepReport
 from ._executors import Executor
 from ._planner import Plan, plan_step
@@ -35,6 +35,26 @@ Core = Generator[Callable[[], Any], Any, StepReport]
 _NO_WAIT = (False,)  # the argument of a non-blocking acquire
 
 
+class _Open:
+    """A flush over a channel between its take (a receiver: its receive) and its push: the queue's mark from
+    before it (:meth:`StepQueue.mark`: the step and the ticket it takes), and on the source the plan once made.
+    While one is recorded the flush core finishes or undoes it before anything else (:meth:`FlushCore.settle`)."""
+
+    __slots__ = ("mark", "plan")
+
+    def __init__(self, mark: tuple[list[Any], int, int]) -> None:
+        self.mark = mark
+        self.plan: Plan | None = None
+
+    @property
+    def step(self) -> int:
+        return self.mark[1]
+
+    @property
+    def ticket(self) -> int:
+        return self.mark[2]
+
+
 class FlushCore:
     """Runs flushes one at a time, from any thread or task.
 
@@ -45,10 +65,15 @@ class FlushCore:
     from the take to the push puts the events back (:meth:`take_plan`), and from
     the push on the backlog keeps the work until it ran; once the source has
     taken its events the broadcast and the local run both happen (shielded), or
-    the ranks would part.
+    the ranks would part. Over a channel, a flush stopped between its take (or
+    receive) and its push is settled (:meth:`settle`): its step kept where the
+    plan left this rank, undone where it did not, and where the channel cannot
+    tell, every later flush is a :class:`DistributedError`.
     """
 
-    __slots__ = ("_executor", "_flusher", "_host", "_mutex", "_queue", "_runner", "_slot_bytes", "channel")
+    __slots__ = (
+        "_executor", "_flusher", "_host", "_mutex", "_open", "_parted", "_queue", "_runner", "_slot_bytes", "channel",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -67,6 +92,8 @@ class FlushCore:
         self.channel = channel
         self._mutex = threading.Lock()
         self._flusher: int | None = None  # the thread holding _mutex
+        self._open: _Open | None = None  # a flush over the channel stopped before its push (settle)
+        self._parted: str | None = None  # why the ranks may disagree: every flush over the channel refuses
 
     # -- the core --------------------------------------------------------
     def local(self, stream: Any | None) -> StepReport:
@@ -82,18 +109,83 @@ class FlushCore:
         return self._apply(plan, step, stream, plan_s, resumed)
 
     def over_channel(self, channel: Channel, stream: Any | None) -> Core:
-        """The flush of a tensor-parallel rank, yielding its one blocking call."""
+        """The flush of a tensor-parallel rank, yielding each blocking call (the plan's send or receive).
+
+        First what an earlier flush stopped before its push left (:meth:`settle`;
+        on the source, a send it began is finished first), then this step.
+        """
         self._runner.raise_if_broken()
+        opened = self._open
+        if opened is not None:
+            if opened.plan is not None and channel.sent(opened.step):
+                yield partial(channel.send, opened.step, opened.plan)  # finishes it; sends nothing twice
+            self.settle(finished=True)
+        if self._parted is not None:
+            raise DistributedError(self._parted)
+        resumed = len(self._runner.backlog.stages)
         if channel.is_source:
+            opened = self._open = _Open(self._queue.mark())
             plan, step, ticket, plan_s = self.take_plan(push=False)
+            opened.plan = plan
             yield partial(channel.send, step, plan)
         else:
+            opened = self._open = _Open(self._queue.mark())
             step, plan = yield channel.receive
             plan_s = 0.0
+            if step != opened.step:
+                self._parted = (
+                    f"this rank received the plan of step {step} where it awaited step {opened.step}: a plan was"
+                    " lost or repeated (a receive stopped before its push, over a channel that keeps no plan),"
+                    " so the ranks disagree; rebuild the group"
+                )
+                raise DistributedError(self._parted)
             ticket = self._queue.follow(step)
-        resumed = len(self._runner.backlog.stages)
         self._runner.push(plan.stages, self._executor, self._host, ticket)
+        if not channel.is_source:
+            channel.consumed(step)
+        self._open = None
         return self._apply(plan, step, stream, plan_s, resumed)
+
+    def settle(self, finished: bool = False) -> None:
+        """Settle a flush over the channel that stopped between its take (or receive) and its push, wherever
+        it stopped: called as it stops and by the next flush (whichever comes first; a repeat is harmless).
+
+        Where the step's plan stayed on this rank (the source's send never let it out, a receiver never pushed
+        what it received) the step is undone: the source's events go back to the queue (the next flush plans
+        them with whatever came since), a receiver's step and ticket go back, and the channel still holds the
+        plan for its next receive. Where it left (the channel's :meth:`~Channel.sent`), or was pushed, the
+        step is this rank's: its stages are pushed here, and the next flush finishes the send first
+        (``finished``: it has). Where the channel cannot tell, the events go back and every later flush over
+        the channel raises :class:`DistributedError`: the ranks may disagree, and the group must be rebuilt.
+        """
+        opened = self._open
+        if opened is None:
+            return
+        channel, queue = self.channel, self._queue
+        assert channel is not None
+        pushed = self._runner.backlog.holds(opened.ticket)
+        if not channel.is_source:
+            if pushed:
+                channel.consumed(opened.step)
+            else:
+                queue.untake(opened.mark)  # its step and ticket (a receiver swaps no events out)
+        else:
+            plan = opened.plan
+            sent = channel.sent(opened.step) if plan is not None else False
+            if plan is not None and sent:
+                if not pushed:
+                    self._runner.push(plan.stages, self._executor, self._host, opened.ticket)
+                if not finished:
+                    return  # the next flush finishes the send (a broadcast may be half made), then forgets it
+            else:
+                queue.untake(opened.mark)  # does nothing once pushed
+                if sent is None:
+                    self._parted = (
+                        f"a flush stopped while its plan of step {opened.step} was being sent, and the channel"
+                        " cannot tell whether any rank has it: the ranks may disagree; rebuild the group (new"
+                        " channels and managers, the slots' states made again)"
+                    )
+        self._open = None
 
     def take_plan(self, push: bool) -> tuple[Plan, int, int, float]:
         """Take the queued events and plan them (and, with ``push``, queue the stages behind any unfinished work):
@@ -200,13 +292,19 @@ class FlushCore:
             self._flusher = threading.get_ident()
             core = self.over_channel(self.channel, stream)
             # Shielded, bounded by the channel's timeout: see the class invariants.
+            cancelled: list[BaseException] = []  # asyncio's own cancellation, raised once the flush ran
             with anyio.CancelScope(shield=True):
                 try:
                     call = next(core)
                     while True:
-                        call = core.send(await anyio.to_thread.run_sync(call))
+                        call = core.send(await _in_worker(call, cancelled))
                 except StopIteration as done:
                     report: StepReport = done.value
+                except BaseException:
+                    self.settle()
+                    raise
+            if cancelled:
+                raise cancelled[0]
             return report
         finally:
             if held[0]:
@@ -226,8 +324,44 @@ class FlushCore:
             self._flusher = me  # only a flush over a channel waits
             try:
                 return finish(self.over_channel(self.channel, stream))
+            except BaseException:
+                self.settle()
+                raise
             finally:
                 self._flusher = None
+
+
+async def _in_worker(call: Callable[[], Any], cancelled: list[BaseException]) -> Any:
+    """``call()`` in a worker thread, waited for to its end even when the task is cancelled meanwhile.
+
+    Under the flush's shield anyio's cancellation never comes here, but
+    asyncio's own does (``Task.cancel()``: ``asyncio.timeout``, ``wait_for``, a
+    ``TaskGroup``), and the thread runs on regardless: this waits for it (by
+    polling, on that rare path), so that the flush settles what the call did,
+    and appends the cancellation to ``cancelled`` for the flush to raise at its
+    end, as the shield would have delivered it.
+    """
+    outcome: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as exc:  # handed to the flush's task
+            outcome.append((False, exc))
+
+    try:
+        await anyio.to_thread.run_sync(run)
+    except anyio.get_cancelled_exc_class() as exc:
+        cancelled.append(exc)
+    while not outcome:
+        try:
+            await anyio.sleep(0.001)
+        except anyio.get_cancelled_exc_class() as exc:
+            cancelled.append(exc)
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 def finish(core: Core) -> StepReport:

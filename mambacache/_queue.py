@@ -341,21 +341,21 @@ class StepQueue:
 
     def untake(self, mark: tuple[list[Event], int, int]) -> bool:
         """Undo a take begun after ``mark``, wherever it stopped, unless the backlog holds its work (False): the
-        events go back in front, in order, with step and ticket (host slots they freed stay busy till it runs)."""
+        events go back in front, in order, with step and ticket (host slots they freed stay busy till it runs).
+        A repeat does nothing (a flush over a channel settles as it stops, and again in the next flush)."""
         with self.lock:
             events, step, ticket = mark
             if self._backlog.holds(ticket):
                 return False
-            if self.events is not events:  # swapped out: the events submitted since go after them
-                self.events = events + self.events
+            if self.step != step:  # swapped out (one statement with the step): the events since go after them
+                self.events, self.step = events + self.events, step  # one statement: a repeat finds it done
                 if self._host is not None:
                     self._host.reuse_freed(ticket)  # the take's own, finished (a repeat is harmless)
-            self.step = step
             self._backlog.untake(ticket)
         return True
 
     def follow(self, step: int) -> int:
-        """On a receiving rank: the source ran ``step`` (the next is ours); returns the received plan's ticket."""
+        """On a receiving rank: the source ran ``step``, the next is ours; the plan's ticket (:meth:`untake`: undo)."""
         with self.lock:
             self.step = step + 1
             return self._backlog.take_ticket()

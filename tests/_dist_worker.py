@@ -267,3 +267,87 @@ def host_worker(rank: int, world: int, port: int, seed: int) -> None:
             restores += report.restored
     assert steps > 5 and offloads > 0 and restores > 0  # the plans carried both stage kinds, on every rank
     dist.destroy_process_group()
+
+
+def interrupt_worker(rank: int, world: int, port: int, swept: int) -> None:
+    """The interrupt sweep of tests/test_channel_interrupts.py over real gloo: rank ``swept``'s flush of a step
+    with every stage kind is interrupted at its line k (each of tests/sweep.py's points), every rank then makes
+    the flush it owes and one more, and every shard must be its oracle's; or, where the swept rank could not
+    tell whether its plan's broadcast was issued, every rank's flush must raise DistributedError. Each point on
+    a group of its own (a failed one is left behind)."""
+    from .sweep import fault_points
+    from .util import InterruptAtLine, every_stage_step
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+
+    def one(at: int) -> tuple[int, str, str]:
+        group = dist.new_group(backend="gloo")
+        pool = mc.StatePool(spec(), N)
+        host = mc.HostPool(spec(), 6)
+        mgr = mc.CacheManager(pool, group=group, src_rank=0, timeout=3.0, host_pool=host, max_failed_flushes=100)
+        mgr.__enter__()
+        slots = mgr.alloc(8) if rank == 0 else []
+        mgr.flush_nowait()
+        fill_random(pool, 7 + rank)
+        h0 = mgr.offload(slots[7]) if rank == 0 else None
+        mgr.flush_nowait()
+        oracle = SequentialOracle(pool, host)
+        # A receiver's pools keep no ledger: the source's says which slots are held.
+        box: list[object] = [(sorted(pool.allocated_slots()), sorted(host.held())) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        held, host_held = box[0]  # type: ignore[misc]
+        oracle.allocated, oracle.defined = set(held), set(held)
+        oracle.host_held, oracle.host_defined = set(host_held), set(host_held)
+        if rank == 0:
+            every_stage_step(mgr, slots, h0)
+        box = [mgr.queued() if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        oracle.apply(box[0])  # type: ignore[arg-type]
+        step, lines, outcome, where = mgr.step, 0, "ok", ""
+        try:
+            if rank == swept:
+                with InterruptAtLine(at, KeyboardInterrupt) as trace:
+                    try:
+                        mgr.flush_nowait()
+                    except KeyboardInterrupt as exc:
+                        assert at
+                        where = str(exc).rpartition("/")[2]
+                lines = trace.lines
+                assert mgr.step in (step, step + 1)
+            else:
+                mgr.flush_nowait()
+            if mgr.step == step:  # the flush this rank owes
+                mgr.flush_nowait()
+            mgr.flush_nowait()
+            assert mgr.step == step + 2 and mgr.pending == 0 and pool.unfinished == 0, (rank, at)
+            oracle.assert_matches_shard(pool)
+            for want, got in zip(oracle.host, host.tensors, strict=True):
+                for h in sorted(oracle.host_held & oracle.host_defined):
+                    assert torch.equal(want[:, h], got[:, h]), (rank, at, h)
+            mgr.__exit__(None, None, None)
+        except mc.DistributedError as exc:
+            assert "rebuild the group" in str(exc) or "failed" in str(exc) or "no plan" in str(exc), exc
+            outcome = "parted"
+        return lines, outcome, where
+
+    lines, _, _ = one(0)
+    box: list[object] = [lines]
+    dist.broadcast_object_list(box, src=swept)
+    total = int(box[0])  # type: ignore[call-overload]
+    assert total > 30, total
+    parted: list[str] = []
+    for at in fault_points(total):
+        _, outcome, where = one(at)
+        outcomes: list[object] = [None] * world
+        dist.all_gather_object(outcomes, outcome)
+        assert len(set(outcomes)) == 1, (at, where, outcomes)  # all reach the oracles, or all raise
+        if outcome == "parted":
+            parted.append(where)
+    # Only a stop as a broadcast is issued parts the group: one line of the flush (a one-message plan).
+    assert len(parted) <= 1 or rank != swept, parted
+    if rank == swept:  # shown with pytest -s
+        print(f"gloo sweep of rank {swept}: {total} lines, {len(fault_points(total))} points, parted at {parted}")
+    dist.barrier()
+    os._exit(0)  # the parted points' groups are left behind; their teardown would wait on broadcasts never made

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 import mambacache as mc
 
-from ._dist_worker import cancel_worker, host_worker, sync_worker, worker
+from ._dist_worker import cancel_worker, host_worker, interrupt_worker, sync_worker, worker
 
 pytestmark = pytest.mark.slow
 
@@ -66,3 +66,10 @@ def test_the_synchronous_api_in_tensor_parallel_mode(world: int) -> None:
 @pytest.mark.parametrize("world", [3])
 def test_offload_restore_and_drop_apply_on_every_rank(world: int) -> None:
     mp.spawn(host_worker, args=(world, free_port(), 5), nprocs=world, join=True)
+
+
+@pytest.mark.parametrize("swept", [0, 1], ids=["source", "receiver"])
+def test_an_interrupt_at_any_line_of_a_flush_over_gloo_parts_no_ranks(swept: int) -> None:
+    """tests/test_channel_interrupts.py's sweep over real torch.distributed: every shard reaches its oracle, or
+    (only where a broadcast was stopped as it was issued) every rank raises DistributedError."""
+    mp.spawn(interrupt_worker, args=(2, free_port(), swept), nprocs=2, join=True)

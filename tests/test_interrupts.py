@@ -29,25 +29,11 @@ import mambacache as mc
 from mambacache import tracing
 from mambacache.testing import SequentialOracle, fail_at_op
 
+from .layered import pool_tensors
 from .sweep import fault_points
-from .util import InterruptAtLine, fill_random, small_spec
+from .util import CancelAtSuspension, InterruptAtLine, every_stage_step, fill_random, small_spec, step_value
 
 N, H = 10, 6
-
-
-def _step(mgr: mc.CacheManager, slots: list[int], h0: int | None) -> None:
-    """Every stage kind: a fork wave, a swap through a temporary (a rotate), clears, an alloc and a release;
-    with a host tier an offload, a restore that frees its host slot, a restore that keeps it, and a drop."""
-    a, b, c, d, e, f, t = slots[:7]
-    mgr.copy_on_write(a, e)
-    mgr.submit(mc.CopyOnWrite(b, t), mc.CopyOnWrite(c, b), mc.CopyOnWrite(t, c), mc.Release(t))
-    mgr.clear(d)
-    mgr.alloc(1)
-    if h0 is not None:
-        h1 = mgr.offload(f)
-        mgr.restore(h0, d)
-        mgr.restore(h1, a, keep=True)
-        mgr.drop(h1)
 
 
 class _Case:
@@ -73,7 +59,7 @@ class _Case:
                 mgr.flush_nowait()
             assert self.pool.unfinished >= 1
         before = mgr.pending
-        _step(mgr, slots, h0)
+        every_stage_step(mgr, slots, h0)
         self.oracle.apply(mgr.queued()[before:])
         self.queued, self.ticket = mgr.queued(), self.pool.backlog.taken
 
@@ -242,3 +228,48 @@ def _sync_flush_after_calls(case: _Case, at: int, exc: type[BaseException]) -> i
         else:
             assert not trace.raised, f"the interrupt at call {at} of {trace.lines} did not come out of the flush"
     return trace.lines
+
+
+# -- anyio cancellation at every checkpoint of an async flush -----------------------------------------------------
+POLLS = 4  # suspensions of the cancelled flush while another flush holds the mutex
+
+
+async def _cancelled(host: bool, at: int, how: str) -> int:
+    """The async flush of the step, waiting first for another flush (the mutex held for ``POLLS`` of its
+    suspensions: without a channel it has no other), cancelled at its suspension ``at``. Cancelled, it took
+    nothing; else it ran. Either way the next flush leaves the oracle's bytes, and after a forward writes every
+    live slot, the flush after it too: nothing ran twice."""
+    case = _Case(host, resume=True)
+    mutex = case.mgr._core._mutex
+    mutex.acquire()
+
+    def other_flush_ends(n: int) -> None:
+        if n == POLLS:
+            mutex.release()
+
+    cancel = CancelAtSuspension(at, how, other_flush_ends)
+    report = await cancel.run(case.mgr.flush())
+    if cancel.suspensions < POLLS:
+        mutex.release()
+    assert cancel.cancelled == (1 <= at <= POLLS) == (report is None)
+    assert case.mgr.queued() == (case.queued if report is None else [])
+    case.check_honest()
+    await case.mgr.flush()
+    case.oracle.assert_matches(case.pool, case.host)
+    for slot in sorted(case.oracle.allocated):
+        case.oracle.write(slot, step_value(9, slot))
+        for t in pool_tensors(case.pool):
+            t[:, slot] = step_value(9, slot)
+    await case.mgr.flush()
+    case.repair_and_check()
+    return cancel.suspensions
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+@pytest.mark.parametrize("host", [False, True], ids=["pool", "host"])
+async def test_an_async_flush_cancelled_at_any_checkpoint_loses_nothing(host: bool, how: str) -> None:
+    total = await _cancelled(host, 0, how)
+    assert total == POLLS  # uncontended, the flush has no checkpoint
+    for at in fault_points(total + 1):
+        await _cancelled(host, at, how)

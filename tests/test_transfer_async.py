@@ -81,3 +81,26 @@ async def test_an_uncancelled_transfer_returns_the_ids(which: str) -> None:
     wire.release.set()
     ids = await (wire.send_async() if which == "send" else wire.receive_async())
     assert ids == (["a"] if which == "send" else ["b"]) and wire.finished == [which]
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+@pytest.mark.parametrize("which", ["send", "receive"])
+async def test_a_transfer_cancelled_at_any_checkpoint_moves_its_batch_once_and_returns_its_ids(
+    which: str, how: str
+) -> None:
+    """Cancelled (a scope cancelled, or its deadline passing) as the call suspends for the k-th time, for every k:
+    every suspension is the worker thread's batch, shielded, so the batch moves once and its ids come back."""
+    from .util import CancelAtSuspension
+
+    at, total = 0, 1
+    while at <= total:
+        wire = _Wire()
+        wire.release.set()
+        cancel = CancelAtSuspension(at, how)
+        ids = await cancel.run(wire.send_async() if which == "send" else wire.receive_async())
+        assert ids == (["a"] if which == "send" else ["b"]) and wire.finished == [which], at
+        assert not cancel.cancelled  # delivered at the caller's next checkpoint, after the scope
+        if at == 0:
+            total = cancel.suspensions
+            assert total >= 1
+        at += 1

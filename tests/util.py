@@ -122,6 +122,22 @@ def drive(
     return done
 
 
+def every_stage_step(mgr: mc.CacheManager, slots: list[int], h0: int | None) -> None:
+    """Queue a step with every stage kind on seven of ``slots``: a fork wave, a swap through a temporary (a
+    rotate), clears, an alloc and a release; with ``h0`` (a host slot holding a state) an offload, a restore
+    that frees its host slot, a restore that keeps it, and a drop."""
+    a, b, c, d, e, f, t = slots[:7]
+    mgr.copy_on_write(a, e)
+    mgr.submit(mc.CopyOnWrite(b, t), mc.CopyOnWrite(c, b), mc.CopyOnWrite(t, c), mc.Release(t))
+    mgr.clear(d)
+    mgr.alloc(1)
+    if h0 is not None:
+        h1 = mgr.offload(f)
+        mgr.restore(h0, d)
+        mgr.restore(h1, a, keep=True)
+        mgr.drop(h1)
+
+
 # -- fault sweeps (tests/sweep.py says which ops; mambacache.testing injects) --
 SPEC = small_spec()
 SPECS = {"plain": SPEC, "quantized": quant_spec()}  # the fault sweeps run on both: extras are more tensors
@@ -189,19 +205,31 @@ class InterruptAtLine:
     """Raises ``exc`` at the ``at``-th line the block executes inside the mambacache package (1-based; 0: none),
     on this thread or one started in the block; counts those lines in ``lines``.
 
-    Two kinds of line are counted but never interrupted, since no Python code can make them safe: the exit of
-    a ``with`` block (CPython raises there before ``__exit__`` runs, so a lock stays held) and the lines of a
-    ``finally`` clause (the rest of the clause is skipped). ``skipped`` counts them.
+    Three kinds of line are counted but never interrupted, since no Python code can make them safe: the exit of
+    a ``with`` block (CPython raises there before ``__exit__`` runs, so a lock stays held), the lines of a
+    ``finally`` clause (the rest of the clause is skipped), and a line that starts with a NOP (a ``try:``, which
+    CPython 3.11 leaves outside every exception handler: raised there, an exception skips the enclosing
+    ``with``'s exit; no real signal is raised at a NOP). ``skipped`` counts them.
 
     ``after_calls=True`` counts instead the instructions that follow a call of a C function inside the package:
     where CPython raises an interrupt from a real signal (it runs the handler as such a call returns), which may
     be in the middle of a line, between a call and the store of its result. A C function that calls back into
     Python (``map`` over a Python function) counts as a Python call: its return is not interrupted.
+
+    ``threads=False``: this thread only (an async flush's worker threads may be started in the block or
+    before it, so counting theirs would make the count depend on the pool of workers).
     """
 
-    def __init__(self, at: int = 0, exc: type[BaseException] = KeyboardInterrupt, *, after_calls: bool = False) -> None:
+    def __init__(
+        self,
+        at: int = 0,
+        exc: type[BaseException] = KeyboardInterrupt,
+        *,
+        after_calls: bool = False,
+        threads: bool = True,
+    ) -> None:
         self.at, self.exc, self.lines, self.skipped, self.raised = at, exc, 0, 0, False
-        self.after_calls = after_calls
+        self.after_calls, self.threads = after_calls, threads
         self._inside: dict[int, set[int]] = {}  # id(frame) -> the `with` lines it is inside of
         self._called: dict[int, int] = {}  # id(frame) -> the offset of its last instruction if a call, else -1
 
@@ -210,13 +238,15 @@ class InterruptAtLine:
         # run package lines on this thread, count them, and swallow an interrupt raised in them.
         self._gc = gc.isenabled()
         gc.disable()
-        threading.settrace(self._call)
+        if self.threads:
+            threading.settrace(self._call)
         sys.settrace(self._call)
         return self
 
     def __exit__(self, *exc: object) -> None:
         sys.settrace(None)
-        threading.settrace(None)  # type: ignore[arg-type]
+        if self.threads:
+            threading.settrace(None)  # type: ignore[arg-type]
         if self._gc:
             gc.enable()
 
@@ -245,6 +275,11 @@ class InterruptAtLine:
         elif event != "line":
             return self._line
         self.lines += 1
+        if event == "line" and frame.f_code.co_code[frame.f_lasti] == _NOP:
+            # A `try:` (or `pass`): no signal is raised at a NOP, and CPython 3.11 leaves a `try:`'s NOP outside
+            # every handler, so raised there an exception would skip the enclosing `with`'s exit (a lock held).
+            self.skipped += 1
+            return self._line
         withs, finals = _cleanup_lines(frame.f_code.co_filename)
         line = frame.f_lineno
         if line in withs:
@@ -264,6 +299,68 @@ class InterruptAtLine:
 
 
 _PACKAGE = str(Path(mc.__file__).parent)
+_NOP = dis.opmap["NOP"]
+
+
+class CancelAtSuspension:
+    """Awaits an awaitable in a cancel scope and cancels the scope as the awaitable suspends for the ``at``-th time
+    (1-based; 0: never): where anyio delivers a cancellation (a checkpoint), on asyncio and trio alike. Counts the
+    suspensions in ``suspensions``; ``on_suspend(n)`` runs at each (a test's way to end a wait at the n-th).
+
+    ``how``: ``"cancel"`` calls :meth:`anyio.CancelScope.cancel`; ``"deadline"`` moves the scope's deadline to
+    now (``move_on_after`` expiring there). The cancellation reaches the awaitable at that suspension, or at the
+    next one it is not shielded at, or never; ``cancelled`` says whether the scope caught one.
+    """
+
+    def __init__(self, at: int, how: str = "cancel", on_suspend: Callable[[int], None] | None = None) -> None:
+        self.at, self.how, self.on_suspend = at, how, on_suspend
+        self.suspensions, self.cancelled = 0, False
+        self._scope: Any = None
+
+    async def run(self, awaitable: Any) -> Any:
+        import anyio
+
+        result = None
+        with anyio.CancelScope() as scope:
+            self._scope = scope
+            result = await _Counted(awaitable, self._suspended)
+        self.cancelled = scope.cancelled_caught
+        return result
+
+    def _suspended(self) -> None:
+        import anyio
+
+        self.suspensions += 1
+        if self.on_suspend is not None:
+            self.on_suspend(self.suspensions)
+        if self.suspensions == self.at:
+            if self.how == "cancel":
+                self._scope.cancel()
+            else:
+                self._scope.deadline = anyio.current_time()
+
+
+class _Counted:
+    """An awaitable passing every suspension of ``awaitable`` through to the event loop, unchanged (asyncio's
+    futures, trio's traps), calling ``suspended()`` at each; what the loop sends or throws in goes back in."""
+
+    def __init__(self, awaitable: Any, suspended: Callable[[], None]) -> None:
+        self._inner, self._suspended = awaitable.__await__(), suspended
+
+    def __await__(self) -> Any:
+        inner = self._inner
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                yielded = inner.throw(error) if error is not None else inner.send(value)
+            except StopIteration as stop:
+                return stop.value
+            self._suspended()
+            try:
+                value, error = (yield yielded), None
+            except BaseException as exc:  # the loop's cancellation (or a close) goes into the awaitable
+                value, error = None, exc
 
 
 @functools.cache

@@ -46,7 +46,7 @@ import contextlib
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -55,7 +55,7 @@ import torch
 
 from .._errors import InvalidArgumentError, TransferError, TransferRefusedError
 from . import _control as control
-from ._transports._base import Transport
+from ._transports._base import Message, Transport
 from ._transports._gloo import RETIRED as _RETIRED  # noqa: F401 -- the gloo pairs retired, as tests count them
 from ._transports._gloo import GlooTransport
 
@@ -190,7 +190,7 @@ class Outbox(_Direction):
                 self.store.delete_key(key)
 
     def send(
-        self, ids: list[str], seq: int, fp: list[Any], raw: list[torch.Tensor], split: bool, tok: str | None = None
+        self, ids: list[str], seq: int, fp: list[Any], raw: Sequence[Message], split: bool, tok: str | None = None
     ) -> None:
         """One batch ``(tok, seq)`` of messages ``raw`` (:func:`messages` of its rows, ``split`` or not, or views
         of the same bytes): header, the receiver's decision, the bytes, its acknowledgement. ``tok``: the batch's
@@ -220,7 +220,7 @@ class Outbox(_Direction):
             raise
         self._cleanup(m)
 
-    def _settle(self, m: int, ids: list[str], raw: list[torch.Tensor], pair: str) -> None:
+    def _settle(self, m: int, ids: list[str], raw: Sequence[Message], pair: str) -> None:
         """Header ``m``'s decision, then (on ``go``) the bytes and the acknowledgement. What the receiver wrote is
         parsed by ``_control``: a value of no known form is a :class:`TransferError` (``send`` replaces the pair,
         and the batch is in doubt, as after any failure of the receiver's answers)."""
@@ -396,7 +396,7 @@ class Inbox(_Direction):
                 " side's go (the landing took longer than the sender waits for a decision)"
             )
 
-    def take(self, batch: Batch, raw: list[torch.Tensor]) -> None:
+    def take(self, batch: Batch, raw: Sequence[Message]) -> None:
         """Answer ``go`` for ``batch`` and receive its bytes into ``raw`` (its messages: :func:`messages` of the
         rows, or views of the same bytes, written in place).
 

@@ -22,7 +22,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -54,6 +54,7 @@ from ._link import (
     root_store,
 )
 from ._surface import CacheManager
+from ._transports._base import Message, Pieces, Wire
 from ._transports._pick import check_transport
 from ._transports._pick import make as make_transport
 
@@ -185,6 +186,55 @@ def export_rows(
                 torch.index_select(view, 0, index, out=row)
             else:
                 row.copy_(view.index_select(0, index))
+    return out
+
+
+def _pieces(
+    sources: list[list[torch.Tensor]], slots: list[int], split: bool, devices: tuple[str, ...]
+) -> list[Pieces] | None:
+    """A batch's messages (:func:`~._link.messages`' order: per pool tensor, per layer when ``split``) as the byte
+    ranges of the rows of ``slots`` where they lie in ``sources`` (per pool tensor, its layers' ``[slots + 1,
+    *state]`` rows), consecutive rows merged: a pulled wire reads them from there and writes them there, with no
+    gather or scatter copy. None unless each row is contiguous memory on a device type of ``devices``."""
+    out = []
+    for layers in sources:
+        cut = []
+        for layer in layers:
+            row = layer[0]
+            if layer.device.type not in devices or not row.is_contiguous():
+                return None
+            size, step = row.numel() * row.element_size(), layer.stride(0) * layer.element_size()
+            cut.append(_merged(layer.data_ptr(), step, size, slots))
+        if split:
+            out += [Pieces(c, [layer], layer.device) for c, layer in zip(cut, layers, strict=True)]
+        else:
+            out.append(Pieces(_joined(cut), list(layers), layers[0].device))
+    return out
+
+
+def _merged(base: int, step: int, size: int, slots: list[int]) -> list[tuple[int, int]]:
+    """The ranges ``(address, bytes)`` of rows ``slots`` (row ``s`` at ``base + s * step``, ``size`` bytes), each run
+    of consecutive slots one range where the rows touch (``step == size``)."""
+    out: list[tuple[int, int]] = []
+    prev = -2
+    for s in slots:
+        if s == prev + 1 and step == size:
+            start, length = out[-1]
+            out[-1] = (start, length + size)
+        else:
+            out.append((base + s * step, size))
+        prev = s
+    return out
+
+
+def _joined(cuts: list[list[tuple[int, int]]]) -> list[tuple[int, int]]:
+    """Ranges in order, each one that starts where the last ended joined to it."""
+    out: list[tuple[int, int]] = []
+    for start, size in (r for cut in cuts for r in cut):
+        if out and out[-1][0] + out[-1][1] == start:
+            out[-1] = (out[-1][0], out[-1][1] + size)
+        else:
+            out.append((start, size))
     return out
 
 
@@ -449,6 +499,16 @@ def _acknowledge_landed(inbox: Inbox, peer: int, batch: Batch) -> None:
         _tracing.tracer.transfer("transfer.failed", peer, batch.ids, call="acknowledge", error=str(exc))
 
 
+def _rows_in_place(
+    wire: Wire, sources: list[list[torch.Tensor]], slots: list[int], split: bool
+) -> Sequence[Message] | None:
+    """A batch's messages as the rows of ``slots`` in ``sources`` where they lie (see ``StateTransfer._straight``),
+    or None."""
+    if getattr(wire, "pieces", False):  # a stand-in wire of another shape moves whole tensors
+        return _pieces(sources, slots, split, wire.devices)
+    return _views(sources, slots) if split else None
+
+
 def _landing_rows(mgr: CacheManager, in_place: bool) -> list[list[torch.Tensor]]:
     """Per pool tensor, its ``[slots + 1, *state]`` rows of each layer: the pool's (``in_place``) or the host
     pool's."""
@@ -562,7 +622,7 @@ class StateTransfer:
         try:
             with ReadingBatch(self._mgr, ids):
                 split = self._split(len(ids))
-                raw = self._straight(ready) if split else None
+                raw = self._straight(ready, split)
                 if raw is None:
                     rows = export_rows(self._mgr, ready, self._send_bufs.rows(self._layers(), len(ids), self._shapes()))
                     raw = messages(rows, split)
@@ -571,12 +631,13 @@ class StateTransfer:
             self._send_bufs = _Buffers()
             raise
 
-    def _straight(self, ready: list[Export]) -> list[torch.Tensor] | None:
-        """The split messages of ``ready`` as views of the rows they are read from, or None unless their slots are
-        one run whose rows of each layer are contiguous host memory."""
+    def _straight(self, ready: list[Export], split: bool) -> Sequence[Message] | None:
+        """The messages of ``ready`` where their rows lie: over a wire that reads pieces, the ranges of the rows
+        (any slots, host or device memory it reads); else, split, views of the rows when their slots are one run
+        of contiguous host memory. None: gather them."""
         in_place = ready[0].host is None
         slots = [ev.slot for ev in ready] if in_place else [h for ev in ready if (h := ev.host) is not None]
-        return _views(_landing_rows(self._mgr, in_place), slots)
+        return _rows_in_place(self._out.wire, _landing_rows(self._mgr, in_place), slots, split)
 
     def _split(self, n: int) -> bool:
         """Whether a batch of ``n`` states goes as one message per layer: large enough that a message costs less
@@ -654,7 +715,7 @@ class StateTransfer:
         their rows when they are one run of contiguous host memory and the batch is split, else into the kept
         buffers and copied over."""
         mgr = self._mgr
-        raw = _views(_landing_rows(self._mgr, in_place), slots) if batch.split else None
+        raw = _rows_in_place(self._in.wire, _landing_rows(self._mgr, in_place), slots, batch.split)
         if raw is not None:
             wait_for_restores(mgr)  # the bytes land in the slots themselves (write_staging and write_pool wait)
             self._in.take(batch, raw)

@@ -189,41 +189,58 @@ def export_rows(
     return out
 
 
-def _pieces(
-    sources: list[list[torch.Tensor]], slots: list[int], split: bool, devices: tuple[str, ...]
-) -> list[Pieces] | None:
-    """A batch's messages (:func:`~._link.messages`' order: per pool tensor, per layer when ``split``) as the byte
-    ranges of the rows of ``slots`` where they lie in ``sources`` (per pool tensor, its layers' ``[slots + 1,
-    *state]`` rows), consecutive rows merged: a pulled wire reads them from there and writes them there, with no
-    gather or scatter copy. None unless each row is contiguous memory on a device type of ``devices``."""
-    out = []
-    for layers in sources:
-        cut = []
-        for layer in layers:
-            row = layer[0]
-            if layer.device.type not in devices or not row.is_contiguous():
-                return None
-            size, step = row.numel() * row.element_size(), layer.stride(0) * layer.element_size()
-            cut.append(_merged(layer.data_ptr(), step, size, slots))
-        if split:
-            out += [Pieces(c, [layer], layer.device) for c, layer in zip(cut, layers, strict=True)]
-        else:
-            out.append(Pieces(_joined(cut), list(layers), layers[0].device))
-    return out
+class _Rows:
+    """Where the slot rows of each layer of a pool's (or host pool's) tensors lie, read once: row ``s`` of a layer
+    at ``base + s * step``, ``size`` bytes (the tensors are the manager's for its life, so their addresses are).
+
+    ``layers``: per pool tensor, its layers' ``[slots + 1, *state]`` views; ``contiguous``: each row is contiguous
+    memory (not, for a paged pool whose rows are strided within)."""
+
+    __slots__ = ("contiguous", "device_types", "geometry", "layers")
+
+    def __init__(self, layers: list[list[torch.Tensor]]) -> None:
+        self.layers = layers
+        self.geometry = [
+            [(v.data_ptr(), v.stride(0) * v.element_size(), v[0].numel() * v.element_size()) for v in views]
+            for views in layers
+        ]
+        self.contiguous = all(v[0].is_contiguous() for views in layers for v in views)
+        self.device_types = {v.device.type for views in layers for v in views}
+
+    def pieces(self, slots: list[int], split: bool, devices: tuple[str, ...]) -> list[Pieces] | None:
+        """A batch's messages (:func:`~._link.messages`' order: per pool tensor, per layer when ``split``) as the
+        byte ranges of the rows of ``slots``, each run of consecutive rows that touch one range: a pulled wire
+        reads them from there and writes them there, with no gather or scatter copy. None unless each row is
+        contiguous memory on a device type of ``devices``."""
+        if not self.contiguous or not self.device_types <= set(devices):
+            return None
+        runs = _runs(slots)
+        out = []
+        for views, geometry in zip(self.layers, self.geometry, strict=True):
+            cut = [_spans(base, step, size, slots, runs) for base, step, size in geometry]
+            if split:
+                out += [Pieces(c, [v], v.device) for c, v in zip(cut, views, strict=True)]
+            else:
+                out.append(Pieces(_joined(cut), list(views), views[0].device))
+        return out
 
 
-def _merged(base: int, step: int, size: int, slots: list[int]) -> list[tuple[int, int]]:
-    """The ranges ``(address, bytes)`` of rows ``slots`` (row ``s`` at ``base + s * step``, ``size`` bytes), each run
-    of consecutive slots one range where the rows touch (``step == size``)."""
+def _spans(base: int, step: int, size: int, slots: list[int], runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The ranges of rows ``slots`` of a layer (row ``s`` at ``base + s * step``, ``size`` bytes): one per run of
+    ``runs`` where rows touch, else one per row."""
+    if step == size:
+        return [(base + s * step, n * size) for s, n in runs]
+    return [(base + s * step, size) for s in slots]
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int]]:
+    """``slots`` as runs of consecutive ones: ``(first, count)``."""
     out: list[tuple[int, int]] = []
-    prev = -2
     for s in slots:
-        if s == prev + 1 and step == size:
-            start, length = out[-1]
-            out[-1] = (start, length + size)
+        if out and out[-1][0] + out[-1][1] == s:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
         else:
-            out.append((base + s * step, size))
-        prev = s
+            out.append((s, 1))
     return out
 
 
@@ -499,14 +516,11 @@ def _acknowledge_landed(inbox: Inbox, peer: int, batch: Batch) -> None:
         _tracing.tracer.transfer("transfer.failed", peer, batch.ids, call="acknowledge", error=str(exc))
 
 
-def _rows_in_place(
-    wire: Wire, sources: list[list[torch.Tensor]], slots: list[int], split: bool
-) -> Sequence[Message] | None:
-    """A batch's messages as the rows of ``slots`` in ``sources`` where they lie (see ``StateTransfer._straight``),
-    or None."""
+def _rows_in_place(wire: Wire, rows: _Rows, slots: list[int], split: bool) -> Sequence[Message] | None:
+    """A batch's messages as the rows of ``slots`` where they lie (see ``StateTransfer._straight``), or None."""
     if getattr(wire, "pieces", False):  # a stand-in wire of another shape moves whole tensors
-        return _pieces(sources, slots, split, wire.devices)
-    return _views(sources, slots) if split else None
+        return rows.pieces(slots, split, wire.devices)
+    return _views(rows.layers, slots) if split else None
 
 
 def _landing_rows(mgr: CacheManager, in_place: bool) -> list[list[torch.Tensor]]:
@@ -637,7 +651,15 @@ class StateTransfer:
         of contiguous host memory. None: gather them."""
         in_place = ready[0].host is None
         slots = [ev.slot for ev in ready] if in_place else [h for ev in ready if (h := ev.host) is not None]
-        return _rows_in_place(self._out.wire, _landing_rows(self._mgr, in_place), slots, split)
+        return _rows_in_place(self._out.wire, self._rows(in_place), slots, split)
+
+    def _rows(self, in_place: bool) -> _Rows:
+        """Where the pool's (``in_place``) or the host pool's slot rows lie, read at the first batch."""
+        where: dict[bool, _Rows] = self.__dict__.setdefault("_where", {})  # a stand-in made without __init__ too
+        rows = where.get(in_place)
+        if rows is None:
+            rows = where[in_place] = _Rows(_landing_rows(self._mgr, in_place))
+        return rows
 
     def _split(self, n: int) -> bool:
         """Whether a batch of ``n`` states goes as one message per layer: large enough that a message costs less
@@ -715,7 +737,7 @@ class StateTransfer:
         their rows when they are one run of contiguous host memory and the batch is split, else into the kept
         buffers and copied over."""
         mgr = self._mgr
-        raw = _rows_in_place(self._in.wire, _landing_rows(self._mgr, in_place), slots, batch.split)
+        raw = _rows_in_place(self._in.wire, self._rows(in_place), slots, batch.split)
         if raw is not None:
             wait_for_restores(mgr)  # the bytes land in the slots themselves (write_staging and write_pool wait)
             self._in.take(batch, raw)

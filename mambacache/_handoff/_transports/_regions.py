@@ -143,6 +143,10 @@ def plan(raw: Sequence[Message], descs: Any, parts: Any) -> list[list[tuple[int,
         at += count
         if sum(size for _, size, _ in theirs) != m.numel():
             raise ValueError("its descriptors are not the batch's messages")
-        cuts = matched(spans(m), [(a, size) for a, size, _ in theirs])
+        mine = spans(m)
+        if [size for _, size in mine] == [size for _, size, _ in theirs]:  # the same rows on both ends: no cut
+            out.append([(la, ra, size, dev) for (la, size), (ra, _, dev) in zip(mine, theirs, strict=True) if size])
+            continue
+        cuts = matched(mine, [(a, size) for a, size, _ in theirs])
         out.append([(la, ra, size, theirs[j][2]) for la, ra, size, j in cuts])
     return out

@@ -185,7 +185,8 @@ class Outbox(_Direction):
         self._epoch = 0
 
     def _cleanup(self, m: int) -> None:
-        for key in (f"hdr/{m}", f"state/{m}", f"ack/{m}", f"read/{m}"):
+        keys = ("hdr", "state", "ack", "read") if self.wire.pulls else ("hdr", "state", "ack")  # read/m: pulled only
+        for key in (f"{k}/{m}" for k in keys):
             with contextlib.suppress(Exception):  # best effort: a leftover key is only a few bytes in the store
                 self.store.delete_key(key)
 

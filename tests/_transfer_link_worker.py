@@ -325,7 +325,9 @@ def _sizes(n: int) -> list[int]:
 
 def receiver_of_silent(me: Side) -> None:
     exc = _fails(me.xfer.receive, "a sender that went silent after the receiver took its batch")
-    assert type(exc) is mc.TransferError and "timed out" in str(exc), repr(exc)
+    # Over Mooncake the read from a segment that never existed fails at once (-1), typed: no wait to time out.
+    gone = "failed (-1)" if os.environ.get(TRANSPORT_ENV) == "mooncake" else "timed out"
+    assert type(exc) is mc.TransferError and gone in str(exc), repr(exc)
     me.idle()
     dist.barrier()
     assert me.xfer.receive() == ["after"]

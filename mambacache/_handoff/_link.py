@@ -37,7 +37,10 @@ The bytes of a batch of n states, per pool tensor ``[layers, slots + 1, *state]`
 The sender splits a batch whose messages are large enough that a message costs
 less than a copy (:data:`SPLIT_BYTES`); the receiver follows the header. A
 receiver takes its staging slots before it answers ``go``, so the bytes can
-arrive straight into them.
+arrive straight into them. Over a pulled wire that reads pieces (NIXL,
+Mooncake) a message may be :class:`~._transports._base.Pieces`: the same bytes
+as the byte ranges of the rows where they lie, on both ends, so no slots need
+be one run.
 """
 
 from __future__ import annotations

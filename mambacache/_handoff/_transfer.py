@@ -516,9 +516,16 @@ def _acknowledge_landed(inbox: Inbox, peer: int, batch: Batch) -> None:
         _tracing.tracer.transfer("transfer.failed", peer, batch.ids, call="acknowledge", error=str(exc))
 
 
-def _rows_in_place(wire: Wire, rows: _Rows, slots: list[int], split: bool) -> Sequence[Message] | None:
+def _wire(xfer: StateTransfer, direction: str) -> Wire | None:
+    """The wire of ``xfer``'s outbox (``"_out"``) or inbox (``"_in"``); None for a stand-in without one (a test's
+    inbox, a transfer made without ``__init__``): it moves whole tensors."""
+    return getattr(getattr(xfer, direction, None), "wire", None)
+
+
+def _rows_in_place(wire: Wire | None, rows: _Rows, slots: list[int], split: bool) -> Sequence[Message] | None:
     """A batch's messages as the rows of ``slots`` where they lie (see ``StateTransfer._straight``), or None."""
-    if getattr(wire, "pieces", False):  # a stand-in wire of another shape moves whole tensors
+    if getattr(wire, "pieces", False):  # not a stand-in wire of another shape: those move whole tensors
+        assert wire is not None
         return rows.pieces(slots, split, wire.devices)
     return _views(rows.layers, slots) if split else None
 
@@ -645,13 +652,13 @@ class StateTransfer:
             self._send_bufs = _Buffers()
             raise
 
-    def _straight(self, ready: list[Export], split: bool) -> Sequence[Message] | None:
+    def _straight(self, ready: list[Export], split: bool = True) -> Sequence[Message] | None:
         """The messages of ``ready`` where their rows lie: over a wire that reads pieces, the ranges of the rows
         (any slots, host or device memory it reads); else, split, views of the rows when their slots are one run
         of contiguous host memory. None: gather them."""
         in_place = ready[0].host is None
         slots = [ev.slot for ev in ready] if in_place else [h for ev in ready if (h := ev.host) is not None]
-        return _rows_in_place(self._out.wire, self._rows(in_place), slots, split)
+        return _rows_in_place(_wire(self, "_out"), self._rows(in_place), slots, split)
 
     def _rows(self, in_place: bool) -> _Rows:
         """Where the pool's (``in_place``) or the host pool's slot rows lie, read at the first batch."""
@@ -737,7 +744,7 @@ class StateTransfer:
         their rows when they are one run of contiguous host memory and the batch is split, else into the kept
         buffers and copied over."""
         mgr = self._mgr
-        raw = _rows_in_place(self._in.wire, self._rows(in_place), slots, batch.split)
+        raw = _rows_in_place(_wire(self, "_in"), self._rows(in_place), slots, batch.split)
         if raw is not None:
             wait_for_restores(mgr)  # the bytes land in the slots themselves (write_staging and write_pool wait)
             self._in.take(batch, raw)

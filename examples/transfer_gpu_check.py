@@ -6,6 +6,8 @@ torch (CUDA build) and mambacache installed::
     python examples/transfer_gpu_check.py            # sizes 1,8,64, 10 timed rounds each
     python examples/transfer_gpu_check.py --quick    # sizes 1,8, 3 rounds
     python examples/transfer_gpu_check.py --cpu      # the gloo parts with CPU pools: checks the script itself
+    python examples/transfer_gpu_check.py --transport nixl          # the hand-off over NIXL (pip install '.[nixl]')
+    python examples/transfer_gpu_check.py --transport nixl --cpu    # the same with CPU pools
 
 What it needs: NCCL refuses two ranks on one GPU, so the NCCL parts need two
 GPUs (rank k on ``cuda:k``). With one GPU both ranks share ``cuda:0`` and only
@@ -33,6 +35,17 @@ tensors over NCCL). Per size n (slots of the small bench preset, 1 MiB each):
 4. ``gloo send``: one ``dist.send`` of a host buffer of the same bytes: the
    wire the transfer uses today.
 
+With ``--transport nixl`` the hand-off goes over NIXL (UCX with its CUDA
+transports, ``cuda_copy`` and ``cuda_ipc``: two processes on one GPU or on
+two): the transfer registers the CUDA pools as VRAM, so in place the receiver
+reads the sender's device rows straight into its own device rows, no host hop
+and no staging buffer (staged, the staging copies to and from the host pool
+stay, as the staged hand-off is defined). A fifth path, ``nixl read``, is one
+raw NIXL read of a device buffer of the same bytes (the bound of that wire).
+After the rounds each rank checks that its transfer never grew a kept host
+buffer (nothing gathered or scattered through the host) and that its transport
+kept device memory (``devices`` names ``cuda``): either failing exits 1.
+
 Rounds alternate the paths; it prints medians and bests and the ratios. Last,
 with two GPUs, it makes an NCCL-only group and expects the hand-off to work
 with exact bytes (since issue #32 the transfer agrees on each batch through the
@@ -52,6 +65,7 @@ import sys
 import tempfile
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -103,6 +117,7 @@ def rounds(
     sent = mc.StatePool(SPEC, top)  # rank 1: rank 0's pool, rebuilt on the CPU from its seed
     fill(sent, 100)
     paths = ["transfer", "in place", "gloo send"] + (["nccl send"] if nccl else [])
+    paths += ["nixl read"] if transport == "nixl" else []
     handoffs = ("transfer", "in place")
     out: dict[int, dict[str, list[float]]] = {}
     with mc.CacheManager(pool, host_pool=host) as mgr:
@@ -112,6 +127,7 @@ def rounds(
             nbytes = n * SPEC.slot_bytes
             gloo_buf = torch.ones(nbytes, dtype=torch.uint8)
             dev_buf = torch.ones(nbytes, dtype=torch.uint8, device=device) if nccl else None
+            raw = raw_read(xfer, rank, device, nbytes) if transport == "nixl" else None
             src = list(range(1, n + 1))
             dst = list(range(top - n + 1, top + 1))
             ids = [f"r{i}" for i in range(n)]
@@ -142,6 +158,11 @@ def rounds(
                             sync(device)
                     elif path == "gloo send":
                         (dist.send if rank == 0 else dist.recv)(gloo_buf, 1 - rank)
+                    elif path == "nixl read":
+                        assert raw is not None
+                        if rank == 1:
+                            raw[0].pull([raw[1]], raw[2], "raw", "raw", [])
+                            sync(device)
                     else:
                         assert dev_buf is not None
                         (dist.send if rank == 0 else dist.recv)(dev_buf, 1 - rank)
@@ -155,7 +176,32 @@ def rounds(
                             mgr.release(s, i)
                         mgr.flush_nowait()
             out[n] = times
+        if transport == "nixl":
+            direct(xfer, device)
     return out
+
+
+def raw_read(xfer: mc.StateTransfer, rank: int, device: torch.device, nbytes: int) -> tuple[Any, Any, Any]:
+    """The ``nixl read`` path's wire (rank 1 reads rank 0's), its buffer on the pools' device (registered once)
+    and where the sender's lies; over the transfer's own NIXL agent."""
+    transport = xfer._out.wire.transport  # the transfer's NIXL agent, its pools registered
+    buf = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    transport.register([buf])
+    wire = transport.wire(None, 0, 1, rank, TIMEOUT)
+    box = [wire.source([buf]) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return wire, buf, box[0]
+
+
+def direct(xfer: mc.StateTransfer, device: torch.device) -> None:
+    """Over NIXL the rows went straight between the pools (and the host pools): no kept host buffer was grown on
+    either side, and device memory stayed registered (else its rows would go through the host)."""
+    grown = [name for name, bufs in (("send", xfer._send_bufs), ("receive", xfer._bufs)) if bufs._flat]
+    devices = xfer._out.wire.devices
+    if grown:
+        raise SystemExit(f"NOT DIRECT: the transfer's {' and '.join(grown)} buffers were grown (a host hop)")
+    if device.type not in devices:
+        raise SystemExit(f"NOT DIRECT: NIXL did not take {device.type} memory (it moves {devices}); UCX_TLS?")
 
 
 def check(pool: mc.StatePool, sent: mc.StatePool, src: list[int], dst: list[int], n: int) -> None:
@@ -220,10 +266,15 @@ def engine(rank: int, port: int, sizes: list[int], repeats: int, out: str, cpu: 
                 best = {p: min(v) * 1e3 for p, v in t.items()}
                 row = ", ".join(f"{p} {med[p]:.3f} ms (best {best[p]:.3f})" for p in t)
                 ratios = ", ".join(
-                    f"{h} x {p} {med[h] / med[p]:.2f}" for h in ("transfer", "in place") for p in t if "send" in p
+                    f"{h} x {p} {med[h] / med[p]:.2f}"
+                    for h in ("transfer", "in place")
+                    for p in t
+                    if "send" in p or "read" in p
                 )
                 lines.append(f"n={n} ({n * SPEC.slot_bytes / 2**20:.1f} MiB): {row}; {ratios}")
             lines.append(f"NCCL-only group: {note}")
+            if transport == "nixl":
+                lines.append(f"nixl: rows moved between the pools' {device.type} memory directly (no host buffer)")
             with open(os.path.join(out, "report.txt"), "w", encoding="utf-8") as f:
                 f.write("\n".join(lines) + "\n")
     finally:

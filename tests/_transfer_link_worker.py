@@ -325,7 +325,9 @@ def _sizes(n: int) -> list[int]:
 
 def receiver_of_silent(me: Side) -> None:
     exc = _fails(me.xfer.receive, "a sender that went silent after the receiver took its batch")
-    assert type(exc) is mc.TransferError and "timed out" in str(exc), repr(exc)
+    # Over Mooncake the read from a segment that never existed fails at once (-1), typed: no wait to time out.
+    gone = "failed (-1)" if os.environ.get(TRANSPORT_ENV) == "mooncake" else "timed out"
+    assert type(exc) is mc.TransferError and gone in str(exc), repr(exc)
     me.idle()
     dist.barrier()
     assert me.xfer.receive() == ["after"]
@@ -407,6 +409,12 @@ def _direct(xfer: mc.StateTransfer, sending: bool) -> bool:
     return not bufs._flat  # type: ignore[no-any-return]
 
 
+def _straight(split: bool, run: bool) -> bool:
+    """Whether a batch goes straight from (or into) the rows: over gloo when split and one run; over a pulled
+    wire (NIXL, Mooncake) always, its reads cut at the rows' own ranges."""
+    return os.environ.get(TRANSPORT_ENV, "gloo") != "gloo" or (split and run)
+
+
 def wire_sender(me: Side) -> None:
     import mambacache._handoff._transfer as xfer_mod
     from mambacache._handoff._transfer import _Buffers
@@ -432,7 +440,7 @@ def wire_sender(me: Side) -> None:
             dist.barrier()
             assert me.xfer.send() == ids, (split, srun, in_place)
             how = f"split {split}, one run {srun}, in place {in_place}: copied or not"
-            assert _direct(me.xfer, True) == (split and srun), how
+            assert _direct(me.xfer, True) == _straight(split, srun), how
             if not srun and not in_place:
                 me.mgr.release(2, "pad")  # withdraws its export
             me.mgr.flush_nowait()
@@ -462,7 +470,7 @@ def wire_receiver(me: Side) -> None:
         dist.barrier()
         assert me.xfer.receive() == ids
         how = f"split {split}, one run {rrun}, in place {expected}: copied or not"
-        assert _direct(me.xfer, False) == (split and rrun), how
+        assert _direct(me.xfer, False) == _straight(split, rrun), how
         host = me.mgr.host_pool
         assert host is not None and (host.num_held == len(held) + (0 if expected else 2)), how
         why = f"the wire with split {split}, landing in one run {rrun}, from slots {_sources(srun, in_place)}"

@@ -109,14 +109,25 @@ def test_one_state_in_place_from_or_into_a_paged_pool_with_a_scalar_extra_goes_o
         peer.check_idle(host=True)
 
 
-def test_a_batch_that_could_not_be_read_before_its_header_is_not_in_doubt(monkeypatch: pytest.MonkeyPatch) -> None:
+def _fail_reading_once(monkeypatch: pytest.MonkeyPatch, transport: str, error: BaseException) -> None:
+    """The next read of a batch's rows for a send raises ``error``: gathering them into the kept buffers (gloo,
+    whose one-state batch is gathered), or finding where they lie (a pulled wire reads them there)."""
+    import mambacache._handoff._transfer as transfer
+
+    if transport == "gloo":
+        fail_once(monkeypatch, transfer, "export_rows", error)
+    else:
+        fail_once(monkeypatch, transfer._Rows, "pieces", error)
+
+
+def test_a_batch_that_could_not_be_read_before_its_header_is_not_in_doubt(
+    monkeypatch: pytest.MonkeyPatch, transport: str
+) -> None:
     """A send that fails while it reads the batch's rows (growing the kept buffers ran out of memory, an
     accelerator's event wait failed), before any header is posted, put nothing anywhere. It raised that error
     bare (not a TransferError, as every failure of a send is documented to be) and counted the batch in doubt:
     an export to no one was pinned to the peer that never saw a byte of it, and the transfer to another peer
     never took it again."""
-    import mambacache._handoff._transfer as transfer
-
     spec = quant_spec(2)
     master = _store()
     with (
@@ -129,7 +140,7 @@ def test_a_batch_that_could_not_be_read_before_its_header_is_not_in_doubt(monkey
         mgr.flush_nowait()
         mgr.export(slot, "r")
         mgr.flush_nowait()
-        fail_once(monkeypatch, transfer, "export_rows", MemoryError("the kept send buffers could not grow"))
+        _fail_reading_once(monkeypatch, transport, MemoryError("the kept send buffers could not grow"))
         with pytest.raises(mc.TransferError, match="nothing was sent") as caught:
             to1.send()
         assert isinstance(caught.value.__cause__, MemoryError)
@@ -288,10 +299,13 @@ def test_a_prefix_eviction_whose_host_slot_a_landing_took_meanwhile_drops_the_ch
         mgr.check_idle(host=True)
 
 
-def test_a_receive_that_fails_locally_raises_a_transfer_error_and_the_retry_lands_once() -> None:
-    """The receiver's own fault while it takes a batch (its kept buffers could not grow) is answered "failed" to
-    the sender, which keeps the states; the receiver raised it bare, where every failure of a transfer is a
-    TransferError. The sender's next send lands the batch once."""
+def test_a_receive_that_fails_locally_raises_a_transfer_error_and_the_retry_lands_once(
+    monkeypatch: pytest.MonkeyPatch, transport: str
+) -> None:
+    """The receiver's own fault while it takes a batch (its kept buffers could not grow; over a pulled wire, which
+    reads into the rows where they lie, finding them) is answered "failed" to the sender, which keeps the
+    states; the receiver raised it bare, where every failure of a transfer is a TransferError. The sender's next
+    send lands the batch once."""
     from mambacache._handoff import _transfer as transfer
 
     with _one_export(7, 2.0) as (_, dst, out, into):
@@ -300,7 +314,10 @@ def test_a_receive_that_fails_locally_raises_a_transfer_error_and_the_retry_land
             def rows(self, *args: Any) -> Any:
                 raise MemoryError("the kept receive buffers could not grow")
 
-        into._bufs = Failing()  # the receiver's alone (the sender gathers into buffers of its own)
+        if transport == "gloo":
+            into._bufs = Failing()  # the receiver's alone (the sender gathers into buffers of its own)
+        else:
+            fail_once(monkeypatch, into, "_rows", MemoryError("the landing rows could not be found"))
         thread, sent = _in_thread(out.send)
         try:
             with pytest.raises(mc.TransferError, match="nothing landed") as caught:
@@ -438,14 +455,14 @@ def test_an_interrupt_after_a_delivered_batch_is_raised_not_swallowed() -> None:
         mgr.check_idle(host=True)
 
 
-def test_a_stop_iteration_while_the_batch_is_read_is_nothing_sent_too(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_stop_iteration_while_the_batch_is_read_is_nothing_sent_too(
+    monkeypatch: pytest.MonkeyPatch, transport: str
+) -> None:
     """``ReadingBatch`` was first a generator context manager, and NothingSent is a RuntimeError: a StopIteration
     raised in its body, wrapped as NothingSent ``from`` it, looks to contextlib like PEP 479's conversion of a
     StopIteration the generator let out, and contextlib re-raised the bare StopIteration instead. The batch, read
     before any header, was then counted in doubt and pinned to a peer that never saw it (the inline ``except
     Exception`` before it made it a NothingSent as any other failure of the read)."""
-    import mambacache._handoff._transfer as transfer
-
     spec = quant_spec(2)
     master = _store()
     with mc.CacheManager(mc.StatePool(spec, 4), host_pool=mc.HostPool(spec, 2)) as mgr:
@@ -454,7 +471,7 @@ def test_a_stop_iteration_while_the_batch_is_read_is_nothing_sent_too(monkeypatc
         mgr.flush_nowait()
         mgr.export(slot, "r")
         mgr.flush_nowait()
-        fail_once(monkeypatch, transfer, "export_rows", StopIteration("an iterator ran dry"))
+        _fail_reading_once(monkeypatch, transport, StopIteration("an iterator ran dry"))
         with pytest.raises(mc.TransferError, match="nothing was sent") as caught:
             to1.send()
         assert isinstance(caught.value.__cause__, StopIteration)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from ._transfer_soak_worker import soak_worker
+from ._transfer_soak_worker import SCALE, soak_worker
 from .soak import report
 from .test_distributed import free_port
 
@@ -26,7 +26,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize(("decoders", "per_peer"), [(1, 60), (2, 30)])
-def test_a_soak_loses_nothing_and_never_hangs(decoders: int, per_peer: int, tmp_path: Path) -> None:
+def test_a_soak_loses_nothing_and_never_hangs(decoders: int, per_peer: int, tmp_path: Path, transport: str) -> None:
+    per_peer *= SCALE
     start = time.monotonic()
     procs = decoders + 1 + (decoders == 2)  # the three-rank run has a process that joins later
     mp.spawn(soak_worker, args=(free_port(), decoders, per_peer, str(tmp_path)), nprocs=procs, join=True)
@@ -46,12 +47,12 @@ def test_a_soak_loses_nothing_and_never_hangs(decoders: int, per_peer: int, tmp_
         rank = seen[names[0]]["rank"]
         assert exported[rid] == rank == delivered[rid], f"{rid} for rank {exported[rid]} reached rank {rank}"
     line = (
-        f"soak {decoders + 1} ranks: {prefill['batches']} batches, {prefill['states']} states,"
+        f"soak {decoders + 1} ranks over {transport}: {prefill['batches']} batches, {prefill['states']} states,"
         f" {prefill['failed_sends']} failed sends retried, {prefill['refusals']} refusals for room,"
         f" {sum(s['failed_receives'] for s in seen.values())} failed receives,"
         f" {sum(s['delays'] for s in seen.values())} receiver delays past the timeout,"
         f" {sum(s['expected'] for s in seen.values())} slots awaiting states in place"
-        f" ({sum(s['in_place'] for s in seen.values())} landed there), 0 lost, 0 hangs,"
+        f" ({sum(s['in_place'] for s in seen.values())} landed there), 0 lost, 0 twice, 0 hangs,"
         f" every state at the rank it was exported to, {wall:.1f}s wall"
     )
     report(line)

@@ -7,9 +7,14 @@ import importlib.util
 from typing import Any
 
 import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import mambacache as mc
 from mambacache._handoff._reslice import ReslicingSender, StateLayout
+from mambacache._handoff._transports._base import Pieces
+from mambacache._handoff._transports._regions import Regions, plan
 
 from . import link
 from .util import small_spec
@@ -138,3 +143,74 @@ def test_a_pulled_batch_whose_sender_gave_up_before_the_read_was_claimed_lands_n
         receiver.import_into(dst, request_id="a")
         receiver.flush_nowait()
         assert all(t[:, dst].eq(7.0).all() for t in receiver.pool.tensors)
+
+
+# -- what a pulled wire registers and reads ----------------------------------------------------------------------
+def test_a_wire_whose_batches_take_turns_between_the_pools_and_its_buffer_registers_the_buffer_once() -> None:
+    """A transfer's batches alternate between rows read where they lie (the pools, registered for good) and its
+    kept buffers (registered for the wire): each registration is a new metadata version its peer must load
+    before its next read (over NIXL: the remote agent removed and added again, a new connection). A batch that
+    needed nothing new released the wire's buffer, so every turn registered it again; only memory no region
+    holds replaces it."""
+    added: list[int] = []
+    removed: list[int] = []
+    regions = Regions(lambda base, size, t: added.append(base) or base, removed.append)
+    pool = torch.zeros(4, 16, dtype=torch.uint8)
+    buf = torch.zeros(64, dtype=torch.uint8)
+    regions.keep([pool])
+    wire = object()
+    changed = []
+    for _ in range(3):
+        changed.append(regions.cover([buf[:32], buf[32:48]], wire))
+        changed.append(regions.cover([pool[1], Pieces([(pool[2].data_ptr(), 8)], [pool], pool.device)], wire))
+    assert changed == [True, False, False, False, False, False]
+    assert added == [pool.data_ptr(), buf.data_ptr()] and removed == []
+    fresh = torch.zeros(8, dtype=torch.uint8)  # rows no region holds: they replace the wire's buffer
+    assert regions.cover([Pieces([(fresh.data_ptr() + 2, 4)], [pool, fresh], fresh.device)], wire)
+    assert added[-1] == fresh.data_ptr() and removed == [buf.data_ptr()]
+    with pytest.raises(ValueError, match="lie in none of its tensors"):
+        regions.cover([Pieces([(buf.data_ptr(), 4)], [pool], pool.device)], wire)
+
+
+def _cuts(total: int) -> st.SearchStrategy[list[int]]:
+    """A split of ``total`` bytes into piece sizes, empty pieces among them."""
+    return st.lists(st.integers(0, total), max_size=6).map(
+        lambda cuts: [b - a for a, b in zip([0, *sorted(cuts)], [*sorted(cuts), total], strict=True)]
+    )
+
+
+def _laid(sizes: list[int], gaps: list[int], base: int) -> list[tuple[int, int]]:
+    """Pieces of ``sizes`` bytes laid out from ``base`` with ``gaps`` bytes between (0: touching)."""
+    out, at = [], base
+    for size, gap in zip(sizes, gaps + [0] * len(sizes), strict=False):
+        out.append((at, size))
+        at += size + gap
+    return out
+
+
+@given(st.data())
+def test_a_message_read_from_pieces_into_pieces_moves_each_byte_to_its_place(data: st.DataObject) -> None:
+    """``plan`` cuts both ends' ranges of each message at each other's boundaries; the reference: the message's
+    bytes numbered in order on each end, byte ``i`` of the local ranges from byte ``i`` of the remote ones."""
+    totals = data.draw(st.lists(st.integers(0, 40), min_size=1, max_size=3))
+    raw: list[Any] = []
+    descs: list[list[int]] = []
+    parts = []
+    want: list[tuple[int, int]] = []
+    for k, total in enumerate(totals):
+        gaps = data.draw(st.lists(st.integers(0, 3), max_size=6))
+        mine = _laid(data.draw(_cuts(total)), gaps, 10_000 * (k + 1))
+        theirs = _laid(data.draw(_cuts(total)), gaps[::-1], 1_000_000 + 10_000 * k)
+        raw.append(Pieces(mine, [], torch.device("cpu")))
+        descs += [[a, size, 3] for a, size in theirs]
+        parts.append(len(theirs))
+        local = [a + i for a, size in mine for i in range(size)]
+        remote = [a + i for a, size in theirs for i in range(size)]
+        want += list(zip(local, remote, strict=True))
+    reads = plan(raw, descs, parts)
+    got = [(la + i, ra + i) for cuts in reads for la, ra, size, dev in cuts for i in range(size)]
+    assert got == want
+    assert all(size > 0 and dev == 3 for cuts in reads for _, _, size, dev in cuts)
+    if sum(totals):
+        with pytest.raises(ValueError, match="not the batch's messages"):
+            plan(raw, [[d[0], d[1] + 1, d[2]] if d[1] else d for d in descs], parts)

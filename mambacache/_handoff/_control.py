@@ -14,7 +14,8 @@ The grammar (``docs/transfer.md`` has the protocol)::
 
     header     JSON {"magic", "tok", "seq", "ids", "fp", "pair", "split", "bytes", "src"}
     src        absent over gloo; on a pulled wire (NIXL, Mooncake) where the sender's messages lie:
-               {"agent": <name>, "md": <metadata version>, "mem": "DRAM" | "VRAM", "descs": [[addr, bytes, dev], ...]}
+               {"agent": <name>, "md": <metadata version>, "mem": "DRAM" | "VRAM", "descs": [[addr, bytes, dev], ...],
+                "parts": [<descriptors of message 0>, ...]}   (parts absent: one descriptor per message)
     decision   "go:<token>" | "dup:<token>" | "withdrawn" | <refusal>
     ack        "ok:<n>" | "fail:<text>" | <refusal>
     refusal    "refuse:<reason>:<room>:<text>"   reason one of REASONS, room "" or decimal digits
@@ -147,19 +148,25 @@ _AGENT = re.compile(r"[0-9A-Za-z_.:-]{1,128}")  # a NIXL agent's name, a Mooncak
 
 
 def _source(src: Any, messages: int) -> dict[str, Any] | None:
-    """A pulled wire's ``src`` (None: absent), one descriptor per message; :class:`Malformed` unless well formed."""
+    """A pulled wire's ``src`` (None: absent): its descriptors, ``parts[i]`` of them the ranges of message ``i`` in
+    order (``parts`` absent: one each); :class:`Malformed` unless well formed. Whether their bytes add up to the
+    messages' is the wire's to check, against its own rows."""
     if src is None:
         return None
     if type(src) is not dict or {"agent", "md", "mem", "descs"} - src.keys():
         raise Malformed(f"a header whose src is not a source of rows: {shown(src)}")
     if type(src["agent"]) is not str or not _AGENT.fullmatch(src["agent"]) or src["mem"] not in ("DRAM", "VRAM"):
         raise Malformed(f"a header whose src names no agent or memory: {shown(src)}")
-    descs = src["descs"]
-    if type(descs) is not list or len(descs) != messages or not all(type(d) is list and len(d) == 3 for d in descs):
-        raise Malformed(f"a header whose src is not one [address, bytes, device] per message: {shown(descs)}")
+    descs, parts = src["descs"], src.get("parts", [1] * messages)
+    if type(parts) is not list or len(parts) != messages:
+        raise Malformed(f"a header whose src's parts are not one count per message: {shown(parts)}")
+    counts = [_count("src's parts", p) for p in parts]
+    if type(descs) is not list or len(descs) != sum(counts) or not all(type(d) is list and len(d) == 3 for d in descs):
+        raise Malformed(f"a header whose src is not [address, bytes, device] per part of a message: {shown(descs)}")
     return {
         "agent": src["agent"], "md": _count("src's metadata version", src["md"]), "mem": src["mem"],
         "descs": [[_count("an address", a), _count("a byte size", b), _count("a device", d)] for a, b, d in descs],
+        "parts": counts,
     }  # fmt: skip
 
 

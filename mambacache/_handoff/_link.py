@@ -37,7 +37,10 @@ The bytes of a batch of n states, per pool tensor ``[layers, slots + 1, *state]`
 The sender splits a batch whose messages are large enough that a message costs
 less than a copy (:data:`SPLIT_BYTES`); the receiver follows the header. A
 receiver takes its staging slots before it answers ``go``, so the bytes can
-arrive straight into them.
+arrive straight into them. Over a pulled wire that reads pieces (NIXL,
+Mooncake) a message may be :class:`~._transports._base.Pieces`: the same bytes
+as the byte ranges of the rows where they lie, on both ends, so no slots need
+be one run.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ import contextlib
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -55,7 +58,7 @@ import torch
 
 from .._errors import InvalidArgumentError, TransferError, TransferRefusedError
 from . import _control as control
-from ._transports._base import Transport
+from ._transports._base import Message, Transport
 from ._transports._gloo import RETIRED as _RETIRED  # noqa: F401 -- the gloo pairs retired, as tests count them
 from ._transports._gloo import GlooTransport
 
@@ -185,12 +188,13 @@ class Outbox(_Direction):
         self._epoch = 0
 
     def _cleanup(self, m: int) -> None:
-        for key in (f"hdr/{m}", f"state/{m}", f"ack/{m}", f"read/{m}"):
+        keys = ("hdr", "state", "ack", "read") if self.wire.pulls else ("hdr", "state", "ack")  # read/m: pulled only
+        for key in (f"{k}/{m}" for k in keys):
             with contextlib.suppress(Exception):  # best effort: a leftover key is only a few bytes in the store
                 self.store.delete_key(key)
 
     def send(
-        self, ids: list[str], seq: int, fp: list[Any], raw: list[torch.Tensor], split: bool, tok: str | None = None
+        self, ids: list[str], seq: int, fp: list[Any], raw: Sequence[Message], split: bool, tok: str | None = None
     ) -> None:
         """One batch ``(tok, seq)`` of messages ``raw`` (:func:`messages` of its rows, ``split`` or not, or views
         of the same bytes): header, the receiver's decision, the bytes, its acknowledgement. ``tok``: the batch's
@@ -220,7 +224,7 @@ class Outbox(_Direction):
             raise
         self._cleanup(m)
 
-    def _settle(self, m: int, ids: list[str], raw: list[torch.Tensor], pair: str) -> None:
+    def _settle(self, m: int, ids: list[str], raw: Sequence[Message], pair: str) -> None:
         """Header ``m``'s decision, then (on ``go``) the bytes and the acknowledgement. What the receiver wrote is
         parsed by ``_control``: a value of no known form is a :class:`TransferError` (``send`` replaces the pair,
         and the batch is in doubt, as after any failure of the receiver's answers)."""
@@ -396,7 +400,7 @@ class Inbox(_Direction):
                 " side's go (the landing took longer than the sender waits for a decision)"
             )
 
-    def take(self, batch: Batch, raw: list[torch.Tensor]) -> None:
+    def take(self, batch: Batch, raw: Sequence[Message]) -> None:
         """Answer ``go`` for ``batch`` and receive its bytes into ``raw`` (its messages: :func:`messages` of the
         rows, or views of the same bytes, written in place).
 

@@ -22,7 +22,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -55,6 +55,7 @@ from ._link import (
     root_store,
 )
 from ._surface import CacheManager
+from ._transports._base import Message, Pieces, Wire
 from ._transports._pick import check_transport
 from ._transports._pick import make as make_transport
 
@@ -186,6 +187,72 @@ def export_rows(
                 torch.index_select(view, 0, index, out=row)
             else:
                 row.copy_(view.index_select(0, index))
+    return out
+
+
+class _Rows:
+    """Where the slot rows of each layer of a pool's (or host pool's) tensors lie, read once: row ``s`` of a layer
+    at ``base + s * step``, ``size`` bytes (the tensors are the manager's for its life, so their addresses are).
+
+    ``layers``: per pool tensor, its layers' ``[slots + 1, *state]`` views; ``contiguous``: each row is contiguous
+    memory (not, for a paged pool whose rows are strided within)."""
+
+    __slots__ = ("contiguous", "device_types", "geometry", "layers")
+
+    def __init__(self, layers: list[list[torch.Tensor]]) -> None:
+        self.layers = layers
+        self.geometry = [
+            [(v.data_ptr(), v.stride(0) * v.element_size(), v[0].numel() * v.element_size()) for v in views]
+            for views in layers
+        ]
+        self.contiguous = all(v[0].is_contiguous() for views in layers for v in views)
+        self.device_types = {v.device.type for views in layers for v in views}
+
+    def pieces(self, slots: list[int], split: bool, devices: tuple[str, ...]) -> list[Pieces] | None:
+        """A batch's messages (:func:`~._link.messages`' order: per pool tensor, per layer when ``split``) as the
+        byte ranges of the rows of ``slots``, each run of consecutive rows that touch one range: a pulled wire
+        reads them from there and writes them there, with no gather or scatter copy. None unless each row is
+        contiguous memory on a device type of ``devices``."""
+        if not self.contiguous or not self.device_types <= set(devices):
+            return None
+        runs = _runs(slots)
+        out = []
+        for views, geometry in zip(self.layers, self.geometry, strict=True):
+            cut = [_spans(base, step, size, slots, runs) for base, step, size in geometry]
+            if split:
+                out += [Pieces(c, [v], v.device) for c, v in zip(cut, views, strict=True)]
+            else:
+                out.append(Pieces(_joined(cut), list(views), views[0].device))
+        return out
+
+
+def _spans(base: int, step: int, size: int, slots: list[int], runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The ranges of rows ``slots`` of a layer (row ``s`` at ``base + s * step``, ``size`` bytes): one per run of
+    ``runs`` where rows touch, else one per row."""
+    if step == size:
+        return [(base + s * step, n * size) for s, n in runs]
+    return [(base + s * step, size) for s in slots]
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int]]:
+    """``slots`` as runs of consecutive ones: ``(first, count)``."""
+    out: list[tuple[int, int]] = []
+    for s in slots:
+        if out and out[-1][0] + out[-1][1] == s:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((s, 1))
+    return out
+
+
+def _joined(cuts: list[list[tuple[int, int]]]) -> list[tuple[int, int]]:
+    """Ranges in order, each one that starts where the last ended joined to it."""
+    out: list[tuple[int, int]] = []
+    for start, size in (r for cut in cuts for r in cut):
+        if out and out[-1][0] + out[-1][1] == start:
+            out[-1] = (out[-1][0], out[-1][1] + size)
+        else:
+            out.append((start, size))
     return out
 
 
@@ -394,6 +461,20 @@ def _acknowledge_landed(inbox: Inbox, peer: int, batch: Batch) -> None:
         _tracing.tracer.transfer("transfer.failed", peer, batch.ids, call="acknowledge", error=str(exc))
 
 
+def _wire(xfer: StateTransfer, direction: str) -> Wire | None:
+    """The wire of ``xfer``'s outbox (``"_out"``) or inbox (``"_in"``); None for a stand-in without one (a test's
+    inbox, a transfer made without ``__init__``): it moves whole tensors."""
+    return getattr(getattr(xfer, direction, None), "wire", None)
+
+
+def _rows_in_place(wire: Wire | None, rows: _Rows, slots: list[int], split: bool) -> Sequence[Message] | None:
+    """A batch's messages as the rows of ``slots`` where they lie (see ``StateTransfer._straight``), or None."""
+    if getattr(wire, "pieces", False):  # not a stand-in wire of another shape: those move whole tensors
+        assert wire is not None
+        return rows.pieces(slots, split, wire.devices)
+    return _views(rows.layers, slots) if split else None
+
+
 def _landing_rows(mgr: CacheManager, in_place: bool) -> list[list[torch.Tensor]]:
     """Per pool tensor, its ``[slots + 1, *state]`` rows of each layer: the pool's (``in_place``) or the host
     pool's."""
@@ -503,7 +584,7 @@ class StateTransfer:
         try:
             with ReadingBatch(self._mgr, ids):
                 split = self._split(len(ids))
-                raw = self._straight(ready) if split else None
+                raw = self._straight(ready, split)
                 if raw is None:
                     rows = export_rows(self._mgr, ready, self._send_bufs.rows(self._layers(), len(ids), self._shapes()))
                     raw = messages(rows, split)
@@ -512,12 +593,21 @@ class StateTransfer:
             self._send_bufs = _Buffers()
             raise
 
-    def _straight(self, ready: list[Export]) -> list[torch.Tensor] | None:
-        """The split messages of ``ready`` as views of the rows they are read from, or None unless their slots are
-        one run whose rows of each layer are contiguous host memory."""
+    def _straight(self, ready: list[Export], split: bool = True) -> Sequence[Message] | None:
+        """The messages of ``ready`` where their rows lie: over a wire that reads pieces, the ranges of the rows
+        (any slots, host or device memory it reads); else, split, views of the rows when their slots are one run
+        of contiguous host memory. None: gather them."""
         in_place = ready[0].host is None
         slots = [ev.slot for ev in ready] if in_place else [h for ev in ready if (h := ev.host) is not None]
-        return _views(_landing_rows(self._mgr, in_place), slots)
+        return _rows_in_place(_wire(self, "_out"), self._rows(in_place), slots, split)
+
+    def _rows(self, in_place: bool) -> _Rows:
+        """Where the pool's (``in_place``) or the host pool's slot rows lie, read at the first batch."""
+        where: dict[bool, _Rows] = self.__dict__.setdefault("_where", {})  # a stand-in made without __init__ too
+        rows = where.get(in_place)
+        if rows is None:
+            rows = where[in_place] = _Rows(_landing_rows(self._mgr, in_place))
+        return rows
 
     def _split(self, n: int) -> bool:
         """Whether a batch of ``n`` states goes as one message per layer: large enough that a message costs less
@@ -595,7 +685,7 @@ class StateTransfer:
         their rows when they are one run of contiguous host memory and the batch is split, else into the kept
         buffers and copied over."""
         mgr = self._mgr
-        raw = _views(_landing_rows(self._mgr, in_place), slots) if batch.split else None
+        raw = _rows_in_place(_wire(self, "_in"), self._rows(in_place), slots, batch.split)
         if raw is not None:
             wait_for_restores(mgr)  # the bytes land in the slots themselves (write_staging and write_pool wait)
             self._in.take(batch, raw)

@@ -11,13 +11,14 @@ sender pushes: one gloo send per message, one tag each, all posted together.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 
 from ..._errors import TransferError
-from ._base import Transport, Wire
+from ._base import Message, Transport, Wire
 
 __all__ = ["RETIRED", "GlooTransport", "GlooWire"]
 
@@ -68,18 +69,19 @@ class GlooWire(Wire):
             if kept is not None:
                 RETIRED.append(kept[1])
 
-    def push(self, raw: list[torch.Tensor], name: str, peer: str, ids: list[str]) -> None:
+    def push(self, raw: Sequence[Message], name: str, peer: str, ids: list[str]) -> None:
         self._move(raw, True, name, peer, ids)
 
-    def pull(
-        self, raw: list[torch.Tensor], source: dict[str, Any] | None, name: str, peer: str, ids: list[str]
-    ) -> None:
+    def pull(self, raw: Sequence[Message], source: dict[str, Any] | None, name: str, peer: str, ids: list[str]) -> None:
         self._move(raw, False, name, peer, ids)
 
-    def _move(self, tensors: list[torch.Tensor], send: bool, name: str, peer: str, ids: list[str]) -> None:
+    def _move(self, raw: Sequence[Message], send: bool, name: str, peer: str, ids: list[str]) -> None:
         """Every tensor over pair ``name`` with ``peer`` (posted together, one tag each), all within one timeout."""
         start = time.monotonic()
         try:
+            tensors = [m for m in raw if isinstance(m, torch.Tensor)]
+            if len(tensors) != len(raw):  # this wire takes no Pieces (``pieces`` False): the transfer gathers them
+                raise TypeError("a gloo pair moves whole tensors, not pieces of rows")
             pg = self.pair(name, peer)
             other = 1 - self.me
             works = [

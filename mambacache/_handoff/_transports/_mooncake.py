@@ -20,13 +20,15 @@ import contextlib
 import socket
 import threading
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ..._errors import TransferError
-from ._base import Transport, Wire
-from ._regions import Regions, span
+from ._base import Message, Transport, Wire, spans
+from ._regions import Regions
+from ._regions import plan as _plan
 
 __all__ = ["MooncakeTransport", "MooncakeWire"]
 
@@ -83,7 +85,7 @@ class MooncakeTransport(Transport):
             self.engine.unregister_memory(handle)
 
     def register(self, tensors: Any) -> None:
-        self.regions.keep(tensors)
+        self.regions.keep([t for t in tensors if t.device.type == "cpu"])  # the non-CUDA engine: host memory
 
     def wire(self, store: Any, src: int, dst: int, me: int, timeout: float) -> Wire:
         return MooncakeWire(self, src, timeout)
@@ -93,34 +95,34 @@ class MooncakeWire(Wire):
     """One direction's reads over the transfer's engine."""
 
     pulls = True
+    pieces = True
 
     def __init__(self, transport: MooncakeTransport, src: int, timeout: float) -> None:
         self.transport, self.src, self.timeout = transport, src, timeout
 
-    def source(self, raw: list[torch.Tensor]) -> dict[str, Any]:
+    def source(self, raw: Sequence[Message]) -> dict[str, Any]:
         self.transport.regions.cover(raw, self)
-        return {"agent": self.transport.segment, "md": 0, "mem": "DRAM", "descs": [list(span(t)) for t in raw]}
+        ranges = [spans(m) for m in raw]
+        descs = [[a, size, 0] for r in ranges for a, size in r]
+        parts = [len(r) for r in ranges]
+        return {"agent": self.transport.segment, "md": 0, "mem": "DRAM", "descs": descs, "parts": parts}
 
-    def push(self, raw: list[torch.Tensor], name: str, peer: str, ids: list[str]) -> None:
+    def push(self, raw: Sequence[Message], name: str, peer: str, ids: list[str]) -> None:
         return  # the receiver reads
 
-    def pull(
-        self, raw: list[torch.Tensor], source: dict[str, Any] | None, name: str, peer: str, ids: list[str]
-    ) -> None:
+    def pull(self, raw: Sequence[Message], source: dict[str, Any] | None, name: str, peer: str, ids: list[str]) -> None:
         try:
             segment, descs = str(source["agent"]), source["descs"]  # type: ignore[index]
-            if len(descs) != len(raw) or any(int(d[1]) != t.numel() for d, t in zip(descs, raw, strict=True)):
-                raise ValueError("its descriptors are not the batch's messages")
-        except (TypeError, KeyError, ValueError) as exc:
+            cuts = [c for plan in _plan(raw, descs, source.get("parts")) for c in plan]  # type: ignore[union-attr]
+        except (TypeError, KeyError, ValueError, AttributeError) as exc:
             raise TransferError(f"rank {self.src} sent no Mooncake source for its rows: {exc}", ids) from exc
-        pairs = [(t, d) for t, d in zip(raw, descs, strict=True) if t.numel()]
-        if not pairs:
+        if not cuts:
             return
         x = self.transport
         x.regions.cover(raw, self)
-        local = [t.data_ptr() for t, _ in pairs]
-        remote = [int(d[0]) for _, d in pairs]
-        sizes = [int(d[1]) for _, d in pairs]
+        local = [la for la, _, _, _ in cuts]
+        remote = [ra for _, ra, _, _ in cuts]
+        sizes = [size for _, _, size, _ in cuts]
         out: list[Any] = []
         reader = threading.Thread(
             target=lambda: out.append(_read(x.engine, segment, local, remote, sizes)), daemon=True

@@ -22,14 +22,16 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 
 from ..._errors import TransferError
-from ._base import Transport, Wire
-from ._regions import Regions, span
+from ._base import Message, Transport, Wire, spans
+from ._regions import Regions
+from ._regions import plan as _plan
 
 __all__ = ["NixlTransport", "NixlWire"]
 
@@ -37,8 +39,46 @@ _KEYS = "mambacache/xfer/nixl/"
 _VERSIONS_KEPT = 8  # metadata versions left in the store: a reader of an older one is on a batch long settled
 
 
-def _memory(t: torch.Tensor) -> str:
-    return "DRAM" if t.device.type == "cpu" else "VRAM"
+_DEVICES = ("cpu", "cuda")  # host memory is NIXL's DRAM, a CUDA device's its VRAM
+
+
+def _memory(device: torch.device) -> str:
+    return "DRAM" if device.type == "cpu" else "VRAM"
+
+
+# The UCX progress thread's wait between rounds, in microseconds: it sleeps in poll() on its worker's event fd for
+# at most this long (NIXL rounds it up to whole milliseconds). NIXL's Python API makes it 0: a poll that returns at
+# once, a core kept busy for the agent's life, and in a two-process bench on two cores the copies outside the wire
+# took 3 to 5 times as long. The sender's end of a read over TCP is served by this thread alone (measured: with no
+# progress thread a read never completed), and a socket that fills waits out one such pause (10 ms: reads of
+# 74 MiB 2x slower than at 1 ms), so the shortest.
+PROGRESS_DELAY_US = 1000
+
+
+def _agent(name: str) -> Any:
+    """A NIXL agent with a UCX backend whose progress thread waits :data:`PROGRESS_DELAY_US` between rounds.
+
+    NIXL's Python class fixes the delay at 0, so its agent is made without a
+    backend, then its native agent is replaced by one made with the delay, the
+    rest of the class (descriptor lists, transfers) unchanged. A NIXL whose
+    classes differ gets its default agent: correct, with a busy thread."""
+    from nixl_cu12 import nixl_agent, nixl_agent_config
+
+    try:
+        from nixl_cu12 import _bindings
+
+        agent = nixl_agent(name, nixl_agent_config(backends=[]))
+        config = _bindings.nixlAgentConfig()
+        config.useProgThread = True
+        config.useListenThread = False
+        config.syncMode = _bindings.NIXL_THREAD_SYNC_NONE
+        config.pthrDelay = PROGRESS_DELAY_US
+        config.lthrDelay = 100000
+        agent.agent = _bindings.nixlAgent(name, config)
+        agent.create_backend("UCX")
+        return agent
+    except (ImportError, AttributeError, TypeError):
+        return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
 
 
 def _close(box: list[Any], regions: Regions) -> None:
@@ -54,15 +94,14 @@ class NixlTransport(Transport):
     name = "nixl"
 
     def __init__(self, store: Any, rank: int, peer: int, timeout: float) -> None:
-        from nixl_cu12 import nixl_agent, nixl_agent_config
-
         self.store, self.timeout = store, timeout
         self.agent_name = f"mambacache-{rank}-{uuid.uuid4().hex[:16]}"
         try:
-            self._box = [nixl_agent(self.agent_name, nixl_agent_config(backends=["UCX"]))]
+            self._box = [_agent(self.agent_name)]
         except Exception as exc:
             raise TransferError(f"the NIXL agent could not start: {exc}") from exc
         self.lock = threading.Lock()  # the agent is made without NIXL's own thread sync: one call at a time
+        self.devices: tuple[str, ...] = _DEVICES  # whose memory its wires move (device memory as VRAM)
         self.version = 0
         self.regions = Regions(self._add, self._remove)
         self._loaded: dict[str, int] = {}  # remote agent -> the metadata version loaded
@@ -80,7 +119,7 @@ class NixlTransport(Transport):
 
     def _add(self, base: int, size: int, t: torch.Tensor) -> Any:
         with self.lock:
-            return self.agent.register_memory([(base, size, max(t.get_device(), 0), "")], _memory(t))
+            return self.agent.register_memory([(base, size, max(t.get_device(), 0), "")], _memory(t.device))
 
     def _remove(self, handle: Any) -> None:
         with self.lock, contextlib.suppress(Exception):
@@ -100,10 +139,16 @@ class NixlTransport(Transport):
                 self.store.delete_key(f"{_KEYS}{self.agent_name}/{self.version - _VERSIONS_KEPT}")
 
     def register(self, tensors: Any) -> None:
-        if self.regions.keep(tensors):
+        changed = self.regions.keep([t for t in tensors if t.device.type == "cpu"])
+        device = [t for t in tensors if t.device.type in self.devices and t.device.type != "cpu"]
+        try:
+            changed = self.regions.keep(device) or changed
+        except Exception:  # a UCX without its CUDA support: device rows go through host buffers, as over gloo
+            self.devices = ("cpu",)
+        if changed:
             self._publish()
 
-    def cover(self, raw: list[torch.Tensor], owner: object) -> None:
+    def cover(self, raw: Sequence[Message], owner: object) -> None:
         if self.regions.cover(raw, owner):
             self._publish()
 
@@ -141,57 +186,75 @@ class NixlWire(Wire):
     """One direction's reads over the transfer's agent."""
 
     pulls = True
+    pieces = True
 
     def __init__(self, transport: NixlTransport, src: int, dst: int, timeout: float) -> None:
         self.transport, self.src, self.dst, self.timeout = transport, src, dst, timeout
         self._agent: str | None = None  # the remote agent last read from
+        self.devices = transport.devices  # the transfer registered its pools before it made its wires
 
-    def source(self, raw: list[torch.Tensor]) -> dict[str, Any]:
+    def source(self, raw: Sequence[Message]) -> dict[str, Any]:
         x = self.transport
         x.cover(raw, self)
-        kinds = {_memory(t) for t in raw}
-        return {
-            "agent": x.agent_name,
-            "md": x.version,
-            "mem": kinds.pop() if len(kinds) == 1 else "DRAM",
-            "descs": [list(span(t)) for t in raw],
-        }
+        kinds = {_memory(m.device) for m in raw if m.numel()}
+        if len(kinds) > 1:
+            raise TransferError("a batch's rows lie in host and device memory at once: not one NIXL read")
+        descs: list[list[int]] = []
+        parts = []
+        for m in raw:
+            dev = max(m.device.index or 0, 0)
+            ranges = spans(m)
+            descs += [[a, b, dev] for a, b in ranges]
+            parts.append(len(ranges))
+        return {"agent": x.agent_name, "md": x.version, "mem": kinds.pop() if kinds else "DRAM", "descs": descs,
+                "parts": parts}  # fmt: skip
 
-    def push(self, raw: list[torch.Tensor], name: str, peer: str, ids: list[str]) -> None:
+    def push(self, raw: Sequence[Message], name: str, peer: str, ids: list[str]) -> None:
         return  # the receiver reads
 
-    def pull(
-        self, raw: list[torch.Tensor], source: dict[str, Any] | None, name: str, peer: str, ids: list[str]
-    ) -> None:
+    def pull(self, raw: Sequence[Message], source: dict[str, Any] | None, name: str, peer: str, ids: list[str]) -> None:
         deadline = time.monotonic() + self.timeout
         try:
             agent, version, descs = str(source["agent"]), int(source["md"]), source["descs"]  # type: ignore[index]
             mem = str(source["mem"])  # type: ignore[index]
-            if len(descs) != len(raw) or any(int(d[1]) != t.numel() for d, t in zip(descs, raw, strict=True)):
-                raise ValueError("its descriptors are not the batch's messages")
-        except (TypeError, KeyError, ValueError) as exc:
+            plan = _plan(raw, descs, source.get("parts"))  # type: ignore[union-attr]
+        except (TypeError, KeyError, ValueError, AttributeError) as exc:
             raise TransferError(f"rank {self.src} sent no NIXL source for its rows: {exc}", ids) from exc
-        pairs = [(t, d) for t, d in zip(raw, descs, strict=True) if t.numel()]
-        if not pairs:
+        if not any(plan):
             return
         x = self.transport
         x.cover(raw, self)
         self._agent = agent
         x.load(agent, version, deadline)
-        self._read(pairs, agent, mem, deadline, ids)
+        self._read(raw, plan, agent, mem, deadline, ids)
 
     def _read(
-        self, pairs: list[tuple[torch.Tensor, list[int]]], agent: str, mem: str, deadline: float, ids: list[str]
+        self,
+        raw: Sequence[Message],
+        plan: list[list[tuple[int, int, int, int]]],
+        agent: str,
+        mem: str,
+        deadline: float,
+        ids: list[str],
     ) -> None:
         """One READ request of every message, polled until done, failed or past ``deadline``; released after,
         whatever happened (NIXL cancels a request still in flight when it is released)."""
         x, handle = self.transport, None
-        local_mem = _memory(pairs[0][0])
+        kinds = {_memory(m.device) for m, cuts in zip(raw, plan, strict=True) if cuts}
+        if len(kinds) > 1:
+            raise TransferError("a batch's rows lie in host and device memory at once: not one NIXL read", ids)
+        local_mem = kinds.pop()
+        local, remote = [], []
+        for m, cuts in zip(raw, plan, strict=True):
+            dev = max(m.device.index or 0, 0)
+            for la, ra, size, rdev in cuts:
+                local.append((la, size, dev))
+                remote.append((ra, size, rdev))
         try:
             with x.lock:
-                local = x.agent.get_xfer_descs([span(t) for t, _ in pairs], local_mem)
-                remote = x.agent.get_xfer_descs([tuple(int(v) for v in d) for _, d in pairs], mem)
-                handle = x.agent.initialize_xfer("READ", local, remote, agent)
+                local_descs = x.agent.get_xfer_descs(local, local_mem)
+                remote_descs = x.agent.get_xfer_descs(remote, mem)
+                handle = x.agent.initialize_xfer("READ", local_descs, remote_descs, agent)
                 state = x.agent.transfer(handle)
             pause = 2e-5
             while state == "PROC" and time.monotonic() < deadline:

@@ -71,3 +71,7 @@ class Transport(ABC):
     def register(self, tensors: Sequence[torch.Tensor]) -> None:  # noqa: B027 -- gloo sends from any memory
         """Make ``tensors`` (a pool's, a host pool's: kept for the transfer's life) readable and writable by the
         transport without a registration per batch."""
+
+    def close(self) -> None:  # noqa: B027 -- gloo holds nothing beyond its wires' pairs
+        """Release what the transport holds (an agent or engine, its threads, its registrations) now, not when it
+        is collected; idempotent. A wire of a closed transport fails with a TransferError."""

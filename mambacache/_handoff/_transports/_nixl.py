@@ -23,6 +23,7 @@ import time
 import uuid
 import weakref
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch
@@ -48,6 +49,26 @@ def _close(box: list[Any], regions: Regions) -> None:
     gc.collect()  # the agent's Python object is in a cycle of its own: freed now, not in the teardown
 
 
+def _live(box: list[Any]) -> Any:
+    """The NIXL agent in ``box`` (empty once the transport is closed)."""
+    if not box:
+        raise TransferError("the NIXL agent is closed (its transfer was closed, or the process exits)")
+    return box[0]
+
+
+# Module functions over the agent's box and lock, not methods: what the finalizer and the registered regions hold
+# must not hold the transport, or it is never collected and its agent (its progress thread) lives as long as the
+# process.
+def _register(box: list[Any], lock: threading.Lock, base: int, size: int, t: torch.Tensor) -> Any:
+    with lock:
+        return _live(box).register_memory([(base, size, max(t.get_device(), 0), "")], _memory(t))
+
+
+def _deregister(box: list[Any], lock: threading.Lock, handle: Any) -> None:
+    with lock, contextlib.suppress(Exception):
+        _live(box).deregister_memory(handle)
+
+
 class NixlTransport(Transport):
     """One NIXL agent for both directions of a transfer; ``store`` the group's (its root)."""
 
@@ -64,27 +85,20 @@ class NixlTransport(Transport):
             raise TransferError(f"the NIXL agent could not start: {exc}") from exc
         self.lock = threading.Lock()  # the agent is made without NIXL's own thread sync: one call at a time
         self.version = 0
-        self.regions = Regions(self._add, self._remove)
+        self.regions = Regions(partial(_register, self._box, self.lock), partial(_deregister, self._box, self.lock))
         self._loaded: dict[str, int] = {}  # remote agent -> the metadata version loaded
-        # At the transport's collection, or at exit before the interpreter tears down: an agent destroyed during
-        # the teardown (its registered memory freed first) crashes the process.
-        weakref.finalize(self, _close, self._box, self.regions)
+        # At close, at the transport's collection, or at exit before the interpreter tears down: an agent
+        # destroyed during the teardown (its registered memory freed first) crashes the process.
+        self._finalizer = weakref.finalize(self, _close, self._box, self.regions)
         self._publish()
 
     @property
     def agent(self) -> Any:
-        """The NIXL agent (gone once the transport is finalized)."""
-        if not self._box:
-            raise TransferError("the NIXL agent is closed (the process exits)")
-        return self._box[0]
+        """The NIXL agent (gone once the transport is closed)."""
+        return _live(self._box)
 
-    def _add(self, base: int, size: int, t: torch.Tensor) -> Any:
-        with self.lock:
-            return self.agent.register_memory([(base, size, max(t.get_device(), 0), "")], _memory(t))
-
-    def _remove(self, handle: Any) -> None:
-        with self.lock, contextlib.suppress(Exception):
-            self.agent.deregister_memory(handle)
+    def close(self) -> None:
+        self._finalizer()
 
     def _publish(self) -> None:
         """This agent's metadata (its registrations with it) under a new version."""

@@ -32,8 +32,10 @@ class Regions:
     def __init__(self, add: Callable[[int, int, torch.Tensor], Any], remove: Callable[[Any], None]) -> None:
         self._add, self._remove = add, remove
         self._lock = threading.Lock()
-        # address -> (end, storage kept alive while registered, handle, owner: None when kept for good)
-        self._held: dict[int, tuple[int, Any, Any, object]] = {}
+        # address -> (end, storage kept alive while registered, handle, owner's id: None when kept for good). The
+        # owner's id, not the owner: a wire holds its transport, which holds these, and a transport must stay
+        # collectable once its transfer is dropped (its finalizer releases the agent or engine).
+        self._held: dict[int, tuple[int, Any, Any, int | None]] = {}
 
     def keep(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Register the storages of ``tensors`` for good; True when one was new."""
@@ -44,6 +46,7 @@ class Regions:
         """Make every message of ``raw`` lie in a registered region, registering their storages for ``owner``
         (a wire) where none does; ``owner``'s earlier regions that none of ``raw`` lies in are released. True
         when the registrations changed."""
+        who = id(owner)
         with self._lock:
             used: set[int] = set()
             changed = False
@@ -54,10 +57,10 @@ class Regions:
                 base = self._find(start, start + size)
                 if base is None:
                     changed = True
-                    base = self._register(t, owner) and t.untyped_storage().data_ptr()
+                    base = self._register(t, who) and t.untyped_storage().data_ptr()
                 used.add(int(base))
-            for base, (_, _, handle, who) in list(self._held.items()):
-                if who is owner and base not in used:
+            for base, (_, _, handle, whose) in list(self._held.items()):
+                if whose == who and base not in used:
                     del self._held[base]
                     self._remove(handle)
                     changed = True
@@ -69,7 +72,7 @@ class Regions:
                 return base
         return None
 
-    def _register(self, t: torch.Tensor, owner: object) -> bool:
+    def _register(self, t: torch.Tensor, owner: int | None) -> bool:
         storage = t.untyped_storage()
         base, size = storage.data_ptr(), storage.nbytes()
         if not size or self._find(base, base + size) is not None:

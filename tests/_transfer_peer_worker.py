@@ -17,6 +17,7 @@ pair token). ``mode`` says which dies:
 from __future__ import annotations
 
 import os
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -110,10 +111,9 @@ def _sender_dies(port: int) -> None:
     with _mgr() as mgr:
         xfer = _transfer(mgr, port, SENDER)
         _export(mgr, "a", 7.0)
-        import threading
-
         threading.Thread(target=xfer.send, daemon=True).start()
-        store.wait([f"mambacache/xfer/{SENDER}>{RECEIVER}/state/1"], timedelta(seconds=DEADLINE))  # the go
+        direction = dist.PrefixStore(f"mambacache/xfer/{SENDER}>{RECEIVER}/", store)
+        direction.wait(["state/1"], timedelta(seconds=DEADLINE))  # the receiver's go
         store.set("peer/dead", "1")
         os._exit(0)
 

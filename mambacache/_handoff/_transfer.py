@@ -532,7 +532,7 @@ class StateTransfer:
 
     def close(self) -> None:
         """Release the transport's resources now: over NIXL its agent, over Mooncake its engine (their threads and
-        the memory they registered); over gloo nothing beyond its pairs. Idempotent.
+        the memory they registered); over gloo nothing (its pairs go with the transfer). Idempotent.
 
         A send or receive in flight in another thread ends first (close waits for
         it). Every call after it is a :class:`TransferError`; the manager's exports

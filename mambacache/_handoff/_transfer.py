@@ -435,6 +435,7 @@ def ship_rows(xfer: StateTransfer, request_ids: list[str], rows: list[torch.Tens
     fp = fingerprint(layers, [(tuple(r.shape[2:]), r.dtype) for r in rows])
     raw = messages([r.contiguous() for r in rows], False)
     with xfer._send_lock:  # one batch at a time per direction, as send() takes turns
+        xfer._check_open()
         xfer._out.send(list(request_ids), ident[1], fp, raw, False, ident[0])
 
 
@@ -506,6 +507,7 @@ class StateTransfer:
     # What a stand-in built without __init__ (a test that replaces the wire) gets: no turn-taking.
     _send_lock: Any = contextlib.nullcontext()
     _receive_lock: Any = contextlib.nullcontext()
+    _closed = False
 
     def __init__(
         self,
@@ -543,10 +545,29 @@ class StateTransfer:
         # Registered once, here: a batch's rows are read from and written into these (or the kept buffers).
         wires.register([v for views in manager.pool.layers for v in views] + host.tensors)
         self.transport = transport
+        self._wires = wires
         self._out, self._in = Outbox(store, rank, peer, seconds, wires), Inbox(store, peer, rank, seconds, wires)
         self._batches = Batches()
         self._bufs, self._send_bufs = _Buffers(), _Buffers()
         self._send_lock, self._receive_lock = threading.Lock(), threading.Lock()
+        self._closed = False
+
+    def close(self) -> None:
+        """Release the transport's resources now: over NIXL its agent, over Mooncake its engine (their threads and
+        the memory they registered); over gloo nothing (its pairs go with the transfer). Idempotent.
+
+        A send or receive in flight in another thread ends first (close waits for
+        it). Every call after it is a :class:`TransferError`; the manager's exports
+        and arrivals stay as they are (another transfer of the manager sends and
+        receives them). Without it the resources go when the transfer is collected.
+        """
+        with self._send_lock, self._receive_lock:
+            self._closed = True
+            self._wires.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError(f"this StateTransfer to rank {self.peer} is closed")
 
     def _layers(self) -> int:
         return self._mgr.pool.spec.num_layers
@@ -573,6 +594,7 @@ class StateTransfer:
         """
         mgr = self._mgr
         with self._send_lock:
+            self._check_open()
             return send_exports(
                 mgr, self._ship, [self.peer], self._batches, lambda n: {"bytes": n * mgr.pool.spec.slot_bytes}
             )
@@ -645,6 +667,7 @@ class StateTransfer:
         """
         mgr = self._mgr
         with self._receive_lock:
+            self._check_open()
             self._check_answered()
             deadline = time.monotonic() + self._in.timeout
             while True:
@@ -712,6 +735,7 @@ class StateTransfer:
         """
         shapes = self._shapes() if shapes is None else check_shapes(shapes)
         with self._receive_lock:
+            self._check_open()
             self._check_answered()
             deadline = time.monotonic() + self._in.timeout
             while True:

@@ -103,3 +103,7 @@ class Transport(ABC):
         """Make ``tensors`` (a pool's, a host pool's: kept for the transfer's life) readable and writable by the
         transport without a registration per batch (those on a device type its wires' ``devices`` do not name are
         left out: their rows go through host buffers)."""
+
+    def close(self) -> None:  # noqa: B027 -- gloo holds nothing beyond its wires' pairs
+        """Release what the transport holds (an agent or engine, its threads, its registrations) now, not when it
+        is collected; idempotent. A wire of a closed transport fails with a TransferError."""

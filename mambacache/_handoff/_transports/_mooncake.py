@@ -21,6 +21,7 @@ import socket
 import threading
 import weakref
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -49,6 +50,28 @@ def _close(engine: list[Any], regions: Regions) -> None:
     engine.clear()
 
 
+def _live(box: list[Any]) -> Any:
+    """The Transfer Engine in ``box`` (empty once the transport is closed)."""
+    if not box:
+        raise TransferError("the Mooncake Transfer Engine is closed (its transfer was closed, or the process exits)")
+    return box[0]
+
+
+# Module functions over the engine's box and lock, not methods: what the finalizer and the registered regions
+# hold must not hold the transport, or it is never collected and its engine (its threads) lives as long as the
+# process.
+def _register(box: list[Any], lock: threading.Lock, base: int, size: int, t: torch.Tensor) -> Any:
+    with lock:
+        if _live(box).register_memory(base, size) != 0:
+            raise TransferError(f"Mooncake could not register {size} bytes at {base:#x}")
+    return base
+
+
+def _deregister(box: list[Any], lock: threading.Lock, handle: Any) -> None:
+    with lock, contextlib.suppress(Exception):
+        _live(box).unregister_memory(handle)
+
+
 class MooncakeTransport(Transport):
     """One Transfer Engine for both directions of a transfer; ``store`` the group's (its root)."""
 
@@ -64,25 +87,16 @@ class MooncakeTransport(Transport):
         self.segment = f"{host}:{engine.get_rpc_port()}"
         self._box = [engine]
         self.lock = threading.Lock()
-        self.regions = Regions(self._add, self._remove)
-        weakref.finalize(self, _close, self._box, self.regions)
+        self.regions = Regions(partial(_register, self._box, self.lock), partial(_deregister, self._box, self.lock))
+        self._finalizer = weakref.finalize(self, _close, self._box, self.regions)
 
     @property
     def engine(self) -> Any:
-        """The Transfer Engine (gone once the transport is finalized)."""
-        if not self._box:
-            raise TransferError("the Mooncake Transfer Engine is closed (the process exits)")
-        return self._box[0]
+        """The Transfer Engine (gone once the transport is closed)."""
+        return _live(self._box)
 
-    def _add(self, base: int, size: int, t: torch.Tensor) -> Any:
-        with self.lock:
-            if self.engine.register_memory(base, size) != 0:
-                raise TransferError(f"Mooncake could not register {size} bytes at {base:#x}")
-        return base
-
-    def _remove(self, handle: Any) -> None:
-        with self.lock, contextlib.suppress(Exception):
-            self.engine.unregister_memory(handle)
+    def close(self) -> None:
+        self._finalizer()
 
     def register(self, tensors: Any) -> None:
         self.regions.keep([t for t in tensors if t.device.type == "cpu"])  # the non-CUDA engine: host memory

@@ -17,13 +17,13 @@ TCP between hosts: ``tcp,self``; one host: ``tcp,sm,self``).
 from __future__ import annotations
 
 import contextlib
-import gc
 import threading
 import time
 import uuid
 import weakref
 from collections.abc import Sequence
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch
@@ -37,8 +37,6 @@ __all__ = ["NixlTransport", "NixlWire"]
 
 _KEYS = "mambacache/xfer/nixl/"
 _VERSIONS_KEPT = 8  # metadata versions left in the store: a reader of an older one is on a batch long settled
-
-
 _DEVICES = ("cpu", "cuda")  # host memory is NIXL's DRAM, a CUDA device's its VRAM
 
 
@@ -55,37 +53,62 @@ def _memory(device: torch.device) -> str:
 PROGRESS_DELAY_US = 1000
 
 
-def _agent(name: str) -> Any:
-    """A NIXL agent with a UCX backend whose progress thread waits :data:`PROGRESS_DELAY_US` between rounds.
+def _close(box: list[Any], regions: Regions) -> None:
+    """Deregister everything, then destroy the agent now: its Python wrapper may outlive this (a traceback of a
+    NIXL error kept by the caller holds it), so the wrapper's reference to the native agent is dropped, the last
+    one. An agent destroyed later, in the interpreter's teardown, crashed the process."""
+    regions.close()
+    if box:
+        vars(box.pop()).pop("agent", None)
 
-    NIXL's Python class fixes the delay at 0, so its agent is made without a
-    backend, then its native agent is replaced by one made with the delay, the
-    rest of the class (descriptor lists, transfers) unchanged. A NIXL whose
-    classes differ gets its default agent: correct, with a busy thread."""
-    from nixl_cu12 import nixl_agent, nixl_agent_config
+
+def _live(box: list[Any]) -> Any:
+    """The NIXL agent in ``box`` (empty once the transport is closed)."""
+    if not box:
+        raise TransferError("the NIXL agent is closed (its transfer was closed, or the process exits)")
+    return box[0]
+
+
+# Module functions over the agent's box and lock, not methods: what the finalizer and the registered regions hold
+# must not hold the transport, or it is never collected and its agent (its progress thread) lives as long as the
+# process.
+def _register(box: list[Any], lock: threading.Lock, base: int, size: int, t: torch.Tensor) -> Any:
+    with lock:
+        return _live(box).register_memory([(base, size, max(t.get_device(), 0), "")], _memory(t.device))
+
+
+def _deregister(box: list[Any], lock: threading.Lock, handle: Any) -> None:
+    with lock, contextlib.suppress(Exception):
+        _live(box).deregister_memory(handle)
+
+
+def _agent(name: str) -> Any:
+    """A NIXL agent with the UCX backend whose progress thread sleeps between wake-ups.
+
+    The wheel's Python API makes every agent's progress thread with
+    ``pthrDelay = 0``: UCX's backend then polls its workers with a zero timeout,
+    a core spinning per agent even when idle (measured here: 0.7 s of CPU in 2 s
+    of an idle agent, 0.02 s with this). With a delay the thread sleeps in
+    ``poll`` on the workers' event fds and wakes on their events (a read is
+    served as soon as it comes), or after the delay at the latest. The agent is
+    built as the wheel builds it, from the bindings' config with that one field
+    changed; a wheel whose API differs gets its own agent unchanged.
+    """
+    from nixl_cu12 import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
     try:
-        from nixl_cu12 import _bindings
+        from nixl_cu12 import _bindings  # type: ignore[attr-defined]
 
-        agent = nixl_agent(name, nixl_agent_config(backends=[]))
+        agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))  # no backend yet
         config = _bindings.nixlAgentConfig()
-        config.useProgThread = True
-        config.useListenThread = False
-        config.syncMode = _bindings.NIXL_THREAD_SYNC_NONE
+        config.useProgThread, config.useListenThread = True, False
+        config.syncMode = nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE.value  # the wheel's, without a listener
         config.pthrDelay = PROGRESS_DELAY_US
-        config.lthrDelay = 100000
         agent.agent = _bindings.nixlAgent(name, config)
-        agent.create_backend("UCX")
-        return agent
     except (ImportError, AttributeError, TypeError):
         return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
-
-
-def _close(box: list[Any], regions: Regions) -> None:
-    """Deregister everything, then destroy the agent (its last reference is ``box``'s)."""
-    regions.close()
-    box.clear()
-    gc.collect()  # the agent's Python object is in a cycle of its own: freed now, not in the teardown
+    agent.create_backend("UCX", {})
+    return agent
 
 
 class NixlTransport(Transport):
@@ -103,27 +126,20 @@ class NixlTransport(Transport):
         self.lock = threading.Lock()  # the agent is made without NIXL's own thread sync: one call at a time
         self.devices: tuple[str, ...] = _DEVICES  # whose memory its wires move (device memory as VRAM)
         self.version = 0
-        self.regions = Regions(self._add, self._remove)
+        self.regions = Regions(partial(_register, self._box, self.lock), partial(_deregister, self._box, self.lock))
         self._loaded: dict[str, int] = {}  # remote agent -> the metadata version loaded
-        # At the transport's collection, or at exit before the interpreter tears down: an agent destroyed during
-        # the teardown (its registered memory freed first) crashes the process.
-        weakref.finalize(self, _close, self._box, self.regions)
+        # At close, at the transport's collection, or at exit before the interpreter tears down: an agent
+        # destroyed during the teardown (its registered memory freed first) crashes the process.
+        self._finalizer = weakref.finalize(self, _close, self._box, self.regions)
         self._publish()
 
     @property
     def agent(self) -> Any:
-        """The NIXL agent (gone once the transport is finalized)."""
-        if not self._box:
-            raise TransferError("the NIXL agent is closed (the process exits)")
-        return self._box[0]
+        """The NIXL agent (gone once the transport is closed)."""
+        return _live(self._box)
 
-    def _add(self, base: int, size: int, t: torch.Tensor) -> Any:
-        with self.lock:
-            return self.agent.register_memory([(base, size, max(t.get_device(), 0), "")], _memory(t.device))
-
-    def _remove(self, handle: Any) -> None:
-        with self.lock, contextlib.suppress(Exception):
-            self.agent.deregister_memory(handle)
+    def close(self) -> None:
+        self._finalizer()
 
     def _publish(self) -> None:
         """This agent's metadata (its registrations with it) under a new version."""

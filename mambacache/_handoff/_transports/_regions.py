@@ -33,8 +33,10 @@ class Regions:
     def __init__(self, add: Callable[[int, int, torch.Tensor], Any], remove: Callable[[Any], None]) -> None:
         self._add, self._remove = add, remove
         self._lock = threading.Lock()
-        # address -> (end, storage kept alive while registered, handle, owner: None when kept for good)
-        self._held: dict[int, tuple[int, Any, Any, object]] = {}
+        # address -> (end, storage kept alive while registered, handle, owner's id: None when kept for good). The
+        # owner's id, not the owner: a wire holds its transport, which holds these, and a transport must stay
+        # collectable once its transfer is dropped (its finalizer releases the agent or engine).
+        self._held: dict[int, tuple[int, Any, Any, int | None]] = {}
         self._bases: list[int] = []  # the keys of _held, sorted (regions are whole storages: disjoint)
 
     def keep(self, tensors: Sequence[torch.Tensor]) -> bool:
@@ -46,6 +48,7 @@ class Regions:
         """Make every byte range of ``raw`` lie in a registered region, registering their storages for ``owner``
         (a wire) where none does; when one was registered, ``owner``'s earlier regions that no range of ``raw``
         lies in are released. True when the registrations changed."""
+        who = id(owner)
         with self._lock:
             used: set[int] = set()
             changed = False
@@ -56,12 +59,12 @@ class Regions:
                         holder = next((t for t in within if _holds(t, start, size)), None)
                         if holder is None:
                             raise ValueError(f"a message's {size} bytes at {start:#x} lie in none of its tensors")
-                        changed = self._register(holder, owner) or changed
+                        changed = self._register(holder, who) or changed
                         base = holder.untyped_storage().data_ptr()
                     used.add(base)
             if changed:
-                for base, (_, _, handle, who) in list(self._held.items()):
-                    if who is owner and base not in used:
+                for base, (_, _, handle, whose) in list(self._held.items()):
+                    if whose == who and base not in used:
                         self._drop(base)
                         self._remove(handle)
             return changed
@@ -76,7 +79,7 @@ class Regions:
         del self._held[base]
         self._bases.remove(base)
 
-    def _register(self, t: torch.Tensor, owner: object) -> bool:
+    def _register(self, t: torch.Tensor, owner: int | None) -> bool:
         storage = t.untyped_storage()
         base, size = storage.data_ptr(), storage.nbytes()
         if not size or self._find(base, base + size) is not None:

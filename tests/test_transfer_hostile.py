@@ -29,6 +29,11 @@ from .util import quant_spec
 SPEC = quant_spec(2)
 
 
+# The timeout of a transfer whose batch must land: no test here waits it out, and a pulled read (Mooncake over TCP)
+# on a loaded 2-core host took over the 2 s these used.
+LANDS = 20.0
+
+
 def _mgr(host: int = 2) -> mc.CacheManager:
     return mc.CacheManager(mc.StatePool(SPEC, 4), host_pool=mc.HostPool(SPEC, host))
 
@@ -104,7 +109,7 @@ def test_a_malformed_header_is_refused_and_the_next_honest_batch_gets_through(ra
     ``receive()`` met the same header and an honest sender's batch never got through."""
     master = store()
     with _mgr() as src, _mgr() as dst:
-        out, into = transfer(src, master, 0, 1, 2.0), transfer(dst, master, 1, 0, 2.0)
+        out, into = transfer(src, master, 0, 1, LANDS), transfer(dst, master, 1, 0, LANDS)
         forged = _direction(master, 0, 1)
         forged.set(f"hdr/{forged.add('posted', 1)}", raw)
         with pytest.raises(mc.TransferRefusedError) as caught:
@@ -173,7 +178,7 @@ def test_a_malformed_decision_is_a_transfer_error_the_pair_replaced(raw: bytes) 
     that was not replaced. A TransferError, the pair replaced, as any failed batch; the retry lands once."""
     master = store()
     with _mgr() as src, _mgr() as dst:
-        out, into = transfer(src, master, 0, 1, 2.0), transfer(dst, master, 1, 0, 2.0)
+        out, into = transfer(src, master, 0, 1, LANDS), transfer(dst, master, 1, 0, LANDS)
         forged = _direction(master, 0, 1)
         _export(src, "r")
         thread, sent = in_thread(out.send)
@@ -205,7 +210,7 @@ def test_a_malformed_acknowledgement_is_a_transfer_error_and_the_retry_lands_onc
     acknowledged as a duplicate, landed once."""
     master = store()
     with _mgr() as src, _mgr() as dst:
-        out, into = transfer(src, master, 0, 1, 2.0), transfer(dst, master, 1, 0, 2.0)
+        out, into = transfer(src, master, 0, 1, LANDS), transfer(dst, master, 1, 0, LANDS)
         inbox = into._in  # type: ignore[attr-defined]
         real = inbox.call
 
@@ -323,7 +328,7 @@ def test_a_state_in_doubt_is_recognised_whichever_transfer_of_the_manager_sends_
         if first == "dropped":
             del a, thread, sent
             gc.collect()
-        b = transfer(src, master, 0, 1, 2.0)
+        b = transfer(src, master, 0, 1, LANDS)
         thread, sent = in_thread(b.send)
         try:
             with pytest.raises(mc.TransferError, match="no batch"):

@@ -314,7 +314,7 @@ class Writes(NamedTuple):
     shift: ShiftStage | None = None  # a segment of shifted copies only (then every list above is empty)
 
 
-def _shift_writes(events: Sequence[Event], start: int) -> Writes:
+def _shift_writes(events: Sequence[Event], start: int, k: int) -> Writes:
     """The segment of shifted copies (or copies with a temporal source of their own, shift 0 or not) that starts
     at ``events[start]``: one :class:`ShiftStage`.
 
@@ -325,17 +325,15 @@ def _shift_writes(events: Sequence[Event], start: int) -> Writes:
     copy is never merged with the symbolic values of the events around it (each
     conv tensor would need its own source position, its temporal state another);
     the segments before and after are planned against the state it leaves, exact
-    by composition, as a pinned slot's segments are.
+    by composition, as a pinned slot's segments are. ``k``: the first copy's shift.
     """
-    first = events[start]
-    k = first.shift  # type: ignore[union-attr]
     pairs: list[tuple[int, int]] = []
     temporal: list[int] = []
     used: set[int] = set()
     i = start
     while i < len(events):
         ev = events[i]
-        if type(ev) is not CopyOnWrite or ev.shift != k:
+        if not isinstance(ev, CopyOnWrite) or ev.shift != k:
             break
         a, b = ev.src, ev.dst
         ts = a if ev.temporal_src is None else ev.temporal_src
@@ -379,45 +377,46 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
     i, n_events = start, len(events)
     while i < n_events:
         ev = events[i]
-        t = type(ev)
-        if t is CopyOnWrite:
-            ts = ev.temporal_src  # type: ignore[union-attr]
-            if ev.shift or (ts is not None and ts != ev.src):  # type: ignore[union-attr]  # shifted, or two sources
+        if isinstance(ev, CopyOnWrite):
+            ts = ev.temporal_src
+            if ev.shift or (ts is not None and ts != ev.src):  # shifted, or two sources
                 if i == start:
-                    return _shift_writes(events, start)
+                    return _shift_writes(events, start, ev.shift)
                 break  # planned as a segment of its own, after this one
-            new: int | tuple[int, int] = value.get(ev.src, ev.src)  # type: ignore[union-attr]
-            slot = ev.dst  # type: ignore[union-attr]
-        elif t is Clear:
-            new, slot = _ZERO, ev.slot  # type: ignore[union-attr]
-        elif t is Alloc:
-            if not ev.clear:  # type: ignore[union-attr]
-                dead.discard(ev.slot)  # type: ignore[union-attr]
+            new: int | tuple[int, int] = value.get(ev.src, ev.src)
+            slot = ev.dst
+        elif isinstance(ev, Clear):
+            new, slot = _ZERO, ev.slot
+        elif isinstance(ev, Alloc):
+            if not ev.clear:
+                dead.discard(ev.slot)
                 i += 1
                 continue
-            new, slot = _ZERO, ev.slot  # type: ignore[union-attr]
-        elif t is CommitDraft:
-            slot = ev.slot  # type: ignore[union-attr]
-            if not ev.accepted:  # type: ignore[union-attr]
+            new, slot = _ZERO, ev.slot
+        elif isinstance(ev, CommitDraft):
+            slot = ev.slot
+            if not ev.accepted:
                 writes += 1  # counted (and elided): the slot keeps its value
                 i += 1
                 continue
-            new = (slot, ev.accepted - 1)  # type: ignore[union-attr]
-        elif t is Restore or t is Import:
-            h = ev.host  # type: ignore[union-attr,assignment]
+            new = (slot, ev.accepted - 1)
+        elif isinstance(ev, (Restore, Import)):
+            if ev.host is None:  # the hand-off traces an arrival in place, never queues it
+                raise TypeError(f"an import in place is never planned: {ev!r}")
+            h = ev.host
             got = host_value.get(h)
-            new, slot = -h if got is None else got, ev.slot  # type: ignore[union-attr]
-        elif t is Release:
-            dead.add(ev.slot)  # type: ignore[union-attr]
+            new, slot = -h if got is None else got, ev.slot
+        elif isinstance(ev, Release):
+            dead.add(ev.slot)
             i += 1
             continue
-        elif t is Offload or t is Export:
-            slot, staged = ev.slot, ev.host  # type: ignore[union-attr]
-            if staged is None:  # the hand-off book never queues one: the send reads the slot itself
+        elif isinstance(ev, (Offload, Export)):
+            slot = ev.slot
+            if ev.host is None:  # the hand-off book never queues one: the send reads the slot itself
                 raise TypeError(f"an export in place is never planned: {ev!r}")
-            h = staged
+            h = ev.host
             v = value.get(slot, slot)
-            if type(v) is int and v > 0 and h not in host_read:
+            if isinstance(v, int) and v > 0 and h not in host_read:
                 host_from[h] = (False, v)
             else:
                 pinned[slot] = v  # a pinned slot keeps its value: a write of another one ends the segment
@@ -427,8 +426,8 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
             host_dead.discard(h)
             i += 1
             continue
-        elif t is DropHost:
-            host_dead.add(ev.host)  # type: ignore[union-attr,arg-type]
+        elif isinstance(ev, DropHost):
+            host_dead.add(ev.host)
             i += 1
             continue
         else:
@@ -436,12 +435,12 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
         # A pool write: the segment ends here, before any of its effects, if it changes a pinned slot.
         if pinned and slot in pinned and pinned[slot] != new:
             break
-        if t is Alloc:
+        if isinstance(ev, Alloc):
             dead.discard(slot)
-        elif t is Restore or t is Import:
+        elif isinstance(ev, (Restore, Import)):
             if h not in host_value:
                 host_read.add(h)
-            if t is Import or not ev.keep:  # type: ignore[union-attr]
+            if isinstance(ev, Import) or not ev.keep:
                 host_dead.add(h)
         writes += 1
         value[slot] = new
@@ -453,14 +452,14 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
     for d, v in value.items():
         if v == d or (d in dead and d not in pinned):
             continue  # unchanged, or nobody may read it: a free slot is cleared on alloc
-        if type(v) is tuple:
+        if isinstance(v, tuple):
             commits.append((v[0], v[1], d))
         elif v == _ZERO:
             zero.append(d)
-        elif v < 0:  # type: ignore[operator]
-            restores.append((-v, d))  # type: ignore[operator]
+        elif v < 0:
+            restores.append((-v, d))
         else:
-            src_of[d] = v  # type: ignore[assignment]
+            src_of[d] = v
     zero.sort()
     commits.sort(key=lambda e: e[2])
     restores.sort(key=lambda e: e[1])
@@ -491,24 +490,23 @@ def _plain_plan(log: Sequence[Event]) -> Plan | None:
     read: set[int] = set()
     writes = 0
     for ev in log:
-        t = type(ev)
-        if t is CopyOnWrite:
-            src = ev.src  # type: ignore[union-attr]
+        if isinstance(ev, CopyOnWrite):
+            src = ev.src
             # shifted, a temporal source of its own (even one equal to src: not a plain copy's form), a chain, a host
-            if ev.shift or ev.temporal_src is not None or src in value or src < 0:  # type: ignore[union-attr]
+            if ev.shift or ev.temporal_src is not None or src in value or src < 0:
                 return None
-            value[ev.dst] = src  # type: ignore[union-attr]
+            value[ev.dst] = src
             read.add(src)
-        elif t is Release:
-            dead.add(ev.slot)  # type: ignore[union-attr]
+        elif isinstance(ev, Release):
+            dead.add(ev.slot)
             continue
-        elif t is Alloc:
-            dead.discard(ev.slot)  # type: ignore[union-attr]
-            if not ev.clear:  # type: ignore[union-attr]
+        elif isinstance(ev, Alloc):
+            dead.discard(ev.slot)
+            if not ev.clear:
                 continue
-            value[ev.slot] = _ZERO  # type: ignore[union-attr]
-        elif t is Clear:
-            value[ev.slot] = _ZERO  # type: ignore[union-attr]
+            value[ev.slot] = _ZERO
+        elif isinstance(ev, Clear):
+            value[ev.slot] = _ZERO
         else:
             return None
         writes += 1

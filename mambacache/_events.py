@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from collections.abc import Sized
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 __all__ = [
     "Alloc",
@@ -19,9 +21,58 @@ __all__ = [
     "Release",
     "Restore",
     "StepReport",
+    "fast_init",
 ]
 
+_T = TypeVar("_T")
 
+
+def fast_init(cls: type[_T]) -> type[_T]:
+    """Give the frozen ``@dataclass(slots=True)`` ``cls`` an ``__init__`` that sets each field through its slot's
+    member descriptor; returns ``cls``, still that frozen dataclass.
+
+    The ``__init__`` that ``dataclass`` writes calls ``object.__setattr__(self, name, value)`` per field,
+    which looks the slot up by name each time: about 0.1 us a field, most of an event's cost and 1.2 us of the 17-field
+    :class:`StepReport`, on a decode step that builds six events, two stages, a plan and a report. This one
+    has the same signature (names, defaults, annotations) and makes the same object; everything else
+    (``__eq__``, ``__hash__``, ``__repr__``, pickling, ``dataclasses.replace``, the frozen ``__setattr__``)
+    is the dataclass's own. Only for classes whose fields all go through ``__init__`` with plain defaults and
+    that have no ``__post_init__`` (checked here).
+    """
+    if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen and "__slots__" in cls.__dict__):  # type: ignore[attr-defined]
+        raise TypeError(f"fast_init needs a frozen @dataclass(slots=True), not {cls!r}")
+    if hasattr(cls, "__post_init__"):
+        raise TypeError(f"fast_init: {cls.__name__} has a __post_init__")
+    params: list[str] = []
+    local: dict[str, object] = {}
+    for i, f in enumerate(dataclasses.fields(cls)):
+        if not f.init or f.kw_only or f.default_factory is not dataclasses.MISSING:
+            raise TypeError(f"fast_init: field {f.name!r} of {cls.__name__} is not a plain positional one")
+        # The slot's descriptor: in the class that declared the field (a subclass adding none has an empty __slots__)
+        local[f"_set{i}"] = next(c.__dict__[f.name] for c in cls.__mro__ if f.name in c.__dict__).__set__
+        if f.default is dataclasses.MISSING:
+            params.append(f.name)
+        else:
+            local[f"_default{i}"] = f.default
+            params.append(f"{f.name}=_default{i}")
+    sets = (
+        "".join(f"        _set{i}(self, {f.name})\n" for i, f in enumerate(dataclasses.fields(cls))) or "        pass\n"
+    )
+    # As dataclasses builds its own: a factory run in the module's globals (annotations resolve there), the
+    # setters and defaults its locals; the source is made of the fields' own names only.
+    source = f"def _make({', '.join(local)}):\n    def __init__(self, {', '.join(params)}):\n"
+    source += f"{sets}    return __init__\n"
+    made: dict[str, object] = {}
+    exec(source, vars(sys.modules[cls.__module__]), made)
+    init = made["_make"](**local)  # type: ignore[operator]
+    old = cls.__dict__["__init__"]
+    init.__qualname__, init.__module__, init.__doc__ = old.__qualname__, old.__module__, old.__doc__
+    init.__annotations__ = dict(old.__annotations__)
+    cls.__init__ = init  # type: ignore[method-assign]
+    return cls
+
+
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Alloc:
     """``slot`` was handed to a request; with ``clear`` it reads as zeros after the next flush.
@@ -34,6 +85,7 @@ class Alloc:
     clear: bool = True
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Clear:
     """Zero ``slot`` at this point of the event order."""
@@ -42,6 +94,7 @@ class Clear:
     request_id: str | None = None
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class CopyOnWrite:
     """``dst`` gets ``src``'s state as of this point of the event order.
@@ -64,6 +117,7 @@ class CopyOnWrite:
     temporal_src: int | None = None
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Release:
     """``slot`` is free from this point; earlier events still see the old tenant."""
@@ -72,6 +126,7 @@ class Release:
     request_id: str | None = None
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class CommitDraft:
     """``slot`` gets the state after ``accepted`` draft tokens, read from its draft buffer at this point.
@@ -86,6 +141,7 @@ class CommitDraft:
     request_id: str | None = None
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Offload:
     """Host slot ``host`` gets ``slot``'s state as of this point of the event order.
@@ -99,6 +155,7 @@ class Offload:
     request_id: str | None = None
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Restore:
     """``slot`` gets host slot ``host``'s state as of this point; ``host`` is freed after it unless ``keep``."""
@@ -109,6 +166,7 @@ class Restore:
     keep: bool = False
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class DropHost:
     """Host slot ``host`` is free from this point; earlier events still read its content."""
@@ -116,6 +174,7 @@ class DropHost:
     host: int
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Export:
     """Staging host slot ``host`` gets ``slot``'s state as of this point, to be sent to another engine.
@@ -135,6 +194,7 @@ class Export:
     to: int | None = None
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Import:
     """``slot`` gets the state another engine sent for ``request_id``, staged in host slot ``host``, at this point.
@@ -175,6 +235,7 @@ class PlanCounts(Protocol):
 Event = Alloc | Clear | CopyOnWrite | Release | CommitDraft | Offload | Restore | DropHost | Export | Import
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class StepReport:
     """What one flush did.

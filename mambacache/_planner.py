@@ -73,6 +73,7 @@ from ._events import (
     Offload,
     Release,
     Restore,
+    fast_init,
 )
 
 __all__ = [
@@ -112,6 +113,7 @@ class CopyRun(NamedTuple):
     length: int
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class ZeroStage:
     """Zero ``slots`` (sorted, unique); ``runs`` is the same set coalesced."""
@@ -120,6 +122,7 @@ class ZeroStage:
     runs: tuple[Run, ...]
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class CopyStage:
     """``dst`` gets ``src`` for each pair; sources and destinations are disjoint.
@@ -131,6 +134,7 @@ class CopyStage:
     runs: tuple[CopyRun, ...]
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class RotateStage:
     """For each cycle ``(c0, .., ck-1)``: ``c(i+1 mod k)`` gets ``ci``, all read first."""
@@ -138,6 +142,7 @@ class RotateStage:
     cycles: tuple[tuple[int, ...], ...]
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class CommitStage:
     """Slot ``dst`` gets draft state ``pos`` of slot ``src`` for each ``(src, pos, dst)``; sorted by ``dst``.
@@ -149,6 +154,7 @@ class CommitStage:
     entries: tuple[tuple[int, int, int], ...]
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class _TierStage:
     """Copies between the pool and the host pool: ``pairs`` sorted by destination, ``runs`` the same coalesced.
@@ -160,16 +166,19 @@ class _TierStage:
     runs: tuple[CopyRun, ...]
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class OffloadStage(_TierStage):
     """Host slot ``host`` gets pool slot ``slot`` for each ``(slot, host)``; runs are ``CopyRun(slot, host, n)``."""
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class RestoreStage(_TierStage):
     """Pool slot ``slot`` gets host slot ``host`` for each ``(host, slot)``; runs are ``CopyRun(host, slot, n)``."""
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class ShiftStage:
     """Slot ``dst`` gets slot ``src`` for each pair, every conv state shifted ``shift`` (>= 0) tokens to the front.
@@ -210,6 +219,7 @@ Stage = ZeroStage | CopyStage | RotateStage | CommitStage | OffloadStage | Resto
 HostStage = OffloadStage | RestoreStage
 
 
+@fast_init
 @dataclass(frozen=True, slots=True)
 class Plan:
     """The device work of one step, in execution order, and what was elided."""

@@ -343,7 +343,7 @@ def _shift_writes(events: Sequence[Event], start: int, k: int) -> Writes:
     i = start
     while i < len(events):
         ev = events[i]
-        if not isinstance(ev, CopyOnWrite) or ev.shift != k:
+        if type(ev) is not CopyOnWrite or ev.shift != k:
             break
         a, b = ev.src, ev.dst
         ts = a if ev.temporal_src is None else ev.temporal_src
@@ -387,7 +387,7 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
     i, n_events = start, len(events)
     while i < n_events:
         ev = events[i]
-        if isinstance(ev, CopyOnWrite):
+        if type(ev) is CopyOnWrite:
             ts = ev.temporal_src
             if ev.shift or (ts is not None and ts != ev.src):  # shifted, or two sources
                 if i == start:
@@ -395,38 +395,38 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
                 break  # planned as a segment of its own, after this one
             new: int | tuple[int, int] = value.get(ev.src, ev.src)
             slot = ev.dst
-        elif isinstance(ev, Clear):
+        elif type(ev) is Clear:
             new, slot = _ZERO, ev.slot
-        elif isinstance(ev, Alloc):
+        elif type(ev) is Alloc:
             if not ev.clear:
                 dead.discard(ev.slot)
                 i += 1
                 continue
             new, slot = _ZERO, ev.slot
-        elif isinstance(ev, CommitDraft):
+        elif type(ev) is CommitDraft:
             slot = ev.slot
             if not ev.accepted:
                 writes += 1  # counted (and elided): the slot keeps its value
                 i += 1
                 continue
             new = (slot, ev.accepted - 1)
-        elif isinstance(ev, (Restore, Import)):
+        elif type(ev) is Restore or type(ev) is Import:
             if ev.host is None:  # the hand-off traces an arrival in place, never queues it
                 raise TypeError(f"an import in place is never planned: {ev!r}")
             h = ev.host
             got = host_value.get(h)
             new, slot = -h if got is None else got, ev.slot
-        elif isinstance(ev, Release):
+        elif type(ev) is Release:
             dead.add(ev.slot)
             i += 1
             continue
-        elif isinstance(ev, (Offload, Export)):
+        elif type(ev) is Offload or type(ev) is Export:
             slot = ev.slot
             if ev.host is None:  # the hand-off book never queues one: the send reads the slot itself
                 raise TypeError(f"an export in place is never planned: {ev!r}")
             h = ev.host
             v = value.get(slot, slot)
-            if isinstance(v, int) and v > 0 and h not in host_read:
+            if type(v) is int and v > 0 and h not in host_read:
                 host_from[h] = (False, v)
             else:
                 pinned[slot] = v  # a pinned slot keeps its value: a write of another one ends the segment
@@ -436,7 +436,7 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
             host_dead.discard(h)
             i += 1
             continue
-        elif isinstance(ev, DropHost):
+        elif type(ev) is DropHost:
             host_dead.add(ev.host)
             i += 1
             continue
@@ -445,12 +445,12 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
         # A pool write: the segment ends here, before any of its effects, if it changes a pinned slot.
         if pinned and slot in pinned and pinned[slot] != new:
             break
-        if isinstance(ev, Alloc):
+        if type(ev) is Alloc:
             dead.discard(slot)
-        elif isinstance(ev, (Restore, Import)):
+        elif type(ev) is Restore or type(ev) is Import:
             if h not in host_value:
                 host_read.add(h)
-            if isinstance(ev, Import) or not ev.keep:
+            if not (type(ev) is Restore and ev.keep):  # an import always frees its staging slot
                 host_dead.add(h)
         writes += 1
         value[slot] = new
@@ -500,22 +500,22 @@ def _plain_plan(log: Sequence[Event]) -> Plan | None:
     read: set[int] = set()
     writes = 0
     for ev in log:
-        if isinstance(ev, CopyOnWrite):
+        if type(ev) is CopyOnWrite:
             src = ev.src
             # shifted, a temporal source of its own (even one equal to src: not a plain copy's form), a chain, a host
             if ev.shift or ev.temporal_src is not None or src in value or src < 0:
                 return None
             value[ev.dst] = src
             read.add(src)
-        elif isinstance(ev, Release):
+        elif type(ev) is Release:
             dead.add(ev.slot)
             continue
-        elif isinstance(ev, Alloc):
+        elif type(ev) is Alloc:
             dead.discard(ev.slot)
             if not ev.clear:
                 continue
             value[ev.slot] = _ZERO
-        elif isinstance(ev, Clear):
+        elif type(ev) is Clear:
             value[ev.slot] = _ZERO
         else:
             return None

@@ -5,10 +5,12 @@
 Two worker processes, one per checkout (each imports its own ``mambacache`` through its own PYTHONPATH),
 build the same inputs from the same seed. For each metric the driver asks the two workers for one round
 each in turn, the order flipped every round, so a slow spell of the shared machine hits both alike; the
-worker not timing waits on its pipe. A round times many short batches and keeps their median (a batch a
-preemption hit is an outlier of its round, not of the figure). Reported per metric: each checkout's median
-over its rounds, new / old (below 1: the new checkout is faster), and the median of the per-round ratios.
-The load average (``os.getloadavg``) is recorded before and after.
+worker not timing waits on its pipe, and both time a round on the same CPU (the next CPU every other
+round: a CPU that another process keeps busy slows both alike). A round times many short batches and
+keeps their median (a batch a preemption hit is an outlier of its round, not of the figure). Reported per
+metric: each checkout's median over its rounds, new / old (below 1: the new checkout is faster), and the
+median of the per-round ratios with their quartiles. The load average (``os.getloadavg``) is recorded
+before and after.
 
 Metrics (microseconds):
 
@@ -36,7 +38,7 @@ import sys
 from typing import Any
 
 WORKER = r"""
-import json, random, statistics, sys, time
+import json, os, random, statistics, sys, time
 from mambacache import _events as E
 from mambacache._planner import plan_step
 from mambacache._handoff._surface import CacheManager
@@ -183,6 +185,7 @@ for line in sys.stdin:
         import mambacache
         reply = {"file": mambacache.__file__, "metrics": list(METRICS)}
     else:
+        os.sched_setaffinity(0, {cmd["cpu"]})
         got = METRICS[cmd["metric"]]()
         reply = {"values": got if isinstance(got, dict) else {cmd["metric"]: got}}
     sys.stdout.write(json.dumps(reply) + "\n")
@@ -235,9 +238,10 @@ def load() -> str:
 def measure(workers: list[Worker], metric: str, rounds: int, warmup: int) -> list[dict[str, Any]]:
     """Each figure of ``metric``: both workers' medians over their rounds, alternating, and their ratios."""
     times: dict[str, dict[str, list[float]]] = {w.label: {} for w in workers}
+    cpus = sorted(os.sched_getaffinity(0))
     for r in range(warmup + rounds):
         for w in workers if r % 2 == 0 else workers[::-1]:
-            got = w.ask(metric=metric)["values"]
+            got = w.ask(metric=metric, cpu=cpus[r // 2 % len(cpus)])["values"]
             if r >= warmup:
                 for name, v in got.items():
                     times[w.label].setdefault(name, []).append(v)

@@ -19,7 +19,8 @@ Metrics (microseconds):
 * ``submit``: one single-event submit through the public API (``clear``, ``copy_on_write``, ``release``
   of a held slot then an ``alloc``), per event, on a manager that does no device work;
 * ``plan_decode``: ``plan_step`` of the decode step's six events (2 releases, 2 allocs, 2 forks), per event;
-* ``plan_plain``: ``plan_step`` of 100 plain events (clears and whole copies, no chain), per event;
+* ``plan_plain``: ``plan_step`` of 100 plain events (clears, whole copies, releases and allocs; no copy reads
+  a slot the step wrote), per event;
 * ``plan_general``: ``plan_step`` of 100 events with chains, cycles, commits and the host tier, per event;
 * ``decode``: ``bench``'s decode step (``mambacache/bench/_decode.py``: 2 releases, 2 allocs, 2 forks and
   ``await flush()`` on the torch executor), the median of 100 steps;
@@ -111,10 +112,18 @@ def submit_round():
 
 
 def plain_log(n):
+    # plain: no copy reads a slot the step wrote, no copy's source ends the step copied over
     log = []
     for _ in range(n):
-        a, b = rng.randrange(1, 100), rng.randrange(101, 200)
-        log.append(E.Clear(a, None) if rng.random() < 0.5 else E.CopyOnWrite(a, b, None))
+        k = rng.random()
+        if k < 0.4:
+            log.append(E.Clear(rng.randrange(1, 50), None))
+        elif k < 0.8:
+            log.append(E.CopyOnWrite(rng.randrange(50, 100), rng.randrange(101, 200), None))
+        elif k < 0.9:
+            log.append(E.Release(rng.randrange(101, 200), None))
+        else:
+            log.append(E.Alloc(rng.randrange(101, 200), None, True))
     return log
 
 

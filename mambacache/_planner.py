@@ -384,30 +384,33 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
     host_read: set[int] = set()  # host slots whose start-of-step content some event read
     h = 0  # the host slot of the event at hand (a restore's or an import's, an offload's)
     writes = 0
-    i, n_events = start, len(events)
-    while i < n_events:
+    end = len(events)  # one past the segment's last event
+    # The kinds in the decode step's order of frequency: each test costs every event that passes it.
+    for i in range(start, end):
         ev = events[i]
         if type(ev) is CopyOnWrite:
             ts = ev.temporal_src
             if ev.shift or (ts is not None and ts != ev.src):  # shifted, or two sources
                 if i == start:
                     return _shift_writes(events, start, ev.shift)
-                break  # planned as a segment of its own, after this one
+                end = i  # planned as a segment of its own, after this one
+                break
             new: int | tuple[int, int] = value.get(ev.src, ev.src)
             slot = ev.dst
-        elif type(ev) is Clear:
-            new, slot = _ZERO, ev.slot
+        elif type(ev) is Release:
+            dead.add(ev.slot)
+            continue
         elif type(ev) is Alloc:
+            dead.discard(ev.slot)  # before the pinned test below: a pinned slot is written, dead or not
             if not ev.clear:
-                dead.discard(ev.slot)
-                i += 1
                 continue
+            new, slot = _ZERO, ev.slot
+        elif type(ev) is Clear:
             new, slot = _ZERO, ev.slot
         elif type(ev) is CommitDraft:
             slot = ev.slot
             if not ev.accepted:
                 writes += 1  # counted (and elided): the slot keeps its value
-                i += 1
                 continue
             new = (slot, ev.accepted - 1)
         elif type(ev) is Restore or type(ev) is Import:
@@ -416,10 +419,13 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
             h = ev.host
             got = host_value.get(h)
             new, slot = -h if got is None else got, ev.slot
-        elif type(ev) is Release:
-            dead.add(ev.slot)
-            i += 1
-            continue
+            if pinned and slot in pinned and pinned[slot] != new:
+                end = i  # as below, before the host slot's effects too
+                break
+            if h not in host_value:
+                host_read.add(h)
+            if not (type(ev) is Restore and ev.keep):  # an import always frees its staging slot
+                host_dead.add(h)
         elif type(ev) is Offload or type(ev) is Export:
             slot = ev.slot
             if ev.host is None:  # the hand-off book never queues one: the send reads the slot itself
@@ -434,27 +440,18 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
             writes += 1
             host_value[h] = v
             host_dead.discard(h)
-            i += 1
             continue
         elif type(ev) is DropHost:
             host_dead.add(ev.host)
-            i += 1
             continue
         else:
             raise TypeError(f"not an event: {ev!r}")
-        # A pool write: the segment ends here, before any of its effects, if it changes a pinned slot.
+        # A pool write: the segment ends here, before its effects, if it changes a pinned slot.
         if pinned and slot in pinned and pinned[slot] != new:
+            end = i
             break
-        if type(ev) is Alloc:
-            dead.discard(slot)
-        elif type(ev) is Restore or type(ev) is Import:
-            if h not in host_value:
-                host_read.add(h)
-            if not (type(ev) is Restore and ev.keep):  # an import always frees its staging slot
-                host_dead.add(h)
         writes += 1
         value[slot] = new
-        i += 1
     zero: list[int] = []
     src_of: dict[int, int] = {}
     commits: list[tuple[int, int, int]] = []
@@ -479,7 +476,7 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
         if h not in host_dead:
             is_late, s = host_from[h]
             (late if is_late else offloads).append((s, h))
-    return Writes(zero, src_of, commits, i - start, writes, offloads, restores, late, i)
+    return Writes(zero, src_of, commits, end - start, writes, offloads, restores, late, end)
 
 
 def _plain_plan(log: Sequence[Event]) -> Plan | None:

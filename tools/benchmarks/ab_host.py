@@ -244,9 +244,10 @@ def load() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def measure(workers: list[Worker], metric: str, rounds: int, warmup: int) -> list[dict[str, Any]]:
-    """Each figure of ``metric``: both workers' medians over their rounds, alternating, and their ratios."""
-    times: dict[str, dict[str, list[float]]] = {w.label: {} for w in workers}
+def measure(
+    workers: list[Worker], metric: str, rounds: int, warmup: int, times: dict[str, dict[str, list[float]]]
+) -> None:
+    """``rounds`` rounds of ``metric`` on each worker, alternating, after ``warmup``: into ``times[label][figure]``."""
     cpus = sorted(os.sched_getaffinity(0))
     for r in range(warmup + rounds):
         for w in workers if r % 2 == 0 else workers[::-1]:
@@ -254,16 +255,18 @@ def measure(workers: list[Worker], metric: str, rounds: int, warmup: int) -> lis
             if r >= warmup:
                 for name, v in got.items():
                     times[w.label].setdefault(name, []).append(v)
+
+
+def summary(times: dict[str, dict[str, list[float]]]) -> list[dict[str, Any]]:
+    """Per figure: both checkouts' medians over their rounds, new / old, and the per-round ratios' median."""
     rows = []
     for name, new in times["new"].items():
         old = times["old"][name]
         ratios = [n / o for n, o in zip(new, old, strict=True)]
-        row = {"metric": name, "new_us": statistics.median(new), "old_us": statistics.median(old),
-               "new/old": statistics.median(new) / statistics.median(old),
-               "paired": statistics.median(ratios), "rounds": len(new)}  # fmt: skip
         q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-        row["paired_iqr"] = [q[0], q[2]]
-        rows.append(row)
+        rows.append({"metric": name, "new_us": statistics.median(new), "old_us": statistics.median(old),
+                     "new/old": statistics.median(new) / statistics.median(old),
+                     "paired": statistics.median(ratios), "paired_iqr": [q[0], q[2]], "rounds": len(new)})  # fmt: skip
     return rows
 
 
@@ -277,7 +280,10 @@ def markdown(path: str) -> str:
             f"| {r['metric']} | {r['old_us']:.3f} | {r['new_us']:.3f} | {r['new/old']:.3f} "
             f"| {r['paired']:.3f} ({lo:.3f}-{hi:.3f}) |"
         )
-    out.append(f"\n{data['rounds']} rounds; load average (1/5/15 min) {data['load_before']} -> {data['load_after']}.")
+    out.append(
+        f"\n{data['rounds']} rounds in {data.get('processes', 1)} worker pairs; load average (1/5/15 min) "
+        f"{data['load_before']} -> {data['load_after']}."
+    )
     return "\n".join(out) + "\n"
 
 
@@ -291,26 +297,40 @@ def main() -> int:
     p.add_argument("--metrics", type=lambda s: s.split(","), default=None, help="default: all")
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--processes", type=int, default=3, help="fresh worker pairs that share the rounds")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    workers = [Worker("new", args.new), Worker("old", args.old)]
-    before, rows = load(), []
-    try:
-        for metric in args.metrics or workers[0].metrics:
-            for row in measure(workers, metric, args.rounds, args.warmup):
-                rows.append(row)
-                sys.stdout.write(json.dumps(row) + "\n")
-                sys.stdout.flush()
-    finally:
-        for w in workers:
-            w.close()
+    before, rows, imported = load(), [], {}
+    raw: dict[str, dict[str, list[float]]] = {}
+    metrics: list[str] = args.metrics
+    # A process's own layout (addresses, hash seeds) moves its figures by a few per cent, whatever it runs:
+    # fresh pairs of workers share the rounds, so no one process decides a figure.
+    for _ in range(args.processes):
+        workers = [Worker("new", args.new), Worker("old", args.old)]
+        imported = {w.label: w.imported for w in workers}
+        try:
+            for metric in metrics or workers[0].metrics:
+                times: dict[str, dict[str, list[float]]] = {"new": {}, "old": {}}
+                measure(workers, metric, args.rounds // args.processes, args.warmup, times)
+                for row in summary(times):
+                    sys.stdout.write(json.dumps(row) + "\n")
+                    sys.stdout.flush()
+                for label, figures in times.items():
+                    for name, values in figures.items():
+                        raw.setdefault(label, {}).setdefault(name, []).extend(values)
+        finally:
+            for w in workers:
+                w.close()
+    rows = summary(raw)
+    for row in rows:
+        sys.stdout.write("all: " + json.dumps(row) + "\n")
     after = load()
     sys.stdout.write(f"load average {before} -> {after}\n")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            imported = {w.label: w.imported for w in workers}
             json.dump({"argv": sys.argv, "nproc": os.cpu_count(), "imported": imported, "rounds": args.rounds,
-                       "load_before": before, "load_after": after, "rows": rows}, f, indent=1)  # fmt: skip
+                       "processes": args.processes, "load_before": before, "load_after": after, "rows": rows},
+                      f, indent=1)  # fmt: skip
     return 0
 
 

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from ._events import (
     Alloc,
@@ -387,9 +387,8 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
     end = len(events)  # one past the segment's last event
     # The kinds in the decode step's order of frequency: each test costs every event that passes it.
     for i in range(start, end):
-        ev: Any = events[i]  # the kind is tested on t, by which mypy narrows nothing
-        t = type(ev)
-        if t is CopyOnWrite:
+        ev = events[i]
+        if type(ev) is CopyOnWrite:
             ts = ev.temporal_src
             if ev.shift or (ts is not None and ts != ev.src):  # shifted, or two sources
                 if i == start:
@@ -398,23 +397,23 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
                 break
             new: int | tuple[int, int] = value.get(ev.src, ev.src)
             slot = ev.dst
-        elif t is Release:
+        elif type(ev) is Release:
             dead.add(ev.slot)
             continue
-        elif t is Alloc:
+        elif type(ev) is Alloc:
             dead.discard(ev.slot)  # before the pinned test below: a pinned slot is written, dead or not
             if not ev.clear:
                 continue
             new, slot = _ZERO, ev.slot
-        elif t is Clear:
+        elif type(ev) is Clear:
             new, slot = _ZERO, ev.slot
-        elif t is CommitDraft:
+        elif type(ev) is CommitDraft:
             slot = ev.slot
             if not ev.accepted:
                 writes += 1  # counted (and elided): the slot keeps its value
                 continue
             new = (slot, ev.accepted - 1)
-        elif t is Restore or t is Import:
+        elif type(ev) is Restore or type(ev) is Import:
             if ev.host is None:  # the hand-off traces an arrival in place, never queues it
                 raise TypeError(f"an import in place is never planned: {ev!r}")
             h = ev.host
@@ -425,9 +424,9 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
                 break
             if h not in host_value:
                 host_read.add(h)
-            if not (t is Restore and ev.keep):  # an import always frees its staging slot
+            if not (type(ev) is Restore and ev.keep):  # an import always frees its staging slot
                 host_dead.add(h)
-        elif t is Offload or t is Export:
+        elif type(ev) is Offload or type(ev) is Export:
             slot = ev.slot
             if ev.host is None:  # the hand-off book never queues one: the send reads the slot itself
                 raise TypeError(f"an export in place is never planned: {ev!r}")
@@ -442,7 +441,7 @@ def final_writes(events: Sequence[Event], start: int = 0) -> Writes:
             host_value[h] = v
             host_dead.discard(h)
             continue
-        elif t is DropHost:
+        elif type(ev) is DropHost:
             host_dead.add(ev.host)
             continue
         else:
@@ -497,25 +496,23 @@ def _plain_plan(log: Sequence[Event]) -> Plan | None:
     dead: set[int] = set()
     read: set[int] = set()
     writes = 0
-    ev: Any  # as in final_writes
     for ev in log:
-        t = type(ev)
-        if t is CopyOnWrite:
+        if type(ev) is CopyOnWrite:
             src = ev.src
             # shifted, a temporal source of its own (even one equal to src: not a plain copy's form), a chain, a host
             if ev.shift or ev.temporal_src is not None or src in value or src < 0:
                 return None
             value[ev.dst] = src
             read.add(src)
-        elif t is Release:
+        elif type(ev) is Release:
             dead.add(ev.slot)
             continue
-        elif t is Alloc:
+        elif type(ev) is Alloc:
             dead.discard(ev.slot)
             if not ev.clear:
                 continue
             value[ev.slot] = _ZERO
-        elif t is Clear:
+        elif type(ev) is Clear:
             value[ev.slot] = _ZERO
         else:
             return None

@@ -25,7 +25,7 @@ from . import _tracing
 from ._errors import InvalidArgumentError, SlotLeakError, SlotStateError
 from ._events import Alloc, Event, Export
 from ._ledger import SlotLedger
-from ._lifecycle import OPEN, Lifecycle, Phase
+from ._lifecycle import Lifecycle, Phase
 
 if TYPE_CHECKING:
     from ._backlog import Backlog
@@ -177,8 +177,6 @@ class StepQueue:
     def check(self, settling: bool = False) -> None:
         """Under the lock: the authoritative check before anything is queued (:meth:`Lifecycle.check`: open, or
         ``settling`` a send taken earlier), and that this is the source rank."""
-        if self.life.phase is OPEN and self._channel is None:
-            return  # every submit's case, one test: about 3 % of a submit (docs/benchmarks.md)
         self.life.check(settling)
         if self._channel is not None:
             self._channel.check_source("submit")

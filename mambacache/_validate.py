@@ -29,7 +29,7 @@ __all__ = [
     "as_slot", "check_batch_key", "check_bool", "check_callable", "check_count", "check_exports", "check_instance",
     "check_peer", "check_positive_int", "check_request_id", "check_request_ids", "check_rows", "check_shapes",
     "check_shift", "check_str", "count_list", "host_slot", "host_slot_list", "named_request_id", "need_host",
-    "normalised", "normalised_event", "paired", "slot_list",
+    "normalised", "paired", "slot_list",
 ]  # fmt: skip
 
 _T = TypeVar("_T")
@@ -172,51 +172,45 @@ def check_shift(shift: Any, convs: Sequence[Sequence[int]]) -> int:
 
 
 def normalised(events: Iterable[Any], n: int, convs: Sequence[Sequence[int]] = ()) -> list[Any]:
-    """Each of ``events`` :func:`normalised_event`."""
-    return [normalised_event(ev, n, convs) for ev in events]
-
-
-def normalised_event(ev: Any, n: int, convs: Sequence[Sequence[int]] = ()) -> Any:
-    """A submitted event with int slots (converted from numpy or tensor scalars), its request id and copy shift
-    checked (``convs``: the pool's conv state shapes, whose smallest width bounds a shift).
-
-    The event itself when its slots are ints in ``1..n``, its id a str or None and a copy plain (no shift, no
-    temporal source): the single-event calls' case, tested first.
-    """
-    t = type(ev)
-    if t is CopyOnWrite:
-        a, b, k, ts = ev.src, ev.dst, ev.shift, ev.temporal_src
-        if (
-            type(a) is not int or type(b) is not int or not 0 < a <= n or not 0 < b <= n or k
-            or type(k) is not int or ts is not None
-        ):  # fmt: skip
-            a, b, k = as_slot(a, n), as_slot(b, n), check_shift(k, convs)
-            ts = None if ts is None else as_slot(ts, n)
-            # A temporal source equal to the source is a plain copy: one form, so it plans as one
-            ev = CopyOnWrite(a, b, ev.request_id, k, None if ts == a else ts)
-    elif t is Clear or t is Release:
-        s = ev.slot
-        if type(s) is not int or not 0 < s <= n:
-            ev = t(as_slot(s, n), ev.request_id)
-    elif t is CommitDraft:
-        s, accepted = ev.slot, ev.accepted
-        if type(accepted) is not int:
-            accepted = _count(accepted, "accepted")
-        if type(s) is not int or not 0 < s <= n or accepted is not ev.accepted:
-            ev = CommitDraft(as_slot(s, n), accepted, ev.request_id)
-    else:
-        raise InvalidEventError(
-            f"submit takes Clear, CopyOnWrite, Release and CommitDraft events, got {ev!r}"
-            + ("; allocate with CacheManager.alloc" if isinstance(ev, Alloc) else "")
-            + (
-                "; use CacheManager.offload, restore and drop (they pick and free host slots)"
-                if isinstance(ev, Offload | Restore | DropHost)
-                else ""
+    """Events with int slots (converted from numpy or tensor scalars), request ids and copy shifts checked
+    (``convs``: the pool's conv state shapes, whose smallest width bounds a shift)."""
+    out: list[Any] = []
+    for ev in events:
+        t = type(ev)
+        if t is CopyOnWrite:
+            a, b, k, ts = ev.src, ev.dst, ev.shift, ev.temporal_src
+            if (
+                type(a) is not int or type(b) is not int or not 0 < a <= n or not 0 < b <= n or k
+                or type(k) is not int or ts is not None
+            ):  # fmt: skip
+                a, b, k = as_slot(a, n), as_slot(b, n), check_shift(k, convs)
+                ts = None if ts is None else as_slot(ts, n)
+                # A temporal source equal to the source is a plain copy: one form, so it plans as one
+                ev = CopyOnWrite(a, b, ev.request_id, k, None if ts == a else ts)
+        elif t is Clear or t is Release:
+            s = ev.slot
+            if type(s) is not int or not 0 < s <= n:
+                ev = t(as_slot(s, n), ev.request_id)
+        elif t is CommitDraft:
+            s, accepted = ev.slot, ev.accepted
+            if type(accepted) is not int:
+                accepted = _count(accepted, "accepted")
+            if type(s) is not int or not 0 < s <= n or accepted is not ev.accepted:
+                ev = CommitDraft(as_slot(s, n), accepted, ev.request_id)
+        else:
+            raise InvalidEventError(
+                f"submit takes Clear, CopyOnWrite, Release and CommitDraft events, got {ev!r}"
+                + ("; allocate with CacheManager.alloc" if isinstance(ev, Alloc) else "")
+                + (
+                    "; use CacheManager.offload, restore and drop (they pick and free host slots)"
+                    if isinstance(ev, Offload | Restore | DropHost)
+                    else ""
+                )
             )
-        )
-    if ev.request_id is not None and type(ev.request_id) is not str:
-        check_request_id(ev.request_id)
-    return ev
+        if ev.request_id is not None and type(ev.request_id) is not str:
+            check_request_id(ev.request_id)
+        out.append(ev)
+    return out
 
 
 # -- request ids -----------------------------------------------------------------

@@ -59,7 +59,6 @@ from .._validate import (
     named_request_id,
     need_host,
     normalised,
-    normalised_event,
     paired,
     slot_list,
 )
@@ -289,13 +288,11 @@ class CacheManager:
     # ids skip normalisation; the open/closed check happens under the lock.
     def clear(self, slot: int, request_id: str | None = None) -> None:
         """Zero ``slot`` at this point of the event order (on the next flush)."""
-        pool = self._pool
-        self._queue.submit((normalised_event(Clear(slot, request_id), pool.num_slots),))
+        self._submit((Clear(slot, request_id),))
 
     def release(self, slot: int, request_id: str | None = None) -> None:
         """Free ``slot`` from this point; events queued before still see its content."""
-        pool = self._pool
-        self._queue.submit((normalised_event(Release(slot, request_id), pool.num_slots),))
+        self._submit((Release(slot, request_id),))
 
     def copy_on_write(
         self, src: int, dst: int, request_id: str | None = None, *, shift: int = 0, temporal_src: int | None = None
@@ -303,9 +300,7 @@ class CacheManager:
         """``dst`` gets ``src``'s state as of this point of the event order (a fork); ``shift=k``: its conv
         states moved ``k`` tokens to the front of their time axis, zeros after (``0 <= k <`` conv width);
         ``temporal_src``: its temporal state and extra tensors from that slot instead (as of the same point)."""
-        pool = self._pool
-        copy = CopyOnWrite(src, dst, request_id, shift, temporal_src)
-        self._queue.submit((normalised_event(copy, pool.num_slots, pool.spec.conv_shapes),))
+        self._submit((CopyOnWrite(src, dst, request_id, shift, temporal_src),))
 
     def commit_draft(self, slot: int, accepted: int, request_id: str | None = None) -> None:
         """``slot`` becomes the state after ``accepted`` draft tokens (0: unchanged), read from its draft buffer

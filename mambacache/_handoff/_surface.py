@@ -288,11 +288,19 @@ class CacheManager:
     # ids skip normalisation; the open/closed check happens under the lock.
     def clear(self, slot: int, request_id: str | None = None) -> None:
         """Zero ``slot`` at this point of the event order (on the next flush)."""
-        self._submit((Clear(slot, request_id),))
+        n = self._pool.num_slots
+        if type(slot) is int and 0 < slot <= n and type(request_id) in _IDS:
+            self._queue.submit((Clear(slot, request_id),))
+        else:
+            self._submit((Clear(slot, request_id),))
 
     def release(self, slot: int, request_id: str | None = None) -> None:
         """Free ``slot`` from this point; events queued before still see its content."""
-        self._submit((Release(slot, request_id),))
+        n = self._pool.num_slots
+        if type(slot) is int and 0 < slot <= n and type(request_id) in _IDS:
+            self._queue.submit((Release(slot, request_id),))
+        else:
+            self._submit((Release(slot, request_id),))
 
     def copy_on_write(
         self, src: int, dst: int, request_id: str | None = None, *, shift: int = 0, temporal_src: int | None = None
@@ -300,6 +308,11 @@ class CacheManager:
         """``dst`` gets ``src``'s state as of this point of the event order (a fork); ``shift=k``: its conv
         states moved ``k`` tokens to the front of their time axis, zeros after (``0 <= k <`` conv width);
         ``temporal_src``: its temporal state and extra tensors from that slot instead (as of the same point)."""
+        n = self._pool.num_slots
+        plain = type(src) is int and type(dst) is int and 0 < src <= n and 0 < dst <= n and type(request_id) in _IDS
+        if plain and shift == 0 and type(shift) is int and temporal_src is None:
+            self._queue.submit((CopyOnWrite(src, dst, request_id),))
+            return
         self._submit((CopyOnWrite(src, dst, request_id, shift, temporal_src),))
 
     def commit_draft(self, slot: int, accepted: int, request_id: str | None = None) -> None:

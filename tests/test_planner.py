@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -172,6 +173,15 @@ def test_examples() -> None:
     # a swap through a spare slot becomes one rotate of two.
     p = plan_step([mc.CopyOnWrite(1, 9), mc.CopyOnWrite(2, 1), mc.CopyOnWrite(9, 2), mc.Release(9)])
     assert p.stages == (RotateStage(((1, 2),)),)
+
+
+def test_a_hand_off_in_place_is_never_planned() -> None:
+    """An export or import in place (no staging host slot) is never queued: planning one is a bug, named."""
+    from mambacache._events import Export, Import
+
+    for ev, what in ((Export(3, None), "export"), (Import(None, 3), "import")):
+        with pytest.raises(TypeError, match=f"an {what} in place is never planned"):
+            plan_step([mc.Clear(1), ev])
 
 
 def test_runs() -> None:

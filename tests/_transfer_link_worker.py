@@ -325,9 +325,10 @@ def _sizes(n: int) -> list[int]:
 
 def receiver_of_silent(me: Side) -> None:
     exc = _fails(me.xfer.receive, "a sender that went silent after the receiver took its batch")
-    # Over Mooncake the read from a segment that never existed fails at once (-1), typed: no wait to time out.
-    gone = "failed (-1)" if os.environ.get(TRANSPORT_ENV) == "mooncake" else "timed out"
-    assert type(exc) is mc.TransferError and gone in str(exc), repr(exc)
+    # Nothing answers: gloo's pair and NIXL's metadata of the agent the header names wait out the timeout; the
+    # Mooncake segment the header names resolves to no engine, a failed read at once.
+    said = "failed" if os.environ.get(TRANSPORT_ENV, "gloo") == "mooncake" else "timed out"
+    assert type(exc) is mc.TransferError and said in str(exc), repr(exc)
     me.idle()
     dist.barrier()
     assert me.xfer.receive() == ["after"]

@@ -242,8 +242,10 @@ def test_a_refusal_the_send_recovers_from_is_no_failure_line(tmp_path: Path) -> 
     master = _store()
     tracing.configure(level="debug", use_structlog_config=True)
     with capture_logs() as logs, _mgr(layout.spec) as mgr, _mgr(layout.shard_spec(2)) as d1:
-        sender = _sender(mgr, master, layout, [1, 2], 1.0)
-        rank1 = _taking(_transfer(d1, master, 1, 0, 1.0), 1, tries=1)
+        # Rank 1's batch must be taken within the timeout (rank 2's decision is waited for as long): 1 s failed it
+        # over Mooncake on a loaded machine, whose first read makes its connection (a handshake) then.
+        sender = _sender(mgr, master, layout, [1, 2], 3.0)
+        rank1 = _taking(_transfer(d1, master, 1, 0, 3.0), 1, tries=1)
         _export(mgr, "a", 1)
         with pytest.raises(mc.TransferError, match="1 of 2 ranks") as failed:
             sender.send()  # rank 2 never receives

@@ -97,3 +97,38 @@ def test_a_closed_transfer_refuses_every_call_typed_and_changes_nothing() -> Non
             assert sent == [["r"]], sent
             into_mgr.discard_arrived("r")
             into_mgr.flush_nowait()
+
+
+def test_rows_the_transport_cannot_offer_are_a_typed_error_nothing_sent_and_not_in_doubt() -> None:
+    """A pulled wire offers a batch's rows before its header goes out (registering rows outside the pools,
+    publishing the agent's metadata): a failure there (NIXL refusing a registration, the store refusing the
+    metadata) escaped ``send()`` bare, and the export was counted in doubt with that peer (pinned to it) although
+    no header was posted. A TransferError, nothing sent, not in doubt; the next send delivers it."""
+    master = store()
+    with _mgr() as src, _mgr() as dst:
+        out, into = transfer(src, master, 0, 1, 5.0), transfer(dst, master, 1, 0, 5.0)
+        (slot,) = src.alloc(1, "r", clear=False)
+        src.flush_nowait()
+        src.export(slot, "r")
+        src.flush_nowait()
+        wire = out._out.wire  # type: ignore[attr-defined]
+        real = wire.source
+
+        def refused(raw: list[Any]) -> Any:
+            wire.source = real
+            raise RuntimeError("memory registration refused")
+
+        wire.source = refused
+        with pytest.raises(mc.TransferError, match="nothing was sent") as failed:
+            out.send()
+        assert failed.value.request_ids == ["r"]
+        assert int(out._out.store.add("posted", 0)) == 0, "a header went out"  # type: ignore[attr-defined]
+        assert src.exports_in_doubt(src.exports_ready()) == [None], "an export nothing was sent of is in doubt"
+        thread, sent = in_thread(out.send)
+        try:
+            assert into.receive() == ["r"]
+        finally:
+            thread.join(10)
+        assert sent == [["r"]], sent
+        dst.discard_arrived("r")
+        dst.flush_nowait()

@@ -206,7 +206,13 @@ class Outbox(_Direction):
         """
         pair = f"{self.token}.{self._epoch}"
         sizes = [t.numel() for t in raw]
-        header = control.encode_header(tok or self.token, seq, ids, fp, pair, split, sizes, self.wire.source(raw))
+        try:
+            source = self.wire.source(raw)
+        except Exception as exc:  # the rows' memory not registered, their metadata not published: before any header
+            raise NothingSent(
+                f"the batch's rows could not be offered to rank {self.dst}, nothing was sent: {exc!r}", ids
+            ) from exc
+        header = control.encode_header(tok or self.token, seq, ids, fp, pair, split, sizes, source)
         m = int(self.call("add", "posted", 1))
         self.call("set", f"hdr/{m}", header)
         try:

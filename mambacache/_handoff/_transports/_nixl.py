@@ -181,10 +181,15 @@ class NixlTransport(Transport):
                 f"the NIXL metadata of {agent} (version {version}) timed out in the store (its agent gone?): {exc}"
             ) from exc
         with self.lock:
-            if agent in self._loaded:  # an older version: its registrations changed since
+            if self._loaded.pop(agent, None) is not None:  # an older version: its registrations changed since
                 with contextlib.suppress(Exception):
                     self.agent.remove_remote_agent(agent)
-            self.agent.add_remote_agent(metadata)
+            try:
+                self.agent.add_remote_agent(metadata)
+            except Exception as exc:  # UCX connects to the agent as it loads it: a peer gone is refused here
+                with contextlib.suppress(Exception):  # whatever NIXL kept of it: loaded afresh next time
+                    self.agent.remove_remote_agent(agent)
+                raise TransferError(f"the NIXL metadata of {agent} did not load (its agent gone?): {exc}") from exc
             self._loaded[agent] = version
 
     def forget(self, agent: str | None) -> None:
@@ -239,9 +244,12 @@ class NixlWire(Wire):
         if not any(plan):
             return
         x = self.transport
-        x.cover(raw, self)
-        self._agent = agent
-        x.load(agent, version, deadline)
+        try:
+            x.cover(raw, self)
+            self._agent = agent
+            x.load(agent, version, deadline)
+        except Exception as exc:  # a registration NIXL refused, metadata that never came or did not load
+            raise TransferError(f"reading the states' bytes from rank {self.src} failed: {exc}", ids) from exc
         self._read(raw, plan, agent, mem, deadline, ids)
 
     def _read(

@@ -26,6 +26,10 @@ from mambacache.tracing import analyze, analyze_lines
 
 from .test_reslice_attack import _in_thread, _layout, _mgr, _sender, _store, _transfer
 
+# The timeout of a transfer whose batches must land: nothing here waits it out, and on a loaded 2-core host a
+# re-sliced batch took over the 5 s these used.
+LANDS = 30.0
+
 
 @pytest.fixture(autouse=True)
 def _tracing_off() -> object:
@@ -74,14 +78,14 @@ def _one_to_two(path: Path, host: int = 4) -> tuple[list[dict[str, Any]], list[s
     ids = ["a", "b", "c"] if host == 2 else ["a", "b"]
     tracing.configure(path, level="debug")
     with _mgr(layout.spec) as mgr, _mgr(shard, host=host) as d1, _mgr(shard, host=host) as d2:
-        sender = _sender(mgr, master, layout, [1, 2], 5.0)
-        into = [_transfer(d1, master, 1, 0, 5.0), _transfer(d2, master, 2, 0, 5.0)]
+        sender = _sender(mgr, master, layout, [1, 2], LANDS)
+        into = [_transfer(d1, master, 1, 0, LANDS), _transfer(d2, master, 2, 0, LANDS)]
         for k, rid in enumerate(ids):
             _export(mgr, rid, k)
         ranks = [_taking(x, len(ids)) for x in into]
         sent = sender.send()
         for th, got in ranks:
-            th.join(10)
+            th.join(2 * LANDS)
             assert got == [ids]
         mgr.flush_nowait()
         mgr.check_idle(host=True)
@@ -119,12 +123,12 @@ def test_a_resliced_send_is_one_delivery_in_the_trace(tmp_path: Path) -> None:
         _mgr(layout.shard_spec(2)) as d1,
         _mgr(layout.shard_spec(2)) as d2,
     ):
-        sender = _sender(mgr, master, layout, [1, 2], 5.0)
-        ranks = [_taking(_transfer(d, master, k, 0, 5.0), 1) for k, d in ((1, d1), (2, d2))]
+        sender = _sender(mgr, master, layout, [1, 2], LANDS)
+        ranks = [_taking(_transfer(d, master, k, 0, LANDS), 1) for k, d in ((1, d1), (2, d2))]
         mine, other = _export(mgr, "a", 1, to=1), _export(mgr, "a", 2, to=2)
         assert sender.send() == ["a"]
         for th, got in ranks:
-            th.join(10)
+            th.join(2 * LANDS)
             assert got == [["a"]]
     idle = analyze_lines(_lines(logs), expect_idle=True)
     assert sorted((a.kind, a.slot) for a in idle.anomalies) == [("export-undelivered", other), ("held-at-end", other)]

@@ -129,8 +129,8 @@ class Policy:
             shape.wait.clear()
         for other in shape.rate if changed else (way,):
             if other != best and not shape.trying.get(other):
-                wait = shape.wait.get(other, min(SOON, self.patience) // 2)
-                wait = shape.wait[other] = min(2 * wait, self.patience)
+                prev = shape.wait.get(other)
+                wait = shape.wait[other] = min(SOON if prev is None else 2 * prev, self.patience)
                 shape.due[other] = shape.count + int(wait * shape.rate[other] / shape.rate[best])
 
     def best(self, key: Hashable) -> str | None:

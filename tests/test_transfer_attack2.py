@@ -219,7 +219,8 @@ def test_a_header_withdrawn_while_the_receiver_is_busy_costs_no_gloo_pair() -> N
 
     master = _store()
     with _mgr() as mgr, _mgr() as peer:
-        out, into = _transfer(mgr, master, 0, 1, 1.0), _transfer(peer, master, 1, 0, 5.0)
+        # The sender's timeout is waited out once per busy round; 1 s missed the receiver's go at load 50.
+        out, into = _transfer(mgr, master, 0, 1, 2.0), _transfer(peer, master, 1, 0, 5.0)
         retired = []
         for k in range(2):
             for rid, busy in ((f"a{k}", False), (f"b{k}", True)):

@@ -348,7 +348,8 @@ def test_a_batch_in_doubt_is_not_landed_twice_after_another_sender_of_the_direct
         mc.CacheManager(mc.StatePool(spec, 4), host_pool=mc.HostPool(spec, 2)) as m2,
         mc.CacheManager(mc.StatePool(spec, 4), host_pool=mc.HostPool(spec, 4)) as peer,
     ):
-        s1, s2 = _transfer(m1, master, 0, 1, 2.0), _transfer(m2, master, 0, 1, 2.0)
+        # The senders wait out no timeout here: 4 s for the receiver's go (2 s missed it at load 50 over Mooncake).
+        s1, s2 = _transfer(m1, master, 0, 1, 4.0), _transfer(m2, master, 0, 1, 4.0)
         into = _transfer(peer, master, 1, 0, 2.0)
         for mgr, rid in ((m1, "a"), (m2, "b")):
             (slot,) = mgr.alloc(1, rid, clear=False)

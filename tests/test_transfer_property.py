@@ -38,6 +38,9 @@ from ._loopback import OneBatch, loopback
 from .sweep import fault_points
 from .util import VARIANTS, fill_random, quant_spec, step_value
 
+# The wire is stood in (_loopback): the same code over every transport, so run once (tests/conftest.py).
+pytestmark = pytest.mark.no_transport
+
 N, H = 5, 4  # small pools, so that slots and host slots are reused within a step and across
 SPEC = quant_spec(draft_tokens=2)  # int8 conv, fp8 temporal, two extras (fp32, bf16), draft buffers
 EXCS: list[type[BaseException]] = [MemoryError, RuntimeError, KeyboardInterrupt]

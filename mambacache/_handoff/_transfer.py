@@ -553,8 +553,10 @@ class StateTransfer:
         self._closed = False
 
     def close(self) -> None:
-        """Release the transport's resources now: over NIXL its agent, over Mooncake its engine (their threads and
-        the memory they registered); over gloo nothing (its pairs go with the transfer). Idempotent.
+        """Release the transport's resources now: over NIXL its agent (its threads, the memory it registered), over
+        Mooncake the memory its engine registered (the engine goes on to the process's next transfer: destroying
+        one stops every Python thread for about 0.8 s); over gloo nothing (its pairs go with the transfer).
+        Idempotent.
 
         A send or receive in flight in another thread ends first (close waits for
         it). Every call after it is a :class:`TransferError`; the manager's exports

@@ -1,5 +1,10 @@
 """The Mooncake wire: a Mooncake Transfer Engine per transfer (TCP, P2P handshake), the receiver reads.
 
+An engine outlives its transfer: once the transfer is closed or collected, its
+registrations are dropped and the engine goes to the process's next transfer
+(destroying one holds the GIL for about 0.8 s: see ``_IDLE``); the idle ones are
+destroyed at exit.
+
 The engine listens on the address this process reaches the group's store from
 (the store on 127.0.0.1: 127.0.0.1), its segment named ``host:port`` (its RPC
 port); the pools' memory is registered once, other rows per batch (a read
@@ -16,6 +21,7 @@ as a return code of -1 at once: a TransferError too.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import socket
 import threading
@@ -45,9 +51,55 @@ def _local_address(store: Any) -> str:
             return "127.0.0.1"
 
 
-def _close(engine: list[Any], regions: Regions) -> None:
+# Engines of this process that no transport holds, by the address they listen on. Destroying an engine takes
+# about 0.8 s and holds the GIL all along (measured here: every Python thread of the process stopped, an engine's
+# step loop and a transfer's waits included), so a transport's engine goes on to the process's next transport on
+# that address instead, its registrations gone; they are destroyed at exit. At most as many as transports were
+# alive at once.
+_IDLE: dict[str, list[Any]] = {}
+_IDLE_LOCK = threading.Lock()
+_EXITING: list[bool] = []  # set by _drain: an engine let go from then on is destroyed at once
+_DRAIN: list[bool] = []  # _drain registered with atexit
+
+
+def _engine(host: str) -> Any:
+    """An engine listening on ``host``: an idle one of this process, else a new one."""
+    from mooncake.engine import TransferEngine
+
+    with _IDLE_LOCK:
+        idle = _IDLE.get(host)
+        if idle:
+            return idle.pop()
+    engine = TransferEngine()
+    if engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
+        raise TransferError(f"the Mooncake Transfer Engine could not start on {host}")
+    return engine
+
+
+def _close(box: list[Any], regions: Regions, host: str) -> None:
+    """Deregister everything, then hand the engine to the process's next transport (destroy it at exit)."""
     regions.close()
-    engine.clear()
+    if not box:
+        return
+    engine = box.pop()
+    with _IDLE_LOCK:
+        if not _EXITING:
+            if not _DRAIN:
+                _DRAIN.append(True)
+                atexit.register(_drain)
+            _IDLE.setdefault(host, []).append(engine)
+            return
+    del engine  # the process exits: destroyed now, not in the interpreter's teardown
+
+
+def _drain() -> None:
+    """At exit, the idle engines destroyed. Registered after weakref.finalize's own exit hook, so it runs before
+    it: the transports finalized after it destroy their engine at once (``_EXITING``)."""
+    with _IDLE_LOCK:
+        _EXITING.append(True)
+        engines = [e for idle in _IDLE.values() for e in idle]
+        _IDLE.clear()
+    engines.clear()
 
 
 def _live(box: list[Any]) -> Any:
@@ -78,17 +130,13 @@ class MooncakeTransport(Transport):
     name = "mooncake"
 
     def __init__(self, store: Any, rank: int, peer: int, timeout: float) -> None:
-        from mooncake.engine import TransferEngine
-
-        engine = TransferEngine()
         host = _local_address(store)
-        if engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
-            raise TransferError(f"the Mooncake Transfer Engine could not start on {host}")
+        engine = _engine(host)
         self.segment = f"{host}:{engine.get_rpc_port()}"
         self._box = [engine]
         self.lock = threading.Lock()
         self.regions = Regions(partial(_register, self._box, self.lock), partial(_deregister, self._box, self.lock))
-        self._finalizer = weakref.finalize(self, _close, self._box, self.regions)
+        self._finalizer = weakref.finalize(self, _close, self._box, self.regions, host)
 
     @property
     def engine(self) -> Any:

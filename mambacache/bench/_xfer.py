@@ -79,7 +79,8 @@ def transfer_vs_send(
     """One row per size: the transfer's and the plain send's median and best milliseconds, and their ratio.
 
     ``ratio`` is the transfer's median over the send's (1.0 = no cost over moving
-    the bytes), ``best_ratio`` the same of the fastest rounds. ``stage_ms`` (export
+    the bytes), ``best_ratio`` the same of the fastest rounds, ``ratio_paired``
+    (``in_place_ratio_paired``, ...) the median of each round's ratio. ``stage_ms`` (export
     and flush on the sender), ``wire_ms`` (``send`` until the acknowledgement) and
     ``land_ms`` (``import_into`` and flush on the receiver) split the transfer's
     median round. Layers are cut so that both processes fit ``budget_bytes``.
@@ -111,6 +112,9 @@ def transfer_vs_send(
         row["in_place_spread_ratio"] = row["in_place_spread_ms"] / row["send_ms"]
         for path in TRANSFERS:
             tag = "" if path == "transfer" else f"{path}_"
+            # Each round's time over the plain path's of the same round (they ran back to back), the median: on a
+            # shared machine the load drifts from round to round, and a ratio of medians mixes rounds apart.
+            row[f"{tag}ratio_paired"] = statistics.median(a / b for a, b in zip(t[path], t["send"], strict=True))
             row[f"{tag}stage_ms"] = statistics.median(t[f"{path}_stage"]) * 1e3
             row[f"{tag}wire_ms"] = statistics.median(t[f"{path}_wire"]) * 1e3
             row[f"{tag}land_ms"] = statistics.median(land[path]) * 1e3
@@ -166,6 +170,12 @@ class _Side:
     def size(self, n: int, repeats: int) -> Any:
         """Times of ``n`` slots: two warm-up rounds, then ``repeats`` rounds, the paths alternating."""
         buf = torch.empty(n * self.mgr.pool.spec.slot_bytes, dtype=torch.uint8)
+        # The sender's bytes are its first n slots' (written, as the pool's are: a buffer never written reads as
+        # the kernel's zero page, and a raw read of one took 1.4-2.7x as long here); the receiver's written too.
+        if self.dist.get_rank() == 0:
+            buf.copy_(torch.cat([t[:, 1 : n + 1].reshape(-1).view(torch.uint8) for t in self.mgr.pool.tensors]))
+        else:
+            buf.zero_()
         if self.raw is not None:  # registered once per size, its place told to the reader once (untimed)
             self.raw[0].register([buf])
             box = [self.raw[1].source([buf]) if self.dist.get_rank() == 0 else None]

@@ -16,19 +16,21 @@ runs another again to see whether the host changed::
     shape (op, bytes, runs, each rounded to a power of two)
       first:  each way in turn, twice (c i w c i w), a way 8x slower than the
               fastest after its first run only once
-      then:   the fastest way; another way again (twice) once ``wait * r``
+      then:   the fastest way; another way again (once) once ``wait * r``
               stages of the shape ran since it last did, r its time over the
               fastest's, ``wait`` starting at ``SOON`` and doubling with each
               look that leaves the fastest where it was, up to ``patience``
               (a way 50x slower is tried every 6,400 stages in the end)
 
-A way ``r`` times slower costs ``2 (r - 1)`` stages' time every ``patience * r``
-stages once its looks have backed off: under ``2 / patience`` of the shape's
-time for each way, whatever ``r``. The first looks are taken while the engine
+A way ``r`` times slower costs ``r - 1`` stages' time every ``patience * r``
+stages once its looks have backed off: under ``1 / patience`` of the shape's
+time for each way, whatever ``r``. A look is one run: the fastest way's time is
+the lower of its last two runs, so one slow run of a looked-at way only puts
+its next look off, and a faster one is what a changed host shows. The first looks are taken while the engine
 starts (loading, compiling, the first pages touched), when one way's run can be
 several times slower than that way is: backing off from ``SOON`` corrects a
 first pick such a run misled within a few dozen stages, for a one-time
-``2 (r - 1) log2(patience / SOON)`` stages' time.
+``(r - 1) log2(patience / SOON)`` stages' time.
 A way's time is the lower of its last two runs: load only slows a run down, and
 one slow run must not exile the fastest way for thousands of stages.
 """
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-__all__ = ["FIRST", "PATIENCE", "SOON", "Policy"]
+__all__ = ["FIRST", "LOOK", "PATIENCE", "SOON", "Policy"]
 
 # Stages of a shape between two looks at a way, per unit of that way's time over the fastest's.
 PATIENCE = 128
@@ -49,6 +51,8 @@ SOON = 4
 FIRST = 2
 # ... except a way whose first run took more than this many times the fastest way's.
 SLOWER = 8
+# Runs of a slower way in each later look.
+LOOK = 1
 
 
 class _Shape:
@@ -78,7 +82,7 @@ class Policy:
         if shape is None:
             shape = self._shapes[key] = _Shape()
         shape.count += 1
-        for way, left in shape.trying.items():  # a look (two runs) in progress
+        for way, left in shape.trying.items():  # a look in progress
             if left:
                 return way
         if shape.count <= FIRST * len(ways):  # the first looks: each way in turn, FIRST times
@@ -91,7 +95,7 @@ class Policy:
                         return way
         for way in ways:
             if way != shape.best and shape.count >= shape.due.get(way, 0):
-                shape.trying[way] = 2
+                shape.trying[way] = LOOK
                 shape.last.pop(way, None)  # a fresh look: its old runs say nothing of the host now
                 return way
         return shape.best

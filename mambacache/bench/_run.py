@@ -97,12 +97,17 @@ def _time_once(fn: Callable[[], object], device: torch.device) -> float:
     return float(start.elapsed_time(end)) / 1e3
 
 
+# Runs of each baseline path, alone, before the round-robin warm-up (``measure``'s ``first``).
+BASELINE_WARMUP = 16
+
+
 def measure(
     fns: dict[str, Callable[[], object]],
     device: torch.device,
     repeats: int,
     warmup: int = 6,
     min_total_s: float = 0.2,
+    first: tuple[str, ...] = (),
 ) -> dict[str, tuple[float, float, float, float]]:
     """Median, min and max seconds of each function, and the interquartile range of its rounds over their
     median (the spread), after warm-up (long enough for the torch executor's first looks at each way to run a
@@ -112,7 +117,16 @@ def measure(
     shared machine hits every path alike and the ratios stay fair. Rounds go on
     until each path has ``repeats`` samples and the slowest ``min_total_s``
     measured (at most 200 rounds).
+
+    ``first``: paths warmed up alone before the others (``BASELINE_WARMUP`` runs each). The sglang path's
+    first runs map and free gigabytes of temporaries, and the runs beside them were several times slower
+    for a dozen rounds (a 10 ms clear took 60-480 ms): an executor's first looks there picked a way that is
+    slower once the process is warm, and kept it for the whole measurement. A serving engine has no such
+    neighbour.
     """
+    for _ in range(BASELINE_WARMUP):
+        for key in first:
+            fns[key]()
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -270,7 +284,7 @@ def run_preset(
                 continue
             fns: dict[str, Callable[[], object]] = {bound: bound_fn, "sglang": sglang_fn}
             fns.update({e: _run_stage(ex, stage, pool, host) for e, ex in impls.items()})
-            timings = measure(fns, device, repeats)
+            timings = measure(fns, device, repeats, first=(bound, "sglang"))
             for path, (median, low, high, _) in timings.items():
                 # Temporaries from a fresh executor (its first step shows its workspace);
                 # ops from the warm one that was timed (what every later step launches).

@@ -95,7 +95,8 @@ def test_bench_transfer_row(capsys: pytest.CaptureFixture[str]) -> None:
             assert 0 < r[f"{path}_min_ms"] <= r[f"{path}_ms"]
         assert r["ratio"] == r["transfer_ms"] / r["send_ms"]
         assert all(r[f"{part}_ms"] > 0 for part in ("stage", "wire", "land"))
-        assert all(r[f"{tag}ratio_paired"] > 0 for tag in ("", "in_place_", "in_place_spread_"))  # per round
+        tags = ("", "in_place_", "in_place_spread_", "staged_awaiting_")
+        assert all(r[f"{tag}ratio_paired"] > 0 for tag in tags)  # per round
 
 
 def test_bench_contended_prints_quiet_and_contended_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,6 +9,7 @@ the bytes the reference executor moves, signalling NaN payloads included.
 
 from __future__ import annotations
 
+import ctypes
 import random
 from typing import Any
 
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mambacache as mc
+from mambacache._executors import _torch
 from mambacache._executors._reference import ReferenceExecutor
 from mambacache._executors._torch import GRAIN, TorchExecutor
 from mambacache._planner import plan_step
@@ -212,3 +214,69 @@ def test_host_stages_in_pieces_move_the_bytes_the_reference_moves(
     assert moved[0][0] == moved[1][0]
     for a, b in zip(moved[0][1], moved[1][1], strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("name", list(SPECS))
+@given(raw=host_ops, seed=st.integers(0, 99))
+@settings(max_examples=25)
+def test_host_stages_by_memmove_move_the_bytes_the_reference_moves(
+    name: str, paged: bool, raw: list[Any], seed: int
+) -> None:
+    """Every host stage on the calling thread goes by memmove (its threshold lowered to 0 from outside): the
+    bytes are the reference's, and a paged pool (rows not one block per layer) keeps the foreach path."""
+    calls: list[int] = []
+    real = ctypes.memmove
+
+    def spy(dst: int, src: int, count: int) -> int:
+        calls.append(count)
+        return int(real(dst, src, count))
+
+    moved = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_torch, "MEMMOVE_BYTES", 0)
+        mp.setattr(ctypes, "memmove", spy)
+        for executor in (TorchExecutor(large_stages="inline"), "reference"):
+            pool = make_pool(name, paged)
+            host = mc.HostPool(pool.spec, 6)
+            random_bytes([*pool.tensors, *host.tensors], seed)
+            with mc.CacheManager(pool, executor=executor, host_pool=host) as mgr:
+                mgr.alloc(8, clear=False)
+                hosts: dict[int, int] = {}
+                raw0 = [(k, 0 if k == "alloc" else a, b) for k, a, b in raw]
+                for events, _, _ in host_events_from_ops(raw0, 8, set(range(1, 9)), 6, set()):
+                    drive(mgr, events, hosts=hosts)
+                    mgr.flush_nowait()
+            if executor != "reference" and paged:
+                assert not calls
+            moved.append(
+                (pool.allocated_slots(), [t.view(torch.uint8).clone() for t in (*pool.tensors, *host.tensors)])
+            )
+    assert moved[0][0] == moved[1][0]
+    for a, b in zip(moved[0][1], moved[1][1], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_a_host_stage_under_a_dispatch_mode_keeps_its_ops_visible(name: str) -> None:
+    """memmove bypasses the dispatcher: under a mode (a fault or op-counting one) every host stage keeps its
+    torch ops; without one, a large stage is memmoves alone."""
+    stages = _host_stages()
+    pool = make_pool(name, False)
+    host = mc.HostPool(pool.spec, 6)
+    random_bytes([*pool.tensors, *host.tensors], 3)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_torch, "MEMMOVE_BYTES", 0)
+        ex = TorchExecutor(large_stages="inline")
+        for stage in stages:
+            with MaxElements() as seen:
+                run_stage(ex, stage, pool.exec_tensors, None, host.exec_tensors)
+            assert any("_foreach" in f or "copy" in f for f, _ in seen.seen), seen.seen
+        calls: list[int] = []
+        real = ctypes.memmove
+        mp.setattr(ctypes, "memmove", lambda d, s, n: calls.append(n) or real(d, s, n))
+        before = [t.clone() for t in host.tensors]
+        for stage in stages:
+            run_stage(ex, stage, pool.exec_tensors, None, host.exec_tensors)
+        assert calls and all(n > 0 for n in calls)
+        assert any(not torch.equal(a, b) for a, b in zip(before, host.tensors, strict=True))

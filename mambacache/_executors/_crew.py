@@ -53,7 +53,7 @@ import queue
 import threading
 
 import torch
-import torch.utils._device  # the default-device context's type (see _only_device_contexts)
+import torch.utils._device  # the default-device context's type (see only_device_contexts)
 
 from ._base import GRAIN
 
@@ -191,7 +191,7 @@ class Crew:
         The torch executor asks it too before it picks how a large stage runs."""
         if torch.get_num_threads() < 2 or torch._C._len_torch_dispatch_stack():
             return False
-        if (modes := torch._C._len_torch_function_stack()) and not _only_device_contexts(modes):
+        if (modes := torch._C._len_torch_function_stack()) and not only_device_contexts(modes):
             return False
         # A profiler records only the threads it was started on.
         return not torch.autograd._profiler_enabled()  # type: ignore[attr-defined]
@@ -257,7 +257,7 @@ def _serve(listing: list[queue.SimpleQueue[_Job]], listed: threading.Event) -> N
             job = None
 
 
-def _only_device_contexts(modes: int) -> bool:
+def only_device_contexts(modes: int) -> bool:
     """Whether each of the ``modes`` function modes on this thread's stack is a default-device context: an
     engine that set a default device once (even ``'cpu'``) would otherwise run every stage on one thread. The
     type itself, not a subclass: a user's mode built on it may count or fault ops, and must see every one."""

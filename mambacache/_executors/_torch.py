@@ -42,8 +42,12 @@ Offload and restore stages on CPU (``execute_host``) take the runs path's views
 on both sides, pool and host tensor alike, so a run at or past ``GRAIN``
 elements is cut under it too (one ``_foreach_copy_`` per stage and tensor); a
 large one runs the way its shape measured fastest, as a zero or copy stage does
-(its pieces shared or not, or one strided op per run); on accelerators,
-``copy_host``'s per-layer non-blocking ops.
+(its pieces shared or not, or one strided op per run); one of ``MEMMOVE_BYTES``
+or more that stays on the calling thread (one torch thread, or the crew's rule
+keeps it) is one libc ``memmove`` per run and layer where both sides' layers are
+contiguous blocks (0.7-0.9x the pieces' time on a staging copy here; no op for a
+dispatch mode or profiler to see, so it is not taken under one); on
+accelerators, ``copy_host``'s per-layer non-blocking ops.
 
 Rotate stages (cycles) take the index path on every setting: one gather of all
 members, then one scatter, so every member is read before any is written; the
@@ -54,6 +58,7 @@ it to ``t[..., :w - k]`` of the destinations and fill ``t[..., w - k:]`` with 0.
 
 from __future__ import annotations
 
+import ctypes
 import operator
 import time
 from collections.abc import Iterable
@@ -63,7 +68,7 @@ import torch
 from .._errors import InvalidArgumentError
 from .._planner import CommitStage, CopyStage, HostStage, OffloadStage, RotateStage, ShiftStage, Stage, ZeroStage
 from ._base import GRAIN, Executor, IndexBuilder, Progress, copy_host, piece_size, pieces, row_width, stage_pairs
-from ._crew import crew
+from ._crew import crew, only_device_contexts
 from ._policy import Policy
 
 __all__ = ["PATHS", "TorchExecutor"]
@@ -73,6 +78,9 @@ PATHS = ("auto", "runs", "index", "direct")
 LARGE = ("auto", "crew", "inline", "whole")
 _ZERO_WAYS = ("crew", "index", "whole")  # a zero stage's ways under "auto" (inline: index_fill_ beats it)
 _WAYS = ("crew", "inline", "whole")  # a copy's and a host stage's
+# A host stage on one thread from this many bytes on goes by ``memmove`` (``_memmove_runs``): under it, one
+# foreach op costs less than a call per run and layer.
+MEMMOVE_BYTES = 1 << 20
 # Pool tensors whose views are cached: past it the oldest is dropped, and a pool with more tensors would
 # rebuild its views every step.
 _MAX_VIEWS = 1024
@@ -107,7 +115,9 @@ class _Views:
     each, where cutting the block afresh makes five.
     """
 
-    __slots__ = ("drafts", "flats", "row", "rows", "slot_bytes", "slots", "small", "split", "tensor", "wholes", "width")
+    __slots__ = (
+        "bases", "drafts", "flats", "row", "rows", "slot_bytes", "slots", "small", "split", "tensor", "wholes", "width",
+    )  # fmt: skip
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
@@ -123,6 +133,8 @@ class _Views:
         self.width = row_width(tensor) if self.split else tensor.dtype
         self.flats: list[torch.Tensor] | None = None
         self.row = 0  # one (layer, slot) row, in width elements
+        # Per layer, the address of its slot 0 when its rows are one contiguous CPU block (``layer_bases``).
+        self.bases: list[int] | bool | None = False  # False: not read yet
         if self.split and all(tensor[layer].is_contiguous() for layer in range(tensor.shape[0])):
             self.flats = [tensor[layer].view(-1).view(torch.uint8).view(self.width) for layer in range(tensor.shape[0])]
             self.row = self.flats[0].numel() // tensor.shape[1]
@@ -135,6 +147,15 @@ class _Views:
                 views = self.slots[start] = self._build(start, 1)
             return views
         return self._build(start, length)
+
+    def layer_bases(self) -> list[int] | None:
+        """Per layer, the address of slot 0's row, where each layer's rows are one contiguous block of CPU memory
+        (row ``s`` at ``base + s * row bytes``); else None. Read once: a pool's tensors are its for life."""
+        if self.bases is False:
+            t = self.tensor
+            ok = t.device.type == "cpu" and all(t[layer].is_contiguous() for layer in range(t.shape[0]))
+            self.bases = [t[layer].data_ptr() for layer in range(t.shape[0])] if ok else None
+        return self.bases  # type: ignore[return-value]
 
     def whole(self, start: int, length: int) -> torch.Tensor:
         """Slots ``start .. start + length - 1``, every layer, as one uncut strided view; a single slot's from
@@ -260,12 +281,13 @@ class _Large:
         """An offload or restore between CPU tensors ``src`` and ``dst`` (their view caches ``read``, ``write``),
         the way :meth:`way` picks; timed for the policy."""
         way = None
+        nbytes = sum(n for _, _, n in stage.runs) * read.slot_bytes
         if self.setting != "inline":
-            nbytes = sum(n for _, _, n in stage.runs) * read.slot_bytes
             key = ("host", nbytes.bit_length(), len(stage.runs).bit_length())
             way = self.way(key, nbytes)
         if way is None:
-            _host_pieces(stage, src, dst, read, write, self.setting != "inline")
+            if nbytes < MEMMOVE_BYTES or not _memmove_runs(stage, src, read, write):
+                _host_pieces(stage, src, dst, read, write, self.setting != "inline")
             return
         t0 = time.perf_counter()
         if way == "whole":  # one strided op per run, as copy_host makes it
@@ -275,6 +297,32 @@ class _Large:
             _host_pieces(stage, src, dst, read, write, way == "crew")
         if self.setting == "auto":
             self.policy.record(key, way, time.perf_counter() - t0, nbytes)
+
+
+def _memmove_runs(stage: HostStage, src: torch.Tensor, read: _Views, write: _Views) -> bool:
+    """A host stage on one thread as one ``memmove`` per run and layer (consecutive rows of a layer are one
+    block on both sides), where both sides' layers are contiguous CPU blocks of the same row bytes; False,
+    with nothing copied, where not, or where an observer must see every op (a Python dispatch or function
+    mode other than a default-device context, a profiler: a fault or op-counting mode, a trace).
+
+    Why not ``copy_``: ATen's CPU copy is a loop of vector loads and stores, and every store first reads its
+    destination line; libc's ``memmove`` of a large block uses the CPU's string copy, which writes whole
+    lines without reading them, and moved a staging-sized copy faster on this host (docs/benchmarks.md).
+    """
+    a_bases, b_bases = read.layer_bases(), write.layer_bases()
+    if a_bases is None or b_bases is None or src.shape[2:] != write.tensor.shape[2:]:
+        return False
+    if torch._C._len_torch_dispatch_stack() or torch.autograd._profiler_enabled():  # type: ignore[attr-defined]
+        return False
+    if (modes := torch._C._len_torch_function_stack()) and not only_device_contexts(modes):
+        return False
+    row = src[0, 0].nbytes
+    move = ctypes.memmove
+    for a, b, n in stage.runs:
+        size, da, db = n * row, a * row, b * row
+        for pa, pb in zip(a_bases, b_bases, strict=True):
+            move(pb + db, pa + da, size)
+    return True
 
 
 def _host_pieces(

@@ -318,17 +318,18 @@ def _plain(transport: str) -> str:
 def _transfer_table(rows: list[dict[str, Any]]) -> str:
     return "\n\n".join(
         table(["slots", "MiB", "transfer ms", "send ms", "x send", "best x", "stage ms", "wire ms", "land ms",
-               "in place ms", "x send", "spread ms", "x send", "paired x"],
+               "in place ms", "x send", "spread ms", "x send", "awaiting ms", "paired x"],
               [[r["slots"], round(r["bytes"] / 2**20, 1), r["transfer_ms"], r["send_ms"], r["ratio"], r["best_ratio"],
                 r["stage_ms"], r["wire_ms"], r["land_ms"], r["in_place_ms"], r["in_place_ratio"],
-                r["in_place_spread_ms"], r["in_place_spread_ratio"],
+                r["in_place_spread_ms"], r["in_place_spread_ratio"], r["staged_awaiting_ms"],
                 "/".join(f"{r[k]:.2f}" for k in ("ratio_paired", "in_place_ratio_paired",
-                                                 "in_place_spread_ratio_paired"))]
+                                                 "in_place_spread_ratio_paired", "staged_awaiting_ratio_paired"))]
                for r in rows if r["preset"] == preset],
               title=f"{preset}: {rows[0]['layers']} layers; StateTransfer vs {_plain(rows[0]['transport'])} of the"
                     f" same bytes ({rows[0]['transport']}, 127.0.0.1), interleaved; x send = transfer / send (medians);"
                     " in place: export(..., in_place=True) of one run of slots, spread: of the transfer's spread slots;"
-                    " paired x: the median of each round's ratio (transfer / in place / spread)")
+                    " awaiting: staged into receiver slots that await the states (expect_import);"
+                    " paired x: the median of each round's ratio (transfer / in place / spread / awaiting)")
         for preset in dict.fromkeys(r["preset"] for r in rows)
     )  # fmt: skip
 

@@ -15,6 +15,10 @@ round), so a slow spell of a shared machine hits both alike:
   the rows land straight in them and ``import_into`` copies nothing;
   ``in_place_spread``: the same from the spread slots (the send gathers them:
   one copy);
+* ``staged_awaiting``: the transfer's staged export of the spread slots, into
+  the receiver's n slots awaiting the states (``expect_import`` before the
+  round, as in place): the rows are read from the sender's host pool straight
+  into them, and ``import_into`` copies nothing (the staging copy stays);
 * ``send``: one ``dist.send`` / ``dist.recv`` of a ready contiguous buffer of the
   same bytes, the bound of this group and link; over ``transport="nixl"`` or
   ``"mooncake"``, one raw read of that buffer by the receiver over the same
@@ -52,7 +56,7 @@ from ._presets import fit_layers, lookup
 
 __all__ = ["transfer_vs_send"]
 
-PATHS = ("transfer", "in_place", "in_place_spread", "send")
+PATHS = ("transfer", "in_place", "in_place_spread", "staged_awaiting", "send")
 TRANSFERS = PATHS[:-1]
 # Per process: the pool, the host pool, the plain path's buffer and the transfer's gathered rows, each about
 # max(sizes) slots; two processes.
@@ -110,6 +114,7 @@ def transfer_vs_send(
         row["best_ratio"] = row["transfer_min_ms"] / row["send_min_ms"]
         row["in_place_ratio"] = row["in_place_ms"] / row["send_ms"]
         row["in_place_spread_ratio"] = row["in_place_spread_ms"] / row["send_ms"]
+        row["staged_awaiting_ratio"] = row["staged_awaiting_ms"] / row["send_ms"]
         for path in TRANSFERS:
             tag = "" if path == "transfer" else f"{path}_"
             # Each round's time over the plain path's of the same round (they ran back to back), the median: on a
@@ -235,7 +240,7 @@ class _Sender(_Side):
         """Export, stage, send until acknowledged, wait for the receiver's word that the states landed."""
         mgr, ids = self.mgr, [f"r{i}" for i in range(n)]
         slots = self.run if path == "in_place" else self.spread
-        in_place = path != "transfer"
+        in_place = path.startswith("in_place")
         for s, r in zip(slots, ids, strict=True):
             mgr.alloc_slots([s], r, clear=False)
         mgr.flush_nowait()
@@ -278,9 +283,9 @@ class _Receiver(_Side):
         self.dist.send(self.done, 0)
 
     def prepare(self, path: str, n: int) -> None:
-        """In place, the slots await the states from before the round (an engine allocates them when it admits
-        the requests, long before their states come)."""
-        if path.startswith("in_place"):
+        """In place (and staged into awaiting slots), the slots await the states from before the round (an engine
+        allocates them when it admits the requests, long before their states come)."""
+        if path.startswith("in_place") or path == "staged_awaiting":
             for s, r in zip(self.slots, [f"r{i}" for i in range(n)], strict=True):
                 self.mgr.expect_import(s, r)
             self.mgr.flush_nowait()

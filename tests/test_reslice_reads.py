@@ -262,3 +262,38 @@ def test_tp2_to_tp1_replicated_parts_that_differ_land_nothing(transport: str) ->
         d.flush_nowait()
         for got_t, w in zip(d.pool.tensors, full, strict=True):
             assert torch.equal(got_t[:, 1].contiguous().view(torch.uint8), w[:, 0].contiguous().view(torch.uint8))
+
+
+def test_tp2_to_tp1_lands_in_the_slots_that_await_the_states(transport: str) -> None:
+    """2 -> 1 into pool slots that await the states (``expect_import``): over every transport the receiver lands
+    them there, exact, and takes no staging host slot (it landed them in staging, a copy more at the import)."""
+    layout = _layout(1)
+    shard = layout.shard_spec(2)
+    master = _store()
+    g = torch.Generator().manual_seed(7)
+    full = [torch.randn(layout.spec.num_layers, 1, *s, generator=g).to(d) for s, d in layout.spec.shapes()]
+    full[-1].fill_(0.5)
+    with _mgr(shard) as p0, _mgr(shard) as p1, _mgr(layout.spec) as d:
+        senders = [_transfer(p0, master, 0, 2, 5.0), _transfer(p1, master, 1, 2, 5.0)]
+        receiver = ReslicingReceiver(d, [_transfer(d, master, 2, 0, 5.0), _transfer(d, master, 2, 1, 5.0)], layout)
+        for k, p in enumerate((p0, p1)):
+            (slot,) = p.alloc(1, "a", clear=False)
+            p.flush_nowait()
+            for t, part in zip(p.pool.tensors, layout.slice(full, 2, k), strict=True):
+                t[:, slot] = part[:, 0]
+            p.export(slot, "a")
+            p.flush_nowait()
+        d.expect_import(3, "a")
+        d.flush_nowait()
+        sends = [in_thread(x.send) for x in senders]
+        assert receiver.receive() == ["a"]
+        for th, sent in sends:
+            th.join(10)
+            assert sent == [["a"]]
+        assert d.host_pool is not None and d.host_pool.num_held == 0, "landed in staging"
+        for got_t, w in zip(d.pool.tensors, full, strict=True):
+            assert torch.equal(got_t[:, 3].contiguous().view(torch.uint8), w[:, 0].contiguous().view(torch.uint8))
+        d.import_into(3, "a")
+        d.flush_nowait()
+        for got_t, w in zip(d.pool.tensors, full, strict=True):
+            assert torch.equal(got_t[:, 3].contiguous().view(torch.uint8), w[:, 0].contiguous().view(torch.uint8))

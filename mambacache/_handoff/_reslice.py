@@ -344,6 +344,7 @@ class ReslicingReceiver:
             raise InvalidArgumentError("the manager must hold the layout's full spec, with a host pool to land in")
         self._mgr, self._transfers, self._layout = manager, list(transfers), layout
         self._shapes = layout.shard_spec(len(transfers)).shapes()
+        self._asides: dict[int, torch.Tensor] = {}  # per rank after the first: its replicated parts, read aside
 
     def receive(self) -> list[str]:
         """One batch from every peer rank, assembled and landed whole; returns the ids.
@@ -523,11 +524,10 @@ class ReslicingReceiver:
     def _aside(self, rank: int, size: int, rows: _Rows) -> torch.Tensor:
         """Rank ``rank``'s buffer for its replicated parts, ``size`` bytes on the landing rows' device: kept across
         batches (a pulled wire registers it once, not at every batch), grown when too small."""
-        kept: dict[int, torch.Tensor] = self.__dict__.setdefault("_asides", {})
         device = rows.layers[0][0].device
-        buffer = kept.get(rank)
+        buffer = self._asides.get(rank)
         if buffer is None or buffer.numel() < size or buffer.device != device:
-            buffer = kept[rank] = torch.empty(size, dtype=torch.uint8, device=device)
+            buffer = self._asides[rank] = torch.empty(size, dtype=torch.uint8, device=device)
         return buffer[:size]
 
 

@@ -106,14 +106,19 @@ def test_a_shard_written_into_a_receivers_pieces_fills_its_parts_and_puts_replic
     for views, old, src_views, tensor_cuts in zip(rows, before, src_rows, cuts, strict=True):
         for view, was, src in zip(views, old, src_views, strict=True):
             for s in range(view.shape[0]):
-                got_row = view[s].contiguous().view(torch.uint8).reshape(-1)
-                want_row = was[s].contiguous().view(torch.uint8).reshape(-1).clone()
+                got_row = _row(view[s])
+                want_row = _row(was[s]).clone()
                 if s in slots:
-                    src_row = src[s].contiguous().view(torch.uint8).reshape(-1)
+                    src_row = _row(src[s])
                     for offset, size, replicated in tensor_cuts:
                         if not replicated:
                             want_row[offset : offset + size] = src_row[offset : offset + size]
                 assert torch.equal(got_row, want_row)
+
+
+def _row(t: torch.Tensor) -> torch.Tensor:
+    """One state's row as its bytes (a scalar state too)."""
+    return t.reshape(-1).contiguous().view(torch.uint8)
 
 
 def test_rows_a_wire_does_not_reach_or_not_contiguous_per_slot_have_no_pieces() -> None:
@@ -128,10 +133,11 @@ def test_rows_a_wire_does_not_reach_or_not_contiguous_per_slot_have_no_pieces() 
     assert _Rows([[t.to("meta")], [rows[1][0].to("meta")]]).pieces([1], False, ("cpu",), cuts) is None
 
 
-def test_a_run_of_slots_cut_in_two_places_is_two_ranges_per_slot_and_layer() -> None:
+def test_a_run_of_slots_cut_in_two_places_is_a_range_per_slot_and_layer() -> None:
     """What a cut costs the header: rank 0's shard of ``x`` then ``B`` and ``C`` (the full row's first half of
-    ``x``, then ``B`` and ``C`` after the other half) is two ranges per row; rank 1's (the second half of ``x``
-    then ``B`` and ``C``, touching) one; an uncut run of rows one range per layer."""
+    ``x``, then ``B`` and ``C`` after the other half) is two ranges per row, the second touching the next row's
+    first (one range more per layer than rows); rank 1's (the second half of ``x`` then ``B`` and ``C``,
+    touching) one per row; an uncut run of rows one range per layer at most."""
     cfg_layout = StateLayout.from_config(_mamba2())
     rows = [list(t.unbind(0)) for t in mc.StatePool(cfg_layout.spec, 9).tensors]
     slots = list(range(1, 9))
@@ -141,9 +147,9 @@ def test_a_run_of_slots_cut_in_two_places_is_two_ranges_per_slot_and_layer() -> 
     whole = _Rows(rows).pieces(slots, False, ("cpu",))
     assert r0 is not None and r1 is not None and whole is not None
     layers = cfg_layout.spec.num_layers
-    assert len(r0[conv].spans) == 2 * len(slots) * layers
+    assert len(r0[conv].spans) == (len(slots) + 1) * layers
     assert len(r1[conv].spans) == len(slots) * layers
-    assert len(whole[conv].spans) in (1, layers)  # the layers of a stacked tensor may touch
+    assert len(whole[conv].spans) <= layers
 
 
 def _mamba2() -> object:

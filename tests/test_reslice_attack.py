@@ -413,7 +413,7 @@ def test_a_first_try_one_rank_refused_for_room_and_another_never_took_is_cut_to_
 
 
 def test_a_batch_the_sender_could_not_read_is_a_transfer_error_and_not_in_doubt(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, transport: str
 ) -> None:
     """1 -> 2: reading the batch (the shards are cut from fresh host tensors: ``export_rows`` and the layout's
     slices allocate) fails before any rank's header is posted, so no rank can hold this try. The re-slicing sender
@@ -425,7 +425,7 @@ def test_a_batch_the_sender_could_not_read_is_a_transfer_error_and_not_in_doubt(
 
     with _one_to_two(2.0) as (mgr, d1, d2, sender, into):
         _export(mgr, "a", 1)
-        fail_once(monkeypatch, reslice_mod, "export_rows", MemoryError("the shards' host tensors could not grow"))
+        fail_once(monkeypatch, reslice_mod, _reading(transport), MemoryError("the shards' host tensors could not grow"))
         with pytest.raises(mc.TransferError, match="nothing was sent") as caught:
             sender.send()
         assert isinstance(caught.value.__cause__, MemoryError)
@@ -445,7 +445,15 @@ def test_a_batch_the_sender_could_not_read_is_a_transfer_error_and_not_in_doubt(
         mgr.check_idle(host=True)
 
 
-def test_a_stop_iteration_while_the_shards_are_cut_is_nothing_sent_too(monkeypatch: pytest.MonkeyPatch) -> None:
+def _reading(transport: str) -> str:
+    """What reads a batch's shards on the sender: cut from a host copy of the rows (gloo pushes them), or, over a
+    wire that reads pieces, the byte ranges of the rows they lie in (read there by each rank)."""
+    return "export_rows" if transport == "gloo" else "export_pieces"
+
+
+def test_a_stop_iteration_while_the_shards_are_cut_is_nothing_sent_too(
+    monkeypatch: pytest.MonkeyPatch, transport: str
+) -> None:
     """1 -> 2: ``ReadingBatch``, first a generator context manager, let a StopIteration raised while the batch was read
     out bare, not as NothingSent (contextlib takes a RuntimeError caused by it for PEP 479's conversion, and
     NothingSent is one): the batch, read before any rank's header, was counted in doubt and pinned to rank 1."""
@@ -453,7 +461,7 @@ def test_a_stop_iteration_while_the_shards_are_cut_is_nothing_sent_too(monkeypat
 
     with _one_to_two(2.0) as (mgr, d1, d2, sender, _):
         slot = _export(mgr, "a", 1)
-        fail_once(monkeypatch, reslice_mod, "export_rows", StopIteration("an iterator ran dry"))
+        fail_once(monkeypatch, reslice_mod, _reading(transport), StopIteration("an iterator ran dry"))
         with pytest.raises(mc.TransferError, match="nothing was sent") as caught:
             sender.send()
         assert isinstance(caught.value.__cause__, StopIteration)

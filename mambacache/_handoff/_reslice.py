@@ -20,16 +20,27 @@ TP 1 -> TP ``b`` cuts on the sender (:class:`ReslicingSender`: each receiving
 rank gets only its shard's bytes), and ``a`` -> ``b`` where one divides the
 other is either of them over :meth:`StateLayout.shard_layout` (a shard is
 itself a layout, re-sliced ``b / a`` or ``a / b`` ways).
+
+Over a wire that reads pieces (NIXL, Mooncake) neither side copies where the
+rows allow it (host memory, or memory the wire reads, each slot's row
+contiguous): a rank's shard is named as the byte ranges of the rows it lies in
+(:meth:`StateLayout.cuts`, ``_transfer._Rows.pieces``) and read there into the
+byte ranges of the landing rows it belongs in. Over gloo the shards are cut
+from a host copy and pushed whole, and a receiver gathers them before it
+writes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -44,18 +55,29 @@ from .._errors import (
 )
 from .._events import Export
 from .._spec import StateSpec
-from ._link import NothingSent, check_timeout
+from ._link import Batch, NothingSent, Withdrawn, check_timeout, fingerprint, messages
 from ._surface import CacheManager
 from ._transfer import (
     Batches,
     BatchId,
+    Cut,
     ReadingBatch,
     StateTransfer,
+    _Buffers,
+    _landing_rows,
+    _Rows,
+    _wire,
     export_rows,
+    replicated_bytes,
+    replicated_rows,
     send_exports,
+    ship_messages,
     ship_rows,
+    wait_for_restores,
+    write_pool,
     write_staging,
 )
+from ._transports._base import Message
 from ._transports._pick import check_transport
 
 __all__ = ["ReslicingReceiver", "ReslicingSender", "Segment", "StateLayout", "TensorLayout"]
@@ -107,6 +129,20 @@ class TensorLayout:
             parts.append(full.narrow(dim, offset, width))
             start += seg.size
         return torch.cat(parts, dim)
+
+    def cuts(self, shape: Sequence[int], dtype: torch.dtype, tp: int, rank: int) -> list[Cut]:
+        """Rank ``rank``'s shard of one state's row (per-slot ``shape``, ``dtype``) as byte ranges of the full
+        row, in shard order: :meth:`slice`'s parts, where they lie (``(offset, bytes, replicated)``)."""
+        self.check(tp)
+        if not self.segments:
+            return [(0, math.prod(shape) * dtype.itemsize, True)]
+        unit = math.prod(shape[1:]) * dtype.itemsize  # one entry of the first state dimension
+        out, start = [], 0
+        for seg in self.segments:
+            width = seg.size // tp if seg.split else seg.size
+            out.append(((start + (rank * width if seg.split else 0)) * unit, width * unit, not seg.split))
+            start += seg.size
+        return out
 
     def gather(self, shards: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
         """The full tensor from every rank's shard, in rank order; TransferError when replicated parts differ."""
@@ -232,6 +268,16 @@ class StateLayout:
             ),
         )
 
+    def cuts(self, tp: int, rank: int) -> list[list[Cut]]:
+        """Rank ``rank``'s shard at ``tp`` of one state's row of each pool tensor, as the byte ranges of the full
+        row it is made of, in shard order (``(offset, bytes, replicated)``): what a wire that reads pieces reads
+        (or writes), where :meth:`slice` copies."""
+        self.check(tp)
+        if type(rank) is not int or not 0 <= rank < tp:
+            raise InvalidArgumentError(f"rank must be in [0, {tp}), got {rank!r}")
+        shapes = self.spec.shapes()
+        return [t.cuts(s, dtype, tp, rank) for t, (s, dtype) in zip(self.tensors, shapes, strict=True)]
+
     def slice(self, full: Sequence[torch.Tensor], tp: int, rank: int, dim: int = 2) -> list[torch.Tensor]:
         """Rank ``rank``'s shard of each full tensor (pool-shaped ``[layers, slots, *state]``: ``dim=2``)."""
         self.check(tp)
@@ -244,6 +290,40 @@ class StateLayout:
         replicated parts of two ranks differ."""
         self.check(len(shards))
         return [t.gather([s[i] for s in shards], dim) for i, t in enumerate(self.tensors)]
+
+
+def _devices(transfers: Sequence[StateTransfer], direction: str) -> tuple[str, ...] | None:
+    """The device types whose memory every one of ``transfers``' wires (``"_out"`` or ``"_in"``) reads pieces of,
+    or None unless each of them does (gloo pushes whole tensors; a stand-in wire too)."""
+    wires = [_wire(x, direction) for x in transfers]
+    if not all(getattr(w, "pieces", False) is True for w in wires):
+        return None
+    kinds = [set(w.devices) for w in wires if w is not None]
+    return tuple(sorted(set.intersection(*kinds))) if kinds else None
+
+
+def export_pieces(
+    transfers: Sequence[StateTransfer], exports: list[Export], layout: StateLayout
+) -> list[list[Message]] | None:
+    """Each rank's shard of the states of ``exports`` (all staged, or all in place) as the wire's messages, one per
+    pool tensor: the byte ranges of their staging host rows (or pool rows, in place) the shard is made of, per
+    rank ``k`` of ``len(transfers)`` (:meth:`StateLayout.cuts`), so the rank reads its bytes where they lie and
+    nothing is copied here. None unless every transfer's wire reads pieces of those rows
+    (``_transfer._Rows.pieces``): then the shards are cut from a host copy (:func:`export_rows`)."""
+    devices = _devices(transfers, "_out")
+    if devices is None:
+        return None
+    in_place = exports[0].host is None
+    slots = [ev.slot if in_place or ev.host is None else ev.host for ev in exports]
+    rows = transfers[0]._rows(in_place)  # one manager behind every transfer
+    tp = len(transfers)
+    out: list[list[Message]] = []
+    for rank in range(tp):
+        shard = rows.pieces(slots, False, devices, layout.cuts(tp, rank))
+        if shard is None:
+            return None
+        out.append(list(shard))
+    return out
 
 
 class ReslicingReceiver:
@@ -264,14 +344,21 @@ class ReslicingReceiver:
             raise InvalidArgumentError("the manager must hold the layout's full spec, with a host pool to land in")
         self._mgr, self._transfers, self._layout = manager, list(transfers), layout
         self._shapes = layout.shard_spec(len(transfers)).shapes()
+        self._asides: dict[int, torch.Tensor] = {}  # per rank after the first: its replicated parts, read aside
 
     def receive(self) -> list[str]:
-        """One batch from every peer rank, assembled and landed in staging host slots; returns the ids.
+        """One batch from every peer rank, assembled and landed whole; returns the ids.
 
-        Each is then read by ``manager.import_into(slot, request_id=...)``. An acknowledgement that fails
+        In place when every state awaits a settled pool slot (``expect_import``), else in staging host slots; each
+        is then read by ``manager.import_into(slot, request_id=...)``. Over a wire that reads pieces (NIXL,
+        Mooncake) each rank's shard is read straight into its parts of the landing rows (no buffer, no gather,
+        no copy after; a rank after the first reads its replicated parts aside, compared with the first's); over
+        gloo each arrives whole, and is gathered, then written. An acknowledgement that fails
         after the landing (a store failure) is traced, not raised: the states landed, and their ids are
         returned; a rank that missed its answer sends the batch again, acknowledged without landing twice.
         """
+        if _devices(self._transfers, "_in") is not None:
+            return self._receive_pieces()
         got: list[tuple[list[str], list[torch.Tensor]]] = []
         try:
             for x in self._transfers:
@@ -279,9 +366,7 @@ class ReslicingReceiver:
             ids = got[0][0]
             peers = [x.peer for x in self._transfers]  # a line names the first; `peers` lists every shard's rank
             try:
-                for k, (other, _) in enumerate(got[1:], 1):
-                    if other != ids:
-                        raise TransferError(f"peer rank 0 sent {ids}, rank {k} sent {other}: not one batch", ids)
+                self._one_batch(ids, [other for other, _ in got], trace=False)
                 full = self._layout.gather([rows for _, rows in got], dim=2)
             except TransferError as exc:
                 # These checks are this receiver's own: each rank's receive_rows traced only its own failures.
@@ -289,14 +374,10 @@ class ReslicingReceiver:
                 raise
             size = sum(r.numel() * r.element_size() for _, rows in got for r in rows)  # from every rank
             # Arrived only once written (a failed write frees the slots, and every rank hears it landed nothing).
-
-            def arrived(slots: list[int]) -> None:  # in the hold that makes them arrived: before any import's line
-                _tracing.tracer.transfer(
-                    "transfer.receive", peers[0], ids, step=self._mgr.step, n=len(ids), hosts=slots, bytes=size,
-                    peers=peers,
-                )  # fmt: skip
-
-            self._mgr.land(ids, lambda hosts: write_staging(self._mgr, hosts, full), arrived=arrived)
+            mgr = self._mgr
+            line = partial(self._arrived, ids, size)
+            if mgr.land_in_place(ids, lambda slots: write_pool(mgr, slots, full), arrived=line("slots")) is None:
+                mgr.land(ids, lambda hosts: write_staging(mgr, hosts, full), arrived=line("hosts"))
         except BaseException as exc:
             # Every rank that sent its shard hears that nothing landed: it keeps its slots and sends again.
             why = f"room:{self._mgr.landing_room()}:{exc}" if isinstance(exc, PoolExhaustedError) else str(exc)
@@ -313,6 +394,142 @@ class ReslicingReceiver:
                 x.acknowledge(ids)
         return ids
 
+    def _arrived(self, ids: list[str], size: int, where: str) -> Callable[[list[int]], None]:
+        """The ``arrived`` callback of a landing: one ``transfer.receive`` line naming every rank (``peers``), the
+        bytes from all of them, and the staging host slots (``where`` ``"hosts"``) or pool slots (``"slots"``)."""
+        peers = [x.peer for x in self._transfers]
+
+        def arrived(slots: list[int]) -> None:  # in the hold that makes them arrived: before any import's line
+            _tracing.tracer.transfer(
+                "transfer.receive", peers[0], ids, step=self._mgr.step, n=len(ids), bytes=size, peers=peers,
+                **{where: slots},
+            )  # fmt: skip
+
+        return arrived
+
+    def _one_batch(self, ids: list[str], each: list[list[str]], trace: bool = True) -> None:
+        """TransferError (traced, naming every rank, when ``trace``) unless every rank sent the batch of ``ids``."""
+        for k, other in enumerate(each[1:], 1):
+            if other != ids:
+                exc = TransferError(f"peer rank 0 sent {ids}, rank {k} sent {other}: not one batch", ids)
+                if trace:
+                    peers = [x.peer for x in self._transfers]
+                    _tracing.tracer.transfer(
+                        "transfer.failed", peers[0], ids, call="receive", error=str(exc), peers=peers
+                    )
+                raise exc
+
+    def _receive_pieces(self) -> list[str]:
+        """:meth:`receive` over wires that read pieces: every rank's header judged first, the landing slots taken,
+        then each rank's ``go`` and its shard read into its parts of the slots' rows (:meth:`_read_into`)."""
+        mgr, xs = self._mgr, self._transfers
+        batches: list[Batch] = []
+        with contextlib.ExitStack() as turns:
+            for x in xs:  # a receive of each transfer takes turns with this one (and one awaiting its answer first)
+                turns.enter_context(x._receive_lock)
+                x._check_open()
+                x._check_answered()
+            deadlines = [time.monotonic() + x._in.timeout for x in xs]
+            try:
+                for x, deadline in zip(xs, deadlines, strict=True):
+                    try:
+                        batches.append(x._in.offer(x._layers(), self._shapes, mgr.landing_room, deadline))
+                    except TransferError as exc:  # this rank's own failure (no batch, a refusal), as receive_rows'
+                        _tracing.tracer.transfer(
+                            "transfer.failed", x.peer, exc.request_ids, call="receive", error=str(exc)
+                        )
+                        raise
+                ids = batches[0].ids
+                self._one_batch(ids, [b.ids for b in batches])
+                size = sum(sum(b.sizes) for b in batches)
+                write = partial(self._read_into, batches, deadlines, ids)
+                line = partial(self._arrived, ids, size)
+                if mgr.land_in_place(ids, partial(write, True), arrived=line("slots")) is None:
+                    mgr.land(ids, partial(write, False), arrived=line("hosts"))
+            except BaseException as exc:
+                # Every rank hears that nothing landed: one whose go was not written yet sees a refusal at once
+                # (room: cut to it), one that sent its bytes a refusal after them; each keeps its slots.
+                why = f"room:{mgr.landing_room()}:{exc}" if isinstance(exc, PoolExhaustedError) else str(exc)
+                for x, batch in zip(xs, batches, strict=False):
+                    if x._in.waiting is batch:
+                        with contextlib.suppress(TransferError):
+                            x._in.answer(batch, False, why)
+                raise
+        for x in xs:  # as receive()'s: every rank answered, a failed answer traced, not raised
+            with contextlib.suppress(TransferError):
+                x.acknowledge(ids)
+        return ids
+
+    def _read_into(
+        self, batches: list[Batch], deadlines: list[float], ids: list[str], in_place: bool, slots: list[int]
+    ) -> None:
+        """The landing's write: each rank's ``go`` and its shard read into ``slots`` (pool slots ``in_place``, else
+        staging host slots), rank ``k``'s bytes into its parts of the rows (:meth:`StateLayout.cuts`). Rank 0's
+        replicated parts land; every other rank's are read too, into a buffer kept aside, and compared with rank
+        0's once all arrived (they differ: not one state, TransferError, nothing arrives). Rows the wires cannot
+        read into (an accelerator's a wire does not reach, strided rows) take each rank's shard into a fresh
+        buffer, gathered and written after. A rank whose sender withdrew its header before its go is waited for
+        again until its deadline (its retry must be the same batch)."""
+        mgr, xs, tp = self._mgr, self._transfers, len(self._transfers)
+        devices = _devices(xs, "_in")
+        assert devices is not None
+        rows = xs[0]._rows(in_place)  # one manager behind every transfer
+        layers = mgr.pool.spec.num_layers
+        direct = rows.contiguous and rows.device_types <= set(devices)  # as _Rows.pieces asks
+        asides: list[tuple[int, torch.Tensor, list[list[Cut]]]] = []
+        bufs: list[list[torch.Tensor]] = []
+        wait_for_restores(mgr)  # the bytes land in the slots themselves; an earlier restore may still read them
+        for k, x in enumerate(xs):
+            cuts = self._layout.cuts(tp, k)
+            while True:
+                batch = batches[k]
+                try:
+                    if direct:
+                        aside_bytes = replicated_bytes(layers, len(slots), cuts) if k else 0
+                        aside = self._aside(k, aside_bytes, rows) if aside_bytes else None
+                        raw = rows.pieces(slots, batch.split, devices, cuts, aside)
+                        assert raw is not None
+                        x._in.take(batch, raw)
+                        if aside is not None:
+                            asides.append((k, aside, cuts))
+                    else:
+                        got = _Buffers().rows(layers, len(ids), self._shapes)
+                        x._in.take(batch, messages(got, batch.split))
+                        bufs.append(got)
+                    break
+                except Withdrawn:  # its sender gave up on this header first: its retry comes next
+                    x._in.check_left(deadlines[k])
+                    batches[k] = x._in.offer(x._layers(), self._shapes, lambda _: len(ids), deadlines[k])
+                except TransferError as exc:  # this rank's own failure (the bytes, the store), as receive_rows'
+                    _tracing.tracer.transfer("transfer.failed", x.peer, exc.request_ids, call="receive", error=str(exc))
+                    raise
+                self._one_batch(ids, [b.ids for b in batches])  # the retry of a withdrawn header
+        try:
+            if bufs:
+                (write_pool if in_place else write_staging)(mgr, slots, self._layout.gather(bufs, dim=2))
+            if asides:
+                landed = _landing_rows(mgr, in_place)
+                for k, aside, cuts in asides:
+                    if not torch.equal(aside, replicated_rows(landed, slots, cuts)):
+                        raise TransferError(
+                            f"the replicated parts differ between rank 0 and rank {k}: the shards are not of one"
+                            " state", ids
+                        )  # fmt: skip
+        except TransferError as exc:
+            peers = [x.peer for x in xs]
+            _tracing.tracer.transfer("transfer.failed", peers[0], ids, call="receive", error=str(exc), peers=peers)
+            raise
+
+    @torch.inference_mode(False)
+    def _aside(self, rank: int, size: int, rows: _Rows) -> torch.Tensor:
+        """Rank ``rank``'s buffer for its replicated parts, ``size`` bytes on the landing rows' device: kept across
+        batches (a pulled wire registers it once, not at every batch), grown when too small."""
+        device = rows.layers[0][0].device
+        buffer = self._asides.get(rank)
+        if buffer is None or buffer.numel() < size or buffer.device != device:
+            buffer = self._asides[rank] = torch.empty(size, dtype=torch.uint8, device=device)
+        return buffer[:size]
+
 
 class ReslicingSender:
     """Sends each exported state to the ``tp`` ranks of a peer at another tensor-parallel size, each only its shard.
@@ -322,7 +539,11 @@ class ReslicingSender:
     receives with a plain :class:`~mambacache.StateTransfer` into a manager of
     ``layout.shard_spec(len(peers))``. The cut happens here so each rank is sent
     its ``1/tp`` of the split segments (and the replicated ones), never the whole
-    state. Invariants: the wire is :class:`~mambacache.StateTransfer`'s, one
+    state: over gloo cut into a host copy and pushed, over a wire that reads
+    pieces (NIXL, Mooncake) named where it lies (each rank's header lists the
+    byte ranges of the staging or pool rows its shard is made of) and read there
+    by the rank, no copy on this side. Invariants: the wire is
+    :class:`~mambacache.StateTransfer`'s, one
     batch per rank per call; the exported slots are released only once every
     rank acknowledged, so a rank that dies or times out is a
     :class:`TransferError` with every slot still held (send again or release),
@@ -401,14 +622,25 @@ class ReslicingSender:
         mgr, tp = self._mgr, len(self.peers)
         self._failed = [], []
         with ReadingBatch(mgr, ids):  # before any rank's header: a failure is NothingSent, not in doubt
-            full = export_rows(mgr, ready)
-            shards = [[s.contiguous() for s in self._layout.slice(full, tp, k)] for k in range(tp)]
+            # Over a wire that reads pieces each rank reads its shard's bytes where they lie: no copy here.
+            pieces = export_pieces(self._transfers, ready, self._layout)
+            if pieces is None:
+                full = export_rows(mgr, ready)
+                shards = [[s.contiguous() for s in self._layout.slice(full, tp, k)] for k in range(tp)]
         # One thread per rank: each waits for its rank's decision and acknowledgement on its own store client,
         # so a dead rank costs one timeout, not one per rank after it.
         with ThreadPoolExecutor(tp) as threads:
-            outcomes = [
-                threads.submit(ship_rows, x, ids, rows, ident) for x, rows in zip(self._transfers, shards, strict=True)
-            ]
+            if pieces is not None:
+                fp = fingerprint(mgr.pool.spec.num_layers, self._layout.shard_spec(tp).shapes())
+                outcomes = [
+                    threads.submit(ship_messages, x, ids, fp, raw, ident)
+                    for x, raw in zip(self._transfers, pieces, strict=True)
+                ]
+            else:
+                outcomes = [
+                    threads.submit(ship_rows, x, ids, rows, ident)
+                    for x, rows in zip(self._transfers, shards, strict=True)
+                ]
         failed: list[tuple[int, TransferError]] = []
         for x, outcome in zip(self._transfers, outcomes, strict=True):
             exc = outcome.exception()

@@ -190,6 +190,9 @@ def export_rows(
     return out
 
 
+Cut = tuple[int, int, bool]  # (byte offset in a state's row, bytes, replicated): one range of a re-slice's shard
+
+
 class _Rows:
     """Where the slot rows of each layer of a pool's (or host pool's) tensors lie, read once: row ``s`` of a layer
     at ``base + s * step``, ``size`` bytes (the tensors are the manager's for its life, so their addresses are).
@@ -208,13 +211,28 @@ class _Rows:
         self.contiguous = all(v[0].is_contiguous() for views in layers for v in views)
         self.device_types = {v.device.type for views in layers for v in views}
 
-    def pieces(self, slots: list[int], split: bool, devices: tuple[str, ...]) -> list[Pieces] | None:
+    def pieces(
+        self,
+        slots: list[int],
+        split: bool,
+        devices: tuple[str, ...],
+        cuts: Sequence[Sequence[Cut]] | None = None,
+        aside: torch.Tensor | None = None,
+    ) -> list[Pieces] | None:
         """A batch's messages (:func:`~._link.messages`' order: per pool tensor, per layer when ``split``) as the
         byte ranges of the rows of ``slots``, each run of consecutive rows that touch one range: a pulled wire
         reads them from there and writes them there, with no gather or scatter copy. None unless each row is
-        contiguous memory on a device type of ``devices``."""
+        contiguous memory on a device type of ``devices``.
+
+        ``cuts``: per pool tensor, the byte ranges of a row the message holds of each (a re-slice's shard of the
+        state: ``StateLayout.cuts``), so each row gives only those bytes, in that order; ``aside`` (a flat
+        ``uint8`` tensor on the rows' device, of at least :func:`replicated_bytes`): the replicated cuts' ranges
+        lie there instead, one after the other in the message's order (a re-slicing receiver's copy of a part
+        another rank landed already, to compare)."""
         if not self.contiguous or not self.device_types <= set(devices):
             return None
+        if cuts is not None:
+            return self._cut(slots, split, cuts, aside)
         runs = _runs(slots)
         out = []
         for views, geometry in zip(self.layers, self.geometry, strict=True):
@@ -224,6 +242,53 @@ class _Rows:
             else:
                 out.append(Pieces(_joined(cut), list(views), views[0].device))
         return out
+
+    def _cut(
+        self, slots: list[int], split: bool, cuts: Sequence[Sequence[Cut]], aside: torch.Tensor | None
+    ) -> list[Pieces]:
+        """:meth:`pieces` of the ``cuts`` of each row (a layer's message: slot by slot, each slot's cuts in order;
+        the ranges that touch joined)."""
+        out: list[Pieces] = []
+        put = aside.data_ptr() if aside is not None else 0  # where the next replicated range goes in ``aside``
+        extra = [aside] if aside is not None else []
+        for views, geometry, tensor_cuts in zip(self.layers, self.geometry, cuts, strict=True):
+            per_layer = []
+            for base, step, _ in geometry:
+                ranges = []
+                for s in slots:
+                    for offset, size, replicated in tensor_cuts:
+                        if replicated and aside is not None:
+                            ranges.append((put, size))
+                            put += size
+                        else:
+                            ranges.append((base + s * step + offset, size))
+                per_layer.append(_joined([ranges]))
+            if split:
+                out += [Pieces(c, [v, *extra], v.device) for c, v in zip(per_layer, views, strict=True)]
+            else:
+                out.append(Pieces(_joined(per_layer), [*views, *extra], views[0].device))
+        return out
+
+
+def replicated_bytes(layers: int, n: int, cuts: Sequence[Sequence[Cut]]) -> int:
+    """The bytes of the replicated cuts of a batch of ``n`` states over ``layers`` layers (``aside``'s size)."""
+    return layers * n * sum(size for tensor_cuts in cuts for _, size, replicated in tensor_cuts if replicated)
+
+
+def replicated_rows(rows: list[list[torch.Tensor]], slots: list[int], cuts: Sequence[Sequence[Cut]]) -> torch.Tensor:
+    """The replicated cuts' bytes of the rows of ``slots`` (per pool tensor its layers' ``[slots + 1, *state]``
+    views), in the order :meth:`_Rows.pieces` puts them in its ``aside``: a copy, on the rows' device."""
+    parts = []
+    for views, tensor_cuts in zip(rows, cuts, strict=True):
+        kept = [(offset, size) for offset, size, replicated in tensor_cuts if replicated]
+        if not kept:
+            continue
+        for view in views:
+            index = torch.tensor(slots, dtype=torch.long, device=view.device)
+            raw = view.index_select(0, index).contiguous().view(torch.uint8).reshape(len(slots), -1)
+            parts.append(torch.cat([raw[:, offset : offset + size] for offset, size in kept], 1).reshape(-1))
+    device = rows[0][0].device if rows and rows[0] else torch.device("cpu")
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8, device=device)
 
 
 def _spans(base: int, step: int, size: int, slots: list[int], runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -433,7 +498,15 @@ def ship_rows(xfer: StateTransfer, request_ids: list[str], rows: list[torch.Tens
     check_rows(request_ids, rows, ident[1])
     layers = rows[0].shape[0]
     fp = fingerprint(layers, [(tuple(r.shape[2:]), r.dtype) for r in rows])
-    raw = messages([r.contiguous() for r in rows], False)
+    ship_messages(xfer, request_ids, fp, messages([r.contiguous() for r in rows], False), ident)
+
+
+def ship_messages(
+    xfer: StateTransfer, request_ids: list[str], fp: list[Any], raw: Sequence[Message], ident: BatchId
+) -> None:
+    """:func:`ship_rows` of a batch already in the wire's messages (unsplit, fingerprint ``fp``): a re-slicing
+    sender's shard of each state as :class:`~._transports._base.Pieces` of the rows it lies in, over a wire that
+    reads pieces (the peer reads only those bytes, where they are)."""
     with xfer._send_lock:  # one batch at a time per direction, as send() takes turns
         xfer._check_open()
         xfer._out.send(list(request_ids), ident[1], fp, raw, False, ident[0])

@@ -11,6 +11,7 @@ holding exactly the bytes the sender's oracle exported.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -29,17 +30,19 @@ pytestmark = pytest.mark.anyio
 
 SPEC = small_spec(2)
 TIMEOUT = 10.0
+THREADED = ("task-in-thread", "task-after-batch")  # Task.cancel() while the worker thread runs the call
 
 
 class _Side:
     """One end: its manager and pools, their oracle, and its transfer to the other end."""
 
-    def __init__(self, master: Any, rank: int) -> None:
+    def __init__(self, master: Any, rank: int, stack: contextlib.ExitStack) -> None:
         self.pool, self.host = mc.StatePool(SPEC, 6), mc.HostPool(SPEC, 4)
-        self.mgr = mc.CacheManager(self.pool, host_pool=self.host)
+        self.mgr = stack.enter_context(mc.CacheManager(self.pool, host_pool=self.host))
         fill_random(self.pool, 10 + rank)
         self.oracle = SequentialOracle(self.pool, self.host)
         self.xfer = link.transfer(self.mgr, master, rank, 1 - rank, TIMEOUT)
+        stack.callback(self.xfer.close)  # before the manager's exit
 
     def flush(self) -> None:
         """Flush, the oracle taking the same events first; then the two must agree."""
@@ -83,9 +86,9 @@ class _Side:
 class _Call:
     """The call under test, cancelled at its ``at``-th suspension (0: never): ``how`` ``"task"`` by asyncio's
     ``Task.cancel()`` as it suspends; ``"task-in-thread"`` by ``Task.cancel()`` once its worker thread has
-    started the blocking call (which then waits until the cancellation has come: it always comes mid-batch);
-    ``"scope"`` by an anyio cancel scope. One checkpoint follows the call: a cancellation it held back comes
-    there."""
+    started the blocking call, which waits for it before its batch; ``"task-after-batch"`` by ``Task.cancel()``
+    once the blocking call's batch moved, the thread waiting for it before it returns; ``"scope"`` by an anyio
+    cancel scope. One checkpoint follows the call: a cancellation it held back comes there."""
 
     def __init__(self, xfer: mc.StateTransfer, name: str, how: str, at: int) -> None:
         self.xfer, self.name, self.how, self.at = xfer, name, how, at
@@ -96,10 +99,13 @@ class _Call:
         real = getattr(xfer, name)
 
         def blocking() -> list[str]:
-            self.started.set()
             if how == "task-in-thread":
+                self.started.set()
                 assert self.came.wait(TIMEOUT), "the cancellation never came"
             ids: list[str] = real()
+            if how == "task-after-batch":
+                self.started.set()
+                assert self.came.wait(TIMEOUT), "the cancellation never came"
             return ids
 
         setattr(xfer, name, blocking)  # the instance's, deleted after the case (see _case)
@@ -111,7 +117,7 @@ class _Call:
             self.cancelled, self.suspensions = cancel.cancelled, cancel.suspensions
             return
         task = asyncio.ensure_future(self._in_task())
-        if self.how == "task-in-thread":
+        if self.how in THREADED:
             loop = asyncio.get_running_loop()
 
             def fire() -> None:
@@ -155,7 +161,7 @@ async def _case(s: _Side, r: _Side, k: int, which: str, how: str, at: int) -> in
     finally:
         delattr(me.xfer, which)
     where = f"{which} cancelled by {how} at suspension {at} of {call.suspensions}"
-    if how == "task-in-thread" or 0 < at <= call.suspensions:
+    if how in THREADED or 0 < at <= call.suspensions:
         assert call.cancelled, f"{where}: the cancellation was lost"
     else:
         assert not call.cancelled, where
@@ -182,20 +188,17 @@ async def _case(s: _Side, r: _Side, k: int, which: str, how: str, at: int) -> in
 
 
 @pytest.mark.parametrize("which", ["send", "receive"])
-@pytest.mark.parametrize("how", ["task", "task-in-thread", "scope"])
+@pytest.mark.parametrize("how", ["task", *THREADED, "scope"])
 async def test_a_transfer_cancelled_at_each_await_delivers_each_state_once_or_keeps_it(
     anyio_backend: str, which: str, how: str
 ) -> None:
     if how.startswith("task") and anyio_backend != "asyncio":
         pytest.skip("Task.cancel() is asyncio's")
     master = link.store()
-    s, r = _Side(master, 0), _Side(master, 1)
-    try:
-        total = await _case(s, r, 0, which, how, 0)  # task-in-thread: its one point, the batch's own
+    with contextlib.ExitStack() as stack:
+        s, r = _Side(master, 0, stack), _Side(master, 1, stack)
+        total = await _case(s, r, 0, which, how, 0)  # threaded: its one point, the batch's own
         assert total >= 1
-        for at in range(1, total + 1) if how != "task-in-thread" else ():
+        for at in range(1, total + 1) if how not in THREADED else ():
             await _case(s, r, at, which, how, at)
         s.mgr.check_idle()
-    finally:
-        s.xfer.close()
-        r.xfer.close()

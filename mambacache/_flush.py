@@ -28,6 +28,7 @@ from ._executors import Executor
 from ._planner import Plan, plan_step
 from ._queue import StepQueue
 from ._runner import StepRunner
+from ._worker import run_in_worker
 
 __all__ = ["FlushCore"]
 
@@ -336,29 +337,15 @@ async def _in_worker(call: Callable[[], Any], cancelled: list[BaseException]) ->
 
     Under the flush's shield anyio's cancellation never comes here, but
     asyncio's own does (``Task.cancel()``: ``asyncio.timeout``, ``wait_for``, a
-    ``TaskGroup``), and the thread runs on regardless: this waits for it (by
-    polling, on that rare path), so that the flush settles what the call did,
-    and appends the cancellation to ``cancelled`` for the flush to raise at its
-    end, as the shield would have delivered it.
+    ``TaskGroup``), and the thread runs on regardless: this waits for it, so
+    that the flush settles what the call did, and the cancellation (appended
+    to ``cancelled``) is raised at the flush's end, as the shield would have
+    delivered it. A call the cancellation came before is made again: the flush
+    runs to its end either way.
     """
-    outcome: list[tuple[bool, Any]] = []
-
-    def run() -> None:
-        try:
-            outcome.append((True, call()))
-        except BaseException as exc:  # handed to the flush's task
-            outcome.append((False, exc))
-
-    try:
-        await anyio.to_thread.run_sync(run)
-    except anyio.get_cancelled_exc_class() as exc:
-        cancelled.append(exc)
-    while not outcome:
-        try:
-            await anyio.sleep(0.001)
-        except anyio.get_cancelled_exc_class() as exc:
-            cancelled.append(exc)
-    ok, value = outcome[0]
+    while (outcome := await run_in_worker(call, cancelled)) is None:
+        pass
+    ok, value = outcome
     if not ok:
         raise value
     return value

@@ -385,3 +385,47 @@ async def test_an_async_flush_over_a_channel_cancelled_natively_while_its_plan_c
     monkeypatch.setattr(mc.LoopbackChannel, name, real)
     assert mgr.step == group.step + 1 and mgr.pending == 0 and group.pools[rank].unfinished == 0
     group.finish_and_check()
+
+
+async def _natively_cancelled(rank: int, at: int) -> int:
+    """Rank ``rank``'s async flush of the step, ``Task.cancel()`` as it suspends for the ``at``-th time (0: never);
+    then every rank finishes and checks. Returns its suspensions."""
+    import asyncio
+
+    group = _Group(True, True)
+    if rank:
+        group.src.flush_nowait()
+    mgr = group.mgrs[rank]
+    suspensions = [0]
+
+    async def flush() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+
+        def suspended(n: int) -> None:
+            suspensions[0] = n
+            if n == at:
+                task.cancel()
+
+        await CancelAtSuspension(0, on_suspend=suspended).run(mgr.flush())
+
+    task = asyncio.ensure_future(flush())
+    await asyncio.wait([task], timeout=30)
+    assert task.done() and task.cancelled() == (1 <= at <= suspensions[0]), (at, task)
+    assert mgr.step == group.step + 1 and mgr.pending == 0 and group.pools[rank].unfinished == 0, at
+    group.finish_and_check()
+    return suspensions[0]
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("rank", [0, 1], ids=["source", "receiver"])
+async def test_an_async_flush_over_a_channel_cancelled_natively_at_each_suspension_runs_to_its_end(
+    anyio_backend: str, rank: int
+) -> None:
+    """Task.cancel() as the flush suspends for the k-th time, for every k: at the worker thread's call that is
+    before the thread took it (anyio then never runs it, so it is made again) or while it runs (waited for);
+    either way the flush runs to its end, the CancelledError comes out after it, and the ranks stay in step."""
+    total = await _natively_cancelled(rank, 0)
+    assert total >= 2
+    for at in range(1, total + 1):
+        await _natively_cancelled(rank, at)

@@ -9,7 +9,7 @@ import pytest
 
 from mambacache import StateTransfer
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.no_transport]  # a stand-in wire: no transfer made
 
 
 class _Wire(StateTransfer):

@@ -65,6 +65,7 @@ def _export(mgr: mc.CacheManager, rid: str, value: float) -> int:
     return slot
 
 
+@pytest.mark.no_transport
 def test_a_re_export_after_withdrawing_a_batch_in_doubt_is_a_new_batch_not_its_retry() -> None:
     """A batch in doubt (landed, ack lost) whose export is released (withdrawn), then the same request exported
     again from the same slot: the new export lands the same staging host slot, so it is *equal* to the withdrawn
@@ -89,6 +90,7 @@ def test_a_re_export_after_withdrawing_a_batch_in_doubt_is_a_new_batch_not_its_r
         mgr.check_idle(host=True)
 
 
+@pytest.mark.no_transport
 def test_a_batch_in_doubt_is_retried_alone_under_its_number_and_lands_once() -> None:
     """What held: the batch in doubt goes again alone under its number (acknowledged as a duplicate), the
     export made meanwhile in a batch of its own."""
@@ -106,6 +108,7 @@ def test_a_batch_in_doubt_is_retried_alone_under_its_number_and_lands_once() -> 
         mgr.check_idle(host=True)
 
 
+@pytest.mark.no_transport
 def test_a_faulted_flush_beside_a_thread_that_submits_is_repaired_without_a_false_alarm() -> None:
     """The soak's flake (``test_transfer_soak``, about 1 run in 10): a sender thread's delivery queued its
     releases while the step loop's flush was failing, and ``flush_with_fault`` then asserted that the failed
@@ -152,6 +155,7 @@ def test_a_transfer_built_on_a_store_whose_host_is_gone_is_a_transfer_error() ->
         mc.StateTransfer(mgr, None, peer=0, store=client, rank=1, timeout=1.0)
 
 
+@pytest.mark.no_transport
 def test_an_unaddressed_export_in_doubt_with_one_peer_is_never_sent_to_another() -> None:
     """``export(to=None)``: whichever transfer sends first. Its batch to peer 1 landed there and the ack was lost
     (in doubt); the transfer to peer 2 then took it, being unaddressed, and delivered it there too: one state at
@@ -249,6 +253,7 @@ def test_a_reslicing_receiver_whose_write_fails_answers_every_rank_and_keeps_not
         assert receiver.receive() == ["a", "b"]  # the retry lands them
 
 
+@pytest.mark.no_transport
 @pytest.mark.parametrize("bad", [-1, True, 1.5, "1"])
 def test_the_new_arguments_refuse_bad_input_typed_and_change_nothing(bad: Any) -> None:
     with _mgr() as mgr:

@@ -39,6 +39,7 @@ def _export(mgr: mc.CacheManager, rid: str, value: float, *, in_place: bool = Fa
     return slot
 
 
+@pytest.mark.no_transport
 def test_a_send_that_delivered_a_batch_before_the_manager_closed_returns_it() -> None:
     """A staged and an in-place export go in two batches. The manager closes (another thread leaves its ``with``)
     while the first is on the wire: its delivery is still taken (the slots freed), but the send then asked for
@@ -103,6 +104,7 @@ def test_an_unaddressed_export_withdrawn_before_a_peer_took_it_may_still_go_to_a
         peer2.check_idle(host=True)
 
 
+@pytest.mark.no_transport
 def test_a_retry_in_doubt_that_is_withdrawn_stays_with_its_peer() -> None:
     """The other half of the test above: the first try's acknowledgement was lost (it may have landed at peer 1),
     the retry is withdrawn before peer 1's go; the state must still go to peer 1 alone, as a retry of its number."""

@@ -254,6 +254,7 @@ def test_acknowledge_refuses_bad_input_typed_and_the_batch_still_awaits_its_answ
 
 
 # -- the prefix cache beside a receiving thread --------------------------------------------------------------
+@pytest.mark.no_transport
 def test_a_prefix_eviction_whose_host_slot_a_landing_took_meanwhile_drops_the_checkpoint_instead() -> None:
     """The prefix cache moves an evicted checkpoint to the host tier when ``host_pool.num_free`` says there is a
     slot; a transfer's ``receive()`` in another thread (allowed beside the step loop) may land a state in that
@@ -430,6 +431,7 @@ def test_a_receive_whose_acknowledgement_fails_returns_the_ids_that_landed() -> 
         _imports_once(dst, 5)
 
 
+@pytest.mark.no_transport
 def test_an_interrupt_after_a_delivered_batch_is_raised_not_swallowed() -> None:
     """A staged and an in-place export go in two batches; the first is delivered, and a KeyboardInterrupt comes
     while the second is on the wire. A send that delivered something returns it rather than raise the next

@@ -9,6 +9,7 @@ any log, and that they are traced under their own names.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,6 +18,8 @@ from mambacache._planner import plan_step
 from mambacache._tracing import _fields
 
 from .strategies import host_events_from_ops, host_ops
+
+pytestmark = pytest.mark.no_transport  # the planner and the trace's lines: no transfer made
 
 
 def _as_transfer(events: list[object], picks: list[bool]) -> list[object]:

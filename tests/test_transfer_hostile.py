@@ -131,6 +131,7 @@ _JSON = st.recursive(
 _FIELDS = st.sampled_from(["magic", "tok", "seq", "ids", "fp", "pair", "split", "bytes"])
 
 
+@pytest.mark.no_transport
 @given(st.dictionaries(_FIELDS, _JSON, max_size=8), st.booleans())
 def test_any_json_in_place_of_a_header_parses_or_is_malformed(fields: dict[str, Any], over: bool) -> None:
     """Fields of any JSON value, over an honest header or alone: a Header whose fields have the honest types, or
@@ -144,6 +145,7 @@ def test_any_json_in_place_of_a_header_parses_or_is_malformed(fields: dict[str, 
     assert all(type(b) is int and b >= 0 for b in header.sizes) and type(header.split) is bool
 
 
+@pytest.mark.no_transport
 @given(st.binary(max_size=64) | st.text(max_size=24).map(str.encode))
 def test_any_bytes_in_place_of_a_control_value_parse_or_are_malformed(raw: bytes) -> None:
     """Any bytes as a header, a decision or an acknowledgement: parsed, or Malformed; never another exception."""
@@ -152,6 +154,7 @@ def test_any_bytes_in_place_of_a_control_value_parse_or_are_malformed(raw: bytes
             parse(raw)
 
 
+@pytest.mark.no_transport
 @given(st.text(max_size=30))
 def test_a_receivers_answer_round_trips_through_the_parser(why: str) -> None:
     """Whatever ``why`` an engine passes to ``acknowledge(landed=False)``, the refusal written parses back to the
@@ -248,6 +251,7 @@ def test_a_malformed_acknowledgement_is_a_transfer_error_and_the_retry_lands_onc
 
 
 # -- bad arguments -------------------------------------------------------------------------------------------------
+@pytest.mark.no_transport
 @pytest.mark.parametrize("spec", ["x", None, 3, SPEC.shapes()])
 def test_a_layout_of_something_else_than_a_spec_is_a_typed_error(spec: Any) -> None:
     """``StateLayout.synthetic("x")`` raised a bare AttributeError (``'str' object has no attribute 'conv_shapes'``)."""
@@ -370,6 +374,7 @@ class _Peer:
             raise mc.TransferError("the acknowledgement timed out", ids)
 
 
+@pytest.mark.no_transport
 def test_two_batches_in_doubt_with_one_peer_are_each_retried_under_their_own_batch() -> None:
     """Sender B retries A's batch in doubt (``a``) while A sends a new export (``b``) under a fresh token; both
     acknowledgements are lost, so two batches are in doubt with the peer at once. The next send retries each

@@ -52,6 +52,7 @@ def _same(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
     return rest_a == rest_b and all(torch.equal(x, y) for x, y in zip(ta, tb, strict=True))  # type: ignore[call-overload]
 
 
+@pytest.mark.no_transport
 def test_an_export_in_place_queues_nothing_takes_no_host_slot_and_is_ready_after_the_next_flush() -> None:
     with _manager() as mgr:
         (s,) = mgr.alloc(1, "r")
@@ -64,6 +65,7 @@ def test_an_export_in_place_queues_nothing_takes_no_host_slot_and_is_ready_after
         assert mgr.exports_ready() == [mc.Export(s, None, "r")]
 
 
+@pytest.mark.no_transport
 @pytest.mark.parametrize("call", ["clear", "cow", "commit", "restore", "clear_many", "submit"])
 def test_every_write_of_a_slot_exported_in_place_is_refused_and_changes_nothing(call: str) -> None:
     pool = mc.StatePool(dataclasses.replace(SPEC, draft_tokens=2), 6) if call == "commit" else None
@@ -90,6 +92,7 @@ def test_every_write_of_a_slot_exported_in_place_is_refused_and_changes_nothing(
         assert [ev.slot for ev in mgr.exports_ready()] == [s]
 
 
+@pytest.mark.no_transport
 def test_a_release_before_the_send_withdraws_it_and_while_sending_is_refused() -> None:
     with _manager() as mgr:
         a, b = mgr.alloc(2, "r")
@@ -110,6 +113,7 @@ def test_a_release_before_the_send_withdraws_it_and_while_sending_is_refused() -
         mgr.check_idle(host=True)
 
 
+@pytest.mark.no_transport
 def test_an_export_in_place_after_a_failed_flush_is_ready_only_once_the_repair_ran_and_sends_its_result() -> None:
     with _manager() as send, _manager() as recv:
         (s,) = send.alloc(1, "r")
@@ -129,6 +133,7 @@ def test_an_export_in_place_after_a_failed_flush_is_ready_only_once_the_repair_r
         send.check_idle(host=True)
 
 
+@pytest.mark.no_transport
 @pytest.mark.parametrize("layout", ["stacked", "paged", "layers", "paged layers"])
 @pytest.mark.parametrize("slots", [[1, 2, 3], [4, 1]])
 def test_the_messages_of_an_export_in_place_are_the_slots_bytes_on_every_pool_layout(
@@ -193,6 +198,7 @@ def _staged_batch(send: mc.CacheManager, ids: list[str], value: float) -> None:
     send.flush_nowait()
 
 
+@pytest.mark.no_transport
 def test_an_expected_state_lands_straight_in_its_slot_and_the_import_queues_nothing() -> None:
     with _manager() as send, _manager() as recv:
         recv.expect_import(4, "a")
@@ -223,6 +229,7 @@ def test_an_expected_state_lands_straight_in_its_slot_and_the_import_queues_noth
         recv.check_idle(host=True)
 
 
+@pytest.mark.no_transport
 def test_a_state_that_arrives_before_its_slot_settled_lands_in_staging_and_is_restored_into_it() -> None:
     with _manager() as send, _manager() as recv:
         recv.expect_import(3, "a")  # its alloc not flushed: the landing may not write the slot yet
@@ -240,6 +247,7 @@ def test_a_state_that_arrives_before_its_slot_settled_lands_in_staging_and_is_re
         recv.check_idle(host=True)
 
 
+@pytest.mark.no_transport
 @pytest.mark.parametrize(
     "call", ["clear", "cow into", "cow from", "commit", "restore", "offload", "export", "hand_over", "alloc_slots"]
 )
@@ -266,6 +274,7 @@ def test_every_other_call_on_a_slot_awaiting_a_state_is_refused_and_changes_noth
         assert _same(_state(mgr), before)
 
 
+@pytest.mark.no_transport
 def test_expecting_twice_or_after_arrival_is_refused_and_a_release_gives_the_state_up() -> None:
     with _manager() as send, _manager() as recv:
         recv.expect_import(4, "a")
@@ -289,6 +298,7 @@ def test_expecting_twice_or_after_arrival_is_refused_and_a_release_gives_the_sta
             recv.import_into(4, "a")
 
 
+@pytest.mark.no_transport
 def test_a_landing_in_place_that_fails_leaves_the_slot_awaiting_and_a_release_meanwhile_is_refused() -> None:
     with _manager() as recv:
         recv.expect_import(4, "a")
@@ -339,6 +349,7 @@ def test_an_arrival_in_place_is_traced_and_the_analyzer_sees_it_imported() -> No
     assert "import-never-completed" in kinds
 
 
+@pytest.mark.no_transport
 def test_the_analyzer_takes_a_null_host_only_where_a_hand_off_runs_in_place() -> None:
     head = [json.dumps({"event": "slot.alloc", "step": 0, "slot": 1, "request_id": "a", "cleared": True})]
     fine = [
@@ -432,6 +443,7 @@ _READS = {
 }
 
 
+@pytest.mark.no_transport
 @pytest.mark.parametrize("read", sorted(_READS))
 def test_the_analyzer_flags_a_read_of_a_slot_that_awaits_its_state_and_not_one_after_the_import(read: str) -> None:
     """A slot awaiting its state from a peer (``slot.expect``) holds none until its import (the manager refuses
@@ -495,6 +507,7 @@ def test_the_receive_line_precedes_an_import_made_by_another_thread_as_soon_as_t
     assert analyze_lines([json.dumps(r) for r in logs], expect_idle=True).anomalies == []
 
 
+@pytest.mark.no_transport
 def test_a_state_landing_in_staging_is_not_landed_in_place_a_second_time_by_another_receive() -> None:
     """Two receives at once (one per peer) with a state for the same request: while the first writes it into a
     staging host slot, the second found its slot awaiting and landed it there too, so the id arrived twice (in

@@ -83,6 +83,7 @@ def kinds(lines: list[str], expect_idle: bool = False) -> list[tuple[str, int | 
     return [(a.kind, a.slot, a.request_id) for a in analyze_lines(lines, expect_idle=expect_idle).anomalies]
 
 
+@pytest.mark.no_transport
 def test_a_correct_hand_off_is_clean_on_both_sides() -> None:
     sender = analyze_lines([*SENDER, *DELIVERED], expect_idle=True)
     assert sender.anomalies == [] and sender.bad_lines == []
@@ -102,6 +103,7 @@ def test_a_correct_hand_off_is_clean_on_both_sides() -> None:
     assert [e.peer for e in analyze_lines(unnamed).timelines[1] if e.action == "import"] == [0]
 
 
+@pytest.mark.no_transport
 def test_a_slot_read_while_its_received_state_waits_unimported_is_flagged() -> None:
     # LMCache#2863: the decode slot is allocated (cleared, even) and decoded, the state never loaded.
     skipped = [*RECEIVED, line("slot.alloc", 1, slot=2, request_id="a", cleared=True), line("step.flush", 1)]
@@ -114,6 +116,7 @@ def test_a_slot_read_while_its_received_state_waits_unimported_is_flagged() -> N
     assert kinds([*RECEIVED, *IMPORT, line("step.flush", 1)]) == []
 
 
+@pytest.mark.no_transport
 def test_a_read_of_a_slot_after_its_import_failed_to_flush_is_flagged() -> None:
     before = [*RECEIVED, *IMPORT, *FAILED]
     assert kinds([*before, *fork(2), *REPAIRED, *DONE]) == [("read-before-import", 1, "f")]
@@ -132,6 +135,7 @@ def test_a_read_of_a_slot_after_its_import_failed_to_flush_is_flagged() -> None:
     assert kinds(earlier) == []
 
 
+@pytest.mark.no_transport
 def test_expect_idle_flags_imports_never_completed() -> None:
     unimported = RECEIVED
     assert kinds(unimported) == []  # a trace cut mid-run: the state may still be imported
@@ -143,6 +147,7 @@ def test_expect_idle_flags_imports_never_completed() -> None:
     assert kinds([*unlanded, *REPAIRED], expect_idle=True) == [("held-at-end", 1, "a")]
 
 
+@pytest.mark.no_transport
 def test_expect_idle_flags_exports_never_delivered_with_the_last_failure() -> None:
     failed = line("transfer.failed", 2, peer=1, request_ids=["a"], call="send", error="the header timed out")
     assert kinds([*SENDER, failed]) == []  # the sender may retry: not an anomaly mid-run
@@ -154,6 +159,7 @@ def test_expect_idle_flags_exports_never_delivered_with_the_last_failure() -> No
     assert kinds([*SENDER, failed, *DELIVERED], expect_idle=True) == []
 
 
+@pytest.mark.no_transport
 def test_slotless_anomalies_show_in_whole_views_and_with_their_request(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -171,6 +177,7 @@ def test_slotless_anomalies_show_in_whole_views_and_with_their_request(
     assert "no anomalies" in capsys.readouterr().out
 
 
+@pytest.mark.no_transport
 @pytest.mark.parametrize(
     "bad",
     [
@@ -218,6 +225,7 @@ class _Wire:
         return ["a", "b"]
 
 
+@pytest.mark.no_transport
 def test_a_failed_transfer_is_traced_with_the_peer_at_error_level_and_reraised() -> None:
     tracing.configure(level="info", use_structlog_config=True)  # an error: written at info level too
     with capture_logs() as logs:
@@ -324,6 +332,7 @@ def _discard(mgr: mc.CacheManager) -> None:
     mgr.release(1, "b")
 
 
+@pytest.mark.no_transport
 @pytest.mark.parametrize(("run", "event", "kind"), [
     (_withdraw, "transfer.withdraw", "export-undelivered"),
     (_discard, "transfer.discard", "import-never-completed"),

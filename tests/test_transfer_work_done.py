@@ -27,6 +27,8 @@ from ._gate import flush_paused, resume
 from ._loopback import loopback
 from .util import small_spec
 
+pytestmark = pytest.mark.no_transport  # stand-in wires and the managers' own calls: no transfer made
+
 SPEC = small_spec(2)
 
 

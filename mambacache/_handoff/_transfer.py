@@ -40,6 +40,7 @@ from .._errors import (
 )
 from .._events import Export
 from .._validate import check_bool, check_instance, check_request_ids, check_rows, check_shapes, check_str, need_host
+from .._worker import cancel_again, run_in_worker
 from ._link import (
     SPLIT_BYTES,
     Batch,
@@ -862,7 +863,12 @@ class StateTransfer:
         instead would lose which ones, so the cancellation is delivered at the
         caller's next checkpoint. A call cancelled before it starts sends nothing
         and raises it (the shield would hide that cancellation from the thread's
-        start, so it is checked first).
+        start, so it is checked first). asyncio's own cancellation
+        (``Task.cancel()``: ``asyncio.timeout``, ``wait_for``, a ``TaskGroup``),
+        which passes the shield, is held the same way: come while the batch is
+        in the thread, the batch finishes, its ids come back and the task is
+        cancelled again for its next checkpoint (``Task.cancelling()``
+        unchanged); come before the thread took it, nothing is sent.
         """
         return await self._shielded(self.send)
 
@@ -874,6 +880,17 @@ class StateTransfer:
     @staticmethod
     async def _shielded(call: Callable[[], list[str]]) -> list[str]:
         await anyio.lowlevel.checkpoint_if_cancelled()
+        # The shield holds anyio's cancellation back; asyncio's own (Task.cancel()) passes it, so the thread's
+        # outcome is waited for here and that cancellation requested again for the caller's next checkpoint, as
+        # the shield does with anyio's. Come before the thread took the call, it is raised: nothing moved.
+        cancelled: list[BaseException] = []
         with anyio.CancelScope(shield=True):
-            ids = await anyio.to_thread.run_sync(call)
+            outcome = await run_in_worker(call, cancelled)
+        if outcome is None:
+            raise cancelled[0]
+        cancel_again(cancelled)
+        ok, value = outcome
+        if not ok:
+            raise value
+        ids: list[str] = value
         return ids  # no checkpoint first: it would raise a pending cancellation and drop the ids that moved

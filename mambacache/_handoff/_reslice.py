@@ -66,6 +66,7 @@ from ._transfer import (
     _Buffers,
     _landing_rows,
     _Rows,
+    _slot_rows,
     _wire,
     export_rows,
     replicated_bytes,
@@ -315,7 +316,7 @@ def export_pieces(
         return None
     in_place = exports[0].host is None
     slots = [ev.slot if in_place or ev.host is None else ev.host for ev in exports]
-    rows = transfers[0]._rows(in_place)  # one manager behind every transfer
+    rows = _slot_rows(transfers[0], in_place)  # one manager behind every transfer
     tp = len(transfers)
     out: list[list[Message]] = []
     for rank in range(tp):
@@ -473,7 +474,7 @@ class ReslicingReceiver:
         mgr, xs, tp = self._mgr, self._transfers, len(self._transfers)
         devices = _devices(xs, "_in")
         assert devices is not None
-        rows = xs[0]._rows(in_place)  # one manager behind every transfer
+        rows = _slot_rows(xs[0], in_place)  # one manager behind every transfer
         layers = mgr.pool.spec.num_layers
         direct = rows.contiguous and rows.device_types <= set(devices)  # as _Rows.pieces asks
         asides: list[tuple[int, torch.Tensor, list[list[Cut]]]] = []

@@ -542,6 +542,12 @@ def _wire(xfer: StateTransfer, direction: str) -> Wire | None:
     return getattr(getattr(xfer, direction, None), "wire", None)
 
 
+def _slot_rows(xfer: StateTransfer, in_place: bool) -> _Rows:
+    """Where ``xfer``'s manager's pool (``in_place``) or host pool slot rows lie (``StateTransfer._rows``): the
+    re-slicing sender and receiver cut their ranks' pieces from them."""
+    return xfer._rows(in_place)
+
+
 def _rows_in_place(wire: Wire | None, rows: _Rows, slots: list[int], split: bool) -> Sequence[Message] | None:
     """A batch's messages as the rows of ``slots`` where they lie (see ``StateTransfer._straight``), or None."""
     if getattr(wire, "pieces", False):  # not a stand-in wire of another shape: those move whole tensors

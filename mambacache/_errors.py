@@ -6,6 +6,11 @@ to, so callers may catch either ``mc.InvalidSlotError`` or ``ValueError``.
 
 from __future__ import annotations
 
+from typing import Literal
+
+RefusalReason = Literal["header", "spec", "room", "failed"]
+"""Why a receiver refused a batch (:attr:`TransferRefusedError.reason`; the wire's refusal carries the same word)."""
+
 
 class MambaCacheError(Exception):
     """Base class of every error raised by mambacache."""
@@ -90,7 +95,11 @@ class TransferRefusedError(TransferError):
     """
 
     def __init__(
-        self, message: str, request_ids: list[str] | None = None, reason: str = "", room: int | None = None
+        self,
+        message: str,
+        request_ids: list[str] | None = None,
+        reason: RefusalReason = "failed",
+        room: int | None = None,
     ) -> None:
         super().__init__(message, request_ids)
         self.reason, self.room = reason, room

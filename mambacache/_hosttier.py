@@ -54,7 +54,7 @@ class HostTier:
                     queue.ledger.check_held("Offload", s, tenant)
                 if guard.awaited:
                     try:
-                        guard.check_read("Offload", s)
+                        guard.check_slot("Offload", s, "read")
                     except SlotStateError:
                         if i > host.num_free:
                             break  # as above: the host pool runs out first
@@ -77,7 +77,7 @@ class HostTier:
                 queue.guard.check_host("Restore", h)
                 if not held[s] or (tenant is not None and tenants[s] != tenant):
                     queue.ledger.check_held("Restore", s, tenant)
-                queue.guard.check_write("Restore", s)
+                queue.guard.check_slot("Restore", s, "write")
                 if not keep:
                     read[h] = None
             queue.enqueue([Restore(h, s, tenant, keep) for h, s in zip(hosts, slots, strict=True)])

@@ -17,7 +17,7 @@ one it asks :data:`NO_GUARD`, which refuses nothing.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence, Sized
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import anyio
 
@@ -31,7 +31,12 @@ if TYPE_CHECKING:
     from ._backlog import Backlog
     from ._channel import Channel
 
-__all__ = ["NO_GUARD", "StepQueue", "SubmitGuard"]
+__all__ = ["NO_GUARD", "SlotUse", "StepQueue", "SubmitGuard"]
+
+SlotUse = Literal["read", "write", "hand_over"]
+"""What a call does to a pool slot, for :meth:`SubmitGuard.check_slot`: reads it (an offload, a copy's source),
+writes it (a clear, a commit, a copy's or a restore's destination), or changes its tenant or hands its state to
+a peer (a hand-over, an export)."""
 
 
 class SubmitGuard(Protocol):
@@ -68,20 +73,13 @@ class SubmitGuard(Protocol):
         """After the events are queued: what :meth:`withdraw_locked` gave leaves the guard."""
         ...
 
-    def check_not_exporting(self, what: str, slot: int) -> None:
-        """Raise when pool slot ``slot``'s tenant may not change (a hand-over)."""
+    def check_slot(self, what: str, slot: int, use: SlotUse) -> None:
+        """Raise when pool slot ``slot`` may not be put to ``use`` (it awaits a state from a peer; or, for a write,
+        its state goes to a peer as it is; or, for a hand-over, it is being handed to a peer)."""
         ...
 
     def check_host(self, what: str, host: int) -> None:
         """Raise when host slot ``host`` may not be restored from or dropped."""
-        ...
-
-    def check_write(self, what: str, slot: int) -> None:
-        """Raise when pool slot ``slot`` may not be written (its state goes to a peer as it is, or one comes)."""
-        ...
-
-    def check_read(self, what: str, slot: int) -> None:
-        """Raise when pool slot ``slot`` may not be read (it awaits a state from a peer)."""
         ...
 
 
@@ -101,16 +99,10 @@ class _NoGuard:
     def drop_locked(self, exports: Sequence[Export | int]) -> None:
         pass
 
-    def check_not_exporting(self, what: str, slot: int) -> None:
+    def check_slot(self, what: str, slot: int, use: SlotUse) -> None:
         pass
 
     def check_host(self, what: str, host: int) -> None:
-        pass
-
-    def check_write(self, what: str, slot: int) -> None:
-        pass
-
-    def check_read(self, what: str, slot: int) -> None:
         pass
 
 
@@ -312,7 +304,7 @@ class StepQueue:
         with self.lock:
             self.check()
             self.ledger.check_held("HandOver", slot, tenant)
-            self.guard.check_not_exporting("hand_over", slot)
+            self.guard.check_slot("hand_over", slot, "hand_over")
             old = self.ledger.hand_over(slot, to)
             _tracing.tracer.note("slot.handover", slot=slot, request_id=old, to=to, step=self.step)
 

@@ -286,6 +286,15 @@ class ExportLife(RuleBasedStateMachine):
             assert sorted(ev.slot for ev in self.mgr.exports_ready(to=to)) == self._for(to)
 
     @invariant()
+    def the_book_keeps_one_record_per_export_in_its_phase(self) -> None:
+        book = self.mgr._handoff
+        assert book is not None
+        want = {s: "sending" if v == "sending" else "waiting" for s, v in self.model.items()}
+        assert {s: x.phase.value for s, x in book.exports.items()} == want
+        assert book.hosts == {x.event.host: x for x in book.exports.values() if x.event.host is not None}
+        assert all(x.peer == self.pin.get(s) and x.batch == self.doubt.get(s) for s, x in book.exports.items())
+
+    @invariant()
     def host_slots_are_the_exports_in_the_book(self) -> None:
         host = self.mgr.host_pool
         assert host is not None

@@ -300,6 +300,20 @@ class Engine:
         assert self.mgr.held() == self.tenants
         assert self.host.held() == self.hosts
         assert self.mgr.exports_ready() == [ev for ev, ran in self.exports if ran]
+        self.check_records()
+
+    def check_records(self) -> None:
+        """The book keeps one record per arriving state (where it awaits, where it landed, its phase), indexed by
+        pool slot and by staging host slot, as the model has them."""
+        book = self.mgr._handoff
+        assert book is not None
+        arrivals = book.arrivals
+        want = {r: (a[0], None, "arrived" if a[2] else "waiting") for r, a in self.awaiting.items()}
+        for r, h in self.arrived.items():
+            want[r] = (want[r][0] if r in want else None, h, "arrived")
+        assert {r: (a.slot, a.host, a.phase.value) for r, a in arrivals.states.items()} == want
+        assert arrivals.slots == {a.slot: a for a in arrivals.states.values() if a.slot is not None}
+        assert arrivals.hosts == {a.host: a for a in arrivals.states.values() if a.host is not None}
 
     def forward(self) -> None:
         """A forward step writes every live slot (exporting ones too: their staged state is already taken), but

@@ -2,8 +2,11 @@
 
 A state arrives one of two ways (``docs/transfer.md``)::
 
-    land():           staging host slot h ──written──> arrived ──import_into(t)──> Import(h -> t) restores it
-    expect_import(t): pool slot t awaits ──land_in_place: written──> arrived in t ──import_into(t)──> t's own
+    land():           staging host slot h ──LANDING: written──> ARRIVED ──import_into(t)──> Import(h -> t) restores it
+    expect_import(t): pool slot t WAITING ──land_in_place: LANDING──> ARRIVED in t ──import_into(t)──> t's own
+
+Each arriving state is one :class:`Arrival` record with one
+:class:`ArrivalPhase`, and :class:`Arrivals` makes every transition of it.
 
 *In place* (``expect_import``), the bytes go straight into the pool slot the
 import will take: no staging host slot and no restore copy. The slot is
@@ -19,8 +22,10 @@ slots, and ``import_into`` restores it from there. No torch.
 
 from __future__ import annotations
 
+import enum
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from .. import _tracing
@@ -31,9 +36,48 @@ if TYPE_CHECKING:
     from .._backlog import Backlog
     from .._ledger import SlotLedger
 
-__all__ = ["Arrivals", "QueueSide"]
+__all__ = ["Arrival", "ArrivalPhase", "Arrivals", "QueueSide"]
 
-WAITING, LANDING, ARRIVED = "waiting", "landing", "arrived"
+
+class ArrivalPhase(enum.Enum):
+    """Where an arriving state stands: awaited in place, being written, or written and importable."""
+
+    WAITING = "waiting"  # a pool slot awaits it (expect_import); nothing of it written anywhere
+    LANDING = "landing"  # its rows are being written, outside the lock (neither importable nor discardable)
+    ARRIVED = "arrived"  # written: import_into() takes it (and discard_arrived() drops it, when in staging)
+
+
+@dataclass(slots=True, eq=False)
+class Arrival:
+    """One request's state arriving from a peer, from :meth:`Arrivals.expect` or :meth:`Arrivals.land` until
+    imported, discarded, released (in place) or not landed after all.
+
+    ``slot``: the pool slot awaiting it in place (held by ``request_id``;
+    ``ticket``: the backlog ticket of the take of its alloc, which must be
+    done before a landing writes the slot), None when none awaits it.
+    ``host``: the staging host slot it lands or arrived in (held by
+    ``request_id``), None when it is not in staging.
+
+    Invariants: WAITING has a ``slot`` and no ``host``; LANDING or ARRIVED
+    without a ``host`` is in place, in ``slot``; with a ``host`` it is in
+    staging, and a ``slot`` that still awaits it takes it by a restore at the
+    import (a release of that slot gives up only the slot, the staged state
+    stays). So a request id has one arriving state, written in one place.
+    """
+
+    request_id: str
+    phase: ArrivalPhase
+    slot: int | None = None
+    ticket: int = 0
+    host: int | None = None
+
+    @property
+    def in_place(self) -> bool:
+        """Whether its bytes go, or went, into the pool slot that awaits it (no staging host slot)."""
+        return self.host is None
+
+
+WAITING, LANDING, ARRIVED = ArrivalPhase.WAITING, ArrivalPhase.LANDING, ArrivalPhase.ARRIVED
 
 
 class QueueSide(Protocol):
@@ -52,64 +96,68 @@ class QueueSide(Protocol):
 
 
 class Arrivals:
-    """States arrived (or arriving) and not imported yet; changed only under the queue's lock.
+    """The states arriving from a peer and not imported yet, one :class:`Arrival` each, and every transition of
+    them; changed only under the queue's lock.
 
-    Invariants: a request id has at most one state in ``arrived`` and
-    ``landing`` together (``landing``: its rows not written yet, so neither
-    importable nor discardable), and none there while it is ``awaiting`` in
-    place in phase LANDING or ARRIVED; ``hosts`` holds exactly their staging
-    host slots; ``awaiting`` and ``slots`` are one map both ways (request id
-    <-> pool slot, with the ticket of the take of its alloc and its phase), each
-    such slot held by its request, and touched by no event until
-    ``import_into`` or a release ends it.
+    ``states`` maps each request id to its record; ``slots`` (pool slot ->
+    record) and ``hosts`` (staging host slot -> record) index the same
+    records by where they are, and hold exactly the records with a ``slot``
+    and with a ``host``. A slot in ``slots`` is held by its request and
+    touched by no event until ``import_into`` or a release ends it. Methods
+    named ``*_locked`` run under the lock the caller holds; the others take it.
     """
 
-    __slots__ = (
-        "_backlog", "_host", "_ledger", "_queue", "arrived", "awaiting", "hosts", "landing", "slots", "writing",
-    )  # fmt: skip
+    __slots__ = ("_backlog", "_host", "_ledger", "_queue", "hosts", "slots", "states")
 
     def __init__(self, queue: QueueSide, ledger: SlotLedger, host: SlotLedger, backlog: Backlog) -> None:
         self._queue, self._ledger, self._host, self._backlog = queue, ledger, host, backlog
-        self.arrived: dict[str, int] = {}  # request id -> staging host slot
-        self.landing: dict[str, int] = {}  # request id -> staging host slot being written (not arrived yet)
-        self.hosts: dict[int, str] = {}  # staging host slot -> "landing" | "arrived"
-        self.awaiting: dict[str, tuple[int, int, str]] = {}  # request id -> (pool slot, ticket, phase), in place
-        self.slots: dict[int, str] = {}  # pool slot -> the request id awaiting its state there
-        self.writing = 0  # landings whose rows are being written (a closed manager keeps the pools claimed meanwhile)
+        self.states: dict[str, Arrival] = {}  # request id -> its arriving state
+        self.slots: dict[int, Arrival] = {}  # pool slot awaiting a state in place -> that state
+        self.hosts: dict[int, Arrival] = {}  # staging host slot -> the state landing or arrived there
+
+    def writing(self) -> bool:
+        """Under the lock: whether a landing writes its rows (a closed manager keeps the pools claimed meanwhile)."""
+        return any(a.phase is LANDING for a in self.states.values())
 
     # -- checks other calls make (under the lock) --------------------------------
     def check_slot(self, what: str, slot: int) -> None:
         """:class:`SlotStateError` when ``slot`` awaits a state in place: nothing but the landing writes it, and
         nothing may read it before the import."""
-        rid = self.slots.get(slot)
-        if rid is not None:
-            phase = self.awaiting[rid][2]
+        a = self.slots.get(slot)
+        if a is not None:
+            phase = a.phase.value if a.in_place else f"{a.phase.value} in a staging host slot"
             raise SlotStateError(
-                f"{what}: slot {slot} awaits the state of {rid!r} from a peer ({phase}); import_into() it first,"
-                " or release() it to give the state up"
+                f"{what}: slot {slot} awaits the state of {a.request_id!r} from a peer ({phase}); import_into() it"
+                " first, or release() it to give the state up"
             )
 
     def awaiting_in(self, slot: int) -> str | None:
         """The request id awaiting its state in ``slot``, if any (under the lock: one consistent read)."""
         with self._queue.lock:
-            return self.slots.get(slot)
+            a = self.slots.get(slot)
+            return None if a is None else a.request_id
 
     def withdraw_check_locked(self, slot: int) -> bool:
         """Whether a release of ``slot`` ends an arrival in place; raises, changing nothing, while its bytes are
         being written."""
-        rid = self.slots.get(slot)
-        if rid is None:
+        a = self.slots.get(slot)
+        if a is None:
             return False
-        if self.awaiting[rid][2] == LANDING:
-            raise SlotStateError(f"Release: the state of {rid!r} is being written into slot {slot}; release it after")
+        if a.phase is LANDING and a.in_place:
+            raise SlotStateError(
+                f"Release: the state of {a.request_id!r} is being written into slot {slot}; release it after"
+            )
         return True
 
     def withdraw_locked(self, slot: int) -> None:
-        """After a release of ``slot`` was queued: the arrival in place ends (a state there is given up)."""
-        rid = self.slots.pop(slot)
-        phase = self.awaiting.pop(rid)[2]
-        if phase == ARRIVED:
-            _tracing.tracer.transfer("transfer.discard", None, [rid], step=self._queue.step)
+        """After a release of ``slot`` was queued: the slot awaits nothing any more (a state arrived in it is given
+        up; one in staging stays, for an import into another slot or a discard)."""
+        a = self.slots.pop(slot)
+        a.slot = None
+        if a.in_place:
+            del self.states[a.request_id]
+            if a.phase is ARRIVED:
+                _tracing.tracer.transfer("transfer.discard", None, [a.request_id], step=self._queue.step)
 
     # -- landing ------------------------------------------------------------------
     def room(self, request_ids: list[str] | None = None) -> int:
@@ -121,13 +169,12 @@ class Arrivals:
             return self._host.num_settled(self._backlog.done)
 
     def _in_place_locked(self, request_ids: list[str]) -> bool:
-        """Whether every id awaits its state in a slot the landing may write now (its alloc's ticket is done)."""
-        done, awaiting, arrived, landing = self._backlog.done, self.awaiting, self.arrived, self.landing
+        """Whether every id awaits its state in a slot the landing may write now (its alloc's ticket is done) and
+        nothing of it is written elsewhere (WAITING: not arriving in staging by another receive)."""
+        done, states = self._backlog.done, self.states
         return all(
-            (a := awaiting.get(r)) is not None and a[2] == WAITING and a[1] < done and r not in arrived
-            and r not in landing  # arriving in staging (another receive): that one is the state
-            for r in request_ids
-        ) and len(set(request_ids)) == len(request_ids)  # fmt: skip
+            (a := states.get(r)) is not None and a.phase is WAITING and a.ticket < done for r in request_ids
+        ) and len(set(request_ids)) == len(request_ids)
 
     def land(
         self,
@@ -155,25 +202,22 @@ class Arrivals:
             q.check()
             self._check_new_locked(request_ids)
             slots = host.take_settled(len(request_ids), None, self._backlog.done)
-            for r, h in zip(request_ids, slots, strict=True):
-                host.tenants[h] = r
-                self.hosts[h] = "landing"
+            landing = [self._land_locked(r, h) for r, h in zip(request_ids, slots, strict=True)]
             if write is None:
                 try:
                     if arrived is not None:
                         arrived(slots)  # before they count: one that raises (a tracer's full disk) leaves none arrived
                 except BaseException:
-                    self._free_locked(slots)
+                    self._unland_locked(landing)
                     raise
-                self._arrive_locked(request_ids, slots)
+                self._move_locked(landing, ARRIVED)
                 return slots
-            self.landing.update(zip(request_ids, slots, strict=True))
-            self.writing += 1
         try:
             write(slots)
         except BaseException:
             with q.lock:
-                self._unland_locked(request_ids, slots)
+                self._unland_locked(landing)
+                q.settled()  # on a closed manager, the last write to end frees the pools
             raise
         with q.lock:
             try:
@@ -181,48 +225,52 @@ class Arrivals:
                 if arrived is not None:
                     arrived(slots)  # before they count: one that raises (a tracer's full disk) leaves none arrived
             except BaseException:
-                self._unland_locked(request_ids, slots)
+                self._unland_locked(landing)
+                q.settled()
                 raise
-            self.writing -= 1
-            for r in request_ids:
-                del self.landing[r]
-            self._arrive_locked(request_ids, slots)
+            # The caller's arrived(slots) ran just before in this lock hold: had it raised, none of them arrived
+            # (the transfer then answers that nothing landed, and its sender must not hear that while they are here).
+            self._move_locked(landing, ARRIVED)
         return slots
 
-    def _unland_locked(self, request_ids: list[str], slots: list[int]) -> None:
-        """A landing in staging that did not arrive: nothing queued reads its slots and only its write wrote them,
-        so they are free at once."""
-        for r in request_ids:
-            del self.landing[r]
-        self._free_locked(slots)
-        self._written_locked()
+    def _land_locked(self, request_id: str, h: int) -> Arrival:
+        """Staging host slot ``h`` (taken for no tenant) is now where the state of ``request_id`` lands."""
+        self._host.tenants[h] = request_id
+        a = self.states.get(request_id)
+        if a is None:
+            a = self.states[request_id] = Arrival(request_id, LANDING, host=h)
+        else:  # awaited in place (WAITING, as _check_new_locked made sure): it lands in staging instead
+            a.phase, a.host = LANDING, h
+        self.hosts[h] = a
+        return a
 
-    def _free_locked(self, slots: list[int]) -> None:
-        """Staging slots taken for states that did not arrive, free again."""
+    def _unland_locked(self, landing: list[Arrival]) -> None:
+        """A landing in staging that did not arrive: nothing queued reads its slots and only its write wrote them,
+        so they are free at once; a slot that awaits one of them awaits it again."""
         host = self._host
-        for h in slots:
+        slots = []
+        for a in landing:
+            h = a.host
+            assert h is not None
             del self.hosts[h]
             host.tenants[h] = None  # taken for no tenant (take_settled): given back as such
+            slots.append(h)
+            if a.slot is None:
+                del self.states[a.request_id]
+            else:
+                a.phase, a.host = WAITING, None
         host.give_back(slots)
 
-    def _written_locked(self) -> None:
-        """A landing's write ended without an arrival: on a closed manager the last one frees the pools."""
-        self.writing -= 1
-        self._queue.settled()
+    @staticmethod
+    def _move_locked(states: list[Arrival], phase: ArrivalPhase) -> None:
+        for a in states:
+            a.phase = phase
 
     def _check_new_locked(self, request_ids: list[str]) -> None:
-        landed = [r for r in request_ids if r in self.arrived or r in self.landing]
-        landed += [r for r in request_ids if r in self.awaiting and self.awaiting[r][2] != WAITING]
+        states = self.states
+        landed = [r for r in request_ids if (a := states.get(r)) is not None and a.phase is not WAITING]
         if landed or len(set(request_ids)) != len(request_ids):
             raise SlotStateError(f"states for {landed or request_ids} arrived twice without an import between")
-
-    def _arrive_locked(self, request_ids: list[str], slots: list[int]) -> None:
-        """Make the states arrived. The caller's ``arrived(slots)`` ran just before in this lock hold: if it raised,
-        none of them did (the transfer then answers that nothing landed, and its sender must not hear that while
-        they are here)."""
-        for r, h in zip(request_ids, slots, strict=True):
-            self.arrived[r] = h
-            self.hosts[h] = "arrived"
 
     def land_in_place(
         self,
@@ -239,21 +287,21 @@ class Arrivals:
         ``import_into`` of each one's slot completes it without a copy
         (``arrived(slots)``: as in :meth:`land`).
         """
-        q, awaiting = self._queue, self.awaiting
+        q = self._queue
         with q.lock:
             q.check()
             if not self._in_place_locked(request_ids):
                 self._check_new_locked(request_ids)
                 return None
-            slots = [awaiting[r][0] for r in request_ids]
-            self._phase_locked(request_ids, LANDING)
-            self.writing += 1
+            landing = [self.states[r] for r in request_ids]
+            slots = [a.slot for a in landing if a.slot is not None]
+            self._move_locked(landing, LANDING)
         try:
             write(slots)
         except BaseException:
             with q.lock:
-                self._phase_locked(request_ids, WAITING)
-                self._written_locked()
+                self._move_locked(landing, WAITING)
+                q.settled()
             raise
         with q.lock:
             try:
@@ -261,18 +309,11 @@ class Arrivals:
                 if arrived is not None:
                     arrived(slots)  # as in land(): before they count
             except BaseException:
-                self._phase_locked(request_ids, WAITING)
-                self._written_locked()
+                self._move_locked(landing, WAITING)
+                q.settled()
                 raise
-            self.writing -= 1
-            self._phase_locked(request_ids, ARRIVED)
+            self._move_locked(landing, ARRIVED)
         return slots
-
-    def _phase_locked(self, request_ids: list[str], phase: str) -> None:
-        awaiting = self.awaiting
-        for r in request_ids:
-            slot, ticket, _ = awaiting[r]
-            awaiting[r] = (slot, ticket, phase)
 
     # -- the engine's calls ---------------------------------------------------------
     def expect(self, slot: int, tenant: str) -> None:
@@ -284,16 +325,16 @@ class Arrivals:
         q, ledger = self._queue, self._ledger
         with q.lock:
             q.check()
-            if tenant in self.arrived or tenant in self.landing or tenant in self.awaiting:
-                where = f"slot {self.awaiting[tenant][0]}" if tenant in self.awaiting else "a staging host slot"
+            a = self.states.get(tenant)
+            if a is not None:
+                where = "a staging host slot" if a.slot is None else f"slot {a.slot}"
                 raise SlotStateError(f"expect_import: the state of {tenant!r} is expected or arrived in {where}")
             if ledger.held[slot]:
                 raise SlotStateError(f"expect_import: slot {slot} is held by {ledger.tenants[slot]!r}")
             ledger.check_available(1, tenant)
             ledger.take_exact([slot], tenant)
             # The events queued now are taken by the next take: its ticket done, no earlier work touches the slot.
-            self.awaiting[tenant] = (slot, self._backlog.taken, WAITING)
-            self.slots[slot] = tenant
+            self.states[tenant] = self.slots[slot] = Arrival(tenant, WAITING, slot, self._backlog.taken)
             q.enqueue([Alloc(slot, tenant, False)])
             _tracing.tracer.note("slot.expect", slot=slot, request_id=tenant, step=q.step)
 
@@ -308,29 +349,35 @@ class Arrivals:
         host, q, ledger = self._host, self._queue, self._ledger
         with q.lock:
             q.check()
-            awaited = self.awaiting.get(tenant)
-            if awaited is not None and awaited[0] != slot:
-                raise SlotStateError(f"import_into: the state of {tenant!r} lands in slot {awaited[0]}, not {slot}")
-            if awaited is not None and awaited[2] == ARRIVED:
-                del self.awaiting[tenant], self.slots[slot]
-                _tracing.tracer.events([Import(None, slot, tenant)], q.step)  # its bytes are there: nothing to run
-                return
-            h = self.arrived.get(tenant)
-            if h is None:
+            a = self.states.get(tenant)
+            if a is not None and a.slot is not None and a.slot != slot:
+                raise SlotStateError(f"import_into: the state of {tenant!r} lands in slot {a.slot}, not {slot}")
+            if a is None or a.phase is not ARRIVED:
                 raise SlotStateError(f"import_into: no state has arrived for {tenant!r} (receive it first)")
+            h = a.host
+            if h is None:  # arrived in place: its bytes are there, nothing to run
+                self._forget_locked(a)
+                _tracing.tracer.events([Import(None, slot, tenant)], q.step)
+                return
             events: list[Event] = [Import(h, slot, tenant)]
-            if awaited is not None:  # it arrived in staging: restored into the slot that awaited it
-                del self.awaiting[tenant], self.slots[slot]
-            else:
+            if a.slot is None:
                 if ledger.held[slot]:
                     raise SlotStateError(f"import_into: slot {slot} is held by {ledger.tenants[slot]!r}")
                 ledger.check_available(1, tenant)
                 ledger.take_exact([slot], tenant)
                 events.insert(0, Alloc(slot, tenant, False))
-            del self.arrived[tenant]
-            del self.hosts[h]
+            # else it arrived in staging: restored into the slot that awaited it
+            self._forget_locked(a)
             host.free_later(h)
             q.enqueue(events)
+
+    def _forget_locked(self, a: Arrival) -> None:
+        """``a`` leaves the book, and with it the slots it indexes (the caller frees or keeps them)."""
+        del self.states[a.request_id]
+        if a.slot is not None:
+            del self.slots[a.slot]
+        if a.host is not None:
+            del self.hosts[a.host]
 
     def discard(self, tenant: str) -> int:
         """Drop the staging host slot of the state that arrived for ``tenant``; returns it. :class:`SlotStateError`
@@ -339,11 +386,16 @@ class Arrivals:
         host, q = self._host, self._queue
         with q.lock:
             q.check()
-            h = self.arrived.pop(tenant, None)
+            a = self.states.get(tenant)
+            h = None if a is None or a.phase is not ARRIVED else a.host
             if h is None:
-                where = f"; it is in slot {self.awaiting[tenant][0]}: release that" if tenant in self.awaiting else ""
+                where = "" if a is None or a.slot is None else f"; it is in slot {a.slot}: release that"
                 raise SlotStateError(f"discard_arrived: no state for {tenant!r} awaits an import{where}")
             del self.hosts[h]
+            if a is not None and a.slot is not None:  # the slot that awaited it awaits a state again
+                a.phase, a.host = WAITING, None
+            else:
+                del self.states[tenant]
             host.free_later(h)
             q.enqueue((DropHost(h),))
             _tracing.tracer.transfer("transfer.discard", None, [tenant], step=q.step)

@@ -14,6 +14,9 @@ An export's life on the sender::
                    │                         │  <──returned──┘ (send failed: retry or release)
                    └──── release() ──────────┴──> withdrawn: staging dropped, nothing sent
 
+In the book an export is one :class:`Exported` record, *queued* and *ready*
+its phase WAITING, *sending* its phase SENDING.
+
 *Ready* is keyed on work done (:attr:`Backlog.done <mambacache._backlog.Backlog>`): an
 export is ready once the flush that took it ran its staging copy, not when
 that flush took it (a failed flush keeps it unready until the repair runs it).
@@ -29,7 +32,9 @@ before it.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .. import _tracing
@@ -40,46 +45,68 @@ from ._arrivals import Arrivals, QueueSide
 if TYPE_CHECKING:
     from .._backlog import Backlog
     from .._ledger import SlotLedger
+    from .._queue import SlotUse
 
-__all__ = ["HandOffBook", "QueueSide"]
+__all__ = ["ExportPhase", "Exported", "HandOffBook", "QueueSide"]
+
+
+class ExportPhase(enum.Enum):
+    """Where an export in the book stands. Whether it is ready is not a phase: that is work done (its ``ticket``
+    below :attr:`Backlog.done <mambacache._backlog.Backlog>`), which changes without the book."""
+
+    WAITING = "waiting"  # awaiting a send: queued (its staging copy not run yet) or ready
+    SENDING = "sending"  # a send took it and has not settled it (delivered, or returned to WAITING)
+
+
+@dataclass(slots=True, eq=False)
+class Exported:
+    """One export in the book, from :meth:`HandOffBook.export` until the peer acknowledges it or a release
+    withdraws it.
+
+    ``ticket``: the backlog ticket of the take that runs its staging copy (in
+    place: that runs every event queued before it); it is ready once that
+    ticket is done. ``peer``: the peer a send to which failed after it may
+    have landed there (in doubt); set only for an export addressed to no one,
+    which is taken for ``peer`` only from then on. ``batch``: the batch it may
+    have landed under at its peer, which every later sender to that peer sends
+    it under again (None: not in doubt, or in doubt under none).
+
+    Invariants: ``event.slot`` stays held by ``event.request_id`` (its tenant
+    does not change); in place (``event.host`` None) nothing writes that slot;
+    a release is refused while SENDING and withdraws it while WAITING.
+    """
+
+    event: Export
+    ticket: int
+    phase: ExportPhase = ExportPhase.WAITING
+    peer: int | None = None
+    batch: Hashable = None
+
+
+WAITING, SENDING = ExportPhase.WAITING, ExportPhase.SENDING
 
 
 class HandOffBook:
-    """Exports not yet acknowledged, and (in :attr:`arrivals`) states arrived but not yet imported; changed only
-    under the queue's lock. The queue's guard for both.
+    """Exports not yet acknowledged, one :class:`Exported` each, and (in :attr:`arrivals`) the states arriving
+    for an import; every transition of an export, made under the queue's lock. The queue's guard for both.
 
-    Invariants: a pool slot has at most one export in ``exports`` (in export
-    order, with the backlog ticket of the flush that stages it), and while it
-    is there its tenant does not change; ``sending`` and ``pinned`` are subsets of
-    ``exports``' slots, and an export in ``pinned`` is taken for that peer
-    only (its batch to that peer is in doubt: it may have landed there);
-    ``doubt`` (a subset of ``exports``' slots, addressed or not) names the batch
-    under which an export's send to its peer may have landed, for every sender
-    of the manager to that peer (another transfer object, or one built after
-    the failure) to send it again under that batch, which the peer recognises
-    and acknowledges without landing it twice;
-    ``ids`` counts the exports of each request id in ``exports``, and no two
-    of them may go in one batch (a peer imports one state per id: both would
-    be refused, every batch with them, for good), so they go to two peers;
-    ``hosts`` holds exactly the staging host slots of ``exports`` (those not in
-    place), which no call but the hand-off's own changes (drop, restore of one
-    are refused), as the arrivals' own; a slot exported in place is written by
-    no event while it is in ``exports``. Methods named ``*_locked`` run under
-    the lock the caller holds; the others take it.
+    ``exports`` maps each exported pool slot to its record, in export order
+    (a slot has at most one export); ``hosts`` indexes the same records by
+    staging host slot (exactly those not in place), which no call but the
+    hand-off's own changes (a drop or a restore of one is refused), as the
+    arrivals' own; ``ids`` counts the records of each request id, no two of
+    which may go in one batch (a peer imports one state per id: both would
+    be refused, every batch with them, for good), so they go to two peers.
+    Methods named ``*_locked`` run under the lock the caller holds; the others
+    take it.
     """
 
-    __slots__ = (
-        "_backlog", "_host", "_ledger", "_queue", "arrivals", "awaited", "doubt", "exports", "hosts", "ids", "pinned",
-        "sending",
-    )  # fmt: skip
+    __slots__ = ("_backlog", "_host", "_ledger", "_queue", "arrivals", "awaited", "exports", "hosts", "ids")
 
     def __init__(self, queue: QueueSide, ledger: SlotLedger, host: SlotLedger, backlog: Backlog) -> None:
         self._queue, self._ledger, self._host, self._backlog = queue, ledger, host, backlog
-        self.exports: dict[int, tuple[int, Export]] = {}  # pool slot -> (ticket, export)
-        self.sending: set[int] = set()  # pool slots whose export a send has taken and not settled
-        self.pinned: dict[int, int] = {}  # pool slot -> the peer that may hold its unaddressed export (in doubt)
-        self.doubt: dict[int, Hashable] = {}  # pool slot -> the batch its export may have landed under (in doubt)
-        self.hosts: dict[int, str] = {}  # staging host slot of an export -> "exporting"
+        self.exports: dict[int, Exported] = {}  # pool slot -> its export, in export order
+        self.hosts: dict[int, Exported] = {}  # staging host slot -> its export
         self.ids: dict[str, int] = {}  # request id -> how many exports of it are in ``exports``
         self.arrivals = Arrivals(queue, ledger, host, backlog)
         self.awaited = self.arrivals.slots  # pool slots awaiting a state in place (the queue's second gate)
@@ -87,43 +114,40 @@ class HandOffBook:
     def in_flight(self) -> bool:
         """Under the lock: whether a send awaits its ack or a landing writes its rows (a closed queue keeps the
         pools claimed until neither does)."""
-        return bool(self.sending) or self.arrivals.writing > 0
+        return any(x.phase is SENDING for x in self.exports.values()) or self.arrivals.writing()
 
     # -- checks other calls make (under the lock) --------------------------------
-    def check_not_exporting(self, what: str, slot: int) -> None:
-        """:class:`SlotStateError` when ``slot`` has an export awaiting its ack, or awaits a state in place."""
+    def check_slot(self, what: str, slot: int, use: SlotUse) -> None:
+        """:class:`SlotStateError` when the hand-off forbids ``use`` of pool slot ``slot``: any use while it awaits
+        a state in place; a write while it is exported in place (the peer gets it as it is at the send); a
+        hand-over (or another export) while it is exported at all."""
         self.arrivals.check_slot(what, slot)
-        if slot in self.exports:
-            ev = self.exports[slot][1]
+        x = self.exports.get(slot)
+        if x is None or use == "read":
+            return
+        ev = x.event
+        if use == "hand_over":
             raise SlotStateError(
                 f"{what}: slot {slot} is exporting for {ev.request_id!r} until the peer acknowledges"
                 " (the transfer's send() then releases it; release() withdraws the export)"
+            )
+        if ev.host is None:
+            raise SlotStateError(
+                f"{what}: slot {slot} is exported in place for {ev.request_id!r}: the send reads it as it"
+                " is, so nothing may write it until the peer acknowledges (release() withdraws the export)"
             )
 
     def check_host(self, what: str, host: int) -> None:
         """:class:`SlotStateError` when host slot ``host`` belongs to a transfer (an export's staging slot, or a
         state arrived for an import): only the hand-off's own calls change it."""
-        role = self.hosts.get(host) or self.arrivals.hosts.get(host)
-        if role is not None:
-            how = {"arrived": "import_into() or discard_arrived()", "landing": "its receive()"}.get(
-                role, "the transfer's send() or release()"
-            )
-            raise SlotStateError(f"{what}: host slot {host} is a transfer's staging slot ({role}); {how} ends it")
-
-    def check_read(self, what: str, slot: int) -> None:
-        """:class:`SlotStateError` when ``slot`` awaits a state in place (it holds no state to read yet)."""
-        self.arrivals.check_slot(what, slot)
-
-    def check_write(self, what: str, slot: int) -> None:
-        """:class:`SlotStateError` when ``slot`` is exported in place (the peer gets it as it is at the send), or
-        awaits a state in place."""
-        self.arrivals.check_slot(what, slot)
-        entry = self.exports.get(slot)
-        if entry is not None and entry[1].host is None:
-            raise SlotStateError(
-                f"{what}: slot {slot} is exported in place for {entry[1].request_id!r}: the send reads it as it"
-                " is, so nothing may write it until the peer acknowledges (release() withdraws the export)"
-            )
+        if host in self.hosts:
+            role, how = "exporting", "the transfer's send() or release()"
+        elif (a := self.arrivals.hosts.get(host)) is not None:
+            role = a.phase.value
+            how = "its receive()" if role == "landing" else "import_into() or discard_arrived()"
+        else:
+            return
+        raise SlotStateError(f"{what}: host slot {host} is a transfer's staging slot ({role}); {how} ends it")
 
     def withdraw_locked(self, events: Sequence[Event]) -> list[Export | int]:
         """What the releases among ``events`` withdraw (exports, and slots awaiting a state in place); raises,
@@ -133,23 +157,24 @@ class HandOffBook:
         exports, arrivals = self.exports, self.arrivals
         for ev in events:
             if type(ev) is Release:
-                if ev.slot not in exports:
+                x = exports.get(ev.slot)
+                if x is None:
                     if arrivals.withdraw_check_locked(ev.slot):
                         out.append(ev.slot)
-                    continue
-                if ev.slot in self.sending:
+                elif x.phase is SENDING:
                     raise SlotStateError(
                         f"Release: slot {ev.slot} is being sent to the peer; release it after send() returns"
                         " (it releases the slot itself once the peer acknowledges)"
                     )
-                out.append(exports[ev.slot][1])
+                else:
+                    out.append(x.event)
             elif type(ev) is Clear or type(ev) is CommitDraft:
-                self.check_write(type(ev).__name__, ev.slot)
+                self.check_slot(type(ev).__name__, ev.slot, "write")
             elif type(ev) is CopyOnWrite:
-                self.check_write("CopyOnWrite", ev.dst)
-                arrivals.check_slot("CopyOnWrite", ev.src)
+                self.check_slot("CopyOnWrite", ev.dst, "write")
+                self.check_slot("CopyOnWrite", ev.src, "read")
                 if ev.temporal_src is not None:
-                    arrivals.check_slot("CopyOnWrite", ev.temporal_src)
+                    self.check_slot("CopyOnWrite", ev.temporal_src, "read")
         return out
 
     # -- the sender ----------------------------------------------------------------
@@ -160,27 +185,27 @@ class HandOffBook:
         with q.lock:
             q.check()
             self._ledger.check_held("Export", slot, tenant)
-            self.check_not_exporting("export", slot)
+            self.check_slot("export", slot, "hand_over")
             if tenant in self.ids:
                 self._check_one_per_batch(slot, tenant, to)
             h = None if in_place else host.take(1, tenant)[0]
             ev = Export(slot, h, tenant, to)
             # The events queued now are taken by the next take, which gets the backlog's next ticket: in place,
             # the export is ready once every event queued before it ran, though it queues none itself.
-            self.exports[slot] = (self._backlog.taken, ev)
+            x = self.exports[slot] = Exported(ev, self._backlog.taken)
             self.ids[tenant] = self.ids.get(tenant, 0) + 1
             if h is None:
                 _tracing.tracer.events((ev,), q.step)
             else:
-                self.hosts[h] = "exporting"
+                self.hosts[h] = x
                 q.enqueue((ev,))
         return h
 
     def _check_one_per_batch(self, slot: int, tenant: str, to: int | None) -> None:
         """:class:`SlotStateError` when an export of ``tenant`` in the book could go in one batch with an export of
         it to ``to`` (the same peer, or either to no one in particular)."""
-        for ticket_ev in self.exports.values():
-            ev = ticket_ev[1]
+        for x in self.exports.values():
+            ev = x.event
             if ev.request_id == tenant and (to is None or ev.to is None or ev.to == to):
                 raise SlotStateError(
                     f"export: slot {slot}: a state of {tenant!r} is exported already (slot {ev.slot}) until the peer"
@@ -195,22 +220,23 @@ class HandOffBook:
             if take:
                 q.check()
             done = self._backlog.done
-            sending = self.sending
-            pinned = self.pinned
             ready = [
-                ev
-                for ticket, ev in self.exports.values()
-                if ticket < done
-                and ev.slot not in sending
-                and (to is None or (ev.to is None and pinned.get(ev.slot, to) == to) or ev.to == to)
+                x
+                for x in self.exports.values()
+                if x.phase is WAITING
+                and x.ticket < done
+                and (to is None or x.event.to == to or (x.event.to is None and x.peer in (None, to)))
             ]
             if take:
-                sending.update(ev.slot for ev in ready)
-        return ready
+                for x in ready:
+                    x.phase = SENDING
+        return [x.event for x in ready]
 
-    def _mine(self, exports: Sequence[Export]) -> list[Export]:
-        """Those of ``exports`` still in the book (a repeated ack, or an export withdrawn since, is not)."""
-        return [ev for ev in exports if self.exports.get(ev.slot, (0, None))[1] is ev]
+    def _mine(self, exports: Sequence[Export]) -> list[Exported]:
+        """The records of those of ``exports`` still in the book (a repeated ack, or an export withdrawn since,
+        is not)."""
+        book = self.exports
+        return [x for ev in exports if (x := book.get(ev.slot)) is not None and x.event is ev]
 
     def returned(self, exports: Sequence[Export], peer: int | None = None, batch: Hashable = None) -> None:
         """A send of ``exports`` failed: they wait for the next send, and a release may withdraw them again.
@@ -233,21 +259,19 @@ class HandOffBook:
             if q.closed():
                 self._settle_closed(mine, withdrawn=True)
                 return
-            for ev in mine:
-                self.sending.discard(ev.slot)
-                if peer is not None and ev.to is None:
-                    self.pinned[ev.slot] = peer
-                if peer is not None and batch is not None:
-                    self.doubt[ev.slot] = batch
-                elif peer is not None:
-                    self.doubt.pop(ev.slot, None)
+            for x in mine:
+                x.phase = WAITING
+                if peer is not None:
+                    if x.event.to is None:
+                        x.peer = peer
+                    x.batch = batch
 
     def in_doubt(self, exports: Sequence[Export]) -> list[Hashable]:
         """Per export, the batch under which its send may have landed at its peer (:meth:`returned`'s ``batch``),
         None where there is none (not in doubt, or no longer in the book)."""
         with self._queue.lock:
-            mine = {id(ev) for ev in self._mine(exports)}
-            return [self.doubt.get(ev.slot) if id(ev) in mine else None for ev in exports]
+            book = self.exports
+            return [x.batch if (x := book.get(ev.slot)) is not None and x.event is ev else None for ev in exports]
 
     def delivered(self, exports: Sequence[Export]) -> None:
         """The peer acknowledged ``exports``: queue the release of each pool slot and the drop of each staging slot.
@@ -265,10 +289,10 @@ class HandOffBook:
                 self._settle_closed(mine, withdrawn=False)
                 return
             q.check(settling=True)
-            releases = [Release(ev.slot, ev.request_id) for ev in mine]
+            releases = [Release(x.event.slot, x.event.request_id) for x in mine]
             self._ledger.apply_batch(releases, 0)
             q.enqueue(releases)
-            self.drop_locked(mine, withdrawn=False)
+            self.drop_locked([x.event for x in mine], withdrawn=False)
 
     def drop_locked(self, exports: Sequence[Export | int], withdrawn: bool = True) -> None:
         """``exports`` leave the book and their staging host slots are dropped from here on (``withdrawn``: by a
@@ -281,15 +305,9 @@ class HandOffBook:
                 self.arrivals.withdraw_locked(ev)
                 continue
             assert type(ev) is Export
-            entry = self.exports.get(ev.slot)
-            if entry is not None and entry[1] is ev:
-                del self.exports[ev.slot]
-                self._forget_id(ev)
-                self.sending.discard(ev.slot)
-                self.pinned.pop(ev.slot, None)
-                self.doubt.pop(ev.slot, None)
-                if ev.host is not None:
-                    del self.hosts[ev.host]
+            x = self.exports.get(ev.slot)
+            if x is not None and x.event is ev:
+                self._forget_locked(x)
                 gone.append(ev)
         drops = [DropHost(ev.host) for ev in gone if ev.host is not None]
         for d in drops:
@@ -301,7 +319,12 @@ class HandOffBook:
                 "transfer.withdraw", None, ids, slots=[ev.slot for ev in gone], step=self._queue.step
             )
 
-    def _forget_id(self, ev: Export) -> None:
+    def _forget_locked(self, x: Exported) -> None:
+        """``x`` leaves the book (``exports`` and its indices); the caller frees or drops its slots."""
+        ev = x.event
+        del self.exports[ev.slot]
+        if ev.host is not None:
+            del self.hosts[ev.host]
         rid = ev.request_id or ""
         left = self.ids[rid] - 1
         if left:
@@ -309,7 +332,7 @@ class HandOffBook:
         else:
             del self.ids[rid]
 
-    def _settle_closed(self, exports: list[Export], withdrawn: bool) -> None:
+    def _settle_closed(self, exports: list[Exported], withdrawn: bool) -> None:
         """Under the lock, on a closed manager: a send taken before the close settled (``withdrawn``: it failed).
 
         The manager closed while the send awaited its ack, and no flush will
@@ -319,22 +342,16 @@ class HandOffBook:
         ledgers claimed while the send was in flight (:meth:`QueueSide.settled`
         frees them with the last one), so no other manager changes them meanwhile.
         """
-        host = self._host
-        staged = [ev.host for ev in exports if ev.host is not None]
-        for ev in exports:
-            del self.exports[ev.slot]
-            self._forget_id(ev)
-            self.sending.discard(ev.slot)
-            self.pinned.pop(ev.slot, None)
-            self.doubt.pop(ev.slot, None)
-        for h in staged:
-            del self.hosts[h]
-        self._ledger.give_back([ev.slot for ev in exports])
-        host.give_back(staged)
-        done: list[Event] = [Release(ev.slot, ev.request_id) for ev in exports]
+        for x in exports:
+            self._forget_locked(x)
+        evs = [x.event for x in exports]
+        staged = [ev.host for ev in evs if ev.host is not None]
+        self._ledger.give_back([ev.slot for ev in evs])
+        self._host.give_back(staged)
+        done: list[Event] = [Release(ev.slot, ev.request_id) for ev in evs]
         q = self._queue
         _tracing.tracer.events([*done, *(DropHost(h) for h in staged)], q.step)
-        if withdrawn and exports:
-            ids = [ev.request_id or "" for ev in exports]
-            _tracing.tracer.transfer("transfer.withdraw", None, ids, slots=[ev.slot for ev in exports], step=q.step)
+        if withdrawn and evs:
+            ids = [ev.request_id or "" for ev in evs]
+            _tracing.tracer.transfer("transfer.withdraw", None, ids, slots=[ev.slot for ev in evs], step=q.step)
         q.settled()

@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from .._errors import TransferError
+from .._errors import RefusalReason, TransferError
 
 __all__ = [
     "MAGIC", "REASONS", "Ack", "Decision", "Header", "Malformed", "Reason", "Refusal", "ack", "decision",
@@ -36,7 +36,7 @@ __all__ = [
 ]  # fmt: skip
 
 MAGIC = 0x6D63_7847  # 7847: the pair's name ends with the receiver's token (a peer of 7846 refuses the header)
-Reason = Literal["header", "spec", "room", "failed"]
+Reason = RefusalReason
 REASONS: tuple[Reason, ...] = get_args(Reason)
 # A count or number on the wire: what a 64-bit peer can write; larger is no honest peer's.
 _MAX_INT = 2**63 - 1

@@ -86,7 +86,7 @@ def timed_plugin() -> tuple[list[float], list[float], list[float]]:
     """
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from mambacache import _runner
+    from mambacache._core import _runner
     from mambacache.integrations.vllm import VllmStates
 
     per_step: list[float] = []

@@ -41,11 +41,11 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from ._errors import BindingError, InvalidArgumentError
-from ._hf import linear_layer_indices
-from ._pool import StatePool
-from ._spec import StateSpec
-from ._validate import as_slot, check_count
+from ._core._errors import BindingError, InvalidArgumentError
+from ._core._hfconfig import linear_layer_indices
+from ._core._pool import StatePool
+from ._core._spec import StateSpec
+from ._core._validate import as_slot, check_count
 
 MIN_TRANSFORMERS = (5, 23)
 """The oldest transformers the binding supports: older 5.x releases run a bound model without reading the pool

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._errors import InvalidArgumentError, InvalidEventError
-from ._events import (
+from ._core._errors import InvalidArgumentError, InvalidEventError
+from ._core._events import (
     Alloc,
     Clear,
     CommitDraft,
@@ -36,11 +36,11 @@ from ._events import (
     Release,
     Restore,
 )
+from ._core._planner import HostStage, Stage
+from ._core._pool import StatePool
 from ._executors._base import Executor
 from ._executors._reference import ReferenceExecutor
-from ._host import HostPool
-from ._planner import HostStage, Stage
-from ._pool import StatePool
+from ._tiers._hostpool import HostPool
 
 __all__ = [
     "FailingExecutor",

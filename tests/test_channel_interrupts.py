@@ -287,7 +287,7 @@ class _Forgetful(mc.LoopbackChannel):
 def test_without_the_channels_record_an_interrupt_after_the_plan_crossed_is_a_typed_error(
     rank: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import mambacache._flush as flush_module
+    import mambacache._core._flush as flush_module
 
     group = _Group(False, False, channel=_Forgetful)
     if rank:

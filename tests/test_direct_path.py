@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mambacache as mc
+from mambacache._core._planner import plan_step
 from mambacache._executors._torch import TorchExecutor
-from mambacache._planner import plan_step
 from mambacache.audit import OpAudit
 
 from .strategies import events_from_ops, ops

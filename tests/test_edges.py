@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mambacache as mc
+from mambacache._core._planner import RotateStage, ShiftStage, Stage
 from mambacache._executors._reference import ReferenceExecutor
 from mambacache._executors._torch import TorchExecutor
-from mambacache._planner import RotateStage, ShiftStage, Stage
 from mambacache.testing import SequentialOracle
 
 from .strategies import events_from_ops, shift_ops
@@ -267,7 +267,7 @@ def test_slots_from_numpy_and_cpu_tensors_are_ints(form: int) -> None:
 def test_leftover_work_reaches_the_backlog_before_the_pool_is_free(monkeypatch: pytest.MonkeyPatch) -> None:
     """A manager whose last flush could not run its backlog plans what is still queued into the pool's backlog
     while it still holds the pool: a manager opened on the pool at that moment would run newer work first."""
-    from mambacache import _flush
+    from mambacache._core import _flush
 
     class Flaky:
         name = "flaky"

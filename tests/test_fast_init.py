@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mambacache import _events, _planner
-from mambacache._events import fast_init
+from mambacache._core import _events, _planner
+from mambacache._core._events import fast_init
 
 DECORATED = sorted(
     (

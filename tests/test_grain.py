@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mambacache as mc
+from mambacache._core._planner import plan_step
+from mambacache._core._runner import run_stage
 from mambacache._executors import _torch
 from mambacache._executors._reference import ReferenceExecutor
 from mambacache._executors._torch import GRAIN, TorchExecutor
-from mambacache._planner import plan_step
-from mambacache._runner import run_stage
 
 from .strategies import events_from_ops, host_events_from_ops, host_ops, ops
 from .util import drive, paged_pool

@@ -11,14 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mambacache as mc
-from mambacache._executors._base import copy_host
-from mambacache._planner import (
+from mambacache._core._planner import (
     CopyStage,
     OffloadStage,
     RestoreStage,
     ZeroStage,
     plan_step,
 )
+from mambacache._executors._base import copy_host
 from mambacache.testing import SequentialOracle
 
 from .layered import pool_tensors

@@ -166,7 +166,7 @@ async def test_an_interrupt_at_any_line_of_an_async_flush_loses_nothing(host: bo
 
 def test_an_interrupt_while_planning_puts_the_step_back(monkeypatch: pytest.MonkeyPatch) -> None:
     """The planner raising KeyboardInterrupt: the events go back, the interrupt comes out, the next flush runs them."""
-    import mambacache._flush as flush_module
+    import mambacache._core._flush as flush_module
 
     case = _Case(host=True, resume=False)
     real = flush_module.plan_step

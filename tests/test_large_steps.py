@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mambacache as mc
-from mambacache import _flush
+from mambacache._core import _flush
 from mambacache.testing import SequentialOracle
 
 

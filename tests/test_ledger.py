@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import mambacache as mc
-from mambacache._ledger import SlotLedger
+from mambacache._core._ledger import SlotLedger
 
 ops = st.lists(
     st.tuples(st.sampled_from(["take", "exact", "give", "later", "reuse"]), st.integers(0, 10**6), st.integers(1, 4)),

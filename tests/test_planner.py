@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import mambacache as mc
-from mambacache._planner import (
+from mambacache._core._planner import (
     CommitStage,
     CopyStage,
     OffloadStage,
@@ -177,7 +177,7 @@ def test_examples() -> None:
 
 def test_a_hand_off_in_place_is_never_planned() -> None:
     """An export or import in place (no staging host slot) is never queued: planning one is a bug, named."""
-    from mambacache._events import Export, Import
+    from mambacache._core._events import Export, Import
 
     for ev, what in ((Export(3, None), "export"), (Import(None, 3), "import")):
         with pytest.raises(TypeError, match=f"an {what} in place is never planned"):
@@ -198,10 +198,10 @@ def test_planner_does_not_import_torch() -> None:
     code = (
         "import sys, importlib.util, types\n"
         "sys.modules['torch'] = None\n"  # any torch import now fails
-        "spec = importlib.util.spec_from_file_location('p', 'mambacache/_planner.py')\n"
+        "spec = importlib.util.spec_from_file_location('p', 'mambacache/_core/_planner.py')\n"
         "pkg = types.ModuleType('mambacache'); pkg.__path__ = ['mambacache']; sys.modules['mambacache'] = pkg\n"
-        "import mambacache._planner as p\n"
-        "from mambacache._events import Clear\n"
+        "import mambacache._core._planner as p\n"
+        "from mambacache._core._events import Clear\n"
         "print(p.plan_step([Clear(1)]).zeroed)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -210,7 +210,7 @@ def test_planner_does_not_import_torch() -> None:
 
 @given(ops, st.sets(st.integers(1, N)), st.integers(0, 2**40))
 def test_plan_wire_format_round_trips(raw: list[tuple[str, int, int]], initially: set[int], step: int) -> None:
-    from mambacache._planner import decode_plan, encode_plan
+    from mambacache._core._planner import decode_plan, encode_plan
 
     for events, _ in events_from_ops(raw, N, set(initially)):
         plan = plan_step(events)  # type: ignore[arg-type]
@@ -220,7 +220,7 @@ def test_plan_wire_format_round_trips(raw: list[tuple[str, int, int]], initially
 def test_plan_wire_format_rejects_garbage() -> None:
     import pytest
 
-    from mambacache._planner import decode_plan, encode_plan
+    from mambacache._core._planner import decode_plan, encode_plan
 
     good = encode_plan(plan_step([mc.Clear(1), mc.CopyOnWrite(2, 3)]), 5)
     for bad in ([], [1, 2, 3, 4, 5, 6, 7], [*good, 0], [*good[:-1]], [*good[:9], 1, 9, 0]):

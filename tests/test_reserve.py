@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import mambacache as mc
-from mambacache._ledger import SlotLedger
+from mambacache._core._ledger import SlotLedger
 from mambacache._tiers._prefix import CHECKPOINT_TENANT
 
 SPEC = mc.StateSpec(num_layers=1, conv_shapes=[(4, 2)], temporal_shape=(2, 2), conv_dtype=torch.float32)

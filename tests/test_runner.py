@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import mambacache as mc
+from mambacache._core._planner import plan_step
+from mambacache._core._runner import StepRunner, check_executor, run_stage
 from mambacache._executors._base import as_executor, copy_host
 from mambacache._executors._reference import ReferenceExecutor
 from mambacache._executors._torch import TorchExecutor
-from mambacache._planner import plan_step
-from mambacache._runner import StepRunner, check_executor, run_stage
 
 from .util import fill_random, small_spec
 

@@ -12,8 +12,8 @@ import torch
 
 import mambacache as mc
 from mambacache._cli import main
+from mambacache._core._planner import HostStage, Stage
 from mambacache._executors._torch import TorchExecutor
-from mambacache._planner import HostStage, Stage
 from mambacache.hf import cache_keyword
 from mambacache.sim import SimConfig, build_model, simulate
 

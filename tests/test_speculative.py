@@ -12,8 +12,8 @@ from structlog.testing import capture_logs
 
 import mambacache as mc
 from mambacache import tracing
+from mambacache._core._planner import CommitStage, decode_plan, encode_plan, plan_step
 from mambacache._executors._npu import NpuExecutor
-from mambacache._planner import CommitStage, decode_plan, encode_plan, plan_step
 from mambacache.audit import OpAudit
 from mambacache.testing import SequentialOracle, fail_at_op
 

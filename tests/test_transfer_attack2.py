@@ -138,23 +138,23 @@ class _FullDisk:
         self.event, self.raised = event, 0
 
     def __enter__(self) -> _FullDisk:
-        from mambacache import _tracing
+        from mambacache._core import _tracer
 
         outer = self
 
-        class Full(_tracing.Tracer):
+        class Full(_tracer.Tracer):
             def transfer(self, event: str, peer: int | None, request_ids: Any, **fields: Any) -> None:
                 if event == outer.event and not outer.raised:
                     outer.raised += 1
                     raise OSError(28, "No space left on device")
 
-        self._old = _tracing.install(Full())
+        self._old = _tracer.install(Full())
         return self
 
     def __exit__(self, *exc: object) -> None:
-        from mambacache import _tracing
+        from mambacache._core import _tracer
 
-        _tracing.install(self._old)
+        _tracer.install(self._old)
 
 
 @pytest.mark.parametrize("in_place", [False, True])

@@ -261,12 +261,12 @@ def test_a_prefix_eviction_whose_host_slot_a_landing_took_meanwhile_drops_the_ch
     very slot between the read and the offload. The offload then raised PoolExhaustedError out of ``insert``
     (documented to return False when it cannot make room, never to raise for it), with a checkpoint that could
     simply have been dropped. The eviction drops it then, as with a full host tier."""
-    from mambacache import _host
+    from mambacache._tiers import _hostpool
 
     spec = quant_spec(2)
     owner: list[mc.CacheManager] = []  # the manager the landing goes through, once made
 
-    class Landing(_host.HostPool):
+    class Landing(_hostpool.HostPool):
         """The receive thread's landing, made right after the cache's last read of ``num_free`` before its offload
         (that interleaving, made deterministic): it takes the free host slot. ``race``: the reads until then."""
 

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mambacache as mc
-from mambacache._planner import plan_step
-from mambacache._tracing import _fields
+from mambacache._core._planner import plan_step
+from mambacache._core._tracer import _fields
 
 from .strategies import host_events_from_ops, host_ops
 

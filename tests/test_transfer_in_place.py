@@ -21,7 +21,8 @@ import torch
 from structlog.testing import capture_logs
 
 import mambacache as mc
-from mambacache import _tracing, tracing
+from mambacache import tracing
+from mambacache._core import _tracer
 from mambacache._handoff._link import messages
 from mambacache._handoff._transfer import export_rows
 from mambacache.testing import fail_at_op
@@ -174,7 +175,7 @@ def test_an_export_in_place_is_traced_without_a_host_slot_and_the_analyzer_sees_
             send.export(s, "r", in_place=True, to=1)
             send.flush_nowait()
             ready = send.take_exports(to=1)
-            _tracing.tracer.transfer("transfer.send", 1, ["r"], step=send.step, n=1, bytes=0)  # as send() does
+            _tracer.tracer.transfer("transfer.send", 1, ["r"], step=send.step, n=1, bytes=0)  # as send() does
             send.exports_delivered(ready)
             send.flush_nowait()
             send.check_idle(host=True)
@@ -331,7 +332,7 @@ def test_an_arrival_in_place_is_traced_and_the_analyzer_sees_it_imported() -> No
             recv.expect_import(4, "a")
             recv.flush_nowait()
             slots = recv.land_in_place(["a"], lambda slots: None)
-            _tracing.tracer.transfer("transfer.receive", 3, ["a"], step=recv.step, n=1, slots=slots, bytes=0)
+            _tracer.tracer.transfer("transfer.receive", 3, ["a"], step=recv.step, n=1, slots=slots, bytes=0)
             recv.flush_nowait()  # a step while it waits for its import: the engine does not run it
             recv.import_into(4, "a")
             recv.flush_nowait()
@@ -554,7 +555,7 @@ def test_an_import_in_place_is_not_reported_unlanded_when_a_flush_of_its_step_fa
             slots = recv.land_in_place(
                 ["a"],
                 lambda slots: None,
-                arrived=lambda slots: _tracing.tracer.transfer(
+                arrived=lambda slots: _tracer.tracer.transfer(
                     "transfer.receive", 3, ["a"], step=recv.step, n=1, slots=slots, bytes=0
                 ),
             )

@@ -20,8 +20,9 @@ import torch.multiprocessing as mp
 from structlog.testing import capture_logs
 
 import mambacache as mc
-from mambacache import _tracing, tracing
+from mambacache import tracing
 from mambacache._cli import main
+from mambacache._core import _tracer
 from mambacache.tracing import analyze, analyze_lines
 
 from ._trace_worker import MODES, trace_worker
@@ -201,7 +202,7 @@ def test_an_import_line_names_the_peer_its_state_came_from() -> None:
     spec = small_spec()
     with mc.CacheManager(mc.StatePool(spec, 4), host_pool=mc.HostPool(spec, 2)) as mgr, capture_logs() as logs:
         (h,) = mgr.land(["a"])  # what StateTransfer.receive does, then it traces:
-        _tracing.tracer.transfer("transfer.receive", 3, ["a"], step=mgr.step, n=1, hosts=[h], bytes=spec.slot_bytes)
+        _tracer.tracer.transfer("transfer.receive", 3, ["a"], step=mgr.step, n=1, hosts=[h], bytes=spec.slot_bytes)
         mgr.import_into(2, request_id="a")
         mgr.flush_nowait()
     receive, alloc, imp = logs[0], logs[1], logs[2]
@@ -217,7 +218,7 @@ class _Wire:
 
     peer = 5
 
-    @_tracing.traces_failures
+    @_tracer.traces_failures
     def send(self, fail: bool) -> list[str]:
         """Fails when told to."""
         if fail:
@@ -325,7 +326,7 @@ def _withdraw(mgr: mc.CacheManager) -> None:
 
 def _discard(mgr: mc.CacheManager) -> None:
     hosts = mgr.land(["a", "b"])  # what StateTransfer.receive does, then it traces:
-    _tracing.tracer.transfer("transfer.receive", 1, ["a", "b"], step=mgr.step, n=2, hosts=hosts, bytes=0)
+    _tracer.tracer.transfer("transfer.receive", 1, ["a", "b"], step=mgr.step, n=2, hosts=hosts, bytes=0)
     mgr.import_into(1, "b")
     mgr.discard_arrived("a")  # the decode side aborted "a": its state is never imported
     mgr.flush_nowait()

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .._errors import UnknownExecutorError
+from .._core._errors import UnknownExecutorError
 from ._base import Executor, as_executor
 
 __all__ = [

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .._planner import CopyStage, HostStage, OffloadStage, RotateStage, ShiftStage, Stage
+from .._core._planner import CopyStage, HostStage, OffloadStage, RotateStage, ShiftStage, Stage
 
 __all__ = [
     "GRAIN",
@@ -73,7 +73,7 @@ class Executor(abc.ABC):
 
     ``tensor`` is ``[num_layers, num_slots + 1, *state]``. The step runner calls
     ``execute`` for each stage and, inside it, for each pool tensor in order
-    (:func:`mambacache._runner.run_stage` is the one place that dispatches).
+    (:func:`mambacache._core._runner.run_stage` is the one place that dispatches).
 
     Resume contract: a call may raise at any point, even between two of its own
     device ops (a fault, ``MemoryError``, ``KeyboardInterrupt``). The runner then
@@ -94,7 +94,7 @@ class Executor(abc.ABC):
 
     name: str
     # Whether it runs on paged pool tensors (only each ``(layer, slot)`` row contiguous, as in an
-    # engine's block pages; :mod:`mambacache._pool`); the manager refuses a paged pool otherwise.
+    # engine's block pages; :mod:`mambacache._core._pool`); the manager refuses a paged pool otherwise.
     takes_paged: bool = True
 
     @abc.abstractmethod

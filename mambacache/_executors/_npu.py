@@ -30,9 +30,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .._errors import InvalidArgumentError
-from .._planner import CommitStage, CopyStage, HostStage, RotateStage, ShiftStage, Stage, ZeroStage
-from .._validate import check_positive_int
+from .._core._errors import InvalidArgumentError
+from .._core._planner import CommitStage, CopyStage, HostStage, RotateStage, ShiftStage, Stage, ZeroStage
+from .._core._validate import check_positive_int
 from ._base import Executor, IndexBuilder, Progress, copy_host, stage_pairs
 
 __all__ = ["NpuExecutor", "import_torch_npu"]

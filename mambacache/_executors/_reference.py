@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._planner import CommitStage, CopyStage, HostStage, OffloadStage, RotateStage, ShiftStage, Stage, ZeroStage
+from .._core._planner import CommitStage, CopyStage, HostStage, OffloadStage, RotateStage, ShiftStage, Stage, ZeroStage
 from ._base import Executor, Progress
 
 __all__ = ["ReferenceExecutor"]

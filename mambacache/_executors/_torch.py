@@ -65,8 +65,8 @@ from collections.abc import Iterable
 
 import torch
 
-from .._errors import InvalidArgumentError
-from .._planner import CommitStage, CopyStage, HostStage, OffloadStage, RotateStage, ShiftStage, Stage, ZeroStage
+from .._core._errors import InvalidArgumentError
+from .._core._planner import CommitStage, CopyStage, HostStage, OffloadStage, RotateStage, ShiftStage, Stage, ZeroStage
 from ._base import GRAIN, Executor, IndexBuilder, Progress, copy_host, piece_size, pieces, row_width, stage_pairs
 from ._crew import crew, only_device_contexts
 from ._policy import Policy

@@ -28,13 +28,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from .. import _tracing
-from .._errors import SlotStateError
-from .._events import Alloc, DropHost, Event, Import
+from .._core import _tracer
+from .._core._errors import SlotStateError
+from .._core._events import Alloc, DropHost, Event, Import
 
 if TYPE_CHECKING:
-    from .._backlog import Backlog
-    from .._ledger import SlotLedger
+    from .._core._backlog import Backlog
+    from .._core._ledger import SlotLedger
 
 __all__ = ["Arrival", "ArrivalPhase", "Arrivals", "QueueSide"]
 
@@ -157,7 +157,7 @@ class Arrivals:
         if a.in_place:
             del self.states[a.request_id]
             if a.phase is ARRIVED:
-                _tracing.tracer.transfer("transfer.discard", None, [a.request_id], step=self._queue.step)
+                _tracer.tracer.transfer("transfer.discard", None, [a.request_id], step=self._queue.step)
 
     # -- landing ------------------------------------------------------------------
     def room(self, request_ids: list[str] | None = None) -> int:
@@ -336,7 +336,7 @@ class Arrivals:
             # The events queued now are taken by the next take: its ticket done, no earlier work touches the slot.
             self.states[tenant] = self.slots[slot] = Arrival(tenant, WAITING, slot, self._backlog.taken)
             q.enqueue([Alloc(slot, tenant, False)])
-            _tracing.tracer.note("slot.expect", slot=slot, request_id=tenant, step=q.step)
+            _tracer.tracer.note("slot.expect", slot=slot, request_id=tenant, step=q.step)
 
     def import_into(self, slot: int, tenant: str) -> None:
         """``slot`` reads the state that arrived for ``tenant``: a free slot is held for it without a clear and
@@ -357,7 +357,7 @@ class Arrivals:
             h = a.host
             if h is None:  # arrived in place: its bytes are there, nothing to run
                 self._forget_locked(a)
-                _tracing.tracer.events([Import(None, slot, tenant)], q.step)
+                _tracer.tracer.events([Import(None, slot, tenant)], q.step)
                 return
             events: list[Event] = [Import(h, slot, tenant)]
             if a.slot is None:
@@ -398,5 +398,5 @@ class Arrivals:
                 del self.states[tenant]
             host.free_later(h)
             q.enqueue((DropHost(h),))
-            _tracing.tracer.transfer("transfer.discard", None, [tenant], step=q.step)
+            _tracer.tracer.transfer("transfer.discard", None, [tenant], step=q.step)
         return h

@@ -3,7 +3,7 @@
 :class:`HandOffBook` holds that state and makes every transition of it itself,
 together with the ledgers and the event queue, in one hold of the queue's lock
 each, so the three never disagree (the queue's own invariant). The queue never
-imports it: the book is the queue's :class:`~mambacache._queue.SubmitGuard`,
+imports it: the book is the queue's :class:`~mambacache._core._queue.SubmitGuard`,
 put on it by :class:`~mambacache.CacheManager` when a manager with a host
 pool is made, and it sees the queue only through
 :class:`QueueSide` (a weak proxy: no reference cycle). No torch.
@@ -17,7 +17,7 @@ An export's life on the sender::
 In the book an export is one :class:`Exported` record, *queued* and *ready*
 its phase WAITING, *sending* its phase SENDING.
 
-*Ready* is keyed on work done (:attr:`Backlog.done <mambacache._backlog.Backlog>`): an
+*Ready* is keyed on work done (:attr:`Backlog.done <mambacache._core._backlog.Backlog>`): an
 export is ready once the flush that took it ran its staging copy, not when
 that flush took it (a failed flush keeps it unready until the repair runs it).
 A release is refused only while the export is *sending*, since the peer may
@@ -37,22 +37,22 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .. import _tracing
-from .._errors import SlotStateError
-from .._events import Clear, CommitDraft, CopyOnWrite, DropHost, Event, Export, Release
+from .._core import _tracer
+from .._core._errors import SlotStateError
+from .._core._events import Clear, CommitDraft, CopyOnWrite, DropHost, Event, Export, Release
 from ._arrivals import Arrivals, QueueSide
 
 if TYPE_CHECKING:
-    from .._backlog import Backlog
-    from .._ledger import SlotLedger
-    from .._queue import SlotUse
+    from .._core._backlog import Backlog
+    from .._core._ledger import SlotLedger
+    from .._core._queue import SlotUse
 
 __all__ = ["ExportPhase", "Exported", "HandOffBook", "QueueSide"]
 
 
 class ExportPhase(enum.Enum):
     """Where an export in the book stands. Whether it is ready is not a phase: that is work done (its ``ticket``
-    below :attr:`Backlog.done <mambacache._backlog.Backlog>`), which changes without the book."""
+    below :attr:`Backlog.done <mambacache._core._backlog.Backlog>`), which changes without the book."""
 
     WAITING = "waiting"  # awaiting a send: queued (its staging copy not run yet) or ready
     SENDING = "sending"  # a send took it and has not settled it (delivered, or returned to WAITING)
@@ -195,7 +195,7 @@ class HandOffBook:
             x = self.exports[slot] = Exported(ev, self._backlog.taken)
             self.ids[tenant] = self.ids.get(tenant, 0) + 1
             if h is None:
-                _tracing.tracer.events((ev,), q.step)
+                _tracer.tracer.events((ev,), q.step)
             else:
                 self.hosts[h] = x
                 q.enqueue((ev,))
@@ -315,7 +315,7 @@ class HandOffBook:
         self._queue.enqueue(drops)
         if withdrawn and gone:
             ids = [ev.request_id or "" for ev in gone]
-            _tracing.tracer.transfer(
+            _tracer.tracer.transfer(
                 "transfer.withdraw", None, ids, slots=[ev.slot for ev in gone], step=self._queue.step
             )
 
@@ -350,8 +350,8 @@ class HandOffBook:
         self._host.give_back(staged)
         done: list[Event] = [Release(ev.slot, ev.request_id) for ev in evs]
         q = self._queue
-        _tracing.tracer.events([*done, *(DropHost(h) for h in staged)], q.step)
+        _tracer.tracer.events([*done, *(DropHost(h) for h in staged)], q.step)
         if withdrawn and evs:
             ids = [ev.request_id or "" for ev in evs]
-            _tracing.tracer.transfer("transfer.withdraw", None, ids, slots=[ev.slot for ev in evs], step=q.step)
+            _tracer.tracer.transfer("transfer.withdraw", None, ids, slots=[ev.slot for ev in evs], step=q.step)
         q.settled()

@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from .._errors import RefusalReason, TransferError
+from .._core._errors import RefusalReason, TransferError
 
 __all__ = [
     "MAGIC", "REASONS", "Ack", "Decision", "Header", "Malformed", "Reason", "Refusal", "ack", "decision",

@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from .._errors import InvalidArgumentError, TransferError, TransferRefusedError
+from .._core._errors import InvalidArgumentError, TransferError, TransferRefusedError
 from . import _control as control
 from ._transports._base import Message, Transport
 from ._transports._gloo import RETIRED as _RETIRED  # noqa: F401 -- the gloo pairs retired, as tests count them

@@ -3,7 +3,7 @@
 A state tensor's first per-slot dimension (conv channels, temporal heads) is a
 run of segments, each either split evenly across the ranks or replicated on
 every rank. The segments follow the rule the sharded presets use
-(``bench/_presets.py`` ``_shard_config``) over the shapes ``_hf.py`` derives:
+(``bench/_presets.py`` ``_shard_config``) over the shapes ``_core/_hfconfig.py`` derives:
 
 * Mamba2 / Nemotron-H conv channels: ``x`` (inner) split, then ``B`` and ``C``
   (``G * N`` each) split when ``tp`` divides the groups, replicated when there is
@@ -45,18 +45,18 @@ from typing import Any
 
 import torch
 
-from .. import _tracing
-from .._errors import (
+from .._core import _tracer
+from .._core._errors import (
     DistributedError,
     InvalidArgumentError,
     PoolExhaustedError,
     TransferError,
     TransferRefusedError,
 )
-from .._events import Export
-from .._spec import StateSpec
+from .._core._events import Export
+from .._core._spec import StateSpec
+from .._manager import CacheManager
 from ._link import Batch, NothingSent, Withdrawn, check_timeout, fingerprint, messages
-from ._surface import CacheManager
 from ._transfer import (
     Batches,
     BatchId,
@@ -371,7 +371,7 @@ class ReslicingReceiver:
                 full = self._layout.gather([rows for _, rows in got], dim=2)
             except TransferError as exc:
                 # These checks are this receiver's own: each rank's receive_rows traced only its own failures.
-                _tracing.tracer.transfer("transfer.failed", peers[0], ids, call="receive", error=str(exc), peers=peers)
+                _tracer.tracer.transfer("transfer.failed", peers[0], ids, call="receive", error=str(exc), peers=peers)
                 raise
             size = sum(r.numel() * r.element_size() for _, rows in got for r in rows)  # from every rank
             # Arrived only once written (a failed write frees the slots, and every rank hears it landed nothing).
@@ -401,7 +401,7 @@ class ReslicingReceiver:
         peers = [x.peer for x in self._transfers]
 
         def arrived(slots: list[int]) -> None:  # in the hold that makes them arrived: before any import's line
-            _tracing.tracer.transfer(
+            _tracer.tracer.transfer(
                 "transfer.receive", peers[0], ids, step=self._mgr.step, n=len(ids), bytes=size, peers=peers,
                 **{where: slots},
             )  # fmt: skip
@@ -415,7 +415,7 @@ class ReslicingReceiver:
                 exc = TransferError(f"peer rank 0 sent {ids}, rank {k} sent {other}: not one batch", ids)
                 if trace:
                     peers = [x.peer for x in self._transfers]
-                    _tracing.tracer.transfer(
+                    _tracer.tracer.transfer(
                         "transfer.failed", peers[0], ids, call="receive", error=str(exc), peers=peers
                     )
                 raise exc
@@ -436,7 +436,7 @@ class ReslicingReceiver:
                     try:
                         batches.append(x._in.offer(x._layers(), self._shapes, mgr.landing_room, deadline))
                     except TransferError as exc:  # this rank's own failure (no batch, a refusal), as receive_rows'
-                        _tracing.tracer.transfer(
+                        _tracer.tracer.transfer(
                             "transfer.failed", x.peer, exc.request_ids, call="receive", error=str(exc)
                         )
                         raise
@@ -502,7 +502,7 @@ class ReslicingReceiver:
                     x._in.check_left(deadlines[k])
                     batches[k] = x._in.offer(x._layers(), self._shapes, lambda _: len(ids), deadlines[k])
                 except TransferError as exc:  # this rank's own failure (the bytes, the store), as receive_rows'
-                    _tracing.tracer.transfer("transfer.failed", x.peer, exc.request_ids, call="receive", error=str(exc))
+                    _tracer.tracer.transfer("transfer.failed", x.peer, exc.request_ids, call="receive", error=str(exc))
                     raise
                 self._one_batch(ids, [b.ids for b in batches])  # the retry of a withdrawn header
         try:
@@ -518,7 +518,7 @@ class ReslicingReceiver:
                         )  # fmt: skip
         except TransferError as exc:
             peers = [x.peer for x in xs]
-            _tracing.tracer.transfer("transfer.failed", peers[0], ids, call="receive", error=str(exc), peers=peers)
+            _tracer.tracer.transfer("transfer.failed", peers[0], ids, call="receive", error=str(exc), peers=peers)
             raise
 
     @torch.inference_mode(False)
@@ -611,7 +611,7 @@ class ReslicingSender:
                 # shards failed in the last ship gets its line (none recorded: the first rank, for the call).
                 ids, failed = self._failed
                 for peer, err in failed or [(self.peers[0], exc)]:
-                    _tracing.tracer.transfer(
+                    _tracer.tracer.transfer(
                         "transfer.failed", peer, ids or exc.request_ids, call="send", error=str(err)
                     )
                 raise

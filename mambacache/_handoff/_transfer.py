@@ -29,8 +29,8 @@ from typing import Any
 import anyio
 import torch
 
-from .. import _tracing
-from .._errors import (
+from .._core import _tracer
+from .._core._errors import (
     DistributedError,
     InvalidArgumentError,
     MambaCacheError,
@@ -38,9 +38,18 @@ from .._errors import (
     TransferError,
     TransferRefusedError,
 )
-from .._events import Export
-from .._validate import check_bool, check_instance, check_request_ids, check_rows, check_shapes, check_str, need_host
-from .._worker import cancel_again, run_in_worker
+from .._core._events import Export
+from .._core._validate import (
+    check_bool,
+    check_instance,
+    check_request_ids,
+    check_rows,
+    check_shapes,
+    check_str,
+    need_host,
+)
+from .._core._worker import cancel_again, run_in_worker
+from .._manager import CacheManager
 from ._link import (
     SPLIT_BYTES,
     Batch,
@@ -55,7 +64,6 @@ from ._link import (
     messages,
     root_store,
 )
-from ._surface import CacheManager
 from ._transports._base import Message, Pieces, Wire
 from ._transports._pick import check_transport
 from ._transports._pick import make as make_transport
@@ -485,7 +493,7 @@ def send_exports(
             raise  # an interrupt or exit is never swallowed (what went out stays delivered: its slots are free)
         batches.limit = None
         try:
-            _tracing.tracer.transfer("transfer.send", peers[0], ids, step=manager.step, n=len(ids), **sizes(len(ids)))
+            _tracer.tracer.transfer("transfer.send", peers[0], ids, step=manager.step, n=len(ids), **sizes(len(ids)))
         finally:  # acknowledged: taken even if the tracer raises (a full disk), else they stayed sending for good
             manager.exports_delivered(batch)
         delivered += ids
@@ -518,7 +526,7 @@ def _receive_line(peer: int, mgr: CacheManager, batch: Batch, where: str) -> Cal
     staging host slots (``where`` ``"hosts"``) or the pool slots it landed in place in (``"slots"``)."""
 
     def arrived(slots: list[int]) -> None:
-        _tracing.tracer.transfer(
+        _tracer.tracer.transfer(
             "transfer.receive", peer, batch.ids, step=mgr.step, n=len(batch.ids), bytes=sum(batch.sizes),
             **{where: slots},
         )  # fmt: skip
@@ -533,7 +541,7 @@ def _acknowledge_landed(inbox: Inbox, peer: int, batch: Batch) -> None:
     try:
         inbox.answer(batch, True)
     except TransferError as exc:
-        _tracing.tracer.transfer("transfer.failed", peer, batch.ids, call="acknowledge", error=str(exc))
+        _tracer.tracer.transfer("transfer.failed", peer, batch.ids, call="acknowledge", error=str(exc))
 
 
 def _wire(xfer: StateTransfer, direction: str) -> Wire | None:
@@ -660,7 +668,7 @@ class StateTransfer:
         return [(tuple(t.shape[2:]), t.dtype) for t in host.tensors]
 
     # -- sending -------------------------------------------------------------
-    @_tracing.traces_failures
+    @_tracer.traces_failures
     def send(self) -> list[str]:
         """Ship every export whose flush has run, wait for the acknowledgement, then free their slots.
 
@@ -735,7 +743,7 @@ class StateTransfer:
         ship_rows(self, request_ids, rows, (self._out.token, seq))
 
     # -- receiving -----------------------------------------------------------
-    @_tracing.traces_failures
+    @_tracer.traces_failures
     def receive(self) -> list[str]:
         """Land one batch of the peer's exports in staging host slots and acknowledge it; returns their ids.
 
@@ -802,7 +810,7 @@ class StateTransfer:
         else:
             write_staging(mgr, slots, rows)
 
-    @_tracing.traces_failures
+    @_tracer.traces_failures
     def receive_rows(self, shapes: Shapes | None = None) -> tuple[list[str], list[torch.Tensor]]:
         """One batch of the peer's exports as ``[layers, n, *state]`` tensors, landed nowhere and not acknowledged.
 
@@ -840,7 +848,7 @@ class StateTransfer:
                 list(waiting.ids),
             )
 
-    @_tracing.traces_failures
+    @_tracer.traces_failures
     def acknowledge(self, request_ids: list[str], *, landed: bool = True, why: str = "") -> None:
         """Answer the batch :meth:`receive_rows` returned: ``landed``, the peer releases its slots; else it keeps
         them and sees ``why`` (``"room:<k>:<text>"``: a refusal for room, ``k`` the states that could land now).

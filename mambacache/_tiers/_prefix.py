@@ -16,10 +16,10 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import _tracing
-from .._errors import InvalidArgumentError, PoolExhaustedError, SlotStateError, StaleHitError
-from .._handoff._surface import CacheManager
-from .._validate import as_slot, check_request_id
+from .._core import _tracer
+from .._core._errors import InvalidArgumentError, PoolExhaustedError, SlotStateError, StaleHitError
+from .._core._validate import as_slot, check_request_id
+from .._manager import CacheManager
 from ._trie import Trie, _Node
 
 __all__ = ["CHECKPOINT_TENANT", "PrefixCache", "PrefixHit", "PrefixStats"]
@@ -174,12 +174,12 @@ class PrefixCache:
         best = self._trie.deepest(tuple(tokens), key)
         if best is None:
             self._counts["misses"] += 1
-            _tracing.tracer.note("prefix.miss", tokens=len(tokens), step=self._mgr.step, **_traced(key))
+            _tracer.tracer.note("prefix.miss", tokens=len(tokens), step=self._mgr.step, **_traced(key))
             return None
         self._counts["hits"] += 1
         self._touch(best)
         tier = "device" if best.slot else "host"
-        _tracing.tracer.note(
+        _tracer.tracer.note(
             "prefix.hit", length=best.length, tier=tier, slot=best.slot or None, host=best.host or None,
             tokens=len(tokens), step=self._mgr.step, **_traced(key),
         )  # fmt: skip
@@ -213,7 +213,7 @@ class PrefixCache:
             self._counts["restores"] += 1
         self._counts["tokens_saved"] += node.length
         self._touch(node)
-        _tracing.tracer.note(
+        _tracer.tracer.note(
             "prefix.fork", slot=slot, length=node.length, src=node.slot or None, host=node.host or None,
             request_id=request_id, step=self._mgr.step,
         )  # fmt: skip
@@ -263,7 +263,7 @@ class PrefixCache:
         self._device[node] = None
         self._trie.adjust_below(node, +1)
         self._counts["inserts"] += 1
-        _tracing.tracer.note(
+        _tracer.tracer.note(
             "prefix.insert", slot=checkpoint, src=slot, length=len(path), step=self._mgr.step, **_traced(key)
         )
         return True
@@ -342,7 +342,7 @@ class PrefixCache:
             self._counts["offloads"] += 1
         else:
             self._trie.prune(victim)
-        _tracing.tracer.note(
+        _tracer.tracer.note(
             "prefix.evict", slot=slot, length=victim.length, to="host" if host else "dropped",
             host=host or None, step=mgr.step,
         )  # fmt: skip
@@ -354,7 +354,7 @@ class PrefixCache:
             return False
         self._mgr.drop(node.host)  # first: if the manager refuses it, the cache still tracks the checkpoint
         del self._host[node]
-        _tracing.tracer.note("prefix.evict", host=node.host, length=node.length, to="dropped", step=self._mgr.step)
+        _tracer.tracer.note("prefix.evict", host=node.host, length=node.length, to="dropped", step=self._mgr.step)
         node.host = 0
         self._counts["host_drops"] += 1
         self._trie.prune(node)

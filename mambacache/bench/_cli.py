@@ -26,7 +26,7 @@ from .._console import (
     table,
     write_json,
 )
-from .._errors import PoolAllocationError
+from .._core._errors import PoolAllocationError
 from . import _layers
 from ._decode import decode_flush
 from ._presets import PRESETS, lookup, shard
@@ -152,8 +152,8 @@ def _sizes(text: str) -> list[int]:
 
 def _check_args(args: argparse.Namespace) -> torch.device:
     """Every argument checked before minutes of work: one line and exit 2 on the first bad one."""
-    from .._errors import MambaCacheError
-    from .._torchutil import as_device
+    from .._core._errors import MambaCacheError
+    from .._core._torchutil import as_device
 
     if str(args.device).startswith("npu"):
         from .._executors._npu import import_torch_npu
@@ -182,7 +182,7 @@ def _check_args(args: argparse.Namespace) -> torch.device:
 
 
 def _check_transport(args: argparse.Namespace) -> None:
-    from .._errors import TransportUnavailableError
+    from .._core._errors import TransportUnavailableError
     from .._handoff._transports._pick import check_transport, one_host_ucx
 
     if not args.transfer:

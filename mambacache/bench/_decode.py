@@ -24,9 +24,9 @@ from typing import Any
 import anyio
 import torch
 
-from .._handoff._surface import CacheManager
-from .._pool import StatePool
-from .._spec import StateSpec
+from .._core._pool import StatePool
+from .._core._spec import StateSpec
+from .._manager import CacheManager
 
 
 class BareManager:

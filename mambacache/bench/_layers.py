@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from .._handoff._surface import CacheManager
-from .._pool import StatePool
-from .._spec import StateSpec
+from .._core._pool import StatePool
+from .._core._spec import StateSpec
+from .._manager import CacheManager
 from ._presets import lookup
 
 __all__ = ["LAYOUTS", "layer_overhead", "render", "run"]

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .._spec import StateSpec
+from .._core._spec import StateSpec
 
 __all__ = ["PRESETS", "SHARDED", "Preset", "fit_layers", "lookup", "shard"]
 

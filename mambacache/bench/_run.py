@@ -24,17 +24,17 @@ from typing import Any
 import anyio
 import torch
 
-from .. import _tracing
-from .._events import Alloc, Clear, CommitDraft, CopyOnWrite, Event, Offload, Release, Restore
+from .._core import _tracer
+from .._core._events import Alloc, Clear, CommitDraft, CopyOnWrite, Event, Offload, Release, Restore
+from .._core._planner import Stage, plan_step
+from .._core._pool import StatePool
+from .._core._runner import run_stage
+from .._core._spec import StateSpec
 from .._executors import resolve_executor
 from .._executors._base import as_executor
 from .._executors._torch import TorchExecutor
-from .._handoff._surface import CacheManager
-from .._host import HostPool
-from .._planner import Stage, plan_step
-from .._pool import StatePool
-from .._runner import run_stage
-from .._spec import StateSpec
+from .._manager import CacheManager
+from .._tiers._hostpool import HostPool
 from ..audit import OpAudit
 from ._presets import fit_layers, lookup
 
@@ -443,12 +443,12 @@ def tracing_overhead(events: int = 1000, repeats: int = 7) -> dict[str, float]:
     """A flush of ``events`` events with tracing off, against the same work without the tracing checks.
 
     Tracing off costs one call of the installed no-op tracer per submit call and
-    one per flush (``_tracing.tracer.events`` / ``.flushed``); that call is
+    one per flush (``_tracer.tracer.events`` / ``.flushed``); that call is
     measured on its own and set against the whole.
     """
     rows = host_overhead([events], repeats)
     per_event_us = rows[0]["us_per_event"]
-    check_s = min(timeit.repeat("off.events(evs, 0)", globals={"off": _tracing.OFF, "evs": ()},
+    check_s = min(timeit.repeat("off.events(evs, 0)", globals={"off": _tracer.OFF, "evs": ()},
                                 number=100_000, repeat=5)) / 100_000  # fmt: skip
     checks = events + 1  # one per submit, plus the flush's summary
     total_s = per_event_us * 1e-6 * events

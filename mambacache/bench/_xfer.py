@@ -44,14 +44,14 @@ from typing import Any
 
 import torch
 
+from .._core._pool import StatePool
+from .._core._spec import StateSpec
 from .._handoff._link import root_store
-from .._handoff._surface import CacheManager
 from .._handoff._transfer import StateTransfer
 from .._handoff._transports._base import Transport, Wire
 from .._handoff._transports._pick import make as make_transport
-from .._host import HostPool
-from .._pool import StatePool
-from .._spec import StateSpec
+from .._manager import CacheManager
+from .._tiers._hostpool import HostPool
 from ._presets import fit_layers, lookup
 
 __all__ = ["transfer_vs_send"]

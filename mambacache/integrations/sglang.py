@@ -65,10 +65,10 @@ from typing import Any
 
 import torch
 
-from .._errors import MambaCacheError
-from .._handoff._surface import CacheManager
-from .._host import HostPool
-from .._pool import StatePool
+from .._core._errors import MambaCacheError
+from .._core._pool import StatePool
+from .._manager import CacheManager
+from .._tiers._hostpool import HostPool
 
 __all__ = ["PLUGIN_NAME", "TREE_TENANT", "HostCopy", "active", "adopt", "counts", "managers", "register", "settle"]
 

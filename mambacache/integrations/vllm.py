@@ -45,9 +45,9 @@ from typing import Any
 
 import torch
 
-from .._errors import InvalidArgumentError
-from .._handoff._surface import CacheManager
-from .._pool import StatePool
+from .._core._errors import InvalidArgumentError
+from .._core._pool import StatePool
+from .._manager import CacheManager
 from . import _vllm_prefix
 
 __all__ = ["CACHED", "PLUGIN_NAME", "VllmStates", "active", "block_rows", "distinct_layers", "register", "split_pools"]

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from .._pool import StatePool
-from .._spec import StateSpec
+from .._core._pool import StatePool
+from .._core._spec import StateSpec
 from ..hf import bind_cache, cache_keyword, check_seq_length
 from ..hf import drop_tokens as hf_drop_tokens
 from ._config import MODELS, STATE_DTYPE_NAMES
@@ -207,7 +207,7 @@ class HFModel(SimModel):
     def __init__(self, kind: str, seed: int = 0) -> None:
         import transformers
 
-        from .._hf import linear_layer_indices
+        from .._core._hfconfig import linear_layer_indices
 
         self.name = kind
         self.config = _hf_config(kind)

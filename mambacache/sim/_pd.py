@@ -47,12 +47,12 @@ from typing import Any
 
 import torch
 
-from .._errors import TransferError
+from .._core._errors import TransferError
+from .._core._pool import StatePool
 from .._handoff._reslice import ReslicingReceiver, ReslicingSender, StateLayout
-from .._handoff._surface import CacheManager
 from .._handoff._transfer import StateTransfer
-from .._host import HostPool
-from .._pool import StatePool
+from .._manager import CacheManager
+from .._tiers._hostpool import HostPool
 from ._config import PD_FAULTS
 from ._models import HFModel, SimModel, build_model
 
@@ -404,7 +404,7 @@ def _decode(rank: int, cfg: PdConfig, model: SimModel) -> dict[str, Any]:
 def _check_cli(args: Any, models: list[str]) -> None:
     """UsageError, before any process starts, for a run that cannot be what was asked."""
     from .._console import UsageError
-    from .._errors import InvalidArgumentError, TransportUnavailableError
+    from .._core._errors import InvalidArgumentError, TransportUnavailableError
     from .._handoff._transports._pick import check_transport, one_host_ucx
 
     try:

@@ -29,10 +29,10 @@ from typing import Any
 import torch
 
 from .. import tracing
-from .._errors import PoolExhaustedError
-from .._handoff._surface import CacheManager
-from .._host import HostPool
-from .._pool import StatePool
+from .._core._errors import PoolExhaustedError
+from .._core._pool import StatePool
+from .._manager import CacheManager
+from .._tiers._hostpool import HostPool
 from .._tiers._prefix import PrefixCache
 from ._config import CHECKPOINTS, FAULTS, PREEMPT, SCENARIOS, SimConfig
 from ._models import SimModel, build_model

@@ -53,9 +53,9 @@ import sys
 from pathlib import Path
 from typing import IO, Any
 
-from .. import _tracing
-from .._errors import InvalidArgumentError
-from .._errors import TraceError as TraceError
+from .._core import _tracer
+from .._core._errors import InvalidArgumentError
+from .._core._errors import TraceError as TraceError
 from ._analyze import Anomaly as Anomaly
 from ._analyze import BadLine as BadLine
 from ._analyze import Entry as Entry
@@ -133,16 +133,16 @@ def configure(path: str | Path | None = None, level: str | int = "info", *, use_
         )
     # Flush summaries and errors are filtered by the logger itself; per-slot events
     # are skipped before their arguments are even built when debug is off.
-    _tracing.install(_tracing.LogTracer(logger if numeric <= logging.DEBUG else None, logger, close))
+    _tracer.install(_tracer.LogTracer(logger if numeric <= logging.DEBUG else None, logger, close))
 
 
 def disable() -> None:
     """Turn tracing off and close the file :func:`configure` opened."""
-    old = _tracing.install(_tracing.OFF)
-    if isinstance(old, _tracing.LogTracer) and old.close is not None:
+    old = _tracer.install(_tracer.OFF)
+    if isinstance(old, _tracer.LogTracer) and old.close is not None:
         old.close()
 
 
 def is_enabled() -> bool:
     """Whether :func:`configure` has turned tracing on."""
-    return _tracing.tracer is not _tracing.OFF
+    return _tracer.tracer is not _tracer.OFF

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .._console import output_path, plot_path, save_figure, say_written, table, write_json
-from .._errors import TraceError
+from .._core._errors import TraceError
 from ._analyze import Entry, TraceAnalysis, analyze
 
 __all__ = ["add_parser", "render_text"]

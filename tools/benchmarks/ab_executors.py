@@ -32,8 +32,7 @@ from typing import Any
 WORKER = r"""
 import json, random, sys, time
 import torch
-from mambacache._pool import StatePool
-from mambacache._host import HostPool
+from mambacache import HostPool, StatePool
 from mambacache.bench._presets import fit_layers, lookup
 from mambacache.bench._run import DRAFTS, _preset_cases, _run_stage, make_executor
 

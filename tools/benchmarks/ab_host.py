@@ -40,11 +40,8 @@ from typing import Any
 
 WORKER = r"""
 import json, os, random, statistics, sys, time
-from mambacache import _events as E
-from mambacache._planner import plan_step
-from mambacache._handoff._surface import CacheManager
-from mambacache._pool import StatePool
-from mambacache._spec import StateSpec
+import mambacache as E
+from mambacache import CacheManager, StatePool, StateSpec, plan_step
 from mambacache.bench._decode import decode_flush
 from mambacache.bench._run import _NullExecutor, host_overhead
 

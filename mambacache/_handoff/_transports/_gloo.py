@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..._errors import TransferError
+from ..._core._errors import TransferError
 from ._base import Message, Transport, Wire
 
 __all__ = ["RETIRED", "GlooTransport", "GlooWire"]

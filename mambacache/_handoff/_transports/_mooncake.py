@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..._errors import TransferError
+from ..._core._errors import TransferError
 from ._base import Message, Transport, Wire, spans
 from ._regions import Regions
 from ._regions import plan as _plan

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..._errors import InvalidArgumentError, TransportUnavailableError
+from ..._core._errors import InvalidArgumentError, TransportUnavailableError
 from ._base import Transport
 
 __all__ = ["EXTRAS", "TRANSPORTS", "check_transport", "make", "one_host_ucx"]

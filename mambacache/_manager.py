@@ -7,14 +7,14 @@
       ├─ StepQueue   (_queue)            events of the next step, checked against the ledgers, under the lock
       ├─ FlushCore   (_flush)            one flush at a time: take, plan, send/receive over the Channel, run
       ├─ StepRunner  (_runner)           the pool's backlog through the executor, the failure budget
-      ├─ HostTier    (_hosttier)         offloads, restores and drops (with a host pool)
+      ├─ HostTier    (_tiers/_hosttier)  offloads, restores and drops (with a host pool)
       └─ HandOffBook (_handoff/_book)    exports and arrivals, the queue's guard (with a host pool)
 
-Reservations are the pool ledger's (:class:`~mambacache._ledger.ReservedSlots`),
-changed through the queue. The class lives in the hand-off layer because it
-holds the hand-off book: the core below imports nothing of this folder
-(``tests/test_layers.py``), and the queue asks the book through the
-``SubmitGuard`` protocol it defines itself. The hand-off's events are planned
+Reservations are the pool ledger's (:class:`~mambacache._core._ledger.ReservedSlots`),
+changed through the queue. The class stands above the core and the parts it
+holds from the tiers (the host tier) and the hand-off (the book): the core
+imports none of them (``tests/test_layers.py``), and the queue asks the book
+through the ``SubmitGuard`` protocol it defines itself. The hand-off's events are planned
 as the host tier's offload and freeing restore (``docs/transfer.md``); a
 :class:`~mambacache._handoff._transfer.StateTransfer` moves the staged bytes
 between engines.
@@ -28,18 +28,15 @@ from collections.abc import Callable, Hashable
 from types import TracebackType
 from typing import Any, Literal, TypeVar, overload
 
-from .._channel import Channel
-from .._errors import InvalidArgumentError, InvalidSlotError
-from .._events import Clear, CommitDraft, CopyOnWrite, Event, Export, Release, StepReport
-from .._executors import Executor, resolve_executor
-from .._flush import FlushCore
-from .._host import HostPool
-from .._hosttier import HostTier
-from .._lifecycle import Lifecycle
-from .._pool import StatePool
-from .._queue import StepQueue
-from .._runner import StepRunner
-from .._validate import (
+from ._core._channel import Channel
+from ._core._errors import InvalidArgumentError, InvalidSlotError
+from ._core._events import Clear, CommitDraft, CopyOnWrite, Event, Export, Release, StepReport
+from ._core._flush import FlushCore
+from ._core._lifecycle import Lifecycle
+from ._core._pool import StatePool
+from ._core._queue import StepQueue
+from ._core._runner import StepRunner
+from ._core._validate import (
     as_slot,
     check_batch_key,
     check_bool,
@@ -62,7 +59,10 @@ from .._validate import (
     paired,
     slot_list,
 )
-from ._book import HandOffBook
+from ._executors import Executor, resolve_executor
+from ._handoff._book import HandOffBook
+from ._tiers._hostpool import HostPool
+from ._tiers._hosttier import HostTier
 
 __all__ = ["CacheManager"]
 
@@ -129,7 +129,7 @@ class CacheManager:
         self._runner = runner = StepRunner(pool, max_failed_flushes, life)
         runner.check(self._executor)
         if group is not None:
-            from .._distributed import DistributedChannel  # torch.distributed only when asked for
+            from ._core._distributed import DistributedChannel  # torch.distributed only when asked for
 
             channel = DistributedChannel(group, src_rank, pool.num_slots, timeout)
         host_ledger = host_pool.ledger if host_pool is not None else None

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._errors import SlotStateError
-from ._events import DropHost, Offload, Restore
+from .._core._errors import SlotStateError
+from .._core._events import DropHost, Offload, Restore
 
 if TYPE_CHECKING:
-    from ._host import HostPool
-    from ._ledger import SlotLedger
-    from ._queue import StepQueue
+    from .._core._ledger import SlotLedger
+    from .._core._queue import StepQueue
+    from ._hostpool import HostPool
 
 __all__ = ["HostTier"]
 

@@ -3,7 +3,7 @@
 In tensor-parallel mode one scheduler (the source rank) submits events and
 plans; every rank applies the same plan to its own shard. A :class:`Channel` is
 the only thing the manager needs for that: ``send`` on the source, ``receive``
-elsewhere. :class:`DistributedChannel` (``mambacache._distributed``) carries
+elsewhere. :class:`DistributedChannel` (``mambacache._core._distributed``) carries
 plans over ``torch.distributed``; :class:`LoopbackChannel` carries them between
 managers of one process (tests, single-process multi-pool setups), through the
 same wire format.

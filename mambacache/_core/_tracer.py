@@ -1,6 +1,6 @@
 """The one hook through which the core reports slot lifecycle events. Off by default, and then nearly free.
 
-The core calls ``_tracing.tracer`` at three kinds of site: after a batch of
+The core calls ``_tracer.tracer`` at three kinds of site: after a batch of
 events is queued (:meth:`Tracer.events`), after a flush (:meth:`Tracer.flushed`)
 and when an executor fails (:meth:`Tracer.failed`); the tiers add their own
 events with :meth:`Tracer.note`, a :class:`~mambacache.StateTransfer` its

@@ -2,7 +2,7 @@
 
 The coordinator under :class:`~mambacache.CacheManager` (which only checks
 arguments and delegates): it owns the event queue and the step number, moves
-the manager's :class:`~mambacache._lifecycle.Lifecycle` under the manager's
+the manager's :class:`~mambacache._core._lifecycle.Lifecycle` under the manager's
 lock, and changes the ledgers only under that lock, in the same hold as the
 queue, so the two never disagree. No torch.
 
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import anyio
 
-from . import _tracing
+from . import _tracer
 from ._errors import InvalidArgumentError, SlotLeakError, SlotStateError
 from ._events import Alloc, Event, Export
 from ._ledger import SlotLedger
@@ -220,7 +220,7 @@ class StepQueue:
             withdrawn = guard.withdraw_locked(events) if guard.exports or guard.awaited else None
             self.ledger.apply_batch(events, self._draft_tokens)
             self.events.extend(events)
-            _tracing.tracer.events(events, self.step)
+            _tracer.tracer.events(events, self.step)
             if withdrawn:
                 guard.drop_locked(withdrawn)
 
@@ -231,7 +231,7 @@ class StepQueue:
     def enqueue(self, events: Sequence[Event]) -> None:
         """Under the lock: queue ``events`` (checked by the caller against the ledgers) and trace them."""
         self.events.extend(events)
-        _tracing.tracer.events(events, self.step)
+        _tracer.tracer.events(events, self.step)
 
     def alloc(self, n: int, tenant: str | None, clear: bool) -> list[int]:
         """The ``n`` lowest free slots, held by ``tenant``, each with its queued alloc."""
@@ -239,7 +239,7 @@ class StepQueue:
             self.check()
             slots = self.ledger.take(n, tenant)
             events = self._queue_allocs(slots, tenant, clear)
-            _tracing.tracer.events(events, self.step)
+            _tracer.tracer.events(events, self.step)
         return slots
 
     def alloc_exact(self, slots: list[int], tenant: str | None, clear: bool) -> None:
@@ -254,7 +254,7 @@ class StepQueue:
             ledger.check_available(len(slots), tenant)  # picking slot ids does not get round a reservation
             ledger.take_exact(slots, tenant)
             events = self._queue_allocs(slots, tenant, clear)
-            _tracing.tracer.events(events, self.step)
+            _tracer.tracer.events(events, self.step)
 
     def _queue_allocs(self, slots: list[int], tenant: str | None, clear: bool) -> list[Event]:
         events: list[Event] = [Alloc(s, tenant, clear) for s in slots]
@@ -283,7 +283,7 @@ class StepQueue:
                     if self._waiters[0] == ticket and ledger.available(tenant) >= n:
                         self.check()
                         slots = self.ledger.take(n, tenant)
-                        _tracing.tracer.events(self._queue_allocs(slots, tenant, clear), self.step)
+                        _tracer.tracer.events(self._queue_allocs(slots, tenant, clear), self.step)
                         break
                 check_open()
                 # Releases come from any thread, so this polls (briefly, then every ms).
@@ -306,14 +306,14 @@ class StepQueue:
             self.ledger.check_held("HandOver", slot, tenant)
             self.guard.check_slot("hand_over", slot, "hand_over")
             old = self.ledger.hand_over(slot, to)
-            _tracing.tracer.note("slot.handover", slot=slot, request_id=old, to=to, step=self.step)
+            _tracer.tracer.note("slot.handover", slot=slot, request_id=old, to=to, step=self.step)
 
     def reserve(self, n: int, tenant: str) -> None:
         """Keep ``n`` pool slots for ``tenant`` until this manager releases the pool (:meth:`SlotLedger.reserve`)."""
         with self.lock:
             self.check()
             self.ledger.reserve(n, tenant)
-            _tracing.tracer.note("pool.reserve", slots=n, tenant=tenant, step=self.step)
+            _tracer.tracer.note("pool.reserve", slots=n, tenant=tenant, step=self.step)
 
     # -- the flush's side ------------------------------------------------
     def mark(self) -> tuple[list[Event], int, int]:

@@ -151,10 +151,10 @@ class StateSpec:
         """A spec whose shapes match the linear-attention cache of a transformers model.
 
         Supports Mamba2 (and Mamba2-style mixers: Nemotron-H, Falcon-H1) and
-        Qwen3-Next / Qwen3.5 GatedDeltaNet layers. See :mod:`mambacache._hf`.
+        Qwen3-Next / Qwen3.5 GatedDeltaNet layers. See :mod:`mambacache._core._hfconfig`.
         ``overrides`` set any field, e.g. ``draft_tokens=k`` for speculative decoding.
         """
-        from ._hf import spec_kwargs_from_config
+        from ._hfconfig import spec_kwargs_from_config
 
         kwargs = spec_kwargs_from_config(config)
         kwargs.update(overrides)

@@ -2,7 +2,7 @@
 
 A flush takes the queued events (or, on a receiving tensor-parallel rank, the
 source's plan), plans them, queues the stages behind any unfinished work and
-runs it all through the :class:`~mambacache._runner.StepRunner`. The two forms
+runs it all through the :class:`~mambacache._core._runner.StepRunner`. The two forms
 differ only in how they wait: without a channel nothing waits, and both call
 :meth:`FlushCore.local` directly (no generator on the decode-step path); with
 one, :meth:`FlushCore.over_channel` yields each blocking call (a plan's send or
@@ -20,11 +20,11 @@ from typing import Any
 
 import anyio
 
-from . import _tracing
+from .._executors import Executor
+from . import _tracer
 from ._channel import Channel
 from ._errors import DistributedError, InvalidArgumentError, MambaCacheError, PlanError
 from ._events import StepReport
-from ._executors import Executor
 from ._planner import Plan, plan_step
 from ._queue import StepQueue
 from ._runner import StepRunner
@@ -231,7 +231,7 @@ class FlushCore:
         report = StepReport.from_plan(
             plan, step, self._slot_bytes, plan_s=plan_s, execute_s=time.perf_counter() - t1, resumed_stages=resumed
         )
-        _tracing.tracer.flushed(report)
+        _tracer.tracer.flushed(report)
         return report
 
     # -- closing ---------------------------------------------------------

@@ -37,7 +37,7 @@ same layout, so every executor carries it with the slot as one more tensor.
 :meth:`StatePool.from_layers` adopts a tensor per layer instead, ``[S + 1, *state]``
 each, allocated anywhere: the executors get one ``[layers, S + 1, *state]`` tensor
 per *layer group* (consecutive layers that are one strided view of one storage,
-:mod:`mambacache._layout`), so ``exec_tensors`` has ``len(layer_groups)`` tensors
+:mod:`mambacache._core._layout`), so ``exec_tensors`` has ``len(layer_groups)`` tensors
 per state, and ``tensors`` exists only when that is one.
 """
 
@@ -287,7 +287,7 @@ class StatePool:
     walks the slots is a method (``allocated_slots()``, ``is_allocated(slot)``).
 
     The core drives three more attributes, which engines leave alone: ``ledger``
-    (held slots and tenants, :class:`~mambacache._ledger.SlotLedger`),
+    (held slots and tenants, :class:`~mambacache._core._ledger.SlotLedger`),
     ``backlog`` (device work a failed flush left) and ``exec_tensors`` /
     ``exec_drafts`` (what executors are handed: the same storage as ``tensors``
     and ``draft_tensors``, as integer views where a dtype needs one, one tensor
@@ -452,7 +452,7 @@ class StatePool:
         and no two rows of any layers overlap.
 
         Consecutive layers that are one strided view of one storage are run as
-        one tensor (a *layer group*, :mod:`mambacache._layout`): a stage is one
+        one tensor (a *layer group*, :mod:`mambacache._core._layout`): a stage is one
         op per group and pool tensor, or one foreach over all of them. Evenly
         spaced layers (one allocation cut into layers) cost what a stacked pool
         costs; separately allocated ones one row view per layer in each op.

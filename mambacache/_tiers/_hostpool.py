@@ -16,11 +16,11 @@ import dataclasses
 
 import torch
 
-from ._errors import PoolAllocationError
-from ._ledger import SlotLedger
-from ._spec import StateSpec
-from ._torchutil import executor_view, failure_reason
-from ._validate import check_bool, check_instance, check_positive_int, host_slot
+from .._core._errors import PoolAllocationError
+from .._core._ledger import SlotLedger
+from .._core._spec import StateSpec
+from .._core._torchutil import executor_view, failure_reason
+from .._core._validate import check_bool, check_instance, check_positive_int, host_slot
 
 __all__ = ["HostPool"]
 

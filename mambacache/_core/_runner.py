@@ -5,7 +5,7 @@ the benchmark and ``check_executor`` all use it); :class:`StepRunner` runs a
 pool's backlog through it, oldest stage first, and owns what a fault leaves:
 the stage and tensor to resume at (in the pool's :class:`Backlog`, which
 outlives the manager) and the count of failures in a row; when that budget is
-spent it reports it to the manager's :class:`~mambacache._lifecycle.Lifecycle`,
+spent it reports it to the manager's :class:`~mambacache._core._lifecycle.Lifecycle`,
 which then refuses work.
 """
 
@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from . import _tracing
+from .._executors._base import Executor, on_stream
+from . import _tracer
 from ._backlog import Backlog
 from ._errors import ExecutorError, InvalidArgumentError, ManagerBrokenError, UnsupportedDtypeError
-from ._executors._base import Executor, on_stream
 from ._lifecycle import Lifecycle
 from ._planner import (
     CommitStage,
@@ -271,7 +271,7 @@ class StepRunner:
         left = len(self.backlog)
         self._failures += 1
         where = f"executor {executor.name!r} failed on {type(stage).__name__} (tensor {self.backlog.next_tensor})"
-        _tracing.tracer.failed(step, type(stage).__name__, repr(exc), self._failures)
+        _tracer.tracer.failed(step, type(stage).__name__, repr(exc), self._failures)
         if self._failures >= self._max_failures:
             why = (
                 f"CacheManager is broken: {self._failures} flushes in a row failed (last: {where}: {exc!r});"

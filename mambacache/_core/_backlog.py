@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._executors import Executor
+from .._executors import Executor
 from ._planner import Stage
 
 __all__ = ["Backlog"]

@@ -189,12 +189,7 @@ class Crew:
         """Whether this thread's stages may leave it at all (whatever their views): more than one torch
         thread, no Python dispatch or function mode (a default-device context aside) and no profiler active.
         The torch executor asks it too before it picks how a large stage runs."""
-        if torch.get_num_threads() < 2 or torch._C._len_torch_dispatch_stack():
-            return False
-        if (modes := torch._C._len_torch_function_stack()) and not only_device_contexts(modes):
-            return False
-        # A profiler records only the threads it was started on.
-        return not torch.autograd._profiler_enabled()  # type: ignore[attr-defined]
+        return torch.get_num_threads() >= 2 and unobserved()
 
     def shares(self, dests: list[torch.Tensor], nbytes: int | None = None) -> bool:
         """Whether a stage over ``dests`` goes to the crew: see the module's invariants. ``nbytes``, the
@@ -255,6 +250,17 @@ def _serve(listing: list[queue.SimpleQueue[_Job]], listed: threading.Event) -> N
             job.fail(e)
         finally:
             job = None
+
+
+def unobserved() -> bool:
+    """Whether no one watches this thread's ops one by one: no Python dispatch mode, no function mode but a
+    default-device context, no profiler (it records only the threads it was started on). Work that leaves
+    the thread or bypasses ATen (the crew's helpers, a ``memmove``) is only for such a thread."""
+    if torch._C._len_torch_dispatch_stack():
+        return False
+    if (modes := torch._C._len_torch_function_stack()) and not only_device_contexts(modes):
+        return False
+    return not torch.autograd._profiler_enabled()  # type: ignore[attr-defined]
 
 
 def only_device_contexts(modes: int) -> bool:

@@ -68,7 +68,7 @@ import torch
 from .._core._errors import InvalidArgumentError
 from .._core._planner import CommitStage, CopyStage, HostStage, OffloadStage, RotateStage, ShiftStage, Stage, ZeroStage
 from ._base import GRAIN, Executor, IndexBuilder, Progress, copy_host, piece_size, pieces, row_width, stage_pairs
-from ._crew import crew, only_device_contexts
+from ._crew import crew, unobserved
 from ._policy import Policy
 
 __all__ = ["PATHS", "TorchExecutor"]
@@ -312,9 +312,7 @@ def _memmove_runs(stage: HostStage, src: torch.Tensor, read: _Views, write: _Vie
     a_bases, b_bases = read.layer_bases(), write.layer_bases()
     if a_bases is None or b_bases is None or src.shape[2:] != write.tensor.shape[2:]:
         return False
-    if torch._C._len_torch_dispatch_stack() or torch.autograd._profiler_enabled():  # type: ignore[attr-defined]
-        return False
-    if (modes := torch._C._len_torch_function_stack()) and not only_device_contexts(modes):
+    if not unobserved():
         return False
     row = src[0, 0].nbytes
     move = ctypes.memmove

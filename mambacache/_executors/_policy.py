@@ -24,29 +24,22 @@ runs another again to see whether the host changed::
 
 A way ``r`` times slower costs ``r - 1`` stages' time every ``patience * r``
 stages once its looks have backed off: under ``1 / patience`` of the shape's
-time for each way, whatever ``r``. A look is one run, compared with the fastest
-way's time from its last two: one slow run of a looked-at way only puts its
-next look off, and a faster one is what a changed host shows. The first looks are taken while the engine
+time for each way, whatever ``r``. A look is one run: the fastest way's time is
+the lower of its last two runs, so one slow run of a looked-at way only puts
+its next look off, and a faster one is what a changed host shows. The first looks are taken while the engine
 starts (loading, compiling, the first pages touched), when one way's run can be
 several times slower than that way is: backing off from ``SOON`` corrects a
 first pick such a run misled within a few dozen stages, for a one-time
 ``(r - 1) log2(patience / SOON)`` stages' time.
-A way's time is the lower of its last two runs where they are within ``SWING``
-of each other (load only slows a quiet host's run down a little), else their
-mean: two runs that far apart are a way whose threads another process
-deschedules, and the engine pays its mean (the lower would make the way that
-swings most look fastest). The first looks keep the lower: a cold first run is
-the engine starting. One slow run of the fastest way (a stage descheduled
-``s`` times its time) can hand the shape to the next way for about
-``SOON * s / 2`` stages, until that way's look: a cost of the order of the
-slow run itself, once.
+A way's time is the lower of its last two runs: load only slows a run down, and
+one slow run must not exile the fastest way for thousands of stages.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-__all__ = ["FIRST", "LOOK", "PATIENCE", "SOON", "SWING", "Policy"]
+__all__ = ["FIRST", "LOOK", "PATIENCE", "SOON", "Policy"]
 
 # Stages of a shape between two looks at a way, per unit of that way's time over the fastest's.
 PATIENCE = 128
@@ -60,21 +53,6 @@ FIRST = 2
 SLOWER = 8
 # Runs of a slower way in each later look.
 LOOK = 1
-# Two runs of a way this many times apart are not a quiet host's noise but a descheduled thread: counted at
-# their mean (``_estimate``).
-SWING = 2.0
-
-
-def _estimate(a: float, b: float) -> float:
-    """A way's time per byte from its last two runs: the lower, unless one took over ``SWING`` times the
-    other's, then their mean.
-
-    On a quiet host a run is only ever slowed down a little (noise adds time), and the lower run is the way's
-    speed. With another process computing, a way whose threads can be descheduled swings between its speed and
-    many times it (a parallel region waiting a scheduler slice), and what the engine pays is the mean: the
-    lower run would make the way that swings most look fastest."""
-    low, high = min(a, b), max(a, b)
-    return low if high <= SWING * low else (a + b) / 2
 
 
 class _Shape:
@@ -83,7 +61,7 @@ class _Shape:
     def __init__(self) -> None:
         self.count = 0
         self.runs: dict[str, int] = {}  # runs of each way, ever
-        self.rate: dict[str, float] = {}  # a way's seconds per byte: _estimate of its last two runs
+        self.rate: dict[str, float] = {}  # a way's seconds per byte: the lower of its last two runs
         self.last: dict[str, float] = {}  # its last run's seconds per byte
         self.due: dict[str, int] = {}  # the stage count at which a way is run again
         self.trying: dict[str, int] = {}  # runs a way still has in its current look
@@ -134,12 +112,7 @@ class Policy:
         last = shape.last.get(way)
         shape.last[way] = rate
         shape.runs[way] = shape.runs.get(way, 0) + 1
-        if last is None:
-            shape.rate[way] = rate
-        elif shape.runs[way] <= FIRST:  # a cold first run (pages touched for the first time) is not the host's
-            shape.rate[way] = min(rate, last)
-        else:
-            shape.rate[way] = _estimate(rate, last)
+        shape.rate[way] = rate if last is None else min(rate, last)
         if shape.trying.get(way):
             shape.trying[way] -= 1
             if shape.trying[way]:

@@ -113,10 +113,14 @@ def measure(
     median (the spread), after warm-up (long enough for the torch executor's first looks at each way to run a
     large CPU stage: ``_executors/_policy.py``).
 
-    The functions run round-robin, one call each per round, so a slow spell of a
-    shared machine hits every path alike and the ratios stay fair. Rounds go on
-    until each path has ``repeats`` samples and the slowest ``min_total_s``
-    measured (at most 200 rounds).
+    The functions run in rounds, one call each per round, so a slow spell of a
+    shared machine hits every path alike and the ratios stay fair; each round in
+    a fresh order (seeded): a path run right after an OpenMP region (the bound's
+    memset, a whole-view way) meets that region's threads still spinning on a
+    busy host, and a fixed neighbour would pay it every round (a one-process A/B
+    of two identical policies read 0.62-1.02x under a competitor with the order
+    rotated, about 1.0 shuffled). Rounds go on until each path has ``repeats``
+    samples and the slowest ``min_total_s`` measured (at most 200 rounds).
 
     ``first``: paths warmed up alone before the others (``BASELINE_WARMUP`` runs each). The sglang path's
     first runs map and free gigabytes of temporaries, and the runs beside them were several times slower
@@ -132,10 +136,12 @@ def measure(
             fn()
     _sync(device)
     times: dict[str, list[float]] = {k: [] for k in fns}
+    keys, order = list(fns), random.Random(len(fns))
     rounds = 0
     while rounds < repeats or (max(sum(v) for v in times.values()) < min_total_s and rounds < 200):
-        for key, fn in fns.items():
-            times[key].append(_time_once(fn, device))
+        order.shuffle(keys)
+        for key in keys:
+            times[key].append(_time_once(fns[key], device))
         rounds += 1
     return {k: (statistics.median(v), min(v), max(v), _spread(v)) for k, v in times.items()}
 

@@ -9,7 +9,8 @@ random slots from the same seed) and the same cases as ``mambacache bench`` (``_
 clear, copy, offload, restore; memset/memcpy of the same bytes; the `sglang` path). For each cell the
 driver asks the workers for one round each in turn, the order flipped every round, so a slow spell
 of the shared machine hits both alike; a worker's round times each of its paths once (the bound,
-the `sglang` path, each executor). The worker not timing waits on its pipe. Separate runs here differ
+the `sglang` path, each executor) in a fresh order, so no path always follows an OpenMP region.
+The worker not timing waits on its pipe. Separate runs here differ
 by 2x; these rounds do not.
 
 Reported per cell: each path's median over its own worker's bound (x bound) and over its `sglang` path
@@ -40,7 +41,7 @@ BASELINE_WARMUP = 16  # bench's measure(first=...) in this checkout; the old one
 
 executors, sizes, budget, seed = sys.argv[1].split(","), [int(x) for x in sys.argv[2].split(",")], int(sys.argv[3]), 0
 device = torch.device("cpu")
-cells, fns, preset, order = {}, {}, None, 0
+cells, fns, preset, shuffle = {}, {}, None, random.Random(1)
 
 
 def build(name):
@@ -78,8 +79,7 @@ for line in sys.stdin:
         reply = {"paths": list(fns)}
     else:
         names = list(fns)
-        order += 1
-        names = names[order % len(names):] + names[:order % len(names)]
+        shuffle.shuffle(names)  # a fresh order each round: no path always runs after an OpenMP region
         times = {}
         for name in names:
             t0 = time.perf_counter()

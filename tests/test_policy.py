@@ -7,6 +7,7 @@ choice and its cost bound, never the host's speed.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections import Counter
 from typing import Any
@@ -15,12 +16,14 @@ import pytest
 import torch
 
 import mambacache as mc
+from mambacache._core._runner import run_stage
 from mambacache._executors import _torch
 from mambacache._executors._policy import SOON, Policy
+from mambacache._executors._reference import ReferenceExecutor
 from mambacache._executors._torch import TorchExecutor
 
 from .test_crew import shared
-from .test_grain import make_pool, random_bytes
+from .test_grain import _host_stages, make_pool, random_bytes
 
 WAYS = ("crew", "inline", "whole")
 
@@ -164,3 +167,35 @@ def test_a_way_far_slower_at_its_first_run_is_not_run_twice() -> None:
     picked = _drive(policy, costs, 2 * len(WAYS))
     assert picked == Counter({"crew": 3, "inline": 2, "whole": 1})
     assert policy.best("k") == "crew"
+
+
+@pytest.mark.parametrize("name", ["wide", "narrow"])
+def test_the_policys_inline_way_moves_a_host_stage_by_memmove(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``large_stages="auto"``, a host stage the policy runs inline goes by memmove, as every host stage of
+    the inline setting does (the way the policy times is the one the inline executor runs), with the
+    reference's bytes."""
+
+    class Inline(Policy):
+        def pick(self, key: Any, ways: Any) -> str:
+            super().pick(key, ways)
+            return "inline"
+
+    calls: list[int] = []
+    real = ctypes.memmove
+    monkeypatch.setattr(_torch, "Policy", Inline)
+    monkeypatch.setattr(_torch, "MEMMOVE_BYTES", 0)
+    monkeypatch.setattr(ctypes, "memmove", lambda d, s, n: calls.append(n) or real(d, s, n))
+    moved = []
+    with shared(chunk_bytes=64):
+        for ex in (TorchExecutor(large_stages="auto"), ReferenceExecutor()):
+            pool = make_pool(name, False)
+            host = mc.HostPool(pool.spec, 6)
+            random_bytes([*pool.tensors, *host.tensors], 5)
+            for stage in _host_stages():
+                run_stage(ex, stage, pool.exec_tensors, None, host.exec_tensors)
+            moved.append([t.view(torch.uint8).clone() for t in (*pool.tensors, *host.tensors)])
+            if isinstance(ex, TorchExecutor):
+                assert calls and ex.policy is not None
+                assert all(way == "inline" for way in (ex.policy.best(k) for k in ex.policy._shapes) if way)
+    for a, b in zip(*moved, strict=True):
+        assert torch.equal(a, b)

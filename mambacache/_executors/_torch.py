@@ -293,7 +293,7 @@ class _Large:
         if way == "whole":  # one strided op per run, as copy_host makes it
             for a, b, n in stage.runs:
                 write.whole(b, n).copy_(read.whole(a, n))
-        else:
+        elif way == "crew" or not _memmove_runs(stage, src, read, write):  # inline: as the inline setting's
             _host_pieces(stage, src, dst, read, write, way == "crew")
         if self.setting == "auto":
             self.policy.record(key, way, time.perf_counter() - t0, nbytes)

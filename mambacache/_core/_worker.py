@@ -59,12 +59,29 @@ async def run_in_worker(call: Callable[[], Any], cancelled: list[BaseException])
 
 def cancel_again(cancelled: list[BaseException]) -> None:
     """Request asyncio's cancellation held back in ``cancelled`` again, for the task's next checkpoint to raise:
-    once, as often as it was requested (``Task.cancelling()``, which ``asyncio.timeout`` counts, unchanged)."""
+    once, as often as it was requested (``Task.cancelling()``, which ``asyncio.timeout`` counts, unchanged).
+
+    Requested when the task next suspends, not now: a request made now stays pending for good (before Python
+    3.13 ``uncancel()`` does not rescind it), so an ``asyncio.timeout`` block that ends first, its request
+    withdrawn, would leave the task cancelled at its next await outside the block; and a task whose body is the
+    call alone (``wait_for``'s, a ``TaskGroup``'s) would end cancelled, the result that moved lost. Still
+    requested when the task suspends (``cancelling()`` not back to 0, the task not done), it is delivered there.
+    """
     if not cancelled or not isinstance(cancelled[0], asyncio.CancelledError):
         return  # anyio's own cancellation, under a shield: its scope delivers it again by itself
     task = asyncio.current_task()
     assert task is not None
+    message = cancelled[0].args[0] if cancelled[0].args else None
     uncancel = getattr(task, "uncancel", None)  # Python 3.11+: the request counted once already
-    if uncancel is not None:
-        uncancel()
-    task.cancel(cancelled[0].args[0] if cancelled[0].args else None)
+
+    def again() -> None:
+        if task.done():
+            return
+        if uncancel is not None:
+            if task.cancelling() == 0:  # withdrawn meanwhile (the timeout that asked ended)
+                return
+            uncancel()
+        task.cancel(message)
+
+    # Runs before the task resumes from its next suspension (its wake-up is scheduled after this).
+    asyncio.get_running_loop().call_soon(again)

@@ -1,7 +1,7 @@
 """The real transfer link in one process: ``StateTransfer`` on clients of one ``TCPStore`` on 127.0.0.1.
 
 Each side runs in its own thread; the gloo pairs between them are built as between processes. Shared by the
-adversarial transfer tests (``test_transfer_attack*.py``, ``test_reslice_*.py``).
+transfer suite's tests that need no second process (``tests/handoff/transfer/``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ wrapped: the local address, the remote address and the byte count of every one),
 against the layout's own rule, ``StateLayout.slice`` of a row of byte positions: decode rank ``k`` reads from
 the prefill rank exactly the bytes of its shard, where they lie in the prefill side's staging or pool rows,
 once each, and writes them where they belong in its landing rows (TP 2 -> 1: each prefill rank's shard straight
-into its parts of the whole state's rows). The real link runs in one process, as in ``test_reslice_attack.py``.
+into its parts of the whole state's rows). The real link runs in one process, as in ``test_reslice_batches.py``.
 Over gloo nothing is read (the sender pushes whole messages): skipped.
 """
 

@@ -1,7 +1,7 @@
 """Tracing the transfer between tensor-parallel sizes (``_handoff/_reslice.py``): each test fails on the code before
 its fix.
 
-The real link runs in one process, as in ``test_reslice_attack.py``: store-client transfers over gloo on
+The real link runs in one process, as in ``test_reslice_batches.py``: store-client transfers over gloo on
 127.0.0.1, each side in its own thread. The tracer is the process's, so the other side of each hand-off uses the
 calls that trace nothing of their own and touch no manager (``receive_rows`` with ``acknowledge``, ``send_rows``):
 what is captured is one engine's trace, as a real engine's file would be.

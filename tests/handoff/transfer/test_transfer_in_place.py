@@ -29,8 +29,11 @@ from mambacache.testing import fail_at_op
 from mambacache.tracing import analyze_lines
 
 from ...support.layered import layered_pool, pool_tensors
+from ...support.link import in_thread as _in_thread
+from ...support.link import store as _store
+from ...support.link import transfer as _transfer
 from ...support.loopback import loopback
-from ...support.util import fill_random, paged_pool, small_spec
+from ...support.util import fill_random, paged_pool, quant_spec, small_spec
 
 SPEC = small_spec(3)
 
@@ -575,3 +578,51 @@ def test_an_import_in_place_is_not_reported_unlanded_when_a_flush_of_its_step_fa
         tracing.disable()
     assert any(r["event"] == "step.error" for r in logs)
     assert analyze_lines([json.dumps(r) for r in logs]).anomalies == []
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, whatever its strides (a float8 or a scalar-shaped row compares bit for bit)."""
+    return t.reshape(-1).clone(memory_format=torch.contiguous_format).reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("paged", ["sender", "receiver"])
+def test_one_state_in_place_from_or_into_a_paged_pool_with_a_scalar_extra_goes_over(paged: str) -> None:
+    """A paged pool (vLLM's: a page per ``(layer, slot)``) with a per-slot scale of shape ``()``: one state's row
+    of that tensor is a one-element view whose stride is the page. ``is_contiguous()`` holds for it (a size-1
+    dimension), but ``view(torch.uint8)`` of a 4-byte dtype wants stride 1, so the straight-from-the-rows path
+    (one layer: always split) raised a bare RuntimeError: on the sender (in place) before the header, and the
+    batch was counted in doubt, pinned to the peer that never saw it; on the receiver (expect_import) before go,
+    refused as ``failed``. Either way every retry failed the same: the state could never be sent."""
+    spec = quant_spec(1)  # one layer: a batch of any size is split, and read from (or written into) the rows
+    master = _store()
+    src = paged_pool(spec, 4) if paged == "sender" else mc.StatePool(spec, 4)
+    dst = paged_pool(spec, 4) if paged == "receiver" else mc.StatePool(spec, 4)
+    with (
+        mc.CacheManager(src, host_pool=mc.HostPool(spec, 2)) as mgr,
+        mc.CacheManager(dst, host_pool=mc.HostPool(spec, 2)) as peer,
+    ):
+        out, into = _transfer(mgr, master, 0, 1, 2.0), _transfer(peer, master, 1, 0, 2.0)
+        (slot,) = mgr.alloc(1, "r", clear=False)
+        mgr.flush_nowait()
+        for i, t in enumerate(src.tensors):
+            t[:, slot] = torch.full(t[:, slot].shape, 1.5 + i).to(t.dtype)
+        mgr.export(slot, "r", in_place=paged == "sender")
+        mgr.flush_nowait()
+        if paged == "receiver":
+            peer.expect_import(3, "r")
+            peer.flush_nowait()
+        thread, sent = _in_thread(out.send)
+        try:
+            got = into.receive()
+        finally:
+            thread.join(10)
+        assert got == ["r"] and sent == [["r"]], sent
+        peer.import_into(3, "r")
+        peer.flush_nowait()
+        for a, b in zip(src.tensors, dst.tensors, strict=True):
+            assert torch.equal(_raw(a[:, slot]), _raw(b[:, 3]))
+        peer.release(3, "r")
+        peer.flush_nowait()
+        mgr.flush_nowait()
+        mgr.check_idle(host=True)
+        peer.check_idle(host=True)

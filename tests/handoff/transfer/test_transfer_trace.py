@@ -26,6 +26,9 @@ from mambacache._core import _tracer
 from mambacache.tracing import analyze, analyze_lines
 
 from ...support.link import free_port
+from ...support.link import in_thread as _in_thread
+from ...support.link import store as _store
+from ...support.link import transfer as _transfer
 from ...support.util import line, small_spec
 from ...workers.transfer import spec
 from ...workers.transfer_trace import MODES, trace_worker
@@ -346,3 +349,118 @@ def test_a_withdrawn_export_and_a_discarded_arrival_end_their_hand_offs(
     without = [line for line in lines if json.loads(line)["event"] != event]
     assert len(without) == len(lines) - 1
     assert [a.kind for a in analyze_lines(without, expect_idle=True).anomalies] == [kind]
+
+
+SPEC = small_spec(2)
+
+
+def _mgr(slots: int = 4, host: int = 2) -> mc.CacheManager:
+    return mc.CacheManager(mc.StatePool(SPEC, slots), host_pool=mc.HostPool(SPEC, host))
+
+
+def _export(mgr: mc.CacheManager, rid: str, value: float, *, in_place: bool = False, to: int | None = None) -> int:
+    (slot,) = mgr.alloc(1, rid, clear=False)
+    mgr.flush_nowait()
+    for t in mgr.pool.tensors:
+        t[:, slot] = value
+    mgr.export(slot, rid, to=to, in_place=in_place)
+    mgr.flush_nowait()
+    return slot
+
+
+def _deliver(out: mc.StateTransfer, into: mc.StateTransfer, rid: str, why: str = "") -> None:
+    """One batch of ``rid`` over the real link: sent in a thread, received and acknowledged here."""
+    thread, sent = _in_thread(out.send)
+    assert into.receive() == [rid], why
+    thread.join(10)
+    assert sent == [[rid]]
+
+
+def _imported(mgr: mc.CacheManager, slot: int, rid: str, value: float, release: bool = True) -> None:
+    """``rid``'s state imported into ``slot`` holds ``value`` in every pool tensor (then released)."""
+    mgr.import_into(slot, rid)
+    mgr.flush_nowait()
+    assert all(bool(t[:, slot].eq(value).all()) for t in mgr.pool.tensors)
+    if release:
+        mgr.release(slot, rid)
+
+
+class _FullDisk:
+    """A tracer whose first ``event`` line raises, as structlog's WriteLogger does on a full disk."""
+
+    def __init__(self, event: str) -> None:
+        self.event, self.raised = event, 0
+
+    def __enter__(self) -> _FullDisk:
+        from mambacache._core import _tracer
+
+        outer = self
+
+        class Full(_tracer.Tracer):
+            def transfer(self, event: str, peer: int | None, request_ids: Any, **fields: Any) -> None:
+                if event == outer.event and not outer.raised:
+                    outer.raised += 1
+                    raise OSError(28, "No space left on device")
+
+        self._old = _tracer.install(Full())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from mambacache._core import _tracer
+
+        _tracer.install(self._old)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_receive_whose_trace_line_fails_lands_nothing_and_the_retry_lands_once(in_place: bool) -> None:
+    """The ``transfer.receive`` line is written in the hold of the lock that makes the states arrived. A tracer
+    that raised there (a full disk) left them arrived, importable, while the receive raised and told the sender
+    that nothing landed (``fail``): not in doubt, the sender sent the state again as a new batch, refused as
+    "arrived twice" until the engine imported the first copy, then landed a second time."""
+    master = _store()
+    with _mgr() as mgr, _mgr() as peer:
+        out, into = _transfer(mgr, master, 0, 1, 5.0), _transfer(peer, master, 1, 0, 5.0)
+        _export(mgr, "r", 3.0)
+        if in_place:
+            peer.expect_import(2, "r")
+            peer.flush_nowait()
+        with _FullDisk("transfer.receive") as disk:
+            thread, sent = _in_thread(out.send)
+            with pytest.raises(mc.TransferError, match="nothing landed") as caught:
+                into.receive()  # every failure of a receive is a TransferError, the tracer's cause chained
+            thread.join(10)
+            assert disk.raised == 1 and isinstance(caught.value.__cause__, OSError)
+        assert isinstance(sent[0], mc.TransferRefusedError) and sent[0].reason == "failed", sent
+        if in_place:
+            assert peer.awaiting_import(2) == "r"
+        else:
+            with pytest.raises(mc.SlotStateError):
+                peer.import_into(2, "r")  # told "not landed": it must not be here
+            assert peer.host_pool is not None and peer.host_pool.num_held == 0
+        _deliver(out, into, "r", "the retry of a state the sender heard did not land")
+        _imported(peer, 2, "r", 3.0)
+        mgr.flush_nowait()
+        peer.flush_nowait()
+        mgr.check_idle(host=True)
+        peer.check_idle(host=True)
+
+
+def test_a_send_whose_trace_line_fails_still_takes_the_acknowledged_delivery() -> None:
+    """The ``transfer.send`` line came between the peer's acknowledgement and the delivery; a tracer that raised
+    there left the export *sending* for good: never sent again, its release refused ("being sent") for ever, its
+    pool and staging slots held by a state the peer holds. The delivery is taken whatever the tracer does."""
+    master = _store()
+    with _mgr() as mgr, _mgr() as peer:
+        out, into = _transfer(mgr, master, 0, 1, 5.0), _transfer(peer, master, 1, 0, 5.0)
+        slot = _export(mgr, "r", 3.0)
+        with _FullDisk("transfer.send"):
+            thread, sent = _in_thread(out.send)
+            assert into.receive() == ["r"]
+            thread.join(10)
+        assert isinstance(sent[0], OSError), sent
+        assert slot not in mgr.held(), "an acknowledged export's slot stayed held"
+        mgr.flush_nowait()
+        mgr.check_idle(host=True)
+        peer.discard_arrived("r")
+        peer.flush_nowait()
+        peer.check_idle(host=True)

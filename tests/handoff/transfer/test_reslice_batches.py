@@ -1,7 +1,9 @@
-"""Adversarial checks of the transfer between tensor-parallel sizes (``_handoff/_reslice.py``): each fails on the
-code before its fix.
+"""A batch re-sliced between tensor-parallel sizes (``_handoff/_reslice.py``): each rank gets exactly its shard; a
+batch larger than a rank's room is cut to it, for every rank alike; a batch in doubt stays so until settled; shards
+that are not one batch, an acknowledgement that fails on one rank and a batch the sender could not read leave
+every rank answered and nothing in doubt; a layout is its model config's (the engines' conv windows too).
 
-They run the real link in one process: ``StateTransfer`` built from clients of one ``TCPStore`` on 127.0.0.1
+Most run the real link in one process: ``StateTransfer`` built from clients of one ``TCPStore`` on 127.0.0.1
 (``store=``, ``rank=``), each side in its own thread, the gloo pairs between them built as between processes.
 A ``ReslicingSender`` needs an initialised process group to build its transfers; here its ``__init__`` runs
 with the group's calls stood in and store-client transfers (:func:`reslicing_sender`), the rest of it unchanged.
@@ -182,6 +184,7 @@ def test_shards_that_are_not_one_batch_cost_no_gloo_pair() -> None:
         assert retired[0] == retired[-1], f"gloo pairs retired after each round: {retired}"
 
 
+@pytest.mark.no_transport
 @pytest.mark.parametrize("wrong", ["a shard's spec", "other temporal heads", "two conv tensors"])
 def test_a_spec_that_is_not_the_configs_is_refused_by_the_layout(wrong: str) -> None:
     """``StateLayout.from_config(config, spec)`` checked the spec's conv channels against a count it had derived
@@ -278,6 +281,7 @@ def test_a_cut_for_room_on_one_rank_does_not_split_the_ranks_batches_for_good() 
             p.check_idle(host=True)
 
 
+@pytest.mark.no_transport
 def test_an_engine_pools_conv_window_of_kernel_minus_one_is_a_layout_of_the_config() -> None:
     """An engine's adopted pool keeps ``kernel - 1`` conv columns per channel (SGLang's and TensorRT-LLM's conv
     state ``[conv_dim, d_conv - 1]``, ``docs/engines.md``), so its spec is the config's in everything the layout
@@ -341,7 +345,7 @@ def test_a_batch_the_sender_could_not_read_is_a_transfer_error_and_not_in_doubt(
     raised the error bare (every failure of a send is documented a TransferError, and send() traces only those:
     no transfer.failed line) and ``Batches.failed`` counted the batch in doubt, pinning the export to rank 1, a peer
     that never saw it: a sender to other ranks never took it again. A StateTransfer's send makes the same failure
-    a NothingSent (tests/test_transfer_attack3.py); now this one does too, and the next send delivers it."""
+    a NothingSent (test_transfer_in_doubt.py); now this one does too, and the next send delivers it."""
     import mambacache._handoff._reslice as reslice_mod
 
     with one_to_two(2.0) as (mgr, d1, d2, sender, into):
@@ -392,3 +396,36 @@ def test_a_stop_iteration_while_the_shards_are_cut_is_nothing_sent_too(
         mgr.check_idle(host=True)
         for d in (d1, d2):
             d.check_idle(host=True)
+
+
+@pytest.mark.no_transport
+def test_a_reslicing_receiver_whose_write_fails_answers_every_rank_and_keeps_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """2 -> 1: the shards gathered and landed, then the write into the host slots fails. It used to run after
+    the landing's try: no rank was answered (each sender waited out its timeout, then retried into a receiver
+    whose ids had arrived already: "arrived twice", forever), and the slots stayed held with unwritten bytes."""
+    import mambacache._handoff._reslice as reslice_mod
+    from mambacache._handoff._reslice import ReslicingReceiver, StateLayout
+
+    from ...support.reslice import FakeTransfer, mamba2, random_state
+
+    layout = StateLayout.from_config(mamba2(4, 4, 1, 4))
+    full = random_state(layout.spec, 2, 7)
+    fakes = [FakeTransfer(["a", "b"], layout.slice(full, 2, k)) for k in range(2)]
+
+    def broken(*_: Any) -> None:
+        raise MemoryError("the host write failed")
+
+    monkeypatch.setattr(reslice_mod, "write_staging", broken)
+    with mc.CacheManager(mc.StatePool(layout.spec, 4), host_pool=mc.HostPool(layout.spec, 4)) as mgr:
+        receiver = ReslicingReceiver(mgr, fakes, layout)  # type: ignore[arg-type]
+        with pytest.raises(MemoryError):
+            receiver.receive()
+        assert [f.refused for f in fakes] == [[["a", "b"]], [["a", "b"]]], "a rank was left waiting"
+        assert all(f.acked == [] for f in fakes)
+        assert mgr.host_pool is not None and mgr.host_pool.num_held == 0, "unwritten states left held"
+        with pytest.raises(mc.SlotStateError):
+            mgr.import_into(1, "a")
+        monkeypatch.undo()
+        assert receiver.receive() == ["a", "b"]  # the retry lands them

@@ -27,7 +27,8 @@ from structlog.testing import capture_logs
 import mambacache as mc
 from mambacache import tracing
 
-from ..support.cache_model import CacheModel, flush, key_of, value_of
+from ..support.cache_model import CacheModel, key_of, value_of
+from ..support.cache_ops import Interpreter, Prompt, Workload
 from ..support.sweep import fault_points
 from ..support.util import VARIANTS
 
@@ -66,25 +67,25 @@ def check_shape(cache: mc.PrefixCache) -> None:
     assert held == {(s, t) for s, t, n in nodes if n.slot or n.host}
 
 
-class Oracle:
-    def __init__(self, cache: CacheModel) -> None:
-        self.slots: dict[int, float] = {}
-        self.prompt: dict[int, tuple[list[int], Hashable]] = {}
-        self.swapped: dict[int, float] = {}  # host slot -> a preempted request's state
-        self.cache = cache
-        self.tag = 1.0
-
-    def fresh(self) -> float:
-        self.tag += 1.0
-        return self.tag
+def _insert(own: Prompt, b: int) -> Prompt:
+    # Its own prompt and key at any length, or another prompt or key.
+    prompt, key = own if b % 3 else (PROMPTS[b % len(PROMPTS)], KEYS[b // 7 % len(KEYS)])
+    return prompt[: 1 + b // 3 % len(prompt)], key
 
 
-def check(pool: mc.StatePool, host: mc.HostPool, cache: mc.PrefixCache, o: Oracle, mgr: mc.CacheManager) -> None:
+WORKLOAD = Workload(
+    admit=lambda a, b: (PROMPTS[a % len(PROMPTS)], KEYS[b % len(KEYS)]),
+    match=lambda a, b: (PROMPTS[a % len(PROMPTS)][: b % 9], KEYS[a % len(KEYS)]),
+    insert=_insert,
+)
+
+
+def check(o: Interpreter) -> None:
     """After a flush: every slot, host slot and checkpoint holds what the oracle says, in its recency order."""
-    m = o.cache
+    pool, host, cache, m = o.pool, o.host, o.cache, o.model
     for slot, want in o.slots.items():
         assert value_of(pool.tensors, slot) == want, ("slot", slot)
-    for h, want in o.swapped.items():
+    for h, (want, _) in o.swapped.items():
         assert value_of(host.tensors, h) == want, ("host slot", h)
     assert [key_of(n) for n in cache._device] == list(m.device), "device checkpoints or their recency order"
     assert [key_of(n) for n in cache._host] == list(m.host), "host checkpoints or their recency order"
@@ -98,69 +99,6 @@ def check(pool: mc.StatePool, host: mc.HostPool, cache: mc.PrefixCache, o: Oracl
     check_shape(cache)
 
 
-def play(o: Oracle, mgr: mc.CacheManager, cache: mc.PrefixCache, kind: str, a: int, b: int) -> None:
-    """One drawn operation on the cache (or the manager) and on the oracle."""
-    m, running = o.cache, sorted(o.slots)
-    if kind == "admit":
-        prompt, space = PROMPTS[a % len(PROMPTS)], KEYS[b % len(KEYS)]
-        hit = cache.match(prompt[:-1], key=space)
-        want = m.match(prompt[:-1], space)
-        assert (None if hit is None else ((space, tuple(prompt[: hit.length])), hit.tier)) == want
-        try:
-            if want is not None:
-                value = m.fork(want[0])
-            elif m.pool_free:
-                m.pool_free -= 1
-                value = 0.0
-            else:
-                raise mc.PoolExhaustedError("model: the pool is full")
-        except mc.PoolExhaustedError:
-            with pytest.raises(mc.PoolExhaustedError):
-                cache.fork(hit, request_id="r") if hit is not None else mgr.alloc(1, request_id="r")
-            return
-        slot = cache.fork(hit, request_id="r") if hit is not None else mgr.alloc(1, request_id="r")[0]
-        o.slots[slot], o.prompt[slot] = value, (prompt, space)
-    elif kind == "match":
-        prompt, space = PROMPTS[a % len(PROMPTS)][: b % 9], KEYS[a % len(KEYS)]
-        hit = cache.match(prompt, key=space)
-        assert (None if hit is None else ((space, tuple(prompt[: hit.length])), hit.tier)) == m.match(prompt, space)
-    elif kind == "insert" and running:
-        # Its own prompt and key at any length, or another prompt or key: the cache takes the caller's word.
-        slot = running[a % len(running)]
-        prompt, space = o.prompt[slot] if b % 3 else (PROMPTS[b % len(PROMPTS)], KEYS[b // 7 % len(KEYS)])
-        tokens = prompt[: 1 + b // 3 % len(prompt)]
-        assert cache.insert(tokens, slot, key=space) == m.insert((space, tuple(tokens)), o.slots[slot])
-    elif kind == "evict":
-        assert cache.evict() == m.evict(None)
-    elif kind == "swap-out" and running:
-        slot = running[a % len(running)]
-        if not m.host_free:
-            return
-        h = mgr.offload(slot, request_id="r")
-        mgr.release(slot, request_id="r")
-        m.host_free -= 1
-        m.pool_free += 1
-        o.swapped[h] = o.slots.pop(slot)
-        del o.prompt[slot]
-    elif kind == "abort" and o.swapped:
-        h = sorted(o.swapped)[a % len(o.swapped)]
-        mgr.drop(h)
-        del o.swapped[h]
-        m.host_free += 1
-    elif kind == "cow" and len(running) > 1:
-        src, dst = running[a % len(running)], running[b % len(running)]
-        mgr.copy_on_write(src, dst)
-        o.slots[dst], o.prompt[dst] = o.slots[src], o.prompt[src]
-    elif kind == "release" and running:
-        slot = running[a % len(running)]
-        mgr.release(slot)
-        del o.slots[slot], o.prompt[slot]
-        m.pool_free += 1
-    elif kind == "clear-cache":
-        cache.clear()
-        m.clear()
-
-
 def run(
     raw: list[tuple[str, int, int]],
     variant: str,
@@ -171,30 +109,10 @@ def run(
     """Play ``raw``, the ``i``-th flush faulted at ``faults[i]``; ``ops`` gets each flush's op count."""
     num_slots, host_slots, max_ckpt, host_ckpt = sizes
     pool, host = mc.StatePool(SPEC, num_slots), mc.HostPool(SPEC, host_slots)
-    o = Oracle(CacheModel(max_ckpt, host_ckpt, num_slots, host_slots))
-    fault_iter = iter(faults)
+    model = CacheModel(max_ckpt, host_ckpt, num_slots, host_slots)
     with mc.CacheManager(pool, executor=VARIANTS[variant](), host_pool=host, max_failed_flushes=1000) as mgr:
         cache = mc.PrefixCache(mgr, block_size=B, max_checkpoints=max_ckpt, host_checkpoints=host_ckpt)
-        for kind, a, b in raw:
-            if kind != "flush":
-                play(o, mgr, cache, kind, a, b)
-                continue
-            n = flush(mgr, next(fault_iter, 0))
-            if ops is not None:
-                ops.append(n)
-            check(pool, host, cache, o, mgr)
-            for slot in o.slots:  # a forward writes every running slot
-                o.slots[slot] = o.fresh()
-                fill(pool, slot, o.slots[slot])
-        flush(mgr, next(fault_iter, 0))
-        check(pool, host, cache, o, mgr)
-        cache.clear()
-        for slot in list(o.slots):
-            mgr.release(slot)
-        for h in list(o.swapped):
-            mgr.drop(h)
-        flush(mgr, 0)
-        mgr.check_idle()
+        Interpreter(mgr, cache, model, WORKLOAD, check).run(raw, faults, ops)
         assert cache._trie.roots == {}
 
 
@@ -247,17 +165,18 @@ def test_every_op_of_a_step_with_off_grid_keyed_checkpoints_faulted_on_every_exe
 def test_the_heavy_steps_cover_tails_keys_and_the_host_tier() -> None:
     """What the sweep above exercises, so a change to HEAVY cannot quietly drop it."""
     pool, host = mc.StatePool(SPEC, SWEEP_SIZES[0]), mc.HostPool(SPEC, SWEEP_SIZES[1])
-    o = Oracle(CacheModel(*SWEEP_SIZES[2:], SWEEP_SIZES[0], SWEEP_SIZES[1]))
+    model = CacheModel(*SWEEP_SIZES[2:], SWEEP_SIZES[0], SWEEP_SIZES[1])
     lengths: set[int] = set()
     spaces: set[Hashable] = set()
     with mc.CacheManager(pool, host_pool=host) as mgr:
         cache = mc.PrefixCache(mgr, block_size=B, max_checkpoints=SWEEP_SIZES[2], host_checkpoints=SWEEP_SIZES[3])
+        o = Interpreter(mgr, cache, model, WORKLOAD, check)
         for kind, a, b in HEAVY:
             if kind == "flush":
                 mgr.flush_nowait()
             else:
-                play(o, mgr, cache, kind, a, b)
-            for space, tokens in (*o.cache.device, *o.cache.host):
+                o.play(kind, a, b)
+            for space, tokens in (*model.device, *model.host):
                 lengths.add(len(tokens))
                 spaces.add(space)
         stats = cache.stats

@@ -19,7 +19,6 @@ After every flush the real pool, host pool and trie must equal the oracle.
 
 from __future__ import annotations
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -27,7 +26,8 @@ from hypothesis import strategies as st
 import mambacache as mc
 from mambacache._tiers._prefix import CHECKPOINT_TENANT
 
-from ..support.cache_model import CacheModel, Key, flush, key_of, value_of
+from ..support.cache_model import CacheModel, Key, key_of, value_of
+from ..support.cache_ops import Interpreter, Prompt, Workload
 from ..support.sweep import fault_points
 from ..support.util import VARIANTS
 
@@ -55,33 +55,18 @@ tier_ops = st.lists(
 )
 
 
-class Oracle:
-    """What sequential execution leaves: running slots, swapped requests' host slots, and the cache."""
-
-    def __init__(self, cache: CacheModel) -> None:
-        self.slots: dict[int, float] = {}
-        self.prompt: dict[int, list[int]] = {}
-        self.drafts: dict[tuple[int, int], float] = {}  # (slot, j) -> draft state j's tag, this step
-        self.swapped: dict[int, tuple[float, list[int]]] = {}  # host slot -> (state, prompt)
-        self.cache = cache
-        self.tag = 1.0
-
-    def fresh(self) -> float:
-        self.tag += 1.0
-        return self.tag
+def _insert(own: Prompt, b: int) -> Prompt:
+    # Chains of checkpoints along the request's own prompt, or any other prompt: more distinct prefixes fill the
+    # tiers sooner.
+    prompt = own[0] if b % 3 == 0 else PROMPTS[b % len(PROMPTS)]
+    return prompt[: B * (1 + b // 3 % 2)], None
 
 
-def forward(pool: mc.StatePool, o: Oracle) -> None:
-    """A decode step writes every running slot, and a verify pass every draft state of it."""
-    o.drafts.clear()
-    for slot in o.slots:
-        o.slots[slot] = o.fresh()
-        for t in pool.tensors:
-            t[:, slot] = o.slots[slot]
-        for j in range(SPEC.draft_tokens):
-            o.drafts[slot, j] = o.fresh()
-            for d in pool.draft_tensors:
-                d[:, slot, j] = o.drafts[slot, j]
+WORKLOAD = Workload(
+    admit=lambda a, b: (PROMPTS[a % len(PROMPTS)], None),
+    match=lambda a, b: (PROMPTS[a % len(PROMPTS)][: 1 + b % 5], None),
+    insert=_insert,
+)
 
 
 def trie(cache: mc.PrefixCache) -> tuple[list[tuple[Key, int]], list[tuple[Key, int]]]:
@@ -89,19 +74,16 @@ def trie(cache: mc.PrefixCache) -> tuple[list[tuple[Key, int]], list[tuple[Key, 
     return [(key_of(n), n.slot) for n in cache._device], [(key_of(n), n.host) for n in cache._host]
 
 
-def found(hit: mc.PrefixHit | None, tokens: list[int]) -> tuple[Key, str] | None:
-    return None if hit is None else ((None, tuple(tokens[: hit.length])), hit.tier)
-
-
-def check(pool: mc.StatePool, host: mc.HostPool, cache: mc.PrefixCache, o: Oracle, mgr: mc.CacheManager) -> None:
+def check(o: Interpreter) -> None:
     """After a flush: every slot, host slot and checkpoint holds what the oracle says, and nothing else is held."""
+    pool, host, cache, mgr = o.pool, o.host, o.cache, o.mgr
     assert pool.unfinished == 0
     for slot, want in o.slots.items():
         assert value_of(pool.tensors, slot) == want, ("slot", slot)
     for h, (want, _) in o.swapped.items():
         assert value_of(host.tensors, h) == want, ("host slot", h)
     device, on_host = trie(cache)
-    m = o.cache
+    m = o.model
     assert [k for k, _ in device] == list(m.device), "device checkpoints or their recency order"
     assert [k for k, _ in on_host] == list(m.host), "host checkpoints or their recency order"
     for k, slot in device:
@@ -133,115 +115,12 @@ def run(
     num_slots, host_slots, max_ckpt, host_ckpt, *rest = sizes
     reserved = rest[0] if rest else 0
     pool, host = mc.StatePool(SPEC, num_slots), mc.HostPool(SPEC, host_slots)
-    o = Oracle(CacheModel(max_ckpt, host_ckpt, num_slots, host_slots, reserved))
-    m = o.cache
-    fault_iter = iter(faults)
+    model = CacheModel(max_ckpt, host_ckpt, num_slots, host_slots, reserved)
     with mc.CacheManager(pool, executor=VARIANTS[variant](), host_pool=host, max_failed_flushes=1000) as mgr:
         cache = mc.PrefixCache(
             mgr, block_size=B, max_checkpoints=max_ckpt, host_checkpoints=host_ckpt, reserved=reserved
         )
-        for kind, a, b in raw:
-            running = sorted(o.slots)
-            if kind == "admit":
-                prompt = PROMPTS[a % len(PROMPTS)]
-                hit = cache.match(prompt[:-1])
-                assert found(hit, prompt) == m.match(prompt[:-1])
-                try:
-                    if hit is not None:
-                        value = m.fork((None, tuple(prompt[: hit.length])))
-                    elif m.available():  # a plain alloc evicts nothing
-                        m.pool_free -= 1
-                        value = 0.0
-                    else:
-                        raise mc.PoolExhaustedError("model: the pool is full")
-                except mc.PoolExhaustedError:
-                    with pytest.raises(mc.PoolExhaustedError):
-                        cache.fork(hit, request_id="r") if hit is not None else mgr.alloc(1, request_id="r")
-                    continue
-                slot = cache.fork(hit, request_id="r") if hit is not None else mgr.alloc(1, request_id="r")[0]
-                o.slots[slot], o.prompt[slot] = value, prompt
-            elif kind == "match":
-                prompt = PROMPTS[a % len(PROMPTS)][: 1 + b % 5]
-                hit = cache.match(prompt)
-                assert found(hit, prompt) == m.match(prompt)
-            elif kind == "insert" and running:
-                # The request's own prompt (chains of checkpoints along it) or any other: the cache takes the
-                # caller's word for what a state is, and more distinct prefixes fill the tiers sooner.
-                slot = running[a % len(running)]
-                prompt = o.prompt[slot] if b % 3 == 0 else PROMPTS[b % len(PROMPTS)]
-                tokens = tuple(prompt[: B * (1 + b // 3 % 2)])
-                assert cache.insert(list(tokens), slot) == m.insert((None, tokens), o.slots[slot])
-            elif kind == "evict":
-                assert cache.evict() == m.evict(None)
-            elif kind == "commit" and running:
-                slot = running[a % len(running)]
-                accepted = b % (SPEC.draft_tokens + 1)
-                if accepted and (slot, accepted - 1) not in o.drafts:
-                    continue  # admitted since the last forward: its draft buffer holds nothing of its own
-                mgr.commit_draft(slot, accepted, request_id="r")
-                if accepted:
-                    o.slots[slot] = o.drafts[slot, accepted - 1]
-            elif kind in ("swap-out", "snapshot") and running:
-                slot = running[a % len(running)]
-                if not m.host_free:
-                    with pytest.raises(mc.PoolExhaustedError):
-                        mgr.offload(slot, request_id="r")
-                    continue
-                h = mgr.offload(slot, request_id="r")
-                m.host_free -= 1
-                o.swapped[h] = (o.slots[slot], o.prompt[slot])
-                if kind == "swap-out":
-                    mgr.release(slot, request_id="r")
-                    del o.slots[slot], o.prompt[slot]
-                    m.pool_free += 1
-            elif kind == "swap-in" and o.swapped:
-                h = sorted(o.swapped)[a % len(o.swapped)]
-                if not m.available():
-                    with pytest.raises(mc.PoolExhaustedError):
-                        mgr.alloc(1, request_id="r", clear=False)
-                    continue
-                (slot,) = mgr.alloc(1, request_id="r", clear=False)
-                m.pool_free -= 1
-                keep = b % 3 == 0
-                mgr.restore(h, slot, request_id="r", keep=keep)
-                o.slots[slot], o.prompt[slot] = o.swapped[h] if keep else o.swapped.pop(h)
-                m.host_free += not keep
-            elif kind == "abort" and o.swapped:
-                h = sorted(o.swapped)[a % len(o.swapped)]
-                mgr.drop(h)
-                del o.swapped[h]
-                m.host_free += 1
-            elif kind == "cow" and len(running) > 1:
-                src, dst = running[a % len(running)], running[b % len(running)]
-                mgr.copy_on_write(src, dst)
-                o.slots[dst], o.prompt[dst] = o.slots[src], o.prompt[src]
-            elif kind == "clear" and running:
-                slot = running[a % len(running)]
-                mgr.clear(slot)
-                o.slots[slot] = 0.0
-            elif kind == "release" and running:
-                slot = running[a % len(running)]
-                mgr.release(slot)
-                del o.slots[slot], o.prompt[slot]
-                m.pool_free += 1
-            elif kind == "clear-cache":
-                cache.clear()
-                m.clear()
-            elif kind == "flush":
-                n = flush(mgr, next(fault_iter, 0))
-                if ops is not None:
-                    ops.append(n)
-                check(pool, host, cache, o, mgr)
-                forward(pool, o)
-        flush(mgr, next(fault_iter, 0))
-        check(pool, host, cache, o, mgr)
-        cache.clear()
-        for slot in list(o.slots):
-            mgr.release(slot)
-        for h in list(o.swapped):
-            mgr.drop(h)
-        flush(mgr, 0)
-        mgr.check_idle()
+        Interpreter(mgr, cache, model, WORKLOAD, check).run(raw, faults, ops)
 
 
 @st.composite

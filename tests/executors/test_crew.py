@@ -14,10 +14,12 @@ from __future__ import annotations
 import contextlib
 import gc
 import inspect
+import queue
 import sys
 import threading
 import time
 import weakref
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -28,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._device import DeviceContext
 
 import mambacache as mc
+from mambacache._executors import _crew
 from mambacache._executors._crew import CHUNK_BYTES, MIN_VIEWS, Crew, _Job, crew
 from mambacache._executors._torch import TorchExecutor
 from mambacache.testing import SequentialOracle, count_ops
@@ -480,23 +483,29 @@ def test_an_interrupt_after_a_helper_got_the_stage_leaves_no_helper_writing() ->
     # the next stage is not cut short by anything the first left behind.
     own = Crew(chunk_bytes=512, min_views=2)
 
-    class InterruptAfterPut:
-        def __init__(self, inbox: Any) -> None:
-            self.inbox = inbox
+    class InterruptAfterPut(queue.SimpleQueue):  # type: ignore[type-arg]
+        """A helper's inbox whose next put, once armed, raises as it returns."""
 
-        def put(self, job: Any) -> None:
-            self.inbox.put(job)
-            raise KeyboardInterrupt("a signal as the hand-out returned")
+        armed = False
+
+        def put(self, job: Any, block: bool = True, timeout: float | None = None) -> None:
+            super().put(job, block, timeout)
+            if InterruptAfterPut.armed:
+                InterruptAfterPut.armed = False
+                raise KeyboardInterrupt("a signal as the hand-out returned")
 
     with shared():
-        (real,) = own._helpers(1)
-        own._inbox[0] = InterruptAfterPut(real)  # type: ignore[assignment]
+        with pytest.MonkeyPatch.context() as m:  # the helper makes its inbox from the module's queue
+            m.setattr(_crew, "queue", SimpleNamespace(SimpleQueue=InterruptAfterPut))
+            (inbox,) = own._helpers(1)
+        assert type(inbox) is InterruptAfterPut
+        InterruptAfterPut.armed = True
         views = [torch.ones(128) for _ in range(8)]
         with Foreach(hold=True) as calls:
             with pytest.raises(KeyboardInterrupt):
                 own.run(views)
             assert calls.in_flight == 0
-            own._inbox[0] = real
+            assert not InterruptAfterPut.armed
             for _ in range(3):
                 views = [torch.ones(128) for _ in range(8)]
                 own.run(views)

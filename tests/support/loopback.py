@@ -25,7 +25,7 @@ import torch
 import mambacache as mc
 from mambacache._handoff._transfer import export_rows, write_pool
 
-__all__ = ["OneBatch", "loopback"]
+__all__ = ["OneBatch", "loopback", "stand_in_transfer"]
 
 
 def loopback(
@@ -95,9 +95,32 @@ class OneBatch:
         self.waiting = None
 
     def transfer(self, mgr: mc.CacheManager) -> mc.StateTransfer:
-        """A ``StateTransfer`` of ``mgr`` (from peer 1) whose inbox is this stand-in: no store, no pair."""
-        from mambacache._handoff._transfer import _Buffers
+        """A ``StateTransfer`` of ``mgr`` (from peer 1) whose inbox is this stand-in: no pair, no transport."""
+        return stand_in_transfer(mgr, self)
 
-        xfer = object.__new__(mc.StateTransfer)
-        xfer._mgr, xfer.peer, xfer._in, xfer._bufs = mgr, 1, self, _Buffers()  # type: ignore[attr-defined]
-        return xfer
+
+class _NoWires:
+    """The wires of a stood-in link: nothing to register or release."""
+
+    def register(self, memory: list[torch.Tensor]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def stand_in_transfer(mgr: mc.CacheManager, inbox: Any = None) -> mc.StateTransfer:
+    """A ``StateTransfer`` of ``mgr`` with peer 1, built by its own ``__init__`` on an in-process store, its link
+    (``_transfer.open_link``) stood in: ``inbox`` receives (:class:`OneBatch`, or None: nothing to receive), no
+    outbox sends, and no transport is made."""
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from mambacache._handoff import _transfer
+
+    def link(*args: Any) -> tuple[_NoWires, None, Any]:
+        return _NoWires(), None, inbox
+
+    with mock.patch.object(_transfer, "open_link", link):
+        return mc.StateTransfer(mgr, None, 1, store=dist.HashStore(), rank=0)

@@ -11,10 +11,11 @@ between the steps of a case.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -404,10 +405,24 @@ def _sources(srun: bool, in_place: bool) -> list[int]:
     return [1, 2] if in_place and srun else [1, 3]
 
 
-def _direct(xfer: mc.StateTransfer, sending: bool) -> bool:
-    """Whether the last batch went straight from (or into) the host rows: the kept buffers were never grown."""
-    bufs = xfer._send_bufs if sending else xfer._bufs  # type: ignore[attr-defined]
-    return not bufs._flat  # type: ignore[no-any-return]
+@contextlib.contextmanager
+def _gathers() -> Iterator[list[int]]:
+    """Counts (in its one item, which the caller may zero) the batches this process gathered into a transfer's
+    kept buffers (``_Buffers.rows``): a batch that went straight from (or into) the rows gathers none."""
+    import mambacache._handoff._transfer as xfer_mod
+
+    count = [0]
+    rows = xfer_mod._Buffers.rows
+
+    def counted(self: Any, *args: Any) -> Any:
+        count[0] += 1
+        return rows(self, *args)
+
+    xfer_mod._Buffers.rows = counted  # type: ignore[method-assign]
+    try:
+        yield count
+    finally:
+        xfer_mod._Buffers.rows = rows  # type: ignore[method-assign]
 
 
 def _straight(split: bool, run: bool) -> bool:
@@ -418,70 +433,70 @@ def _straight(split: bool, run: bool) -> bool:
 
 def wire_sender(me: Side) -> None:
     import mambacache._handoff._transfer as xfer_mod
-    from mambacache._handoff._transfer import _Buffers
 
     real = xfer_mod.SPLIT_BYTES
     try:
-        for k, (split, srun, _, in_place, _) in enumerate(WIRE):
-            xfer_mod.SPLIT_BYTES = 0 if split else 2**62  # the sender alone decides; the receiver follows the header
-            ids = [f"w{k}a", f"w{k}b"]
-            first, second = _sources(srun, in_place)
-            ref = prefill_pool(30 + k)
-            for t, r in zip(me.pool.tensors, ref.tensors, strict=True):
-                t[:, [1, 2, 3]] = r[:, [1, 2, 3]]
-            me.mgr.alloc_slots([first], ids[0], clear=False)
-            me.mgr.export(first, ids[0], in_place=in_place)
-            if not srun and not in_place:  # an export for another peer between them: staging host slots 1 and 3
-                me.mgr.alloc_slots([2], "pad", clear=False)
-                me.mgr.export(2, "pad", to=7)
-            me.mgr.alloc_slots([second], ids[1], clear=False)
-            me.mgr.export(second, ids[1], in_place=in_place)
-            me.mgr.flush_nowait()
-            me.xfer._send_bufs = _Buffers()  # type: ignore[attr-defined]
-            dist.barrier()
-            assert me.xfer.send() == ids, (split, srun, in_place)
-            how = f"split {split}, one run {srun}, in place {in_place}: copied or not"
-            assert _direct(me.xfer, True) == _straight(split, srun), how
-            if not srun and not in_place:
-                me.mgr.release(2, "pad")  # withdraws its export
-            me.mgr.flush_nowait()
-            me.idle()
+        with _gathers() as gathered:
+            for k, (split, srun, _, in_place, _) in enumerate(WIRE):
+                # The sender alone decides; the receiver follows the header.
+                xfer_mod.SPLIT_BYTES = 0 if split else 2**62
+                ids = [f"w{k}a", f"w{k}b"]
+                first, second = _sources(srun, in_place)
+                ref = prefill_pool(30 + k)
+                for t, r in zip(me.pool.tensors, ref.tensors, strict=True):
+                    t[:, [1, 2, 3]] = r[:, [1, 2, 3]]
+                me.mgr.alloc_slots([first], ids[0], clear=False)
+                me.mgr.export(first, ids[0], in_place=in_place)
+                if not srun and not in_place:  # an export for another peer between them: staging host slots 1 and 3
+                    me.mgr.alloc_slots([2], "pad", clear=False)
+                    me.mgr.export(2, "pad", to=7)
+                me.mgr.alloc_slots([second], ids[1], clear=False)
+                me.mgr.export(second, ids[1], in_place=in_place)
+                me.mgr.flush_nowait()
+                gathered[0] = 0
+                dist.barrier()
+                assert me.xfer.send() == ids, (split, srun, in_place)
+                how = f"split {split}, one run {srun}, in place {in_place}: copied or not"
+                assert (gathered[0] == 0) == _straight(split, srun), how
+                if not srun and not in_place:
+                    me.mgr.release(2, "pad")  # withdraws its export
+                me.mgr.flush_nowait()
+                me.idle()
     finally:
         xfer_mod.SPLIT_BYTES = real
 
 
 def wire_receiver(me: Side) -> None:
-    from mambacache._handoff._transfer import _Buffers
-
-    for k, (split, srun, rrun, in_place, expected) in enumerate(WIRE):
-        held: list[int] = []
-        ids = [f"w{k}a", f"w{k}b"]
-        targets = [4, 5] if rrun or not expected else [4, 6]
-        if expected:  # the states land straight in the pool slots they await
-            for s, i in zip(targets, ids, strict=True):
-                me.mgr.expect_import(s, i)
+    with _gathers() as gathered:
+        for k, (split, srun, rrun, in_place, expected) in enumerate(WIRE):
+            held: list[int] = []
+            ids = [f"w{k}a", f"w{k}b"]
+            targets = [4, 5] if rrun or not expected else [4, 6]
+            if expected:  # the states land straight in the pool slots they await
+                for s, i in zip(targets, ids, strict=True):
+                    me.mgr.expect_import(s, i)
+                me.mgr.flush_nowait()
+            elif not rrun:  # host slot 2 held: the batch lands in 1 and 3
+                me.mgr.alloc_slots([6, 7], "hold", clear=False)
+                held = me.mgr.offload_many([6, 7], "hold")
+                me.mgr.flush_nowait()
+                me.mgr.drop(held.pop(0))
+                me.mgr.flush_nowait()
+            gathered[0] = 0
+            dist.barrier()
+            assert me.xfer.receive() == ids
+            how = f"split {split}, one run {rrun}, in place {expected}: copied or not"
+            assert (gathered[0] == 0) == _straight(split, rrun), how
+            host = me.mgr.host_pool
+            assert host is not None and (host.num_held == len(held) + (0 if expected else 2)), how
+            why = f"the wire with split {split}, landing in one run {rrun}, from slots {_sources(srun, in_place)}"
+            me.imports(ids, targets, _sources(srun, in_place), 30 + k, why)
+            for h in held:
+                me.mgr.drop(h)
+            if held:
+                me.mgr.release_many([6, 7], "hold")
             me.mgr.flush_nowait()
-        elif not rrun:  # host slot 2 held: the batch lands in 1 and 3
-            me.mgr.alloc_slots([6, 7], "hold", clear=False)
-            held = me.mgr.offload_many([6, 7], "hold")
-            me.mgr.flush_nowait()
-            me.mgr.drop(held.pop(0))
-            me.mgr.flush_nowait()
-        me.xfer._bufs = _Buffers()  # type: ignore[attr-defined]
-        dist.barrier()
-        assert me.xfer.receive() == ids
-        how = f"split {split}, one run {rrun}, in place {expected}: copied or not"
-        assert _direct(me.xfer, False) == _straight(split, rrun), how
-        host = me.mgr.host_pool
-        assert host is not None and (host.num_held == len(held) + (0 if expected else 2)), how
-        why = f"the wire with split {split}, landing in one run {rrun}, from slots {_sources(srun, in_place)}"
-        me.imports(ids, targets, _sources(srun, in_place), 30 + k, why)
-        for h in held:
-            me.mgr.drop(h)
-        if held:
-            me.mgr.release_many([6, 7], "hold")
-        me.mgr.flush_nowait()
-        me.idle()
+            me.idle()
 
 
 CASES = {

@@ -32,7 +32,7 @@ from ...support.layered import layered_pool, pool_tensors
 from ...support.link import in_thread as _in_thread
 from ...support.link import store as _store
 from ...support.link import transfer as _transfer
-from ...support.loopback import loopback
+from ...support.loopback import loopback, stand_in_transfer
 from ...support.util import fill_random, paged_pool, quant_spec, small_spec
 
 SPEC = small_spec(3)
@@ -161,8 +161,7 @@ def test_the_messages_of_an_export_in_place_are_the_slots_bytes_on_every_pool_la
         want = [t[:, slots].contiguous() for t in pool_tensors(mgr.pool)]
         got = export_rows(mgr, ready)
         assert all(torch.equal(w, g) for w, g in zip(want, got, strict=True))
-        xfer = object.__new__(mc.StateTransfer)
-        xfer._mgr = mgr  # type: ignore[attr-defined]
+        xfer = stand_in_transfer(mgr)
         straight = xfer._straight(ready)  # type: ignore[attr-defined]
         contiguous_rows = "paged" not in layout and slots == [1, 2, 3]
         assert (straight is not None) == contiguous_rows  # views of the slot rows themselves: no copy

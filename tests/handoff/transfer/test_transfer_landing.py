@@ -17,7 +17,6 @@ from structlog.testing import capture_logs
 import mambacache as mc
 from mambacache import tracing
 
-from ...support.link import fail_once
 from ...support.link import in_thread as _in_thread
 from ...support.link import store as _store
 from ...support.link import transfer as _transfer
@@ -218,15 +217,27 @@ def test_a_receive_that_fails_locally_raises_a_transfer_error_and_the_retry_land
     from mambacache._handoff import _transfer as transfer
 
     with _one_export(7, 2.0) as (_, dst, out, into):
+        if transport == "gloo":
+            receiving = into._bufs  # the receiver's alone (the sender gathers into buffers of its own)
+            grow = transfer._Buffers.rows
 
-        class Failing(transfer._Buffers):
-            def rows(self, *args: Any) -> Any:
+            def rows(self: Any, *args: Any) -> Any:
+                if self is not receiving:
+                    return grow(self, *args)
+                monkeypatch.setattr(transfer._Buffers, "rows", grow)
                 raise MemoryError("the kept receive buffers could not grow")
 
-        if transport == "gloo":
-            into._bufs = Failing()  # the receiver's alone (the sender gathers into buffers of its own)
+            monkeypatch.setattr(transfer._Buffers, "rows", rows)
         else:
-            fail_once(monkeypatch, into, "_rows", MemoryError("the landing rows could not be found"))
+            find = transfer._landing_rows
+
+            def landing_rows(mgr: mc.CacheManager, in_place: bool) -> Any:
+                if mgr is not dst:  # the sender's own rows
+                    return find(mgr, in_place)
+                monkeypatch.setattr(transfer, "_landing_rows", find)
+                raise MemoryError("the landing rows could not be found")
+
+            monkeypatch.setattr(transfer, "_landing_rows", landing_rows)
         thread, sent = _in_thread(out.send)
         try:
             with pytest.raises(mc.TransferError, match="nothing landed") as caught:

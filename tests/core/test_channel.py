@@ -1,6 +1,6 @@
 """Tensor parallel in one process: managers joined by LoopbackChannel, each rank's shard against the oracle.
 
-The real torch.distributed path (gloo, spawned processes) is tests/test_distributed.py; these
+The real torch.distributed path (gloo, spawned processes) is tests/core/test_distributed.py; these
 run the same manager code through the same wire format without spawning anything.
 """
 

@@ -11,13 +11,13 @@ Where a rank cannot tell whether its plan left (only a channel without a
 record of it, or a broadcast stopped as it was issued), every rank's flush
 raises :class:`~mambacache.DistributedError` instead: rebuild the group.
 
-The sweep: the step of ``tests/test_interrupts.py`` (every stage kind, with and
+The sweep: the step of ``tests/core/test_interrupts.py`` (every stage kind, with and
 without a host tier, fresh and resuming kept work) is queued on the source of a
 2-rank :class:`~mambacache.LoopbackChannel` group, and one rank's flush of it
-runs under :class:`~tests.util.InterruptAtLine`: every line under
-``MAMBACACHE_FULL_SWEEP=1``, a sample otherwise (``tests/sweep.py``). The
+runs under :class:`~tests.support.util.InterruptAtLine`: every line under
+``MAMBACACHE_FULL_SWEEP=1``, a sample otherwise (``tests/support/sweep.py``). The
 loopback channel lets a plan out to every rank at once or to none, so every
-point must reach the oracles. ``tests/test_distributed.py`` runs the same sweep
+point must reach the oracles. ``tests/core/test_distributed.py`` runs the same sweep
 over real torch.distributed (gloo).
 """
 

@@ -1,7 +1,7 @@
 """Tensor-parallel mode on real torch.distributed (gloo on 127.0.0.1), in spawned processes.
 
 The plan logic of every rank (each world size, every event kind, sync and async
-flushes) is tested in one process over ``LoopbackChannel`` (tests/test_channel.py),
+flushes) is tested in one process over ``LoopbackChannel`` (tests/core/test_channel.py),
 through the same wire format; here each behaviour runs once over the real
 transport, at the world size that exercises it most (three ranks where a
 receiver's order matters), plus what only processes can show (a killed peer,
@@ -63,6 +63,6 @@ def test_offload_restore_and_drop_apply_on_every_rank(world: int) -> None:
 
 @pytest.mark.parametrize("swept", [0, 1], ids=["source", "receiver"])
 def test_an_interrupt_at_any_line_of_a_flush_over_gloo_parts_no_ranks(swept: int) -> None:
-    """tests/test_channel_interrupts.py's sweep over real torch.distributed: every shard reaches its oracle, or
+    """tests/core/test_channel_interrupts.py's sweep over real torch.distributed: every shard reaches its oracle, or
     (only where a broadcast was stopped as it was issued) every rank raises DistributedError."""
     mp.spawn(interrupt_worker, args=(2, free_port(), swept), nprocs=2, join=True)

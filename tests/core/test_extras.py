@@ -1,6 +1,6 @@
 """Extra per-slot tensors (``StateSpec.extra_shapes``): a quantised state's scales, laid out, counted, adopted and
-refused like the state itself. Their semantics and faults run in the shared suites: tests/test_semantics.py and
-tests/test_faults.py on ``quant_spec()``, tests/test_tiers_property.py with extras in its spec."""
+refused like the state itself. Their semantics and faults run in the shared suites: tests/core/test_semantics.py and
+tests/core/test_faults.py on ``quant_spec()``, tests/tiers/test_tiers_property.py with extras in its spec."""
 
 from __future__ import annotations
 

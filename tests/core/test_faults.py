@@ -9,7 +9,7 @@ one-event-at-a-time execution leaves.
 Which k: every op of the step under ``MAMBACACHE_FULL_SWEEP=1``, as CI runs it
 (about two minutes, most of it the npu variants with the smallest workspaces);
 by default a deterministic sample of at most 24 (the first and last three and an
-even spread between, ``tests/sweep.py``) on every variant and scenario, a few
+even spread between, ``tests/support/sweep.py``) on every variant and scenario, a few
 seconds.
 """
 
@@ -109,7 +109,7 @@ SCENARIOS = {
 def run_scenario(
     make: Callable[[], mc.Executor], scenario: str, at: int, exc: type[BaseException], kind: str = "plain"
 ) -> int:
-    """Run the scenario with a fault before op ``at`` (0: none) on a pool of ``kind`` (tests/util.py's
+    """Run the scenario with a fault before op ``at`` (0: none) on a pool of ``kind`` (tests/support/util.py's
     :data:`POOL_KINDS`); returns the ops the flush ran."""
     pool = sweep_pool(kind, 9)
     with mc.CacheManager(pool, executor=make()) as mgr:

@@ -1,7 +1,7 @@
 """StatePool.from_layers: per-layer tensors adopted as one pool, its layer groups, its checks.
 
-The semantics, fault and host-tier sweeps run on such pools too (tests/util.py's
-POOL_KINDS, tests/test_semantics.py's POOLS); tensor parallel in tests/test_channel.py.
+The semantics, fault and host-tier sweeps run on such pools too (tests/support/util.py's
+POOL_KINDS, tests/core/test_semantics.py's POOLS); tensor parallel in tests/core/test_channel.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The sweep: a step with every stage kind (a copy wave, a rotate, zeros, allocs
 and releases; with a host tier, offloads, restores and drops too) is queued, and
-one flush of it runs under :class:`~tests.util.InterruptAtLine`, which raises
+one flush of it runs under :class:`~tests.support.util.InterruptAtLine`, which raises
 ``KeyboardInterrupt`` (or ``SystemExit``) at the k-th line executed inside the
 package: while the flush takes the events, plans them, runs the stages, makes
 the report or traces it. The interrupt must come out of the flush, and the next
@@ -11,7 +11,7 @@ nothing left queued or unfinished. Between the two, what the manager says must
 be true: nothing queued and nothing unfinished means the step ran.
 
 Which k: every line of the flush under ``MAMBACACHE_FULL_SWEEP=1`` (CI), a
-sample otherwise (``tests/sweep.py``). The sync flush (``flush_nowait``), the
+sample otherwise (``tests/support/sweep.py``). The sync flush (``flush_nowait``), the
 async one on asyncio and trio, each with and without a host tier, and a flush
 that first resumes work an earlier failed flush kept.
 """

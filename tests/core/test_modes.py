@@ -10,7 +10,7 @@ close outside every mode; each flush against the sequential oracle. The states
 are large enough that the torch executor cuts them into byte views under the
 grain and shares a stage with its helper threads. Every cell under
 ``MAMBACACHE_FULL_SWEEP=1`` (CI), a deterministic sample otherwise
-(``tests/sweep.py``).
+(``tests/support/sweep.py``).
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ def _send_one(
 @pytest.mark.parametrize("made_in_inference", [False, True], ids=["made-normally", "made-in-inference"])
 def test_states_sent_under_inference_mode_then_outside_it_land(made_in_inference: bool, in_place: bool) -> None:
     """The engine's transfer threads send and receive under inference mode, then outside it (the buffers a
-    transfer keeps between batches are made in the first), over the real link (tests/link.py); both sides'
+    transfer keeps between batches are made in the first), over the real link (tests/support/link.py); both sides'
     pools and host pools made normally or under inference mode."""
     spec = small_spec(2)
     with torch.inference_mode(made_in_inference):

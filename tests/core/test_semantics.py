@@ -29,7 +29,7 @@ SPECS = {
 }
 # Paged pools (an engine's block pages: only each (layer, slot) row contiguous) of the same specs; the npu
 # executor refuses them (test_a_paged_pool_is_refused_by_the_npu_executor_only).
-# Per-layer pools (StatePool.from_layers, two layer groups: tests/layered.py), stacked and paged.
+# Per-layer pools (StatePool.from_layers, two layer groups: tests/support/layered.py), stacked and paged.
 POOLS = {name: (spec, "stacked") for name, spec in SPECS.items()}
 POOLS |= {f"paged-{name}": (SPECS[name], "paged") for name in ("quantized", "wide")}
 POOLS |= {f"layers-{name}": (SPECS[name], "layers") for name in ("quantized", "wide")}

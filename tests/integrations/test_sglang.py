@@ -1,6 +1,6 @@
 """mambacache inside SGLang (0.5.23, CPU): the plugin changes no byte of SGLang's mamba pool, step by step.
 
-Each run is a fresh process in the SGLang venv (``tests/_sglang_run.py``): SGLang
+Each run is a fresh process in the SGLang venv (``tests/workers/sglang_run.py``): SGLang
 applies a plugin's hooks to its classes for the life of the process, so SGLang
 alone and SGLang with the plugin cannot share one. Skipped where SGLang is not
 installed (the main venv); ``.ci/run`` runs this file in ``.venv-sglang``, where

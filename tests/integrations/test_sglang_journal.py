@@ -7,7 +7,7 @@ is that class's free-list code. The hooks must read no slot id to the host
 (each read is a synchronisation on CUDA); a step's flush, or ``settle()``, reads
 everything recorded since in one transfer and brings the manager's ledger to
 the allocator's held set, each slot named by its request or the tree.
-tests/test_sglang.py drives SGLang's own objects in its own venv.
+tests/integrations/test_sglang.py drives SGLang's own objects in its own venv.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def example(model_dir: Path, *args: str, script: str = "vllm_plugin.py", fault: str | None = None) -> dict[str, Any]:
     """An example's ``--json`` result (with its exit status), run on the tiny model in ``model_dir``; ``fault``:
-    one of tests/engine_faults' faults, injected into every process of the run."""
+    one of tests/support/engine_faults' faults, injected into every process of the run."""
     done = subprocess.run(
         [sys.executable, str(ROOT / "examples" / script), "--json", "--model-dir", str(model_dir), *args],
         capture_output=True,

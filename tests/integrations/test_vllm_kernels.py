@@ -1,4 +1,4 @@
-"""The plugin's speculative-decoding copies against vLLM's own align-mode kernels (tests/_vllm_kernels.py).
+"""The plugin's speculative-decoding copies against vLLM's own align-mode kernels (tests/workers/vllm_kernels.py).
 
 vLLM's CPU build cannot run these Triton kernels (no Triton CPU backend), so
 the worker runs their code in Triton's interpreter on CPU tensors laid out in

@@ -1,6 +1,6 @@
 """The vLLM plugin's logic without vLLM: layout adoption, the step's events, the activation gate.
 
-tests/test_vllm.py runs the plugin inside vLLM itself (in the vLLM venv that .ci/run makes).
+tests/integrations/test_vllm.py runs the plugin inside vLLM itself (in the vLLM venv that .ci/run makes).
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def test_the_skip_clear_fault_allocates_without_clearing(monkeypatch: pytest.Mon
 @pytest.mark.parametrize("fault", [None, "vllm-skip-clear"])
 def test_a_fault_reaches_a_process_of_its_own_through_its_environment(fault: str | None) -> None:
     # How the vLLM tests fault the plugin in vLLM's processes: the package itself reads no fault switch.
-    code = "from tests.test_vllm_plugin import a_new_blocks_state_is_cleared as f; print(f())"
+    code = "from tests.integrations.test_vllm_plugin import a_new_blocks_state_is_cleared as f; print(f())"
     env = subprocess_env(fault) if fault is not None else None
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

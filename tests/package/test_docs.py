@@ -64,5 +64,5 @@ def test_doc_block_runs(name: str, line: int, lang: str, code: str, tmp_path: Pa
 
 def test_api_reference_matches_the_docstrings() -> None:
     assert (ROOT / "docs" / "api.md").read_text(encoding="utf-8") == render(), (
-        "docs/api.md is stale: python -m tests.apidoc > docs/api.md"
+        "docs/api.md is stale: python -m tests.support.apidoc > docs/api.md"
     )

@@ -1,6 +1,6 @@
-"""Generates docs/api.md from the docstrings: ``python -m tests.apidoc > docs/api.md``.
+"""Generates docs/api.md from the docstrings: ``python -m tests.support.apidoc > docs/api.md``.
 
-tests/test_docs.py fails when docs/api.md differs from what this prints, so the
+tests/package/test_docs.py fails when docs/api.md differs from what this prints, so the
 reference cannot drift from the code.
 """
 
@@ -53,8 +53,8 @@ def _members(module: ModuleType, cls: type) -> dict[str, object]:
 
 
 def render() -> str:
-    out = ["# API reference", "", "Generated from the docstrings by `python -m tests.apidoc > docs/api.md`;",
-           "`tests/test_docs.py` fails when this page and the code disagree.", ""]  # fmt: skip
+    out = ["# API reference", "", "Generated from the docstrings by `python -m tests.support.apidoc > docs/api.md`;",
+           "`tests/package/test_docs.py` fails when this page and the code disagree.", ""]  # fmt: skip
     for module, title in MODULES:
         out += [f"## {title}", ""]
         for name in sorted(module.__all__, key=lambda n: (not inspect.isclass(getattr(module, n)), n.lower())):

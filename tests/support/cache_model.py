@@ -1,7 +1,7 @@
 """PrefixCache's contract in plain Python, and the readers its property tests compare it with.
 
-Shared by tests/test_tiers_property.py (the tiers together, on the block grid)
-and tests/test_prefix_offgrid_keys.py (any length, under extra keys): one model,
+Shared by tests/tiers/test_tiers_property.py (the tiers together, on the block grid)
+and tests/tiers/test_prefix_offgrid_keys.py (any length, under extra keys): one model,
 so a change of the contract is written once.
 """
 

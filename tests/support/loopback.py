@@ -12,7 +12,7 @@ sender lets go of anything, so the sender keeps every slot (as after a send with
 no acknowledgement).
 
 Property and fault tests use it to mix transfers with every other event in one
-process; tests/test_transfer.py runs the real thing over gloo.
+process; tests/handoff/transfer/test_transfer.py runs the real thing over gloo.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the transfer soaks' workers share (``_transfer_soak_worker.py``, ``_reslice_soak_worker.py``): a deadline
+"""What the transfer soaks' workers share (``workers/transfer_soak.py``, ``workers/reslice_soak.py``): a deadline
 that turns a hang into a failure, a flush with a fault at a drawn op, and the decode side's step loop."""
 
 from __future__ import annotations

@@ -138,7 +138,7 @@ def every_stage_step(mgr: mc.CacheManager, slots: list[int], h0: int | None) -> 
         mgr.drop(h1)
 
 
-# -- fault sweeps (tests/sweep.py says which ops; mambacache.testing injects) --
+# -- fault sweeps (tests/support/sweep.py says which ops; mambacache.testing injects) --
 SPEC = small_spec()
 SPECS = {"plain": SPEC, "quantized": quant_spec()}  # the fault sweeps run on both: extras are more tensors
 # ... and on the quantized spec's tensors paged (vLLM's block pages), where the executor takes them.
@@ -183,7 +183,7 @@ VARIANTS = variants()
 def flush_with_fault(mgr: mc.CacheManager, at: int, exc: type[BaseException], *, alone: bool = True) -> int:
     """Flush with ``exc`` raised before aten op ``at`` (0: none); a failed flush is repaired by one more.
 
-    Returns the ops the faulted flush ran. The sweeps (tests/sweep.py) call it at every op. ``alone=False``:
+    Returns the ops the faulted flush ran. The sweeps (tests/support/sweep.py) call it at every op. ``alone=False``:
     other threads submit meanwhile (a transfer's delivery queues releases and drops at any time), so the failed
     flush having taken every queued event is not checked.
     """

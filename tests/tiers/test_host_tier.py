@@ -32,7 +32,7 @@ SPEC = small_spec()
 
 # -- the planner alone ----------------------------------------------------------
 # Every host event kind mixed with commits, against one-event-at-a-time execution:
-# tests/test_planner.py (test_plan_with_host_events_and_commits_equals_sequential_execution).
+# tests/core/test_planner.py (test_plan_with_host_events_and_commits_equals_sequential_execution).
 
 
 def test_plan_examples() -> None:
@@ -56,7 +56,7 @@ def test_plan_examples() -> None:
 
 # -- through the manager, on every executor ---------------------------------------
 def _open(executor: Any, kind: str = "plain") -> tuple[mc.StatePool, mc.HostPool, mc.CacheManager]:
-    pool = sweep_pool(kind, N)  # tests/util.py's POOL_KINDS
+    pool = sweep_pool(kind, N)  # tests/support/util.py's POOL_KINDS
     host = mc.HostPool(pool.spec, H)
     return pool, host, mc.CacheManager(pool, executor=executor, host_pool=host, max_failed_flushes=1000)
 

@@ -4,7 +4,7 @@ The ledger against a plain-dict model (every take, hand-over and reservation),
 the manager's surface (alloc, alloc_slots, alloc_wait, hand_over, errors, the
 reservation's lifetime) and PrefixCache(reserved=k) (its validation, inserts
 below the reservation, forks that do not evict within it). The tiers together,
-with faults, against the oracle: tests/test_tiers_property.py.
+with faults, against the oracle: tests/tiers/test_tiers_property.py.
 """
 
 from __future__ import annotations

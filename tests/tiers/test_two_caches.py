@@ -1,8 +1,8 @@
 """Two PrefixCaches on one manager, each with its own reservation (issue #31): each cache's checkpoints are held by
 its own tenant, its reservation counts those only, and neither uses up the other's budget.
 
-A property test against :class:`tests.cache_model.CacheModel` (two of them on one
-:class:`~tests.cache_model.PoolModel`): random requests admitted (a plain alloc or
+A property test against :class:`tests.support.cache_model.CacheModel` (two of them on one
+:class:`~tests.support.cache_model.PoolModel`): random requests admitted (a plain alloc or
 a fork from either cache), inserts into either cache, evictions, releases,
 clears and flushes; after each step the checkpoints, their states, the free and
 available slot counts and the tenants ``held()`` shows match the model, and each

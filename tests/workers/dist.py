@@ -270,8 +270,8 @@ def host_worker(rank: int, world: int, port: int, seed: int) -> None:
 
 
 def interrupt_worker(rank: int, world: int, port: int, swept: int) -> None:
-    """The interrupt sweep of tests/test_channel_interrupts.py over real gloo: rank ``swept``'s flush of a step
-    with every stage kind is interrupted at its line k (each of tests/sweep.py's points), every rank then makes
+    """The interrupt sweep of tests/core/test_channel_interrupts.py over real gloo: rank ``swept``'s flush of a step
+    with every stage kind is interrupted at its line k (each of tests/support/sweep.py's points), every rank then makes
     the flush it owes and one more, and every shard must be its oracle's; or, where the swept rank could not
     tell whether its plan's broadcast was issued, every rank's flush must raise DistributedError. Each point on
     a group of its own (a failed one is left behind)."""

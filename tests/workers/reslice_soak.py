@@ -21,7 +21,7 @@ sender's batch fails and is retried; its host pool is small, so batches are
 refused for room), while its step loop imports, flushes with faults, checks every
 byte against the oracle's shard as the layout cuts it (TP 1: the whole state,
 joined from both shards) and releases. Each process writes what it saw to
-``out/<name>.json``; ``tests/test_reslice_soak.py`` adds it up.
+``out/<name>.json``; ``tests/handoff/transfer/test_reslice_soak.py`` adds it up.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""A request aborted while retracted, through SGLang's own retraction and abort calls, for tests/test_sglang.py.
+"""A request aborted while retracted, through SGLang's own retraction and abort calls, for
+tests/integrations/test_sglang.py.
 
 Run in the SGLang venv as ``python -m tests.workers.sglang_abort``: with
 ``SGLANG_PLUGINS=mambacache``, two requests run a step; both are retracted with

@@ -1,7 +1,7 @@
 """Host time and aten ops per forward step: SGLang's own deferred clears and copies against the plugin's.
 
 Run in the SGLang venv: ``python -m tests.workers.sglang_bench [ROUNDS] [STEPS]``. Each
-round runs the same seeded workload (tests/_sglang_run.py) with SGLang alone and
+round runs the same seeded workload (tests/workers/sglang_run.py) with SGLang alone and
 with the plugin, alternately, each in a fresh process (SGLang's hooks are
 per process), so drift of this shared machine hits both alike; then one audited
 run of each counts the aten ops of every step. Prints a table and, last, one

@@ -2,7 +2,7 @@
 
 Run in the SGLang venv as ``python -m tests.workers.sglang_kits MODE`` (``plain`` or
 ``plugin``); prints one JSON object with what each kit observed, for
-tests/test_sglang.py to compare across the two modes, and, with the plugin, the
+tests/integrations/test_sglang.py to compare across the two modes, and, with the plugin, the
 manager's view next to SGLang's allocator after each kit.
 
 * LRU match refresh (``UnifiedMambaLRUMatchRefreshFixtures``): after inserts

@@ -1,9 +1,10 @@
-"""One run of a random request workload through SGLang's own scheduler-side calls, for tests/test_sglang.py.
+"""One run of a random request workload through SGLang's own scheduler-side calls, for
+tests/integrations/test_sglang.py.
 
 Run in the SGLang venv as ``python -m tests.workers.sglang_run MODE SEED STEPS``; MODE is
 ``plain`` (SGLang alone), ``plugin`` (``SGLANG_PLUGINS=mambacache``, hooks applied
 as SGLang's scheduler applies them) or ``fault`` (the plugin with its
-clears dropped, ``sglang-skip-clear`` of tests/engine_faults). Prints one JSON object: a digest of
+clears dropped, ``sglang-skip-clear`` of tests/support/engine_faults). Prints one JSON object: a digest of
 the mamba pool's bytes after every step, and, with the plugin, the manager's
 step count and whether ``check_idle`` passed after ``cache.reset()`` and
 ``pool.clear()``.

@@ -38,7 +38,8 @@ import mambacache as mc
 from ..support.soak import Deadline, faulted_flush, import_each, write_stats
 
 TIMEOUT = 1.0
-# MAMBACACHE_SOAK_SCALE=k: a run k times as long (k times the states per decode rank, tests/test_transfer_soak.py).
+# MAMBACACHE_SOAK_SCALE=k: a run k times as long (k times the states per decode rank,
+# tests/handoff/transfer/test_transfer_soak.py).
 SCALE = int(os.environ.get("MAMBACACHE_SOAK_SCALE", "1"))
 DEADLINE = 150.0 * SCALE  # seconds: a thread still running after this is a hang
 N, PREFILL_HOST, DECODE_HOST = 10, 8, 3

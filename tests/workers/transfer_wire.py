@@ -4,7 +4,7 @@ Each case is a pair of functions (sender, receiver) over two real gloo
 processes on 127.0.0.1; the ranks meet at barriers of the world group (which
 the transfer does not use). A receiver's threads are real threads. Every case
 ends with every state delivered exactly once, checked byte for byte, and both
-sides idle (``tests/_transfer_link_worker.py`` holds the shared checks).
+sides idle (``tests/workers/transfer_link.py`` holds the shared checks).
 """
 
 from __future__ import annotations

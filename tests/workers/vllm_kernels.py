@@ -1,9 +1,9 @@
 """vLLM's own align-mode copy kernels, run in Triton's interpreter on CPU tensors, against the plugin's events.
 
-Run by tests/test_vllm_kernels.py in a subprocess (Triton reads ``TRITON_INTERPRET``
+Run by tests/integrations/test_vllm_kernels.py in a subprocess (Triton reads ``TRITON_INTERPRET``
 when it is imported, so it is set here first):
 
-    python tests/_vllm_kernels.py --layout SD --cases 200 [--wrong-bias]
+    python tests/workers/vllm_kernels.py --layout SD --cases 200 [--wrong-bias]
 
 vLLM's CPU build replaces its Triton kernels with plain functions (it has no
 Triton CPU backend), so each kernel is re-jitted from its own code with the

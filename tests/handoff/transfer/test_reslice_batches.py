@@ -238,7 +238,7 @@ def test_an_acknowledgement_that_fails_on_one_rank_still_answers_the_others() ->
 
 
 def test_a_cut_for_room_on_one_rank_does_not_split_the_ranks_batches_for_good() -> None:
-    """2 -> 1 (found by tests/test_reslice_soak.py, which hung): rank 0's header of ``[a, b]`` is refused for room
+    """2 -> 1 (found by test_reslice_soak.py, which hung): rank 0's header of ``[a, b]`` is refused for room
     (room for one), so its sender cuts to one state and keeps that cut (``Batches.limit``) until a batch of it
     succeeds. Meanwhile room comes back and rank 1's ``[a, b]`` is taken: rank 0 sent ``[a]``, not one batch,
     refused as ``failed`` on both. The cut stayed: rank 0 sent ``[a]`` and rank 1 ``[a, b]`` on every later try,

@@ -1,6 +1,6 @@
 """A soak of the transfer between tensor-parallel sizes over gloo: threads, faults at drawn ops, late and full peers.
 
-Two runs of three processes (``tests/_reslice_soak_worker.py``): TP 1 -> TP 2
+Two runs of three processes (``tests/workers/reslice_soak.py``): TP 1 -> TP 2
 (a ``ReslicingSender`` cutting each state into the shards of two decode ranks)
 and TP 2 -> TP 1 (a ``ReslicingReceiver`` joining the shards of two prefill
 ranks). The sum of what each process saw: every exported state delivered

@@ -6,7 +6,7 @@ acknowledgement, the receiver for the header). The outcome asserted is the
 real one on both sides: the batch finished consistently (the sender's slots
 released iff the peer acknowledged, the receiver's states landed all or none),
 the cancellation still delivered, and the next send/receive pair works. The
-cases are in ``tests/_transfer_cancel_worker.py``; both event loops run them.
+cases are in ``tests/workers/transfer_cancel.py``; both event loops run them.
 """
 
 from __future__ import annotations

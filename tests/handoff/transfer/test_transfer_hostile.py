@@ -2,7 +2,7 @@
 
 A receiver refuses a malformed header with reason ``"header"`` (its decision written, so the next honest batch
 gets through); a sender takes a malformed decision or acknowledgement as a failed batch (a TransferError, the pair
-replaced). The real link in one process (``tests/link.py``): clients of one TCPStore on 127.0.0.1, the gloo pair
+replaced). The real link in one process (``tests/support/link.py``): clients of one TCPStore on 127.0.0.1, the gloo pair
 between two threads.
 """
 

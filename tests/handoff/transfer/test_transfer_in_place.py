@@ -8,7 +8,7 @@ changed, while reads of it go on; a release before the send withdraws it
 (nothing to drop); the delivery releases ``s``. The bytes sent are those of
 ``s`` on every pool layout (stacked, paged rows, separately allocated layers),
 straight from the slot rows when they are one run of contiguous host memory.
-Over real gloo: ``tests/test_transfer_link.py``'s "every wire layout".
+Over real gloo: ``tests/handoff/transfer/test_transfer_link.py``'s "every wire layout".
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ gloo closes a pair on any timeout; before the store-controlled protocol a late
 receiver, an idle one, a batch refused for room or an acknowledgement that came
 late left every later batch failing, and a receiver of another spec was killed
 inside gloo. Each case here fails a batch one of those ways and then retries it
-to success on the same ``StateTransfer`` (``tests/_transfer_link_worker.py``).
+to success on the same ``StateTransfer`` (``tests/workers/transfer_link.py``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A peer that dies in the middle of a batch, and an engine that takes its rank: over every transport (gloo, NIXL,
-Mooncake: ``tests/conftest.py``), on real processes (``tests/_transfer_peer_worker.py``).
+Mooncake: ``tests/conftest.py``), on real processes (``tests/workers/transfer_peer.py``).
 
 The side that lives goes on with the same ``StateTransfer``: its call during the death is a typed
 ``TransferError`` with nothing landed (or, on the sending side, its slots kept, the batch in doubt), and its next

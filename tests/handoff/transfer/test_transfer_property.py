@@ -6,7 +6,7 @@ clears, forks, releases, draft commits, offloads, restores and drops on both
 sides, exports and imports in both directions, flushes (each maybe faulted at a
 drawn aten op, then repaired; a landing from the peer may come between the
 failed flush and its repair, or while the flush runs, held mid-way, in another
-thread) and transfers (``tests/_loopback.py``: what
+thread) and transfers (``tests/support/loopback.py``: what
 ``StateTransfer`` does, minus the wire) at any point of a step.
 
 The reference is plain: each side's :class:`SequentialOracle` applies every
@@ -38,7 +38,7 @@ from ...support.loopback import OneBatch, loopback
 from ...support.sweep import fault_points
 from ...support.util import VARIANTS, fill_random, quant_spec, step_value
 
-# The wire is stood in (_loopback): the same code over every transport, so run once (tests/conftest.py).
+# The wire is stood in (tests/support/loopback.py): the same code over every transport, so run once (tests/conftest.py).
 pytestmark = pytest.mark.no_transport
 
 N, H = 5, 4  # small pools, so that slots and host slots are reused within a step and across

@@ -3,7 +3,7 @@ closed (``StateTransfer.close``) or dropped leave no thread behind, and a closed
 
 Over NIXL each transfer has an agent (UCX workers, a progress thread), over Mooncake a Transfer Engine (its RPC
 and transport threads): the suite makes thousands of transfers in one process, so one that outlives its transfer
-piles up threads for the rest of the run. The real link in one process (``tests/link.py``).
+piles up threads for the rest of the run. The real link in one process (``tests/support/link.py``).
 """
 
 from __future__ import annotations

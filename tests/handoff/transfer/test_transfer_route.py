@@ -1,6 +1,6 @@
 """Routing (issue #32): one prefill manager feeds two decode managers; every state reaches its peer and no other.
 
-Three gloo processes (``tests/_transfer_route_worker.py``). Needs the manager's
+Three gloo processes (``tests/workers/transfer_route.py``). Needs the manager's
 ``export(..., to=)``.
 """
 

@@ -1,6 +1,6 @@
 """A soak of real StateTransfers over gloo (issue #32): threads, faults at drawn ops, late peers, a killed peer.
 
-Two runs (``tests/_transfer_soak_worker.py``): one prefill and one decode
+Two runs (``tests/workers/transfer_soak.py``): one prefill and one decode
 process, and one prefill and two decode processes where the second decode
 engine exits halfway and a new process joins through the store in its place.
 The sum of what each process saw: every exported state delivered exactly once

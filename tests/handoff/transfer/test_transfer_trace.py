@@ -3,7 +3,7 @@
 The rules (``read-before-import``, ``import-never-completed``,
 ``export-undelivered``) are pinned twice: on hand-written traces shaped like
 the real ones, each next to the correct hand-off it must not flag, and on the
-traces of a real two-process run over gloo (``_trace_worker``), where a
+traces of a real two-process run over gloo (``tests/workers/transfer_trace.py``), where a
 correct hand-off is clean under ``--expect-idle`` and each broken one is
 flagged.
 """

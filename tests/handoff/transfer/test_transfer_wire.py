@@ -1,6 +1,6 @@
 """Attacks on a state transfer's wire over real gloo processes (issue #32).
 
-The cases are in ``tests/_transfer_wire_worker.py`` (rank 0 sends, rank 1
+The cases are in ``tests/workers/transfer_wire.py`` (rank 0 sends, rank 1
 receives, real threads on both sides). Each failed before its fix, but the
 landing that fails before its go or after its bytes, which guards the landing
 path (it held already); the random landing faults found the withdrawn-header

@@ -101,14 +101,14 @@ def reslicing_sender(mgr: mc.CacheManager, master: Any, layout: StateLayout, pee
 
     import mambacache._handoff._reslice as reslice_mod
 
-    def transfer(m: mc.CacheManager, group: Any, peer: int, *, timeout: float, transport: str) -> mc.StateTransfer:
+    def store_client(m: mc.CacheManager, group: Any, peer: int, *, timeout: float, transport: str) -> mc.StateTransfer:
         return transfer(m, master, 0, peer, timeout)  # the test's transport (its fixture's default)
 
     with (
         mock.patch.object(dist, "is_initialized", return_value=True),
         mock.patch.object(dist, "get_process_group_ranks", return_value=[0, *peers]),
         mock.patch.object(dist, "get_rank", return_value=0),
-        mock.patch.object(reslice_mod, "StateTransfer", transfer),
+        mock.patch.object(reslice_mod, "StateTransfer", store_client),
     ):
         return ReslicingSender(mgr, None, peers, layout, timeout=timeout)
 

@@ -15,7 +15,7 @@ and without the plugin: the first pass one request at a time (each admission
 allocates and each finish frees a slot: where a read of slot ids to the host at
 each allocation and free would show), the second batched. The plugin reads slot
 ids to the host at most once per forward step, never per allocation or free
-(tests/test_sglang.py counts it). It exits 1 if outputs or trace are wrong.
+(tests/integrations/test_sglang.py counts it). It exits 1 if outputs or trace are wrong.
 Meant to take under 2 minutes on one H200 (two engine starts dominate; decode
 CUDA graphs are captured up to batch 32 only).
 """

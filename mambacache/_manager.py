@@ -13,7 +13,7 @@
 Reservations are the pool ledger's (:class:`~mambacache._core._ledger.ReservedSlots`),
 changed through the queue. The class stands above the core and the parts it
 holds from the tiers (the host tier) and the hand-off (the book): the core
-imports none of them (``tests/test_layers.py``), and the queue asks the book
+imports none of them (``tests/package/test_layers.py``), and the queue asks the book
 through the ``SubmitGuard`` protocol it defines itself. The hand-off's events are planned
 as the host tier's offload and freeing restore (``docs/transfer.md``); a
 :class:`~mambacache._handoff._transfer.StateTransfer` moves the staged bytes

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,16 +27,16 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-# The transfer suite (every test of the transfer, the re-slicing and the soaks) runs over each transport. One
-# whose package is missing is skipped, unless MAMBACACHE_REQUIRE_TRANSPORTS=1 (the transports' venv in .ci/run):
-# then it fails.
-TRANSFER_MODULES = ("test_transfer", "test_reslice")
+# The transfer suite (tests/handoff/transfer/: every test of the transfer, the re-slicing and the soaks) runs over
+# each transport. One whose package is missing is skipped, unless MAMBACACHE_REQUIRE_TRANSPORTS=1 (the transports'
+# venv in .ci/run): then it fails.
+TRANSFER_SUITE = Path(__file__).parent / "handoff" / "transfer"
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    from .link import TRANSPORTS
+    from .support.link import TRANSPORTS
 
-    if metafunc.module.__name__.rpartition(".")[2].startswith(TRANSFER_MODULES):
+    if metafunc.definition.path.is_relative_to(TRANSFER_SUITE):
         # A test marked no_transport makes no transfer (a stand-in wire, the parsers): over another transport it
         # would run the same code again (the transfer property tests alone took 4 of the transports' 25 minutes).
         wireless = metafunc.definition.get_closest_marker("no_transport") is not None
@@ -49,7 +50,7 @@ def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 
     from mambacache._handoff._transports._pick import EXTRAS
 
-    from .link import TRANSPORT_ENV, default_transport
+    from .support.link import TRANSPORT_ENV, default_transport
 
     name = str(getattr(request, "param", "gloo"))
     if request.node.get_closest_marker("no_transport") is not None:

@@ -25,6 +25,6 @@ the pool, one flush at a time; and the values it is made of (spec, pool, ledgers
     _torchutil    as_device                small torch helpers the core shares
 
 The executors that run its stages are ``_executors/``. The core imports no layer above it (the tiers,
-the hand-off, the manager, a tool: ``tests/test_layers.py``); where it must consult one it defines the
+the hand-off, the manager, a tool: ``tests/package/test_layers.py``); where it must consult one it defines the
 protocol (the queue's ``SubmitGuard``). Nothing is imported on import of the folder itself.
 """

@@ -490,7 +490,8 @@ def _plain_plan(log: Sequence[Event]) -> Plan | None:
     rotate, so the general pass (:func:`final_writes`, :func:`_order_copies`)
     reduces to this one: the same values, dead slots, write count and stages,
     without the state those conditions leave unused. Any other log returns None
-    and takes the general path. ``tests/test_planner.py`` checks both give one plan on random logs, plain and just not.
+    and takes the general path. ``tests/core/test_planner.py`` checks both give one plan on random logs, plain
+    and just not.
 
     What the second pass buys (``tools/benchmarks/ab_host.py``, 40 interleaved rounds, docs/benchmarks.md):
     planning the decode step 1.34 -> 0.80 us an event, 100 plain events 0.77 -> 0.62, the bench's decode step

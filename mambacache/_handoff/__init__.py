@@ -11,7 +11,7 @@ the re-slicing and the transports drive a manager from outside (``_manager.Cache
     _link      Outbox, Inbox  one direction of a transfer: control through the group's store, bytes over gloo
     _reslice   StateLayout    re-slicing states between tensor-parallel sizes (ReslicingSender, -Receiver)
 
-The core never imports this folder (``tests/test_layers.py``): the queue asks
+The core never imports this folder (``tests/package/test_layers.py``): the queue asks
 the book through the ``SubmitGuard`` protocol it defines itself, and the
 manager (``_manager.py``), which holds the book beside the core's parts, stands
 between the book and the transfer. Nothing is imported on import of the folder

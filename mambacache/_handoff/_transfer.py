@@ -17,7 +17,6 @@ transfer. Every wait is bounded by ``timeout``; every failure is a
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 import time
@@ -64,7 +63,7 @@ from ._link import (
     messages,
     root_store,
 )
-from ._transports._base import Message, Pieces, Wire
+from ._transports._base import Message, Pieces, Transport, Wire
 from ._transports._pick import check_transport
 from ._transports._pick import make as make_transport
 
@@ -545,8 +544,8 @@ def _acknowledge_landed(inbox: Inbox, peer: int, batch: Batch) -> None:
 
 
 def _wire(xfer: StateTransfer, direction: str) -> Wire | None:
-    """The wire of ``xfer``'s outbox (``"_out"``) or inbox (``"_in"``); None for a stand-in without one (a test's
-    inbox, a transfer made without ``__init__``): it moves whole tensors."""
+    """The wire of ``xfer``'s outbox (``"_out"``) or inbox (``"_in"``); None for a link without one (one that
+    :func:`open_link` did not make): it moves whole tensors."""
     return getattr(getattr(xfer, direction, None), "wire", None)
 
 
@@ -572,6 +571,16 @@ def _landing_rows(mgr: CacheManager, in_place: bool) -> list[list[torch.Tensor]]
     return mgr.pool.layers if in_place else [list(t.unbind(0)) for t in host.tensors]
 
 
+def open_link(
+    transport: str, store: Any, rank: int, peer: int, seconds: float, memory: list[torch.Tensor]
+) -> tuple[Transport, Outbox, Inbox]:
+    """The link of ``rank`` with ``peer`` over ``store``: the transport's wires, with ``memory`` registered once (a
+    batch's rows are read from and written into it, or the kept buffers), and the two directions over them."""
+    wires = make_transport(transport, root_store(store), rank, peer, seconds)
+    wires.register(memory)
+    return wires, Outbox(store, rank, peer, seconds, wires), Inbox(store, peer, rank, seconds, wires)
+
+
 class StateTransfer:
     """Sends a manager's exports to ``peer`` and receives the peer's into the manager's staging host slots.
 
@@ -591,11 +600,6 @@ class StateTransfer:
     joins later, a restarted engine), a client of the group's store and the rank
     its peer knows it by; ``group`` is then None.
     """
-
-    # What a stand-in built without __init__ (a test that replaces the wire) gets: no turn-taking.
-    _send_lock: Any = contextlib.nullcontext()
-    _receive_lock: Any = contextlib.nullcontext()
-    _closed = False
 
     def __init__(
         self,
@@ -629,12 +633,10 @@ class StateTransfer:
         elif not isinstance(store, dist.distributed_c10d.Store):
             raise InvalidArgumentError(f"store must be a torch.distributed.Store (a TCPStore client), got {store!r}")
         self._mgr, self.peer, self.rank = manager, peer, rank
-        wires = make_transport(transport, root_store(store), rank, peer, seconds)
-        # Registered once, here: a batch's rows are read from and written into these (or the kept buffers).
-        wires.register([v for views in manager.pool.layers for v in views] + host.tensors)
+        memory = [v for views in manager.pool.layers for v in views] + host.tensors
+        self._wires, self._out, self._in = open_link(transport, store, rank, peer, seconds, memory)
         self.transport = transport
-        self._wires = wires
-        self._out, self._in = Outbox(store, rank, peer, seconds, wires), Inbox(store, peer, rank, seconds, wires)
+        self._where: dict[bool, _Rows] = {}
         self._batches = Batches()
         self._bufs, self._send_bufs = _Buffers(), _Buffers()
         self._send_lock, self._receive_lock = threading.Lock(), threading.Lock()
@@ -715,10 +717,9 @@ class StateTransfer:
 
     def _rows(self, in_place: bool) -> _Rows:
         """Where the pool's (``in_place``) or the host pool's slot rows lie, read at the first batch."""
-        where: dict[bool, _Rows] = self.__dict__.setdefault("_where", {})  # a stand-in made without __init__ too
-        rows = where.get(in_place)
+        rows = self._where.get(in_place)
         if rows is None:
-            rows = where[in_place] = _Rows(_landing_rows(self._mgr, in_place))
+            rows = self._where[in_place] = _Rows(_landing_rows(self._mgr, in_place))
         return rows
 
     def _split(self, n: int) -> bool:

@@ -37,7 +37,7 @@ class BareManager:
     built once. No lock, no tenants, no reservation, no trace, no report, no
     fault handling, and only *plain* steps: no copy reads a slot the same step
     wrote. Its steps leave the pool exactly as :class:`CacheManager`'s do
-    (``tests/test_bench.py`` checks it), so its time is a fair floor, not a
+    (``tests/tools/test_bench.py`` checks it), so its time is a fair floor, not a
     stand-in that skips work.
     """
 

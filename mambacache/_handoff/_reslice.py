@@ -350,8 +350,8 @@ class ReslicingReceiver:
     def receive(self) -> list[str]:
         """One batch from every peer rank, assembled and landed whole; returns the ids.
 
-        In place when every state awaits a settled pool slot (``expect_import``), else in staging host slots; each
-        is then read by ``manager.import_into(slot, request_id=...)``. Over a wire that reads pieces (NIXL,
+        In place when every state awaits a pool slot whose alloc ran (``expect_import``), else in staging host
+        slots; each is then read by ``manager.import_into(slot, request_id=...)``. Over a wire that reads pieces (NIXL,
         Mooncake) each rank's shard is read straight into its parts of the landing rows (no buffer, no gather,
         no copy after; a rank after the first reads its replicated parts aside, compared with the first's); over
         gloo each arrives whole, and is gathered, then written. An acknowledgement that fails

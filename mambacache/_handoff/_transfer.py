@@ -469,7 +469,7 @@ def send_exports(
         try:
             ready = manager.take_exports(to=peers[0])
         except Exception:
-            # The manager closed (or broke) while a batch was out: what it delivered is settled, and the
+            # The manager closed (or broke) while a batch was out: the batches it delivered ended, and the
             # caller must hear so (a closing manager still takes a send in flight; it is no failure).
             if delivered:
                 return delivered
@@ -481,7 +481,7 @@ def send_exports(
         batch = [ev for ev in batch if (ev.host is None) is in_place]
         rest = [ev for ev in ready if ev not in batch]
         if rest:
-            manager.exports_returned(rest)  # taken again below, once the batch in doubt is settled
+            manager.exports_returned(rest)  # taken again below, once the batch in doubt is resolved
         ids = [ev.request_id or "" for ev in batch]
         try:
             ship(batch, ids, ident, retry)
@@ -766,7 +766,7 @@ class StateTransfer:
                     # The slots are taken before the answer, so the bytes may arrive straight into them; they
                     # count as arrived (importable) only once written, and the line is traced in that same
                     # hold of the lock (an import in another thread may follow at once: its line comes after).
-                    # In place (expect_import) when every state awaits it in a settled pool slot, else staged.
+                    # In place (expect_import) when every state awaits it in a pool slot whose alloc ran, else staged.
                     traced = partial(_receive_line, self.peer, mgr, batch)
                     slots = mgr.land_in_place(batch.ids, partial(self._take, batch, True), arrived=traced("slots"))
                     if slots is None:

@@ -4,10 +4,10 @@ A flush takes the queued events (or, on a receiving tensor-parallel rank, the
 source's plan), plans them, queues the stages behind any unfinished work and
 runs it all through the :class:`~mambacache._core._runner.StepRunner`. The two forms
 differ only in how they wait: without a channel nothing waits, and both call
-:meth:`FlushCore.local` directly (no generator on the decode-step path); with
-one, :meth:`FlushCore.over_channel` yields each blocking call (a plan's send or
-receive), which the sync driver makes in place and the async one in a worker
-thread.
+:meth:`FlushCore.flush_without_channel` directly (no generator on the
+decode-step path); with one, :meth:`FlushCore.over_channel` yields each
+blocking call (a plan's send or receive), which the sync driver makes in place
+(:func:`drive_in_thread`) and the async one in a worker thread.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class FlushCore:
         self._parted: str | None = None  # why the ranks may disagree: every flush over the channel refuses
 
     # -- the core --------------------------------------------------------
-    def local(self, stream: Any | None) -> StepReport:
+    def flush_without_channel(self, stream: Any | None) -> StepReport:
         """The whole flush, when no channel makes it wait."""
         runner = self._runner
         if runner.broken is not None:
@@ -290,7 +290,7 @@ class FlushCore:
                 delay = min(0.001, delay + 0.0001)
                 held[:] = map(mutex.acquire, _NO_WAIT)
             if self.channel is None:
-                return self.local(stream)  # no wait, no checkpoint
+                return self.flush_without_channel(stream)  # no wait, no checkpoint
             self._flusher = threading.get_ident()
             core = self.over_channel(self.channel, stream)
             # Shielded, bounded by the channel's timeout: see the class invariants.
@@ -322,10 +322,10 @@ class FlushCore:
             )
         with self._mutex:
             if self.channel is None:
-                return self.local(stream)
+                return self.flush_without_channel(stream)
             self._flusher = me  # only a flush over a channel waits
             try:
-                return finish(self.over_channel(self.channel, stream))
+                return drive_in_thread(self.over_channel(self.channel, stream))
             except BaseException:
                 self.resolve_stopped()
                 raise
@@ -352,7 +352,7 @@ async def _in_worker(call: Callable[[], Any], cancelled: list[BaseException]) ->
     return value
 
 
-def finish(core: Core) -> StepReport:
+def drive_in_thread(core: Core) -> StepReport:
     """Drive a flush core, making each blocking call it yields in this thread."""
     try:
         call = next(core)

@@ -28,7 +28,7 @@ from ._events import StepReport
 from ._planner import Plan, plan_step
 from ._queue import StepQueue
 from ._runner import StepRunner
-from ._worker import run_in_worker
+from ._worker import run_in_worker, unwrap
 
 __all__ = ["FlushCore"]
 
@@ -346,10 +346,7 @@ async def _in_worker(call: Callable[[], Any], cancelled: list[BaseException]) ->
     """
     while (outcome := await run_in_worker(call, cancelled)) is None:
         pass
-    ok, value = outcome
-    if not ok:
-        raise value
-    return value
+    return unwrap(outcome)
 
 
 def drive_in_thread(core: Core) -> StepReport:

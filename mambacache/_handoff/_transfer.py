@@ -48,7 +48,7 @@ from .._core._validate import (
     check_str,
     need_host,
 )
-from .._core._worker import cancel_again, run_in_worker
+from .._core._worker import cancel_again, run_in_worker, unwrap
 from .._manager import CacheManager
 from ._link import (
     SPLIT_BYTES,
@@ -903,8 +903,5 @@ class StateTransfer:
         if outcome is None:
             raise cancelled[0]
         cancel_again(cancelled)
-        ok, value = outcome
-        if not ok:
-            raise value
-        ids: list[str] = value
+        ids: list[str] = unwrap(outcome)
         return ids  # no checkpoint first: it would raise a pending cancellation and drop the ids that moved

@@ -367,13 +367,12 @@ class ReslicingReceiver:
             for x in self._transfers:
                 got.append(x.receive_rows(self._shapes))
             ids = got[0][0]
-            peers = [x.peer for x in self._transfers]  # a line names the first; `peers` lists every shard's rank
             try:
-                self._one_batch(ids, [other for other, _ in got], trace=False)
+                self._one_batch(ids, [other for other, _ in got])
                 full = self._layout.gather([rows for _, rows in got], dim=2)
             except TransferError as exc:
                 # These checks are this receiver's own: each rank's receive_rows traced only its own failures.
-                _tracer.tracer.transfer("transfer.failed", peers[0], ids, call="receive", error=str(exc), peers=peers)
+                self._refused(ids, exc)
                 raise
             size = sum(r.numel() * r.element_size() for _, rows in got for r in rows)  # from every rank
             # Arrived only once written (a failed write frees the slots, and every rank hears it landed nothing).
@@ -410,17 +409,25 @@ class ReslicingReceiver:
 
         return arrived
 
-    def _one_batch(self, ids: list[str], each: list[list[str]], trace: bool = True) -> None:
-        """TransferError (traced, naming every rank, when ``trace``) unless every rank sent the batch of ``ids``."""
+    @staticmethod
+    def _one_batch(ids: list[str], each: list[list[str]]) -> None:
+        """TransferError (not traced: the caller's :meth:`_refused`) unless every rank sent the batch of ``ids``."""
         for k, other in enumerate(each[1:], 1):
             if other != ids:
-                exc = TransferError(f"peer rank 0 sent {ids}, rank {k} sent {other}: not one batch", ids)
-                if trace:
-                    peers = [x.peer for x in self._transfers]
-                    _tracer.tracer.transfer(
-                        "transfer.failed", peers[0], ids, call="receive", error=str(exc), peers=peers
-                    )
-                raise exc
+                raise TransferError(f"peer rank 0 sent {ids}, rank {k} sent {other}: not one batch", ids)
+
+    def _refused(self, ids: list[str], exc: TransferError) -> None:
+        """This receiver's own refusal of what its ranks sent (not one batch; replicated parts that differ): one
+        ``transfer.failed`` line, as a failed plain receive writes, ``peer`` the first rank and ``peers`` every
+        rank. A failure of one rank's wire is that rank's own line instead (:meth:`_rank_failed`)."""
+        peers = [x.peer for x in self._transfers]
+        _tracer.tracer.transfer("transfer.failed", peers[0], ids, call="receive", error=str(exc), peers=peers)
+
+    @staticmethod
+    def _rank_failed(x: StateTransfer, exc: TransferError) -> None:
+        """One rank's own failure (no batch, a refusal, its bytes, the store): that rank's ``transfer.failed``
+        line, as its ``receive_rows`` would write."""
+        _tracer.tracer.transfer("transfer.failed", x.peer, exc.request_ids, call="receive", error=str(exc))
 
     def _receive_pieces(self) -> list[str]:
         """:meth:`receive` over wires that read pieces: every rank's header judged first, the landing slots taken,
@@ -436,13 +443,15 @@ class ReslicingReceiver:
                 for x, inbox, deadline in zip(xs, inboxes, deadlines, strict=True):
                     try:
                         batches.append(inbox.offer(layers, self._shapes, mgr.landing_room, deadline))
-                    except TransferError as exc:  # this rank's own failure (no batch, a refusal), as receive_rows'
-                        _tracer.tracer.transfer(
-                            "transfer.failed", x.peer, exc.request_ids, call="receive", error=str(exc)
-                        )
+                    except TransferError as exc:  # this rank's own failure (no batch, a refusal)
+                        self._rank_failed(x, exc)
                         raise
                 ids = batches[0].ids
-                self._one_batch(ids, [b.ids for b in batches])
+                try:
+                    self._one_batch(ids, [b.ids for b in batches])
+                except TransferError as exc:
+                    self._refused(ids, exc)
+                    raise
                 size = sum(sum(b.sizes) for b in batches)
                 write = partial(self._read_into, inboxes, batches, deadlines, ids)
                 line = partial(self._arrived, ids, size)
@@ -505,12 +514,20 @@ class ReslicingReceiver:
                         bufs.append(got)
                     break
                 except Withdrawn:  # its sender gave up on this header first: its retry comes next
-                    inbox.check_left(deadlines[k])
-                    batches[k] = inbox.offer(layers, self._shapes, lambda _: len(ids), deadlines[k])
-                except TransferError as exc:  # this rank's own failure (the bytes, the store), as receive_rows'
-                    _tracer.tracer.transfer("transfer.failed", x.peer, exc.request_ids, call="receive", error=str(exc))
+                    try:
+                        inbox.check_left(deadlines[k])
+                        batches[k] = inbox.offer(layers, self._shapes, lambda _: len(ids), deadlines[k])
+                    except TransferError as exc:  # no retry in time, or one refused: this rank's own failure
+                        self._rank_failed(x, exc)
+                        raise
+                except TransferError as exc:  # this rank's own failure (the bytes, the store)
+                    self._rank_failed(x, exc)
                     raise
-                self._one_batch(ids, [b.ids for b in batches])  # the retry of a withdrawn header
+                try:
+                    self._one_batch(ids, [b.ids for b in batches])  # the retry of a withdrawn header
+                except TransferError as exc:
+                    self._refused(ids, exc)
+                    raise
         try:
             if bufs:
                 (write_pool if in_place else write_staging)(mgr, slots, self._layout.gather(bufs, dim=2))
@@ -523,8 +540,7 @@ class ReslicingReceiver:
                             " state", ids
                         )  # fmt: skip
         except TransferError as exc:
-            peers = [x.peer for x in xs]
-            _tracer.tracer.transfer("transfer.failed", peers[0], ids, call="receive", error=str(exc), peers=peers)
+            self._refused(ids, exc)
             raise
 
     @torch.inference_mode(False)

@@ -611,7 +611,7 @@ class CacheManager:
 
         Taken on a closing manager too (its last flush runs the releases); on a
         closed one the slots and staging slots are freed at once, and the closed
-        manager's ledgers stay claimed until its last send in flight settles."""
+        manager's ledgers stay claimed until its last send in flight ends."""
         book = self._book("exports_delivered")
         book.delivered(check_exports("exports_delivered", exports))
 

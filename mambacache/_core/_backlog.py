@@ -81,7 +81,7 @@ class Backlog:
             self.stages.extend([(stage, executor, host, t) for stage in stages])  # one call: all of them, or none
         if t > self.last:
             self.last = t
-        self._settle()
+        self._advance_done()
 
     def holds(self, ticket: int) -> bool:
         """Whether the work of ``ticket`` was pushed (it may have run since)."""
@@ -95,9 +95,9 @@ class Backlog:
     def pop_done(self) -> None:
         """The head stage ran on every tensor: it leaves, and ``done`` moves on when its ticket is complete."""
         self.stages.popleft()
-        self._settle()
+        self._advance_done()
 
-    def _settle(self) -> None:
+    def _advance_done(self) -> None:
         stages = self.stages
         done = stages[0][3] if stages else self.last + 1
         if done > self.done:
@@ -108,5 +108,5 @@ class Backlog:
         n = len(self.stages)
         self.stages.clear()
         self.next_tensor = 0
-        self._settle()
+        self._advance_done()
         return n

@@ -4,10 +4,10 @@ A flush takes the queued events (or, on a receiving tensor-parallel rank, the
 source's plan), plans them, queues the stages behind any unfinished work and
 runs it all through the :class:`~mambacache._core._runner.StepRunner`. The two forms
 differ only in how they wait: without a channel nothing waits, and both call
-:meth:`FlushCore.local` directly (no generator on the decode-step path); with
-one, :meth:`FlushCore.over_channel` yields each blocking call (a plan's send or
-receive), which the sync driver makes in place and the async one in a worker
-thread.
+:meth:`FlushCore.flush_without_channel` directly (no generator on the
+decode-step path); with one, :meth:`FlushCore.over_channel` yields each
+blocking call (a plan's send or receive), which the sync driver makes in place
+(:func:`drive_in_thread`) and the async one in a worker thread.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ._events import StepReport
 from ._planner import Plan, plan_step
 from ._queue import StepQueue
 from ._runner import StepRunner
-from ._worker import run_in_worker
+from ._worker import run_in_worker, unwrap
 
 __all__ = ["FlushCore"]
 
@@ -39,7 +39,8 @@ _NO_WAIT = (False,)  # the argument of a non-blocking acquire
 class _Open:
     """A flush over a channel between its take (a receiver: its receive) and its push: the queue's mark from
     before it (:meth:`StepQueue.mark`: the step and the ticket it takes), and on the source the plan once made.
-    While one is recorded the flush core finishes or undoes it before anything else (:meth:`FlushCore.settle`)."""
+    While one is recorded the flush core finishes or undoes it before anything else
+    (:meth:`FlushCore.resolve_stopped`)."""
 
     __slots__ = ("mark", "plan")
 
@@ -67,7 +68,7 @@ class FlushCore:
     the push on the backlog keeps the work until it ran; once the source has
     taken its events the broadcast and the local run both happen (shielded), or
     the ranks would part. Over a channel, a flush stopped between its take (or
-    receive) and its push is settled (:meth:`settle`): its step kept where the
+    receive) and its push is resolved (:meth:`resolve_stopped`): its step kept where the
     plan left this rank, undone where it did not, and where the channel cannot
     tell, every later flush is a :class:`DistributedError`.
     """
@@ -93,11 +94,11 @@ class FlushCore:
         self.channel = channel
         self._mutex = threading.Lock()
         self._flusher: int | None = None  # the thread holding _mutex
-        self._open: _Open | None = None  # a flush over the channel stopped before its push (settle)
+        self._open: _Open | None = None  # a flush over the channel stopped before its push (resolve_stopped)
         self._parted: str | None = None  # why the ranks may disagree: every flush over the channel refuses
 
     # -- the core --------------------------------------------------------
-    def local(self, stream: Any | None) -> StepReport:
+    def flush_without_channel(self, stream: Any | None) -> StepReport:
         """The whole flush, when no channel makes it wait."""
         runner = self._runner
         if runner.broken is not None:
@@ -112,7 +113,7 @@ class FlushCore:
     def over_channel(self, channel: Channel, stream: Any | None) -> Core:
         """The flush of a tensor-parallel rank, yielding each blocking call (the plan's send or receive).
 
-        First what an earlier flush stopped before its push left (:meth:`settle`;
+        First what an earlier flush stopped before its push left (:meth:`resolve_stopped`;
         on the source, a send it began is finished first), then this step.
         """
         self._runner.raise_if_broken()
@@ -120,7 +121,7 @@ class FlushCore:
         if opened is not None:
             if opened.plan is not None and channel.sent(opened.step):
                 yield partial(channel.send, opened.step, opened.plan)  # finishes it; sends nothing twice
-            self.settle(finished=True)
+            self.resolve_stopped(send_finished=True)
         if self._parted is not None:
             raise DistributedError(self._parted)
         resumed = len(self._runner.backlog.stages)
@@ -147,8 +148,8 @@ class FlushCore:
         self._open = None
         return self._apply(plan, step, stream, plan_s, resumed)
 
-    def settle(self, finished: bool = False) -> None:
-        """Settle a flush over the channel that stopped between its take (or receive) and its push, wherever
+    def resolve_stopped(self, send_finished: bool = False) -> None:
+        """Resolve a flush over the channel that stopped between its take (or receive) and its push, wherever
         it stopped: called as it stops and by the next flush (whichever comes first; a repeat is harmless).
 
         Where the step's plan stayed on this rank (the source's send never let it out, a receiver never pushed
@@ -156,7 +157,7 @@ class FlushCore:
         them with whatever came since), a receiver's step and ticket go back, and the channel still holds the
         plan for its next receive. Where it left (the channel's :meth:`~Channel.sent`), or was pushed, the
         step is this rank's: its stages are pushed here, and the next flush finishes the send first
-        (``finished``: it has). Where the channel cannot tell, the events go back and every later flush over
+        (``send_finished``: it has). Where the channel cannot tell, the events go back and every later flush over
         the channel raises :class:`DistributedError`: the ranks may disagree, and the group must be rebuilt.
         """
         opened = self._open
@@ -176,7 +177,7 @@ class FlushCore:
             if plan is not None and sent:
                 if not pushed:
                     self._runner.push(plan.stages, self._executor, self._host, opened.ticket)
-                if not finished:
+                if not send_finished:
                     return  # the next flush finishes the send (a broadcast may be half made), then forgets it
             else:
                 queue.untake(opened.mark)  # does nothing once pushed
@@ -289,7 +290,7 @@ class FlushCore:
                 delay = min(0.001, delay + 0.0001)
                 held[:] = map(mutex.acquire, _NO_WAIT)
             if self.channel is None:
-                return self.local(stream)  # no wait, no checkpoint
+                return self.flush_without_channel(stream)  # no wait, no checkpoint
             self._flusher = threading.get_ident()
             core = self.over_channel(self.channel, stream)
             # Shielded, bounded by the channel's timeout: see the class invariants.
@@ -302,7 +303,7 @@ class FlushCore:
                 except StopIteration as done:
                     report: StepReport = done.value
                 except BaseException:
-                    self.settle()
+                    self.resolve_stopped()
                     raise
             if cancelled:
                 raise cancelled[0]
@@ -321,12 +322,12 @@ class FlushCore:
             )
         with self._mutex:
             if self.channel is None:
-                return self.local(stream)
+                return self.flush_without_channel(stream)
             self._flusher = me  # only a flush over a channel waits
             try:
-                return finish(self.over_channel(self.channel, stream))
+                return drive_in_thread(self.over_channel(self.channel, stream))
             except BaseException:
-                self.settle()
+                self.resolve_stopped()
                 raise
             finally:
                 self._flusher = None
@@ -338,20 +339,17 @@ async def _in_worker(call: Callable[[], Any], cancelled: list[BaseException]) ->
     Under the flush's shield anyio's cancellation never comes here, but
     asyncio's own does (``Task.cancel()``: ``asyncio.timeout``, ``wait_for``, a
     ``TaskGroup``), and the thread runs on regardless: this waits for it, so
-    that the flush settles what the call did, and the cancellation (appended
+    that the flush knows what the call did, and the cancellation (appended
     to ``cancelled``) is raised at the flush's end, as the shield would have
     delivered it. A call the cancellation came before is made again: the flush
     runs to its end either way.
     """
     while (outcome := await run_in_worker(call, cancelled)) is None:
         pass
-    ok, value = outcome
-    if not ok:
-        raise value
-    return value
+    return unwrap(outcome)
 
 
-def finish(core: Core) -> StepReport:
+def drive_in_thread(core: Core) -> StepReport:
     """Drive a flush core, making each blocking call it yields in this thread."""
     try:
         call = next(core)

@@ -36,7 +36,7 @@ class SlotLedger:
       when nothing else is free, and the planner orders the read first;
     * from ``reuse_freed(ticket)`` until that ticket's work has run (the
       backlog's ``done`` passes it), such a slot is *busy*: planned work may
-      take it (it runs after the read, oldest first), but :meth:`take_settled`,
+      take it (it runs after the read, oldest first), but :meth:`take_free_now`,
       for a write made at once outside the step order (a transfer landing
       states), never does;
     * a tenant may take only what leaves free the slots kept for the other
@@ -77,12 +77,6 @@ class SlotLedger:
     def num_free(self) -> int:
         """Slots ``take`` can hand out now, those freed by ``free_later`` included."""
         return self._num_free + len(self._later)
-
-    @property
-    def num_free_now(self) -> int:
-        """Free slots no event queued in this step still reads (``free_later`` ones excluded): what a write made
-        at once, outside the step's order (a transfer landing states), may take."""
-        return self._num_free
 
     @property
     def reserved(self) -> int:
@@ -205,7 +199,7 @@ class SlotLedger:
 
     def reuse_freed(self, ticket: int = -1) -> None:
         """The flush (of backlog ticket ``ticket``) took the events that freed the ``free_later`` slots: planned
-        work may take them now; :meth:`take_settled` only once ``ticket`` ran (-1: at once)."""
+        work may take them now; :meth:`take_free_now` only once ``ticket`` ran (-1: at once)."""
         later = self._later
         if ticket >= 0 and later:
             busy = self._busy
@@ -218,19 +212,20 @@ class SlotLedger:
             self._pending[s] = 0
         self._num_free, self._later = self._num_free + len(later), []  # one line: a repeat counts them once
 
-    def num_settled(self, done: int) -> int:
-        """Free slots that no unfinished work (a ticket from ``done`` on) nor queued event reads: O(size)."""
+    def num_free_now(self, done: int) -> int:
+        """Slots free now: free, and no unfinished work (a ticket from ``done`` on) nor queued event reads them:
+        O(size)."""
         busy, held, pending = self._busy, self.held, self._pending
         return sum(
             1 for s in range(1, self.size + 1) if not held[s] and not pending[s] and (busy is None or busy[s] < done)
         )
 
-    def take_settled(self, n: int, tenant: str | None, done: int) -> list[int]:
-        """The ``n`` lowest free slots that no queued event and no unfinished work (a ticket from ``done`` on)
-        still reads or writes, now held by ``tenant``: for a write made at once, outside the step order.
+    def take_free_now(self, n: int, tenant: str | None, done: int) -> list[int]:
+        """The ``n`` lowest slots free now (free, and no queued event nor unfinished work, a ticket from ``done``
+        on, still reads or writes them), now held by ``tenant``: for a write made at once, outside the step order.
 
         :class:`PoolExhaustedError` (nothing taken) when fewer are; the message
-        counts those that become settled later.
+        counts those that are free only later.
         """
         busy, held, tenants, pending, free = self._busy, self.held, self.tenants, self._pending, self._free
         slots: list[int] = []
@@ -250,10 +245,10 @@ class SlotLedger:
         if len(slots) < n:
             for s in slots:
                 heapq.heappush(free, s)
-            settled = self.num_settled(done)
-            later = self.num_free - settled
+            now = self.num_free_now(done)
+            later = self.num_free - now
             more = f" (and {later} more once queued or unfinished work has read them)" if later else ""
-            raise PoolExhaustedError(f"{self.name}: {n} slot(s) wanted at once, {settled} free{more}")
+            raise PoolExhaustedError(f"{self.name}: {n} slot(s) wanted at once, {now} free{more}")
         for s in slots:
             held[s] = 1
             tenants[s] = tenant

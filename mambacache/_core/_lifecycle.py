@@ -40,8 +40,8 @@ class Phase(enum.Enum):
 
     NEW = "new"  # made, not entered: takes nothing
     OPEN = "open"  # entered: takes events and flushes
-    BROKEN = "broken"  # open, but the failure budget is spent: refuses work, still settles sends taken before
-    CLOSING = "closing"  # leaving its block: takes no new events, still settles sends; the last flush runs
+    BROKEN = "broken"  # open, but the failure budget is spent: refuses work, still ends sends taken before
+    CLOSING = "closing"  # leaving its block: takes no new events, still ends sends; the last flush runs
     FINISHING = "finishing"  # closed for good, no flush again: what no flush took goes into the pool's backlog
     RELEASING = "releasing"  # closed, its work in the backlog: the ledgers stay claimed until nothing is in flight
     CLOSED = "closed"  # closed, the ledgers free for the next manager
@@ -49,7 +49,7 @@ class Phase(enum.Enum):
 
 NEW, OPEN, BROKEN, CLOSING = Phase.NEW, Phase.OPEN, Phase.BROKEN, Phase.CLOSING
 FINISHING, RELEASING, CLOSED = Phase.FINISHING, Phase.RELEASING, Phase.CLOSED
-_SETTLING = (OPEN, BROKEN, CLOSING)  # the phases in which a send taken earlier still settles
+_SENDS_END = (OPEN, BROKEN, CLOSING)  # the phases in which a send taken earlier still ends (delivered or returned)
 _CLOSED = (FINISHING, RELEASING, CLOSED)  # no flush runs again
 
 
@@ -83,11 +83,11 @@ class Lifecycle:
             return ManagerClosedError("CacheManager is not entered (use `with` or `async with`)")
         return ManagerClosedError("CacheManager is closed" + (" (closing)" if phase is CLOSING else ""))
 
-    def check(self, settling: bool = False) -> None:
-        """Raise :meth:`error` unless open; ``settling``: the outcome of a send taken earlier, which a broken or
+    def check(self, ending_send: bool = False) -> None:
+        """Raise :meth:`error` unless open; ``ending_send``: the outcome of a send taken earlier, which a broken or
         closing manager still takes (the peer may hold those states: a refusal would report them lost)."""
         phase = self.phase
-        if phase is not OPEN and not (settling and phase in _SETTLING):
+        if phase is not OPEN and not (ending_send and phase in _SENDS_END):
             raise self.error()
 
     def raise_if_broken(self) -> None:
@@ -123,7 +123,7 @@ class Lifecycle:
             self.why, self.phase = why, BROKEN if self.phase is OPEN else self.phase
 
     def begin_close(self) -> None:
-        """OPEN or BROKEN -> CLOSING: no new events, a send taken earlier still settles."""
+        """OPEN or BROKEN -> CLOSING: no new events, a send taken earlier still ends."""
         if self.phase is OPEN or self.phase is BROKEN:
             self.phase = CLOSING
 
@@ -132,14 +132,14 @@ class Lifecycle:
         self.phase = FINISHING
 
     def release(self, ledgers: Sequence[SlotLedger], in_flight: Callable[[], bool]) -> None:
-        """FINISHING -> RELEASING, the leftover work in the backlog; then :meth:`settle`."""
+        """FINISHING -> RELEASING, the leftover work in the backlog; then :meth:`end_release`."""
         if self.phase is FINISHING:
             self.phase = RELEASING
-        self.settle(ledgers, in_flight)
+        self.end_release(ledgers, in_flight)
 
-    def settle(self, ledgers: Sequence[SlotLedger], in_flight: Callable[[], bool]) -> None:
+    def end_release(self, ledgers: Sequence[SlotLedger], in_flight: Callable[[], bool]) -> None:
         """RELEASING -> CLOSED, freeing ``ledgers`` for the next manager, unless ``in_flight()`` (a send awaits its
-        ack or a landing writes): then the last of those to settle calls this again."""
+        ack or a landing writes): then the last of those to end calls this again. In another phase: nothing."""
         if self.phase is RELEASING and not in_flight():
             for ledger in reversed(ledgers):
                 ledger.unclaim(self)

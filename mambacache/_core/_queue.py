@@ -55,7 +55,7 @@ class SubmitGuard(Protocol):
 
     def in_flight(self) -> bool:
         """Whether a send awaits its ack or a landing writes its rows: a closed queue keeps the ledgers claimed
-        while one does (:meth:`StepQueue.settled`)."""
+        while one does (:meth:`StepQueue.end_release`)."""
         ...
 
     @property
@@ -166,10 +166,10 @@ class StepQueue:
         self.guard = guard
 
     # -- lifecycle -------------------------------------------------------
-    def check(self, settling: bool = False) -> None:
+    def check(self, ending_send: bool = False) -> None:
         """Under the lock: the authoritative check before anything is queued (:meth:`Lifecycle.check`: open, or
-        ``settling`` a send taken earlier), and that this is the source rank."""
-        self.life.check(settling)
+        ``ending_send``, the outcome of a send taken earlier), and that this is the source rank."""
+        self.life.check(ending_send)
         if self._channel is not None:
             self._channel.check_source("submit")
 
@@ -182,7 +182,7 @@ class StepQueue:
             self.life.open(self._ledgers())
 
     def begin_close(self) -> bool:
-        """Refuse new events from here on (a transfer in flight may still settle: :meth:`check`); True when
+        """Refuse new events from here on (a send in flight may still end: :meth:`check`); True when
         events are queued."""
         with self.lock:
             self.life.begin_close()
@@ -201,14 +201,15 @@ class StepQueue:
 
     def release(self) -> None:
         """Free the ledgers for the next manager, once this one's leftover work is in the pool's backlog and
-        no send of its exports awaits an ack and no landing writes (else the last one to settle frees them:
-        :meth:`settled`)."""
+        no send of its exports awaits an ack and no landing writes (else the last one to end frees them:
+        :meth:`end_release`)."""
         with self.lock:
             self.life.release(self._ledgers(), self.guard.in_flight)
 
-    def settled(self) -> None:
-        """Under the lock, once closed: free the ledgers unless a send or a landing is still in flight."""
-        self.life.settle(self._ledgers(), self.guard.in_flight)
+    def end_release(self) -> None:
+        """Under the lock, once a send or a landing ended: on a closed manager, free the ledgers unless another
+        one is still in flight (:meth:`Lifecycle.end_release`; nothing before the close)."""
+        self.life.end_release(self._ledgers(), self.guard.in_flight)
 
     # -- queueing --------------------------------------------------------
     def submit(self, events: Sequence[Event]) -> None:
@@ -333,7 +334,7 @@ class StepQueue:
     def untake(self, mark: tuple[list[Event], int, int]) -> bool:
         """Undo a take begun after ``mark``, wherever it stopped, unless the backlog holds its work (False): the
         events go back in front, in order, with step and ticket (host slots they freed stay busy till it runs).
-        A repeat does nothing (a flush over a channel settles as it stops, and again in the next flush)."""
+        A repeat does nothing (a stopped flush over a channel is resolved as it stops, and again in the next flush)."""
         with self.lock:
             events, step, ticket = mark
             if self._backlog.holds(ticket):

@@ -6,7 +6,8 @@ a call it wraps, but not asyncio's own (``Task.cancel()``: ``asyncio.timeout``,
 which raises it while its thread runs on, and the result of a call that sent or
 landed something would be lost. :func:`run_in_worker` waits for the thread
 instead, and tells a call that never started (the cancellation came before the
-thread took it, and anyio then skips it) from one that ran.
+thread took it, and anyio then skips it) from one that ran; :func:`unwrap` turns
+the outcome of one that ran back into its value or its exception.
 """
 
 from __future__ import annotations
@@ -55,6 +56,15 @@ async def run_in_worker(call: Callable[[], Any], cancelled: list[BaseException])
         except anyio.get_cancelled_exc_class() as exc:
             cancelled.append(exc)
     return outcome[0]
+
+
+def unwrap(outcome: tuple[bool, Any]) -> Any:
+    """The value of a call :func:`run_in_worker` ran, from its ``(ok, value)`` outcome; the exception it raised is
+    raised here, in the waiting task."""
+    ok, value = outcome
+    if not ok:
+        raise value
+    return value
 
 
 def cancel_again(cancelled: list[BaseException]) -> None:

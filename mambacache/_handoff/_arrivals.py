@@ -16,7 +16,7 @@ not run the request before it either); a release withdraws it (refused while
 its bytes are being written). A landing writes it only once the ticket of the
 flush that took that alloc is done (:attr:`Backlog.done`): work on the slot's
 previous tenant may still be unfinished before. A batch that cannot land in
-place (an id not expected, or its slot not settled yet) lands in staging host
+place (an id not expected, or its slot's alloc not run yet) lands in staging host
 slots, and ``import_into`` restores it from there. No torch.
 """
 
@@ -86,13 +86,13 @@ class QueueSide(Protocol):
     lock: threading.Lock
     step: int
 
-    def check(self, settling: bool = False) -> None: ...
+    def check(self, ending_send: bool = False) -> None: ...
 
     def closed(self) -> bool: ...
 
     def enqueue(self, events: Sequence[Event]) -> None: ...
 
-    def settled(self) -> None: ...
+    def end_release(self) -> None: ...
 
 
 class Arrivals:
@@ -166,7 +166,7 @@ class Arrivals:
         with self._queue.lock:
             if request_ids and self._in_place_locked(request_ids):
                 return len(request_ids)
-            return self._host.num_settled(self._backlog.done)
+            return self._host.num_free_now(self._backlog.done)
 
     def _in_place_locked(self, request_ids: list[str]) -> bool:
         """Whether every id awaits its state in a slot the landing may write now (its alloc's ticket is done) and
@@ -187,7 +187,7 @@ class Arrivals:
         The rows are written at once, outside the step order, so only host
         slots that neither a queued event nor unfinished work (a flush in
         progress, a failed flush's backlog) still reads or writes will do
-        (:meth:`SlotLedger.take_settled`). ``write(slots)``: writes the rows,
+        (:meth:`SlotLedger.take_free_now`). ``write(slots)``: writes the rows,
         outside the lock; until it returns the states are *landing*, not
         arrived (an import or a discard of them is refused: the slot does not
         hold them yet), and if it raises the slots are freed and nothing arrived.
@@ -201,7 +201,7 @@ class Arrivals:
         with q.lock:
             q.check()
             self._check_new_locked(request_ids)
-            slots = host.take_settled(len(request_ids), None, self._backlog.done)
+            slots = host.take_free_now(len(request_ids), None, self._backlog.done)
             landing = [self._land_locked(r, h) for r, h in zip(request_ids, slots, strict=True)]
             if write is None:
                 try:
@@ -217,7 +217,7 @@ class Arrivals:
         except BaseException:
             with q.lock:
                 self._unland_locked(landing)
-                q.settled()  # on a closed manager, the last write to end frees the pools
+                q.end_release()  # on a closed manager, the last write to end frees the pools
             raise
         with q.lock:
             try:
@@ -226,7 +226,7 @@ class Arrivals:
                     arrived(slots)  # before they count: one that raises (a tracer's full disk) leaves none arrived
             except BaseException:
                 self._unland_locked(landing)
-                q.settled()
+                q.end_release()
                 raise
             # The caller's arrived(slots) ran just before in this lock hold: had it raised, none of them arrived
             # (the transfer then answers that nothing landed, and its sender must not hear that while they are here).
@@ -253,7 +253,7 @@ class Arrivals:
             h = a.host
             assert h is not None
             del self.hosts[h]
-            host.tenants[h] = None  # taken for no tenant (take_settled): given back as such
+            host.tenants[h] = None  # taken for no tenant (take_free_now): given back as such
             slots.append(h)
             if a.slot is None:
                 del self.states[a.request_id]
@@ -301,7 +301,7 @@ class Arrivals:
         except BaseException:
             with q.lock:
                 self._move_locked(landing, WAITING)
-                q.settled()
+                q.end_release()
             raise
         with q.lock:
             try:
@@ -310,7 +310,7 @@ class Arrivals:
                     arrived(slots)  # as in land(): before they count
             except BaseException:
                 self._move_locked(landing, WAITING)
-                q.settled()
+                q.end_release()
                 raise
             self._move_locked(landing, ARRIVED)
         return slots

@@ -55,7 +55,7 @@ class ExportPhase(enum.Enum):
     below :attr:`Backlog.done <mambacache._core._backlog.Backlog>`), which changes without the book."""
 
     WAITING = "waiting"  # awaiting a send: queued (its staging copy not run yet) or ready
-    SENDING = "sending"  # a send took it and has not settled it (delivered, or returned to WAITING)
+    SENDING = "sending"  # a send took it and has not ended (delivered, or returned to WAITING)
 
 
 @dataclass(slots=True, eq=False)
@@ -250,14 +250,14 @@ class HandOffBook:
         nowhere, or refused on a first try) the record of each stays as it is.
 
         On a closed manager no send can follow: their slots and staging slots
-        are freed at once (:meth:`_settle_closed`), nothing is kept for the next
+        are freed at once (:meth:`_end_on_closed`), nothing is kept for the next
         manager on the pool.
         """
         q = self._queue
         with q.lock:
             mine = self._mine(exports)
             if q.closed():
-                self._settle_closed(mine, withdrawn=True)
+                self._end_on_closed(mine, withdrawn=True)
                 return
             for x in mine:
                 x.phase = WAITING
@@ -278,7 +278,7 @@ class HandOffBook:
 
         One hold of the lock, so all of them or none. A closing manager still
         takes them (its last flush, or the backlog, runs them); a closed one
-        frees the slots at once (:meth:`_settle_closed`). Their tenants cannot
+        frees the slots at once (:meth:`_end_on_closed`). Their tenants cannot
         have changed: a hand-over of an exporting slot is refused, and a release
         is refused while it is sending.
         """
@@ -286,9 +286,9 @@ class HandOffBook:
         with q.lock:
             mine = self._mine(exports)
             if q.closed():
-                self._settle_closed(mine, withdrawn=False)
+                self._end_on_closed(mine, withdrawn=False)
                 return
-            q.check(settling=True)
+            q.check(ending_send=True)
             releases = [Release(x.event.slot, x.event.request_id) for x in mine]
             self._ledger.apply_batch(releases, 0)
             q.enqueue(releases)
@@ -332,14 +332,14 @@ class HandOffBook:
         else:
             del self.ids[rid]
 
-    def _settle_closed(self, exports: list[Exported], withdrawn: bool) -> None:
-        """Under the lock, on a closed manager: a send taken before the close settled (``withdrawn``: it failed).
+    def _end_on_closed(self, exports: list[Exported], withdrawn: bool) -> None:
+        """Under the lock, on a closed manager: a send taken before the close ended (``withdrawn``: it failed).
 
         The manager closed while the send awaited its ack, and no flush will
         run again; a release and a host drop need no device work (the staging
         copy ran before the send took it, and nothing else reads the staging
         slot), so the ledgers are changed directly. The closed manager kept the
-        ledgers claimed while the send was in flight (:meth:`QueueSide.settled`
+        ledgers claimed while the send was in flight (:meth:`QueueSide.end_release`
         frees them with the last one), so no other manager changes them meanwhile.
         """
         for x in exports:
@@ -354,4 +354,4 @@ class HandOffBook:
         if withdrawn and evs:
             ids = [ev.request_id or "" for ev in evs]
             _tracer.tracer.transfer("transfer.withdraw", None, ids, slots=[ev.slot for ev in evs], step=q.step)
-        q.settled()
+        q.end_release()

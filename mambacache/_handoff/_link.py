@@ -16,7 +16,7 @@ the store (``docs/transfer.md`` has the whole protocol)::
                     of the bytes or the acknowledgement; a refused or withdrawn header keeps it)
     ack/{m}         receiver: "ok:<n>" | "refuse:room:<room>:<why>" | "refuse:failed::<why>" (the bytes arrived, none
                     landed: the pair is kept) | "fail:<why>" (the bytes may not have arrived: a fresh pair next)
-    taken           receiver: how many headers it has settled (a restarted receiver continues from it; a header
+    taken           receiver: how many headers it has moved past (a restarted receiver continues from it; a header
                     that is absent when its wait times out while a later one was posted is counted too: its
                     sender or its receiver died between two writes, see Inbox._lost)
 
@@ -216,13 +216,13 @@ class Outbox(_Direction):
         m = int(self.call("add", "posted", 1))
         self.call("set", f"hdr/{m}", header)
         try:
-            self._settle(m, ids, raw, pair)
+            self._deliver(m, ids, raw, pair)
         except TransferRefusedError:
-            self._cleanup(m)  # a "fail" after the bytes moved to a fresh pair in _settle; a refusal keeps it
+            self._cleanup(m)  # a "fail" after the bytes moved to a fresh pair in _deliver; a refusal keeps it
             raise
         except NothingSent:
             # Nothing went over the pair, so it is as good as before: kept. A receiver that replaced the one it
-            # was built with answers go with its own token, which names another pair (see _settle).
+            # was built with answers go with its own token, which names another pair (see _deliver).
             raise
         except TransferError:
             self._epoch += 1  # the pair may be closed, or the peer gone: a fresh one next time
@@ -230,7 +230,7 @@ class Outbox(_Direction):
             raise
         self._cleanup(m)
 
-    def _settle(self, m: int, ids: list[str], raw: Sequence[Message], pair: str) -> None:
+    def _deliver(self, m: int, ids: list[str], raw: Sequence[Message], pair: str) -> None:
         """Header ``m``'s decision, then (on ``go``) the bytes and the acknowledgement. What the receiver wrote is
         parsed by ``_control``: a value of no known form is a :class:`TransferError` (``send`` replaces the pair,
         and the batch is in doubt, as after any failure of the receiver's answers)."""
@@ -267,12 +267,12 @@ class Outbox(_Direction):
         raise TransferError(f"rank {self.dst} acknowledged {ack.landed} states of a batch of {len(ids)}", ids)
 
     def _abandon(self, m: int) -> None:
-        """On a pulled wire, after the wait for the acknowledgement of header ``m`` timed out: settle the read
+        """On a pulled wire, after the wait for the acknowledgement of header ``m`` timed out: claim the read
         (first writer wins), so that a receiver still reading lands nothing, and this side's memory is free to
         change (the batch's rows are read from it until then). A receiver that finished reading first keeps
         the batch: either way it is in doubt here, and its retry goes under the same number."""
         if self.wire.pulls:
-            with contextlib.suppress(TransferError):  # the store gone: the receiver cannot settle either
+            with contextlib.suppress(TransferError):  # the store gone: the receiver cannot claim it either
                 self.call("compare_set", f"read/{m}", "", "abandoned")
 
     def _parsed(self, parse: Callable[[bytes], Any], raw: bytes, what: str, ids: list[str]) -> Any:
@@ -290,7 +290,7 @@ class Outbox(_Direction):
 @dataclass(slots=True)
 class Batch:
     """A batch whose header this side accepted: :meth:`Inbox.take` answers ``go`` and receives its bytes, then
-    :meth:`Inbox.answer` settles it (or refuses it, if it was never taken)."""
+    :meth:`Inbox.answer` answers it (or refuses it, if it was never taken)."""
 
     number: int
     ids: list[str]
@@ -315,7 +315,7 @@ def message_sizes(layers: int, shapes: Shapes, n: int, split: bool) -> list[int]
 class Inbox(_Direction):
     """The receiving side of ``src > dst``.
 
-    Invariants: every header is settled once (``taken`` counts them), a header
+    Invariants: every header is moved past once (``taken`` counts them), a header
     is refused before anything is allocated when its fingerprint is not this
     side's or its size is impossible, ``go`` is answered only for a batch this
     side has room for already (the caller lands first: the bytes may arrive
@@ -339,7 +339,7 @@ class Inbox(_Direction):
 
     def _decide(self, m: int, decision: str) -> bool:
         """Write header ``m``'s decision (first writer wins) and move past it unless it is ``go``; False when the
-        sender had withdrawn it (or another receiver settled it) first."""
+        sender had withdrawn it (or another receiver decided it) first."""
         got = bytes(self.call("compare_set", f"state/{m}", "", decision))  # compared, never parsed: any bytes
         if got == decision.encode() and decision.startswith("go:"):
             return True
@@ -350,7 +350,7 @@ class Inbox(_Direction):
         return got == decision.encode()
 
     def _lost(self, m: int) -> bool:
-        """Count header ``m`` settled, and say so, when it will never be there: absent while a later one was
+        """Count header ``m`` moved past, and say so, when it will never be there: absent while a later one was
         posted. A live sender takes a number only after it wrote the header of the last, so either the sender of
         ``m`` died between taking the number and writing the header, or it read the answer of a receiver that
         died before counting ``m`` and deleted the header. Waited for, either stopped the direction for good
@@ -390,7 +390,7 @@ class Inbox(_Direction):
                     self.waiting = Batch(m, header.ids, key, header.pair, header.split, header.sizes, header.source)
                     return self.waiting
             if not self._decide(m, f"dup:{self.token}" if refusal is None else refusal.encode()) or refusal is None:
-                continue  # withdrawn or settled elsewhere, or a duplicate acknowledged again
+                continue  # withdrawn or decided elsewhere, or a duplicate acknowledged again
             raise TransferRefusedError(
                 f"refused a batch from rank {self.src}: {refusal.text}", [], refusal.reason, refusal.room
             )
@@ -419,7 +419,7 @@ class Inbox(_Direction):
             self.waiting = None
             raise Withdrawn(batch.ids)
         batch.taken = True
-        # Both ends' name (_settle); kept per sending link (the pair's token), not per batch token: a batch in doubt
+        # Both ends' name (_deliver); kept per sending link (the pair's token), not per batch token: a batch in doubt
         # may be retried by another link of the sending manager, under its first token, over that link's own pair.
         sender = batch.pair.rpartition(".")[0]
         try:
@@ -431,7 +431,7 @@ class Inbox(_Direction):
         batch.moved = True
 
     def _claim_read(self, batch: Batch) -> None:
-        """On a pulled wire, once every byte is read: settle the read (first writer wins) against the sender's
+        """On a pulled wire, once every byte is read: claim the read (first writer wins) against the sender's
         giving up (``Outbox._abandon``). Lost, the sender may have changed its rows while they were read: the
         bytes are not the batch's, and nothing lands."""
         if self.wire.pulls and self.call("compare_set", f"read/{batch.number}", "", "read") != b"read":

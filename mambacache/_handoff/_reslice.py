@@ -56,7 +56,7 @@ from .._core._errors import (
 from .._core._events import Export
 from .._core._spec import StateSpec
 from .._manager import CacheManager
-from ._link import Batch, NothingSent, Withdrawn, check_timeout, fingerprint, messages
+from ._link import Batch, Inbox, NothingSent, Withdrawn, check_timeout, fingerprint, messages
 from ._transfer import (
     Batches,
     BatchId,
@@ -67,14 +67,16 @@ from ._transfer import (
     _landing_rows,
     _Rows,
     _slot_rows,
-    _wire,
+    answer_not_landed,
     export_rows,
+    receive_turn,
     replicated_bytes,
     replicated_rows,
     send_exports,
     ship_messages,
     ship_rows,
     wait_for_restores,
+    wire_of,
     write_pool,
     write_staging,
 )
@@ -293,10 +295,10 @@ class StateLayout:
         return [t.gather([s[i] for s in shards], dim) for i, t in enumerate(self.tensors)]
 
 
-def _devices(transfers: Sequence[StateTransfer], direction: str) -> tuple[str, ...] | None:
-    """The device types whose memory every one of ``transfers``' wires (``"_out"`` or ``"_in"``) reads pieces of,
-    or None unless each of them does (gloo pushes whole tensors; a stand-in wire too)."""
-    wires = [_wire(x, direction) for x in transfers]
+def _devices(transfers: Sequence[StateTransfer], receiving: bool) -> tuple[str, ...] | None:
+    """The device types whose memory every one of ``transfers``' wires (their inboxes', ``receiving``, else their
+    outboxes') reads pieces of, or None unless each of them does (gloo pushes whole tensors; a stand-in wire too)."""
+    wires = [wire_of(x, receiving) for x in transfers]
     if not all(getattr(w, "pieces", False) is True for w in wires):
         return None
     kinds = [set(w.devices) for w in wires if w is not None]
@@ -311,7 +313,7 @@ def export_pieces(
     rank ``k`` of ``len(transfers)`` (:meth:`StateLayout.cuts`), so the rank reads its bytes where they lie and
     nothing is copied here. None unless every transfer's wire reads pieces of those rows
     (``_transfer._Rows.pieces``): then the shards are cut from a host copy (:func:`export_rows`)."""
-    devices = _devices(transfers, "_out")
+    devices = _devices(transfers, receiving=False)
     if devices is None:
         return None
     in_place = exports[0].host is None
@@ -350,28 +352,27 @@ class ReslicingReceiver:
     def receive(self) -> list[str]:
         """One batch from every peer rank, assembled and landed whole; returns the ids.
 
-        In place when every state awaits a settled pool slot (``expect_import``), else in staging host slots; each
-        is then read by ``manager.import_into(slot, request_id=...)``. Over a wire that reads pieces (NIXL,
+        In place when every state awaits a pool slot whose alloc ran (``expect_import``), else in staging host
+        slots; each is then read by ``manager.import_into(slot, request_id=...)``. Over a wire that reads pieces (NIXL,
         Mooncake) each rank's shard is read straight into its parts of the landing rows (no buffer, no gather,
         no copy after; a rank after the first reads its replicated parts aside, compared with the first's); over
         gloo each arrives whole, and is gathered, then written. An acknowledgement that fails
         after the landing (a store failure) is traced, not raised: the states landed, and their ids are
         returned; a rank that missed its answer sends the batch again, acknowledged without landing twice.
         """
-        if _devices(self._transfers, "_in") is not None:
+        if _devices(self._transfers, receiving=True) is not None:
             return self._receive_pieces()
         got: list[tuple[list[str], list[torch.Tensor]]] = []
         try:
             for x in self._transfers:
                 got.append(x.receive_rows(self._shapes))
             ids = got[0][0]
-            peers = [x.peer for x in self._transfers]  # a line names the first; `peers` lists every shard's rank
             try:
-                self._one_batch(ids, [other for other, _ in got], trace=False)
+                self._one_batch(ids, [other for other, _ in got])
                 full = self._layout.gather([rows for _, rows in got], dim=2)
             except TransferError as exc:
                 # These checks are this receiver's own: each rank's receive_rows traced only its own failures.
-                _tracer.tracer.transfer("transfer.failed", peers[0], ids, call="receive", error=str(exc), peers=peers)
+                self._refused(ids, exc)
                 raise
             size = sum(r.numel() * r.element_size() for _, rows in got for r in rows)  # from every rank
             # Arrived only once written (a failed write frees the slots, and every rank hears it landed nothing).
@@ -408,42 +409,51 @@ class ReslicingReceiver:
 
         return arrived
 
-    def _one_batch(self, ids: list[str], each: list[list[str]], trace: bool = True) -> None:
-        """TransferError (traced, naming every rank, when ``trace``) unless every rank sent the batch of ``ids``."""
+    @staticmethod
+    def _one_batch(ids: list[str], each: list[list[str]]) -> None:
+        """TransferError (not traced: the caller's :meth:`_refused`) unless every rank sent the batch of ``ids``."""
         for k, other in enumerate(each[1:], 1):
             if other != ids:
-                exc = TransferError(f"peer rank 0 sent {ids}, rank {k} sent {other}: not one batch", ids)
-                if trace:
-                    peers = [x.peer for x in self._transfers]
-                    _tracer.tracer.transfer(
-                        "transfer.failed", peers[0], ids, call="receive", error=str(exc), peers=peers
-                    )
-                raise exc
+                raise TransferError(f"peer rank 0 sent {ids}, rank {k} sent {other}: not one batch", ids)
+
+    def _refused(self, ids: list[str], exc: TransferError) -> None:
+        """This receiver's own refusal of what its ranks sent (not one batch; replicated parts that differ): one
+        ``transfer.failed`` line, as a failed plain receive writes, ``peer`` the first rank and ``peers`` every
+        rank. A failure of one rank's wire is that rank's own line instead (:meth:`_rank_failed`)."""
+        peers = [x.peer for x in self._transfers]
+        _tracer.tracer.transfer("transfer.failed", peers[0], ids, call="receive", error=str(exc), peers=peers)
+
+    @staticmethod
+    def _rank_failed(x: StateTransfer, exc: TransferError) -> None:
+        """One rank's own failure (no batch, a refusal, its bytes, the store): that rank's ``transfer.failed``
+        line, as its ``receive_rows`` would write."""
+        _tracer.tracer.transfer("transfer.failed", x.peer, exc.request_ids, call="receive", error=str(exc))
 
     def _receive_pieces(self) -> list[str]:
         """:meth:`receive` over wires that read pieces: every rank's header judged first, the landing slots taken,
         then each rank's ``go`` and its shard read into its parts of the slots' rows (:meth:`_read_into`)."""
         mgr, xs = self._mgr, self._transfers
+        layers = mgr.pool.spec.num_layers
         batches: list[Batch] = []
         with contextlib.ExitStack() as turns:
-            for x in xs:  # a receive of each transfer takes turns with this one (and one awaiting its answer first)
-                turns.enter_context(x._receive_lock)
-                x._check_open()
-                x._check_answered()
-            deadlines = [time.monotonic() + x._in.timeout for x in xs]
+            # A receive of each transfer takes turns with this one (and one awaiting its answer first).
+            inboxes = [turns.enter_context(receive_turn(x)) for x in xs]
+            deadlines = [time.monotonic() + inbox.timeout for inbox in inboxes]
             try:
-                for x, deadline in zip(xs, deadlines, strict=True):
+                for x, inbox, deadline in zip(xs, inboxes, deadlines, strict=True):
                     try:
-                        batches.append(x._in.offer(x._layers(), self._shapes, mgr.landing_room, deadline))
-                    except TransferError as exc:  # this rank's own failure (no batch, a refusal), as receive_rows'
-                        _tracer.tracer.transfer(
-                            "transfer.failed", x.peer, exc.request_ids, call="receive", error=str(exc)
-                        )
+                        batches.append(inbox.offer(layers, self._shapes, mgr.landing_room, deadline))
+                    except TransferError as exc:  # this rank's own failure (no batch, a refusal)
+                        self._rank_failed(x, exc)
                         raise
                 ids = batches[0].ids
-                self._one_batch(ids, [b.ids for b in batches])
+                try:
+                    self._one_batch(ids, [b.ids for b in batches])
+                except TransferError as exc:
+                    self._refused(ids, exc)
+                    raise
                 size = sum(sum(b.sizes) for b in batches)
-                write = partial(self._read_into, batches, deadlines, ids)
+                write = partial(self._read_into, inboxes, batches, deadlines, ids)
                 line = partial(self._arrived, ids, size)
                 if mgr.land_in_place(ids, partial(write, True), arrived=line("slots")) is None:
                     mgr.land(ids, partial(write, False), arrived=line("hosts"))
@@ -451,10 +461,9 @@ class ReslicingReceiver:
                 # Every rank hears that nothing landed: one whose go was not written yet sees a refusal at once
                 # (room: cut to it), one that sent its bytes a refusal after them; each keeps its slots.
                 why = f"room:{mgr.landing_room()}:{exc}" if isinstance(exc, PoolExhaustedError) else str(exc)
-                for x, batch in zip(xs, batches, strict=False):
-                    if x._in.waiting is batch:
-                        with contextlib.suppress(TransferError):
-                            x._in.answer(batch, False, why)
+                for inbox, batch in zip(inboxes, batches, strict=False):
+                    with contextlib.suppress(TransferError):
+                        answer_not_landed(inbox, batch, why)
                 raise
         for x in xs:  # as receive()'s: every rank answered, a failed answer traced, not raised
             with contextlib.suppress(TransferError):
@@ -462,7 +471,13 @@ class ReslicingReceiver:
         return ids
 
     def _read_into(
-        self, batches: list[Batch], deadlines: list[float], ids: list[str], in_place: bool, slots: list[int]
+        self,
+        inboxes: list[Inbox],
+        batches: list[Batch],
+        deadlines: list[float],
+        ids: list[str],
+        in_place: bool,
+        slots: list[int],
     ) -> None:
         """The landing's write: each rank's ``go`` and its shard read into ``slots`` (pool slots ``in_place``, else
         staging host slots), rank ``k``'s bytes into its parts of the rows (:meth:`StateLayout.cuts`). Rank 0's
@@ -472,7 +487,7 @@ class ReslicingReceiver:
         buffer, gathered and written after. A rank whose sender withdrew its header before its go is waited for
         again until its deadline (its retry must be the same batch)."""
         mgr, xs, tp = self._mgr, self._transfers, len(self._transfers)
-        devices = _devices(xs, "_in")
+        devices = _devices(xs, receiving=True)
         assert devices is not None
         rows = _slot_rows(xs[0], in_place)  # one manager behind every transfer
         layers = mgr.pool.spec.num_layers
@@ -480,7 +495,7 @@ class ReslicingReceiver:
         asides: list[tuple[int, torch.Tensor, list[list[Cut]]]] = []
         bufs: list[list[torch.Tensor]] = []
         wait_for_restores(mgr)  # the bytes land in the slots themselves; an earlier restore may still read them
-        for k, x in enumerate(xs):
+        for k, (x, inbox) in enumerate(zip(xs, inboxes, strict=True)):
             cuts = self._layout.cuts(tp, k)
             while True:
                 batch = batches[k]
@@ -490,21 +505,29 @@ class ReslicingReceiver:
                         aside = self._aside(k, aside_bytes, rows) if aside_bytes else None
                         raw = rows.pieces(slots, batch.split, devices, cuts, aside)
                         assert raw is not None
-                        x._in.take(batch, raw)
+                        inbox.take(batch, raw)
                         if aside is not None:
                             asides.append((k, aside, cuts))
                     else:
                         got = _Buffers().rows(layers, len(ids), self._shapes)
-                        x._in.take(batch, messages(got, batch.split))
+                        inbox.take(batch, messages(got, batch.split))
                         bufs.append(got)
                     break
                 except Withdrawn:  # its sender gave up on this header first: its retry comes next
-                    x._in.check_left(deadlines[k])
-                    batches[k] = x._in.offer(x._layers(), self._shapes, lambda _: len(ids), deadlines[k])
-                except TransferError as exc:  # this rank's own failure (the bytes, the store), as receive_rows'
-                    _tracer.tracer.transfer("transfer.failed", x.peer, exc.request_ids, call="receive", error=str(exc))
+                    try:
+                        inbox.check_left(deadlines[k])
+                        batches[k] = inbox.offer(layers, self._shapes, lambda _: len(ids), deadlines[k])
+                    except TransferError as exc:  # no retry in time, or one refused: this rank's own failure
+                        self._rank_failed(x, exc)
+                        raise
+                except TransferError as exc:  # this rank's own failure (the bytes, the store)
+                    self._rank_failed(x, exc)
                     raise
-                self._one_batch(ids, [b.ids for b in batches])  # the retry of a withdrawn header
+                try:
+                    self._one_batch(ids, [b.ids for b in batches])  # the retry of a withdrawn header
+                except TransferError as exc:
+                    self._refused(ids, exc)
+                    raise
         try:
             if bufs:
                 (write_pool if in_place else write_staging)(mgr, slots, self._layout.gather(bufs, dim=2))
@@ -517,8 +540,7 @@ class ReslicingReceiver:
                             " state", ids
                         )  # fmt: skip
         except TransferError as exc:
-            peers = [x.peer for x in xs]
-            _tracer.tracer.transfer("transfer.failed", peers[0], ids, call="receive", error=str(exc), peers=peers)
+            self._refused(ids, exc)
             raise
 
     @torch.inference_mode(False)

@@ -17,11 +17,12 @@ transfer. Every wait is bounded by ``timeout``; every failure is a
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -47,7 +48,7 @@ from .._core._validate import (
     check_str,
     need_host,
 )
-from .._core._worker import cancel_again, run_in_worker
+from .._core._worker import cancel_again, run_in_worker, unwrap
 from .._manager import CacheManager
 from ._link import (
     SPLIT_BYTES,
@@ -468,7 +469,7 @@ def send_exports(
         try:
             ready = manager.take_exports(to=peers[0])
         except Exception:
-            # The manager closed (or broke) while a batch was out: what it delivered is settled, and the
+            # The manager closed (or broke) while a batch was out: the batches it delivered ended, and the
             # caller must hear so (a closing manager still takes a send in flight; it is no failure).
             if delivered:
                 return delivered
@@ -480,7 +481,7 @@ def send_exports(
         batch = [ev for ev in batch if (ev.host is None) is in_place]
         rest = [ev for ev in ready if ev not in batch]
         if rest:
-            manager.exports_returned(rest)  # taken again below, once the batch in doubt is settled
+            manager.exports_returned(rest)  # taken again below, once the batch in doubt is resolved
         ids = [ev.request_id or "" for ev in batch]
         try:
             ship(batch, ids, ident, retry)
@@ -520,6 +521,18 @@ def ship_messages(
         xfer._out.send(list(request_ids), ident[1], fp, raw, False, ident[0])
 
 
+@contextlib.contextmanager
+def receive_turn(xfer: StateTransfer) -> Iterator[Inbox]:
+    """``xfer``'s turn to receive, and its inbox: another receive of it waits for the end of the block (the
+    receiving counterpart of :func:`ship_messages`'s turn). :class:`TransferError` when it is closed, or a batch of
+    :meth:`StateTransfer.receive_rows` awaits its answer. A receive of every rank at once (the re-slicing
+    receiver's) holds the turns of all its transfers."""
+    with xfer._receive_lock:
+        xfer._check_open()
+        xfer._check_answered()
+        yield xfer._in
+
+
 def _receive_line(peer: int, mgr: CacheManager, batch: Batch, where: str) -> Callable[[list[int]], None]:
     """The ``arrived`` callback of a landing of ``batch`` from ``peer``: its ``transfer.receive`` line, naming the
     staging host slots (``where`` ``"hosts"``) or the pool slots it landed in place in (``"slots"``)."""
@@ -543,10 +556,17 @@ def _acknowledge_landed(inbox: Inbox, peer: int, batch: Batch) -> None:
         _tracer.tracer.transfer("transfer.failed", peer, batch.ids, call="acknowledge", error=str(exc))
 
 
-def _wire(xfer: StateTransfer, direction: str) -> Wire | None:
-    """The wire of ``xfer``'s outbox (``"_out"``) or inbox (``"_in"``); None for a link without one (one that
+def answer_not_landed(inbox: Inbox, batch: Batch, why: str) -> None:
+    """Answer ``batch`` not landed (its sender keeps its slots and sees ``why``), unless it was answered already
+    (its sender withdrew it, or its bytes failed: answered ``fail``)."""
+    if inbox.waiting is batch:
+        inbox.answer(batch, False, why)
+
+
+def wire_of(xfer: StateTransfer, receiving: bool) -> Wire | None:
+    """The wire of ``xfer``'s inbox (``receiving``) or outbox; None for a link without one (one that
     :func:`open_link` did not make): it moves whole tensors."""
-    return getattr(getattr(xfer, direction, None), "wire", None)
+    return getattr(getattr(xfer, "_in" if receiving else "_out", None), "wire", None)
 
 
 def _slot_rows(xfer: StateTransfer, in_place: bool) -> _Rows:
@@ -713,7 +733,7 @@ class StateTransfer:
         of contiguous host memory. None: gather them."""
         in_place = ready[0].host is None
         slots = [ev.slot for ev in ready] if in_place else [h for ev in ready if (h := ev.host) is not None]
-        return _rows_in_place(_wire(self, "_out"), self._rows(in_place), slots, split)
+        return _rows_in_place(wire_of(self, False), self._rows(in_place), slots, split)
 
     def _rows(self, in_place: bool) -> _Rows:
         """Where the pool's (``in_place``) or the host pool's slot rows lie, read at the first batch."""
@@ -757,33 +777,30 @@ class StateTransfer:
         lost) is acknowledged again and not landed twice, whatever the room.
         """
         mgr = self._mgr
-        with self._receive_lock:
-            self._check_open()
-            self._check_answered()
-            deadline = time.monotonic() + self._in.timeout
+        with receive_turn(self) as inbox:
+            deadline = time.monotonic() + inbox.timeout
             while True:
-                batch = self._in.offer(self._layers(), self._shapes(), mgr.landing_room, deadline)
+                batch = inbox.offer(self._layers(), self._shapes(), mgr.landing_room, deadline)
                 try:
                     # The slots are taken before the answer, so the bytes may arrive straight into them; they
                     # count as arrived (importable) only once written, and the line is traced in that same
                     # hold of the lock (an import in another thread may follow at once: its line comes after).
-                    # In place (expect_import) when every state awaits it in a settled pool slot, else staged.
+                    # In place (expect_import) when every state awaits it in a pool slot whose alloc ran, else staged.
                     traced = partial(_receive_line, self.peer, mgr, batch)
                     slots = mgr.land_in_place(batch.ids, partial(self._take, batch, True), arrived=traced("slots"))
                     if slots is None:
                         mgr.land(batch.ids, partial(self._take, batch, False), arrived=traced("hosts"))
                 except Withdrawn:  # its sender gave up on it first: nothing arrived, the next header may
-                    self._in.check_left(deadline)
+                    inbox.check_left(deadline)
                     continue
                 except PoolExhaustedError as exc:  # room went elsewhere since the header was judged
-                    self._in.answer(batch, False, f"room:{mgr.landing_room()}:{exc}")
+                    inbox.answer(batch, False, f"room:{mgr.landing_room()}:{exc}")
                     raise TransferRefusedError(
                         f"refused a batch from rank {self.peer}: {exc}", batch.ids, "room"
                     ) from exc
                 except BaseException as exc:  # not landed, or not written (its slots freed): the sender keeps them
                     self._bufs = _Buffers()
-                    if self._in.waiting is batch:
-                        self._in.answer(batch, False, str(exc))
+                    answer_not_landed(inbox, batch, str(exc))
                     if isinstance(exc, Exception) and not isinstance(exc, MambaCacheError):
                         # A local fault (the kept buffers could not grow, a copy out of them failed): a
                         # TransferError, as every failure of a transfer, the cause chained.
@@ -791,7 +808,7 @@ class StateTransfer:
                             f"receiving a batch from rank {self.peer} failed, nothing landed: {exc!r}", batch.ids
                         ) from exc
                     raise
-                _acknowledge_landed(self._in, self.peer, batch)
+                _acknowledge_landed(inbox, self.peer, batch)
                 return batch.ids
 
     def _take(self, batch: Batch, in_place: bool, slots: list[int]) -> None:
@@ -799,7 +816,7 @@ class StateTransfer:
         their rows when they are one run of contiguous host memory and the batch is split, else into the kept
         buffers and copied over."""
         mgr = self._mgr
-        raw = _rows_in_place(_wire(self, "_in"), self._rows(in_place), slots, batch.split)
+        raw = _rows_in_place(wire_of(self, True), self._rows(in_place), slots, batch.split)
         if raw is not None:
             wait_for_restores(mgr)  # the bytes land in the slots themselves (write_staging and write_pool wait)
             self._in.take(batch, raw)
@@ -825,17 +842,15 @@ class StateTransfer:
         buffers).
         """
         shapes = self._shapes() if shapes is None else check_shapes(shapes)
-        with self._receive_lock:
-            self._check_open()
-            self._check_answered()
-            deadline = time.monotonic() + self._in.timeout
+        with receive_turn(self) as inbox:
+            deadline = time.monotonic() + inbox.timeout
             while True:
-                batch = self._in.offer(self._layers(), shapes, lambda ids: self._mgr.landing_room(), deadline)
+                batch = inbox.offer(self._layers(), shapes, lambda ids: self._mgr.landing_room(), deadline)
                 rows = _Buffers().rows(self._layers(), len(batch.ids), shapes)
                 try:
-                    self._in.take(batch, messages(rows, batch.split))
+                    inbox.take(batch, messages(rows, batch.split))
                 except Withdrawn:
-                    self._in.check_left(deadline)
+                    inbox.check_left(deadline)
                     continue
                 return batch.ids, rows
 
@@ -904,8 +919,5 @@ class StateTransfer:
         if outcome is None:
             raise cancelled[0]
         cancel_again(cancelled)
-        ok, value = outcome
-        if not ok:
-            raise value
-        ids: list[str] = value
+        ids: list[str] = unwrap(outcome)
         return ids  # no checkpoint first: it would raise a pending cancellation and drop the ids that moved

@@ -135,6 +135,7 @@ def test_no_module_reaches_into_another_modules_privates() -> None:
     for _name, path in MODULES.items():
         tree = _tree(path)
         own = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+        defined = _own_privates(tree)
         for node in ast.walk(tree):
             if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
                 continue
@@ -142,14 +143,32 @@ def test_no_module_reaches_into_another_modules_privates() -> None:
             if owner in ("self", "cls") or f"{owner}.{node.attr}" in FOREIGN_PRIVATES:
                 continue
             # A private of a class of the same module (a node of this module's own tree, say) is not a reach.
-            if isinstance(node.value, ast.Name) and _local_instance(tree, node.value.id, own):
+            if isinstance(node.value, ast.Name) and _local_instance(tree, node.value.id, own, node.attr in defined):
                 continue
             bad.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: {owner}.{node.attr}")
     assert not bad, "private attributes reached from outside their class's module:\n" + "\n".join(bad)
 
 
-def _local_instance(tree: ast.Module, var: str, own: set[str]) -> bool:
-    """Whether ``var`` is annotated or built, somewhere in the module, as one of its own classes."""
+def _own_privates(tree: ast.Module) -> set[str]:
+    """The private names the module's own classes define: methods, class attributes, slots, ``self._x = ...``."""
+    names: set[str] = set()
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for node in ast.walk(cls):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Assign) and any(ast.unparse(t) == "__slots__" for t in node.targets):
+                names.update(c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant))
+    return {n for n in names if n.startswith("_")}
+
+
+def _local_instance(tree: ast.Module, var: str, own: set[str], defined_here: bool) -> bool:
+    """Whether ``var`` is annotated or built, somewhere in the module, as one of its own classes; or a loop variable
+    whose private (``defined_here``: one that a class of this module defines) may be of one of them. A loop
+    variable has no type to read: a private that only another module's class defines is a reach through it."""
     for node in ast.walk(tree):
         annotated = isinstance(node, ast.arg) and node.arg == var and node.annotation is not None
         if annotated and any(c in ast.unparse(node.annotation) for c in own):  # type: ignore[attr-defined]
@@ -161,7 +180,7 @@ def _local_instance(tree: ast.Module, var: str, own: set[str]) -> bool:
                 note = ast.unparse(node.annotation) if isinstance(node, ast.AnnAssign) else ""
                 if any(c in text or c in note for c in (*own, "cls.__new__")):
                     return True
-        if isinstance(node, (ast.For, ast.comprehension)) and ast.unparse(node.target) == var:
+        if isinstance(node, (ast.For, ast.comprehension)) and ast.unparse(node.target) == var and defined_here:
             return True  # iterating a module-internal structure (checked by reading: each hit is listed above)
     return False
 

@@ -18,7 +18,7 @@ Two shapes of wire:
   :meth:`Wire.source`, where its messages lie in its registered memory; after
   ``go`` the receiver reads them from there (:meth:`Wire.pull`) while the sender
   waits for the acknowledgement, and the sender's memory stays as it is until
-  the read is settled (``_link``: the ``read/{m}`` key, first writer wins).
+  the read is claimed (``_link``: the ``read/{m}`` key, first writer wins).
 
 A message is a flat ``uint8`` tensor, or, on a wire whose ``pieces`` is True,
 :class:`Pieces`: its bytes as byte ranges in order (the rows of scattered

@@ -36,7 +36,7 @@ from ._regions import plan as _plan
 __all__ = ["NixlTransport", "NixlWire"]
 
 _KEYS = "mambacache/xfer/nixl/"
-_VERSIONS_KEPT = 8  # metadata versions left in the store: a reader of an older one is on a batch long settled
+_VERSIONS_KEPT = 8  # metadata versions left in the store: a reader of an older one is on a batch long ended
 _DEVICES = ("cpu", "cuda")  # host memory is NIXL's DRAM, a CUDA device's its VRAM
 
 

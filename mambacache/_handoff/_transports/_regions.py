@@ -6,7 +6,7 @@ in a registered region. The transfer's pools and host pools are registered
 once, kept; a message outside them (a fresh tensor of ``send_rows`` or
 ``receive_rows``, a grown buffer) gets its storage registered for its wire's
 batches until a batch of that wire needs memory no region holds (a wire moves
-one batch at a time, so the region it replaces is settled). A batch that
+one batch at a time, so the region it replaces is no longer read). A batch that
 needs nothing new keeps the wire's regions: a wire whose batches take turns
 between the pools and its kept buffers registers those buffers once, not at
 every turn (each registration is a new metadata version its peer must load).

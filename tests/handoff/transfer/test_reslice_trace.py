@@ -233,6 +233,42 @@ def test_a_resliced_receive_that_fails_on_its_own_check_is_traced(wrong: str) ->
     ]
 
 
+def test_a_rank_whose_retry_never_comes_is_its_own_failure_line(
+    transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """2 -> 1 over a wire that reads pieces: rank 1's sender withdrew its header before this side's go, and no
+    retry came before the receive's deadline. The receive raised TransferError and wrote no ``transfer.failed``
+    (the wait for the retry was outside the rank's own failures, which a plain receive traces): the decode trace
+    showed nothing wrong. Now that rank's line, as its own receive would write: ``peer`` 1, ``call`` ``receive``,
+    no ``peers`` (nothing of the receiver's own checks failed)."""
+    if transport == "gloo":
+        pytest.skip("gloo pushes whole messages: its ranks' receive_rows trace their own failures")
+    from mambacache._handoff import _link
+
+    layout = mamba2_layout(1)
+    one = _states(layout, 2, 1)
+    real_take = _link.Inbox.take
+    takes: list[int] = []
+
+    def take(self: Any, batch: Any, raw: Any) -> None:
+        takes.append(1)
+        if len(takes) == 2:  # rank 1's: its sender withdrew the header first
+            raise _link.Withdrawn(batch.ids)
+        real_take(self, batch, raw)
+
+    def spent(self: Any, deadline: float) -> None:  # the receive's wait for the retry, spent
+        raise mc.TransferError(f"no batch from rank {self.src} taken within {self.timeout:g}s: its sender withdrew")
+
+    monkeypatch.setattr(_link.Inbox, "take", take)
+    monkeypatch.setattr(_link.Inbox, "check_left", spent)
+    tracing.configure(level="debug", use_structlog_config=True)
+    with host_manager(layout.spec) as d, capture_logs() as logs:
+        got, _ = _two_to_one(d, layout, [(["a", "b"], layout.slice(one, 2, k)) for k in range(2)])
+    assert isinstance(got, mc.TransferError) and "withdrew" in str(got), got
+    failed = [r for r in logs if r["event"] == "transfer.failed"]
+    assert [(r["peer"], r["request_ids"], r["call"], "peers" in r) for r in failed] == [(1, [], "receive", False)]
+
+
 def test_a_refusal_the_send_recovers_from_is_no_failure_line(tmp_path: Path) -> None:
     """1 -> 2, three states and room for two on each rank: both refuse the batch for room, it is cut to two and
     sent again in the same call, which delivers all three. A plain StateTransfer writes ``transfer.failed`` only

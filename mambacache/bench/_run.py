@@ -117,10 +117,10 @@ def measure(
     shared machine hits every path alike and the ratios stay fair; each round in
     a fresh order (seeded): a path run right after an OpenMP region (the bound's
     memset, a whole-view way) meets that region's threads still spinning on a
-    busy host, and a fixed neighbour would pay it every round (a one-process A/B
-    of two identical policies read 0.62-1.02x under a competitor with the order
-    rotated, about 1.0 shuffled). Rounds go on until each path has ``repeats``
-    samples and the slowest ``min_total_s`` measured (at most 200 rounds).
+    busy host, and a fixed neighbour would pay it every round (docs/benchmarks.md,
+    "The path after an OpenMP region"). Rounds go on until each path has
+    ``repeats`` samples and the slowest ``min_total_s`` measured (at most 200
+    rounds).
 
     ``first``: paths warmed up alone before the others (``BASELINE_WARMUP`` runs each). The sglang path's
     first runs map and free gigabytes of temporaries, and the runs beside them were several times slower

@@ -327,6 +327,9 @@ def interrupt_worker(rank: int, world: int, port: int, swept: int) -> None:
                 for h in sorted(oracle.host_held & oracle.host_defined):
                     assert torch.equal(want[:, h], got[:, h]), (rank, at, h)
             mgr.__exit__(None, None, None)
+            # A thousand points' groups left alive are thousands of gloo threads per rank, which starve every
+            # other process on the host (load average over 200 on 2 cores): each point's group goes with it.
+            dist.destroy_process_group(group)
         except mc.DistributedError as exc:
             assert "rebuild the group" in str(exc) or "failed" in str(exc) or "no plan" in str(exc), exc
             outcome = "parted"

@@ -16,6 +16,8 @@ import pytest
 
 import mambacache as mc
 
+from .util import small_spec
+
 
 def free_port() -> int:
     """A port of 127.0.0.1 free now, for the spawned ranks' rendezvous."""
@@ -95,3 +97,40 @@ def default_transport(name: str, setitem: Callable[[dict[str, Any], str, Any], N
             defaults["transport"] = name
         else:
             setitem(defaults, "transport", name)
+
+
+# Two-layer pools, and one state at a time over the real link: the transfer suite's small cases.
+SMALL = small_spec(2)
+
+
+def small_manager(slots: int = 4, host: int = 2) -> mc.CacheManager:
+    return mc.CacheManager(mc.StatePool(SMALL, slots), host_pool=mc.HostPool(SMALL, host))
+
+
+def export_valued(
+    mgr: mc.CacheManager, rid: str, value: float, *, in_place: bool = False, to: int | None = None
+) -> int:
+    (slot,) = mgr.alloc(1, rid, clear=False)
+    mgr.flush_nowait()
+    for t in mgr.pool.tensors:
+        t[:, slot] = value
+    mgr.export(slot, rid, to=to, in_place=in_place)
+    mgr.flush_nowait()
+    return slot
+
+
+def deliver(out: mc.StateTransfer, into: mc.StateTransfer, rid: str, why: str = "") -> None:
+    """One batch of ``rid`` over the real link: sent in a thread, received and acknowledged here."""
+    thread, sent = in_thread(out.send)
+    assert into.receive() == [rid], why
+    thread.join(10)
+    assert sent == [[rid]]
+
+
+def imported(mgr: mc.CacheManager, slot: int, rid: str, value: float, release: bool = True) -> None:
+    """``rid``'s state imported into ``slot`` holds ``value`` in every pool tensor (then released)."""
+    mgr.import_into(slot, rid)
+    mgr.flush_nowait()
+    assert all(bool(t[:, slot].eq(value).all()) for t in mgr.pool.tensors)
+    if release:
+        mgr.release(slot, rid)

@@ -9,43 +9,16 @@ import pytest
 
 import mambacache as mc
 
+from ...support.link import deliver as _deliver
+from ...support.link import export_valued as _export
+from ...support.link import imported as _imported
 from ...support.link import in_thread as _in_thread
+from ...support.link import small_manager as _mgr
 from ...support.link import store as _store
 from ...support.link import transfer as _transfer
 from ...support.util import small_spec
 
 SPEC = small_spec(2)
-
-
-def _mgr(slots: int = 4, host: int = 2) -> mc.CacheManager:
-    return mc.CacheManager(mc.StatePool(SPEC, slots), host_pool=mc.HostPool(SPEC, host))
-
-
-def _export(mgr: mc.CacheManager, rid: str, value: float, *, in_place: bool = False, to: int | None = None) -> int:
-    (slot,) = mgr.alloc(1, rid, clear=False)
-    mgr.flush_nowait()
-    for t in mgr.pool.tensors:
-        t[:, slot] = value
-    mgr.export(slot, rid, to=to, in_place=in_place)
-    mgr.flush_nowait()
-    return slot
-
-
-def _deliver(out: mc.StateTransfer, into: mc.StateTransfer, rid: str, why: str = "") -> None:
-    """One batch of ``rid`` over the real link: sent in a thread, received and acknowledged here."""
-    thread, sent = _in_thread(out.send)
-    assert into.receive() == [rid], why
-    thread.join(10)
-    assert sent == [[rid]]
-
-
-def _imported(mgr: mc.CacheManager, slot: int, rid: str, value: float, release: bool = True) -> None:
-    """``rid``'s state imported into ``slot`` holds ``value`` in every pool tensor (then released)."""
-    mgr.import_into(slot, rid)
-    mgr.flush_nowait()
-    assert all(bool(t[:, slot].eq(value).all()) for t in mgr.pool.tensors)
-    if release:
-        mgr.release(slot, rid)
 
 
 def test_a_header_withdrawn_while_the_receiver_is_busy_costs_no_gloo_pair() -> None:
